@@ -1,0 +1,172 @@
+// The device layer: the only code in Ferry that talks to CUDA.
+//
+// A Device owns memory, streams, events, asynchronous copies and the kernels. Two backends implement it:
+//   - cuda: a real GPU (built only when nvcc was found at build time);
+//   - host: "device memory" is ordinary host memory and every Stream is a worker thread that executes
+//     its queue in order, so asynchrony, stream ordering and events are real and testable without a GPU.
+// CreateDevice() picks the backend at run time: CUDA if a device is present, else host;
+// the environment variable FERRY_DEVICE=host|cuda overrides.
+#ifndef FERRY_DEVICE_DEVICE_H_
+#define FERRY_DEVICE_DEVICE_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "base/adam_math.h"
+#include "ferry/dtype.h"
+
+namespace ferry {
+
+enum class Backend : uint8_t { kHost, kCuda };
+std::string_view BackendName(Backend b);  // "host" or "cuda"
+
+enum class CopyKind : uint8_t { kHostToDevice, kDeviceToHost, kDeviceToDevice, kHostToHost };
+
+class Device;
+class Stream;
+
+// An Event marks a point in a stream's work. Like a CUDA event: Record() captures all work enqueued on
+// the stream so far; Synchronize() and Stream::WaitFor() refer to the most recent Record() at the time
+// they are called; an event never recorded counts as complete.
+// Thread-safety: Record/WaitFor/Synchronize/Query may be called from any thread, but one thread at a
+// time per event for Record.
+class Event {
+ public:
+  virtual ~Event() = default;
+  // Blocks the calling thread until the recorded work has finished.
+  virtual absl::Status Synchronize() = 0;
+  // True when the recorded work has finished (or the event was never recorded).
+  virtual absl::StatusOr<bool> Query() = 0;
+};
+
+// A Stream executes its work (copies, kernels, host functions, event records and waits) in the order
+// it was enqueued, asynchronously to the thread that enqueues it. Safe for concurrent use: enqueueing
+// from several threads is allowed, the order between them is the order of the calls.
+class Stream {
+ public:
+  virtual ~Stream() = default;
+  // Records `event` at the current end of this stream.
+  virtual absl::Status Record(Event& event) = 0;
+  // Work enqueued on this stream after this call starts only after `event`'s recorded work finished.
+  virtual absl::Status WaitFor(Event& event) = 0;
+  // Blocks until all work enqueued so far has finished. Returns the first asynchronous error, if any.
+  virtual absl::Status Synchronize() = 0;
+  // Enqueues `fn` to run on a host thread in stream order. `fn` must not call device functions.
+  virtual absl::Status EnqueueHost(std::function<void()> fn) = 0;
+  // The backend's handle: a cudaStream_t on CUDA; nullptr for the host backend.
+  virtual void* native() const = 0;
+};
+
+// Device memory, move-only. Freed (after a device-wide synchronize-free, see Device::Free) on destruction.
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  DeviceBuffer(Device* device, void* data, size_t bytes) : device_(device), data_(data), bytes_(bytes) {}
+  ~DeviceBuffer() { Reset(); }
+  DeviceBuffer(DeviceBuffer&& o) noexcept { *this = std::move(o); }
+  DeviceBuffer& operator=(DeviceBuffer&& o) noexcept;
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+
+  void* data() const { return data_; }
+  size_t bytes() const { return bytes_; }
+  template <typename T>
+  T* as() const { return static_cast<T*>(data_); }
+  // Frees the memory now (no-op when empty).
+  void Reset();
+
+ private:
+  Device* device_ = nullptr;
+  void* data_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+// One tensor of a fused multi-tensor Adam launch. All pointers are device memory.
+struct AdamTensorArgs {
+  float* master = nullptr;     // fp32 master weights, updated in place
+  float* exp_avg = nullptr;    // m
+  float* exp_avg_sq = nullptr; // v
+  const void* grad = nullptr;  // gradient, `grad_dtype`
+  void* param = nullptr;       // model param, written as master rounded to `param_dtype`; may be null
+  int64_t numel = 0;
+  DType grad_dtype = DType::kF32;
+  DType param_dtype = DType::kF32;
+  uint32_t scalars_index = 0;  // index into the launch's `scalars`
+};
+
+struct DeviceOptions {
+  // "", "host" or "cuda". Empty means: FERRY_DEVICE if set, else cuda when a device is present, else host.
+  std::string backend;
+  int ordinal = 0;  // CUDA device ordinal
+};
+
+// Device: safe for concurrent use.
+class Device {
+ public:
+  virtual ~Device() = default;
+
+  virtual Backend backend() const = 0;
+  // Human-readable: "NVIDIA H200 (cuda:0, sm_90, 139.8 GiB)" or "host (emulated device memory)".
+  virtual std::string name() const = 0;
+  virtual absl::StatusOr<size_t> FreeMemory() = 0;
+
+  // Memory. Allocate(0) returns an empty buffer. Contents are uninitialised.
+  virtual absl::StatusOr<DeviceBuffer> Allocate(size_t bytes) = 0;
+  // Frees memory from Allocate. Used by DeviceBuffer; callers need not call it.
+  virtual void Free(void* data) = 0;
+
+  virtual absl::StatusOr<std::unique_ptr<Stream>> CreateStream() = 0;
+  virtual absl::StatusOr<std::unique_ptr<Event>> CreateEvent() = 0;
+  // A non-owning Stream over a trainer's native stream (a cudaStream_t; nullptr is the legacy default
+  // stream). On the host backend `native` must be nullptr and the returned stream is the calling
+  // thread: work enqueued on it runs before the call returns, and WaitFor blocks the caller.
+  virtual absl::StatusOr<std::unique_ptr<Stream>> WrapStream(void* native) = 0;
+
+  // Asynchronous copy of `bytes` in stream order. Host memory should be registered (PinnedArena) for
+  // the copy to be truly asynchronous on CUDA. REQUIRES: the memory stays valid until the copy ran.
+  virtual absl::Status CopyAsync(void* dst, const void* src, size_t bytes, CopyKind kind,
+                                 Stream& stream) = 0;
+  virtual absl::Status MemsetAsync(void* dst, uint8_t value, size_t bytes, Stream& stream) = 0;
+
+  // Page-locks and registers host memory with the device (cudaHostRegister), once per region.
+  // The host backend records the region (so stats and pairing checks behave the same).
+  virtual absl::Status RegisterHost(void* data, size_t bytes) = 0;
+  virtual absl::Status UnregisterHost(void* data) = 0;
+  // Number of RegisterHost calls so far (a hot-path pinning counter for tests and stats).
+  virtual uint64_t host_registrations() const = 0;
+
+  // Kernels. Arguments are captured at enqueue time: `tensors` and `scalars` may be freed on return.
+  // One fused launch updates every tensor: master, m, v in place and param = master rounded.
+  virtual absl::Status LaunchAdam(absl::Span<const AdamTensorArgs> tensors,
+                                  absl::Span<const AdamScalars> scalars, Stream& stream) = 0;
+  // dst[i] = src[i] converted from `src_dtype` to `dst_dtype` (round to nearest even), device memory.
+  virtual absl::Status LaunchConvert(void* dst, DType dst_dtype, const void* src, DType src_dtype,
+                                     int64_t numel, Stream& stream) = 0;
+
+  // Convenience: synchronous copy through an internal stream.
+  absl::Status Copy(void* dst, const void* src, size_t bytes, CopyKind kind);
+
+ protected:
+  Device() = default;
+
+ private:
+  std::unique_ptr<Stream> sync_stream_;
+  absl::Status EnsureSyncStream();
+};
+
+// Creates the device chosen by `options` (see DeviceOptions::backend). Errors name what was asked for
+// and what was found (for example "FERRY_DEVICE=cuda but this build has no CUDA backend").
+absl::StatusOr<std::unique_ptr<Device>> CreateDevice(const DeviceOptions& options = {});
+
+// True when this build includes the CUDA backend.
+bool BuiltWithCuda();
+
+}  // namespace ferry
+
+#endif  // FERRY_DEVICE_DEVICE_H_
