@@ -1,0 +1,440 @@
+#include "lua/ferry_module.h"
+
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "device/device.h"
+#include "ferry/engine.h"
+#include "ferry/status.h"
+
+namespace ferry {
+namespace {
+
+constexpr char kTensorMeta[] = "ferry.Tensor";
+constexpr char kEngineMeta[] = "ferry.Engine";
+
+// The device the module's tensors live on: one per process, chosen like the engine's (FERRY_DEVICE).
+std::unique_ptr<Device>& ModuleDeviceSlot() {
+  static auto* device = new std::unique_ptr<Device>();  // released by CloseFerryModule, never at exit
+  return *device;
+}
+
+Device* ModuleDevice(lua_State* L) {
+  std::unique_ptr<Device>& device = ModuleDeviceSlot();
+  if (device == nullptr) {
+    absl::StatusOr<std::unique_ptr<Device>> d = CreateDevice();
+    if (!d.ok()) {
+      std::string msg = std::string(d.status().message());
+      luaL_error(L, "ferry: cannot open a device: %s", msg.c_str());
+    }
+    device = *std::move(d);
+  }
+  return device.get();
+}
+
+[[noreturn]] void RaiseStatus(lua_State* L, const absl::Status& s) {
+  lua_pushstring(L, std::string(s.message()).c_str());
+  lua_error(L);
+  __builtin_unreachable();
+}
+
+struct Tensor {
+  DeviceBuffer buffer;
+  DType dtype = DType::kF32;
+  int64_t numel = 0;
+};
+
+struct EngineBox {
+  std::unique_ptr<Engine> engine;
+};
+
+Tensor* CheckTensor(lua_State* L, int idx) { return static_cast<Tensor*>(luaL_checkudata(L, idx, kTensorMeta)); }
+
+Engine* CheckEngine(lua_State* L, int idx) {
+  auto* box = static_cast<EngineBox*>(luaL_checkudata(L, idx, kEngineMeta));
+  if (box->engine == nullptr) luaL_error(L, "ferry: the engine was closed");
+  return box->engine.get();
+}
+
+DType CheckDType(lua_State* L, int idx) {
+  const char* name = luaL_checkstring(L, idx);
+  absl::StatusOr<DType> t = ParseDType(name);
+  if (!t.ok()) RaiseStatus(L, t.status());
+  return *t;
+}
+
+// ferry.tensor(dtype, numel): device memory, zero-filled.
+int LTensor(lua_State* L) {
+  DType dtype = CheckDType(L, 1);
+  lua_Number n = luaL_checknumber(L, 2);
+  if (!(n >= 1) || n != std::floor(n) || n > 1e12) luaL_error(L, "ferry.tensor: numel must be a positive integer, got %f", n);
+  Device* device = ModuleDevice(L);
+  auto* t = static_cast<Tensor*>(lua_newuserdata(L, sizeof(Tensor)));
+  new (t) Tensor();
+  luaL_getmetatable(L, kTensorMeta);
+  lua_setmetatable(L, -2);
+  t->dtype = dtype;
+  t->numel = static_cast<int64_t>(n);
+  const size_t bytes = static_cast<size_t>(t->numel) * DTypeSize(dtype);
+  absl::StatusOr<DeviceBuffer> buf = device->Allocate(bytes);
+  if (!buf.ok()) RaiseStatus(L, buf.status());
+  t->buffer = *std::move(buf);
+  std::vector<char> zeros(bytes, 0);
+  absl::Status s = device->Copy(t->buffer.data(), zeros.data(), bytes, CopyKind::kHostToDevice);
+  if (!s.ok()) RaiseStatus(L, s);
+  return 1;
+}
+
+int LTensorGc(lua_State* L) {
+  auto* t = static_cast<Tensor*>(luaL_checkudata(L, 1, kTensorMeta));
+  t->~Tensor();
+  return 0;
+}
+
+// t:upload(values): a Lua array of numbers, rounded to the tensor's dtype.
+int LTensorUpload(lua_State* L) {
+  Tensor* t = CheckTensor(L, 1);
+  luaL_checktype(L, 2, LUA_TTABLE);
+  const size_t n = lua_objlen(L, 2);
+  if (static_cast<int64_t>(n) != t->numel) {
+    luaL_error(L, "tensor:upload: got %d values for a tensor of %d elements", static_cast<int>(n), static_cast<int>(t->numel));
+  }
+  std::vector<char> host(static_cast<size_t>(t->numel) * DTypeSize(t->dtype));
+  for (size_t i = 0; i < n; ++i) {
+    lua_rawgeti(L, 2, static_cast<int>(i + 1));
+    if (!lua_isnumber(L, -1)) luaL_error(L, "tensor:upload: element %d is not a number", static_cast<int>(i + 1));
+    StoreFromF32(host.data(), t->dtype, i, static_cast<float>(lua_tonumber(L, -1)));
+    lua_pop(L, 1);
+  }
+  absl::Status s = ModuleDevice(L)->Copy(t->buffer.data(), host.data(), host.size(), CopyKind::kHostToDevice);
+  if (!s.ok()) RaiseStatus(L, s);
+  return 0;
+}
+
+std::vector<char> Download(lua_State* L, Tensor* t) {
+  std::vector<char> host(static_cast<size_t>(t->numel) * DTypeSize(t->dtype));
+  absl::Status s = ModuleDevice(L)->Copy(host.data(), t->buffer.data(), host.size(), CopyKind::kDeviceToHost);
+  if (!s.ok()) RaiseStatus(L, s);
+  return host;
+}
+
+// t:download() -> array of numbers.
+int LTensorDownload(lua_State* L) {
+  Tensor* t = CheckTensor(L, 1);
+  std::vector<char> host = Download(L, t);
+  lua_createtable(L, static_cast<int>(t->numel), 0);
+  for (int64_t i = 0; i < t->numel; ++i) {
+    lua_pushnumber(L, LoadAsF32(host.data(), t->dtype, static_cast<size_t>(i)));
+    lua_rawseti(L, -2, static_cast<int>(i + 1));
+  }
+  return 1;
+}
+
+// t:raw() -> the tensor's bytes as a string (for bit-exact comparisons).
+int LTensorRaw(lua_State* L) {
+  Tensor* t = CheckTensor(L, 1);
+  std::vector<char> host = Download(L, t);
+  lua_pushlstring(L, host.data(), host.size());
+  return 1;
+}
+
+int LTensorNumel(lua_State* L) {
+  lua_pushnumber(L, static_cast<lua_Number>(CheckTensor(L, 1)->numel));
+  return 1;
+}
+
+int LTensorDType(lua_State* L) {
+  lua_pushstring(L, std::string(DTypeName(CheckTensor(L, 1)->dtype)).c_str());
+  return 1;
+}
+
+// Field helpers for option tables.
+std::string OptString(lua_State* L, int t, const char* key, const std::string& def) {
+  lua_getfield(L, t, key);
+  std::string v = lua_isnil(L, -1) ? def : std::string(luaL_checkstring(L, -1));
+  lua_pop(L, 1);
+  return v;
+}
+double OptNumber(lua_State* L, int t, const char* key, double def) {
+  lua_getfield(L, t, key);
+  double v = def;
+  if (!lua_isnil(L, -1)) {
+    if (!lua_isnumber(L, -1)) luaL_error(L, "field '%s' must be a number", key);
+    v = lua_tonumber(L, -1);
+  }
+  lua_pop(L, 1);
+  return v;
+}
+bool OptBool(lua_State* L, int t, const char* key, bool def) {
+  lua_getfield(L, t, key);
+  bool v = lua_isnil(L, -1) ? def : lua_toboolean(L, -1) != 0;
+  lua_pop(L, 1);
+  return v;
+}
+
+// ferry.engine{ policy=, args={}, lr=, beta1=, beta2=, eps=, weight_decay=, adamw=, chunk_bytes=, threads= }
+int LEngine(lua_State* L) {
+  luaL_checktype(L, 1, LUA_TTABLE);
+  EngineOptions o;
+  o.policy_path = OptString(L, 1, "policy", "");
+  lua_getfield(L, 1, "args");
+  if (lua_istable(L, -1)) {
+    lua_pushnil(L);
+    while (lua_next(L, -2) != 0) {
+      lua_pushvalue(L, -2);  // copy the key: tostring on it in place would confuse lua_next
+      std::string key = lua_tostring(L, -1) ? lua_tostring(L, -1) : "";
+      const char* value = lua_tostring(L, -2);
+      if (key.empty() || value == nullptr) luaL_error(L, "ferry.engine: args must map strings to strings or numbers");
+      o.policy_args[key] = value;
+      lua_pop(L, 2);
+    }
+  }
+  lua_pop(L, 1);
+  o.optimizer.lr = static_cast<float>(OptNumber(L, 1, "lr", o.optimizer.lr));
+  o.optimizer.beta1 = static_cast<float>(OptNumber(L, 1, "beta1", o.optimizer.beta1));
+  o.optimizer.beta2 = static_cast<float>(OptNumber(L, 1, "beta2", o.optimizer.beta2));
+  o.optimizer.eps = static_cast<float>(OptNumber(L, 1, "eps", o.optimizer.eps));
+  o.optimizer.weight_decay = static_cast<float>(OptNumber(L, 1, "weight_decay", o.optimizer.weight_decay));
+  o.optimizer.adamw = OptBool(L, 1, "adamw", o.optimizer.adamw);
+  o.transfer_chunk_bytes = static_cast<size_t>(OptNumber(L, 1, "chunk_bytes", static_cast<double>(o.transfer_chunk_bytes)));
+  o.cpu_threads = static_cast<size_t>(OptNumber(L, 1, "threads", 0));
+  o.device = std::string(BackendName(ModuleDevice(L)->backend()));  // same backend as the tensors
+  absl::StatusOr<std::unique_ptr<Engine>> e = Engine::Create(o);
+  if (!e.ok()) RaiseStatus(L, e.status());
+  auto* box = static_cast<EngineBox*>(lua_newuserdata(L, sizeof(EngineBox)));
+  new (box) EngineBox{*std::move(e)};
+  luaL_getmetatable(L, kEngineMeta);
+  lua_setmetatable(L, -2);
+  lua_newtable(L);  // environment: keeps the engine's tensors alive as long as the engine
+  lua_setfenv(L, -2);
+  return 1;
+}
+
+int LEngineGc(lua_State* L) {
+  auto* box = static_cast<EngineBox*>(luaL_checkudata(L, 1, kEngineMeta));
+  box->~EngineBox();
+  return 0;
+}
+
+int LEngineClose(lua_State* L) {
+  auto* box = static_cast<EngineBox*>(luaL_checkudata(L, 1, kEngineMeta));
+  box->engine.reset();
+  return 0;
+}
+
+// e:add_param{ name=, group=, shape={...}, dtype=, param=tensor, grad=tensor, tags={...} }
+int LEngineAddParam(lua_State* L) {
+  Engine* e = CheckEngine(L, 1);
+  luaL_checktype(L, 2, LUA_TTABLE);
+  ParamSpec spec;
+  spec.name = OptString(L, 2, "name", "");
+  spec.group = OptString(L, 2, "group", "");
+  lua_getfield(L, 2, "shape");
+  if (lua_istable(L, -1)) {
+    for (size_t i = 1; i <= lua_objlen(L, -1); ++i) {
+      lua_rawgeti(L, -1, static_cast<int>(i));
+      spec.shape.push_back(static_cast<int64_t>(lua_tonumber(L, -1)));
+      lua_pop(L, 1);
+    }
+  }
+  lua_pop(L, 1);
+  lua_getfield(L, 2, "tags");
+  if (lua_istable(L, -1)) {
+    for (size_t i = 1; i <= lua_objlen(L, -1); ++i) {
+      lua_rawgeti(L, -1, static_cast<int>(i));
+      if (const char* tag = lua_tostring(L, -1)) spec.tags.push_back(tag);
+      lua_pop(L, 1);
+    }
+  }
+  lua_pop(L, 1);
+  Tensor* param = nullptr;
+  Tensor* grad = nullptr;
+  lua_getfield(L, 2, "param");
+  if (!lua_isnil(L, -1)) param = CheckTensor(L, -1);
+  lua_getfield(L, 2, "grad");
+  if (!lua_isnil(L, -1)) grad = CheckTensor(L, -1);
+  if (param != nullptr) {
+    spec.param = param->buffer.data();
+    spec.dtype = param->dtype;
+    if (param->numel != [&] { int64_t n = 1; for (int64_t d : spec.shape) n *= d; return n; }()) {
+      luaL_error(L, "add_param('%s'): shape does not match the param tensor's %d elements", spec.name.c_str(),
+                 static_cast<int>(param->numel));
+    }
+  }
+  if (grad != nullptr) {
+    spec.grad = grad->buffer.data();
+    spec.grad_dtype = grad->dtype;
+    if (param != nullptr && grad->numel != param->numel) {
+      luaL_error(L, "add_param('%s'): grad has %d elements, param %d", spec.name.c_str(), static_cast<int>(grad->numel),
+                 static_cast<int>(param->numel));
+    }
+  }
+  absl::Status s = e->AddParam(spec);
+  if (!s.ok()) RaiseStatus(L, s);
+  // Keep both tensors alive as long as the engine.
+  lua_getfenv(L, 1);
+  lua_pushvalue(L, -3);
+  lua_rawseti(L, -2, static_cast<int>(lua_objlen(L, -2) + 1));
+  lua_pushvalue(L, -2);
+  lua_rawseti(L, -2, static_cast<int>(lua_objlen(L, -2) + 1));
+  return 0;
+}
+
+int CheckOk(lua_State* L, const absl::Status& s) {
+  if (!s.ok()) RaiseStatus(L, s);
+  return 0;
+}
+
+int LEngineFinalize(lua_State* L) { return CheckOk(L, CheckEngine(L, 1)->Finalize()); }
+
+// e:step{ lr = }
+int LEngineStep(lua_State* L) {
+  Engine* e = CheckEngine(L, 1);
+  StepOptions so;
+  if (lua_istable(L, 2)) {
+    lua_getfield(L, 2, "lr");
+    if (!lua_isnil(L, -1)) so.lr = static_cast<float>(luaL_checknumber(L, -1));
+    lua_pop(L, 1);
+  }
+  CheckOk(L, e->Step(so, nullptr));
+  return CheckOk(L, e->Synchronize());
+}
+
+int LEngineSave(lua_State* L) {
+  Engine* e = CheckEngine(L, 1);
+  const char* root = luaL_checkstring(L, 2);
+  int64_t step = static_cast<int64_t>(luaL_checknumber(L, 3));
+  absl::StatusOr<std::string> dir = e->SaveCheckpoint(root, step);
+  if (!dir.ok()) RaiseStatus(L, dir.status());
+  lua_pushstring(L, dir->c_str());
+  return 1;
+}
+
+int LEngineLoad(lua_State* L) { return CheckOk(L, CheckEngine(L, 1)->LoadCheckpoint(luaL_checkstring(L, 2))); }
+
+// e:sync_from_model(groups or nil, reset_optimizer)
+int LEngineSync(lua_State* L) {
+  Engine* e = CheckEngine(L, 1);
+  std::vector<std::string> groups;
+  if (lua_istable(L, 2)) {
+    for (size_t i = 1; i <= lua_objlen(L, 2); ++i) {
+      lua_rawgeti(L, 2, static_cast<int>(i));
+      groups.push_back(luaL_checkstring(L, -1));
+      lua_pop(L, 1);
+    }
+  }
+  return CheckOk(L, e->SyncFromModel(groups, lua_toboolean(L, 3) != 0));
+}
+
+// e:verify_masters() -> true, or false and the message
+int LEngineVerify(lua_State* L) {
+  absl::Status s = CheckEngine(L, 1)->VerifyMasters();
+  lua_pushboolean(L, s.ok());
+  if (s.ok()) return 1;
+  lua_pushstring(L, std::string(s.message()).c_str());
+  return 2;
+}
+
+// e:placement() -> { {group=, device="cpu"|"gpu", numel=, params=}, ... } in registration order
+int LEnginePlacement(lua_State* L) {
+  std::vector<GroupPlacement> pl = CheckEngine(L, 1)->Placement();
+  lua_createtable(L, static_cast<int>(pl.size()), 0);
+  for (size_t i = 0; i < pl.size(); ++i) {
+    lua_createtable(L, 0, 4);
+    lua_pushstring(L, pl[i].group.c_str());
+    lua_setfield(L, -2, "group");
+    lua_pushstring(L, pl[i].offloaded ? "cpu" : "gpu");
+    lua_setfield(L, -2, "device");
+    lua_pushnumber(L, static_cast<lua_Number>(pl[i].numel));
+    lua_setfield(L, -2, "numel");
+    lua_pushnumber(L, static_cast<lua_Number>(pl[i].num_params));
+    lua_setfield(L, -2, "params");
+    lua_rawseti(L, -2, static_cast<int>(i + 1));
+  }
+  return 1;
+}
+
+int LEngineStats(lua_State* L) {
+  Engine* e = CheckEngine(L, 1);
+  EngineStats s = e->Stats();
+  lua_createtable(L, 0, 5);
+  lua_pushnumber(L, static_cast<lua_Number>(s.step));
+  lua_setfield(L, -2, "step");
+  lua_pushnumber(L, static_cast<lua_Number>(s.host_registrations));
+  lua_setfield(L, -2, "host_registrations");
+  lua_pushnumber(L, static_cast<lua_Number>(s.pinned_bytes));
+  lua_setfield(L, -2, "pinned_bytes");
+  lua_pushnumber(L, static_cast<lua_Number>(s.gpu_state_bytes));
+  lua_setfield(L, -2, "gpu_state_bytes");
+  lua_pushstring(L, e->DeviceName().c_str());
+  lua_setfield(L, -2, "device");
+  return 1;
+}
+
+int LBackend(lua_State* L) {
+  lua_pushstring(L, std::string(BackendName(ModuleDevice(L)->backend())).c_str());
+  return 1;
+}
+
+int LDeviceName(lua_State* L) {
+  lua_pushstring(L, ModuleDevice(L)->name().c_str());
+  return 1;
+}
+
+void NewMeta(lua_State* L, const char* name, const luaL_Reg* methods, lua_CFunction gc) {
+  luaL_newmetatable(L, name);
+  lua_newtable(L);
+  luaL_register(L, nullptr, methods);
+  lua_setfield(L, -2, "__index");
+  lua_pushcfunction(L, gc);
+  lua_setfield(L, -2, "__gc");
+  lua_pushstring(L, name);
+  lua_setfield(L, -2, "__metatable");
+  lua_pop(L, 1);
+}
+
+}  // namespace
+
+int OpenFerryModule(lua_State* L) {
+  static const luaL_Reg tensor_methods[] = {{"upload", LTensorUpload},   {"download", LTensorDownload},
+                                            {"raw", LTensorRaw},         {"numel", LTensorNumel},
+                                            {"dtype", LTensorDType},     {nullptr, nullptr}};
+  static const luaL_Reg engine_methods[] = {
+      {"add_param", LEngineAddParam}, {"finalize", LEngineFinalize}, {"step", LEngineStep},
+      {"save", LEngineSave},          {"load", LEngineLoad},         {"sync_from_model", LEngineSync},
+      {"verify_masters", LEngineVerify}, {"placement", LEnginePlacement}, {"stats", LEngineStats},
+      {"close", LEngineClose},        {nullptr, nullptr}};
+  static const luaL_Reg functions[] = {{"tensor", LTensor},         {"engine", LEngine},
+                                       {"backend", LBackend},       {"device_name", LDeviceName},
+                                       {nullptr, nullptr}};
+  NewMeta(L, kTensorMeta, tensor_methods, LTensorGc);
+  NewMeta(L, kEngineMeta, engine_methods, LEngineGc);
+  lua_newtable(L);
+  luaL_register(L, nullptr, functions);
+  lua_pushstring(L, "0.1.0");
+  lua_setfield(L, -2, "version");
+  return 1;
+}
+
+void CloseFerryModule() { ModuleDeviceSlot().reset(); }
+
+void InstallFerryModule(lua_State* L, const std::string& script_dir) {
+  OpenFerryModule(L);
+  lua_pushstring(L, script_dir.c_str());
+  lua_setfield(L, -2, "script_dir");
+  lua_pushvalue(L, -1);
+  lua_setglobal(L, "ferry");
+  // package.loaded.ferry = module, so require("ferry") returns the same table.
+  lua_getglobal(L, "package");
+  lua_getfield(L, -1, "loaded");
+  lua_pushvalue(L, -3);
+  lua_setfield(L, -2, "ferry");
+  lua_pop(L, 3);
+}
+
+}  // namespace ferry

@@ -1,0 +1,107 @@
+// The `ferry` command.
+//   ferry run SCRIPT.lua [ARGS...]   runs a script with the `ferry` module (arg[0] = SCRIPT, arg[1..] = ARGS)
+//   ferry help | --help              usage
+//   ferry version | --version
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <string>
+
+#include <lua.hpp>
+
+#include "lua/ferry_module.h"
+
+namespace {
+
+constexpr char kUsage[] =
+    "usage: ferry <verb> [args]\n"
+    "\n"
+    "verbs:\n"
+    "  run SCRIPT.lua [ARGS...]  run a Lua script with the `ferry` module (the engine's API for\n"
+    "                            scripts); ARGS reach the script as arg[1..] and as `...`\n"
+    "  version                   print the version\n"
+    "  help                      this text\n"
+    "\n"
+    "environment:\n"
+    "  FERRY_DEVICE=host|cuda    force the device backend (default: cuda when a GPU is present)\n";
+
+constexpr char kRunUsage[] =
+    "usage: ferry run SCRIPT.lua [ARGS...]\n"
+    "\n"
+    "Runs SCRIPT.lua with the full Lua standard library, LuaJIT's ffi, and the `ferry` module\n"
+    "(global `ferry`, also require(\"ferry\")). ferry.script_dir is the script's directory.\n"
+    "The exit status is 0 when the script returns normally, 1 when it raises an error.\n";
+
+int Traceback(lua_State* L) {
+  const char* msg = lua_tostring(L, 1);
+  if (msg == nullptr) msg = "(error object is not a string)";
+  lua_getglobal(L, "debug");
+  lua_getfield(L, -1, "traceback");
+  lua_pushstring(L, msg);
+  lua_pushinteger(L, 2);
+  lua_call(L, 2, 1);
+  return 1;
+}
+
+int Run(int argc, char** argv) {
+  if (argc < 1 || std::strcmp(argv[0], "--help") == 0 || std::strcmp(argv[0], "-h") == 0) {
+    std::fputs(kRunUsage, argc < 1 ? stderr : stdout);
+    return argc < 1 ? 2 : 0;
+  }
+  const std::string script = argv[0];
+  std::error_code ec;
+  if (!std::filesystem::is_regular_file(script, ec)) {
+    std::fprintf(stderr, "ferry run: no such script: %s\n", script.c_str());
+    return 2;
+  }
+  std::string dir = std::filesystem::absolute(script, ec).parent_path().string();
+  lua_State* L = luaL_newstate();
+  if (L == nullptr) {
+    std::fprintf(stderr, "ferry run: cannot create a Lua state\n");
+    return 1;
+  }
+  luaL_openlibs(L);
+  ferry::InstallFerryModule(L, dir);
+  lua_createtable(L, argc, 1);
+  for (int i = 0; i < argc; ++i) {
+    lua_pushstring(L, argv[i]);
+    lua_rawseti(L, -2, i);
+  }
+  lua_setglobal(L, "arg");
+  int status = 0;
+  lua_pushcfunction(L, Traceback);
+  if (luaL_loadfile(L, script.c_str()) != 0) {
+    std::fprintf(stderr, "ferry run: %s\n", lua_tostring(L, -1));
+    status = 1;
+  } else {
+    for (int i = 1; i < argc; ++i) lua_pushstring(L, argv[i]);
+    if (lua_pcall(L, argc - 1, 0, -(argc + 1)) != 0) {
+      std::fprintf(stderr, "ferry run: %s\n", lua_tostring(L, -1));
+      status = 1;
+    }
+  }
+  lua_close(L);
+  ferry::CloseFerryModule();
+  return status;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 2) {
+    std::fputs(kUsage, stderr);
+    return 2;
+  }
+  const std::string verb = argv[1];
+  if (verb == "run") return Run(argc - 2, argv + 2);
+  if (verb == "help" || verb == "--help" || verb == "-h") {
+    std::fputs(kUsage, stdout);
+    return 0;
+  }
+  if (verb == "version" || verb == "--version") {
+    std::puts("ferry 0.1.0");
+    return 0;
+  }
+  std::fprintf(stderr, "ferry: unknown verb '%s'\n\n%s", verb.c_str(), kUsage);
+  return 2;
+}

@@ -1,0 +1,143 @@
+// Ferry's engine: the facade a trainer embeds.
+//
+// A trainer keeps its model, forward/backward and collectives. Ferry owns, per parameter group, where
+// the fp32 master weights and Adam moments live (GPU memory or pinned host memory, as the Lua policy's
+// place() hook decides), the copies between GPU and host, the Adam/AdamW update, and checkpoints.
+//
+//   ferry::EngineOptions options;
+//   options.policy_path = "scripts/policies/offload_fraction.lua";
+//   options.policy_args = {{"fraction", "0.5"}};
+//   FERRY_ASSIGN_OR_RETURN(std::unique_ptr<ferry::Engine> engine, ferry::Engine::Create(options));
+//   for (auto& t : tensors)
+//     FERRY_RETURN_IF_ERROR(engine->AddParam({.name = t.name, .group = t.group, .shape = t.shape,
+//                                             .dtype = ferry::DType::kBF16, .param = t.data,
+//                                             .grad = t.grad}));
+//   FERRY_RETURN_IF_ERROR(engine->Finalize());
+//   for (...) { forward_backward(stream); FERRY_RETURN_IF_ERROR(engine->Step({.lr = lr}, stream)); }
+#ifndef FERRY_ENGINE_H_
+#define FERRY_ENGINE_H_
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "ferry/dtype.h"
+
+namespace ferry {
+
+// One parameter tensor the trainer owns. Pointers are device memory (cudaMalloc'd on the CUDA backend,
+// host memory on the host backend) and must stay valid for the engine's lifetime.
+struct ParamSpec {
+  std::string name;                 // unique; must not contain ':' (used in checkpoint tensor names)
+  std::string group;                // parameter group: the unit of placement; empty = the name
+  std::vector<int64_t> shape;       // every dimension > 0
+  DType dtype = DType::kBF16;       // dtype of `param` (and of `grad` unless grad_dtype is set)
+  void* param = nullptr;            // numel elements of `dtype`, updated in place by Step
+  void* grad = nullptr;             // numel elements of `grad_dtype`, read by Step
+  std::optional<DType> grad_dtype;  // defaults to `dtype`
+  std::vector<std::string> tags;    // passed to the policy
+};
+
+// The optimizer's hyper-parameters (the same for every group in this version).
+struct OptimizerOptions {
+  float lr = 1e-3f;
+  float beta1 = 0.9f;
+  float beta2 = 0.999f;
+  float eps = 1e-8f;
+  float weight_decay = 0.0f;
+  bool adamw = true;            // decoupled weight decay; false = Adam with L2
+  bool bias_correction = true;
+};
+
+struct EngineOptions {
+  std::string policy_path;                        // Lua policy file; empty = every group on the GPU
+  std::map<std::string, std::string> policy_args;  // the policy's ctx.args
+  OptimizerOptions optimizer;
+  std::string device;                             // "", "host" or "cuda" (see FERRY_DEVICE)
+  int device_ordinal = 0;
+  size_t transfer_chunk_bytes = 8 << 20;          // chunk size of the offload pipeline
+  size_t cpu_threads = 0;                         // CPU Adam threads; 0 = all CPUs of this process
+  std::string numa;                               // "", "interleave", "bind", "preferred", "local"
+};
+
+struct StepOptions {
+  std::optional<float> lr;  // this step's learning rate; default OptimizerOptions::lr
+};
+
+// Where a group's optimizer state lives after Finalize.
+struct GroupPlacement {
+  std::string group;
+  bool offloaded = false;  // true: fp32 master + m + v in pinned host memory, updated by CPU Adam
+  int64_t numel = 0;
+  int64_t num_params = 0;
+};
+
+struct EngineStats {
+  int64_t step = 0;                 // optimizer steps taken
+  uint64_t host_registrations = 0;  // pin/register calls so far (should not grow after Finalize)
+  size_t pinned_bytes = 0;          // pinned host memory reserved
+  size_t gpu_state_bytes = 0;       // device memory held for GPU groups' fp32 state
+};
+
+// Engine: one thread at a time (a trainer drives it from its training loop).
+class Engine {
+ public:
+  virtual ~Engine() = default;
+
+  // Creates an engine: picks the device (CUDA when present, else the host backend), loads the policy.
+  // Errors: the policy file cannot be loaded (file:line), the device cannot be opened.
+  static absl::StatusOr<std::unique_ptr<Engine>> Create(const EngineOptions& options);
+
+  // Registers a parameter. Errors (nothing registered): after Finalize, duplicate or empty name,
+  // null pointers, zero-size or negative dimensions, bad characters in the name, a group whose
+  // params mix dtypes.
+  virtual absl::Status AddParam(const ParamSpec& spec) = 0;
+
+  // Calls the policy's place() hook, allocates the fp32 master and moments where it says, and
+  // initialises the masters from the current params (m = v = 0). On error nothing is allocated and
+  // Finalize may be called again (for example after fixing the policy).
+  virtual absl::Status Finalize() = 0;
+
+  // One optimizer step of every group from the grads. `stream` is the trainer's stream (a
+  // cudaStream_t; nullptr = the legacy default stream, or, on the host backend, the calling thread):
+  // Step starts after the work already on it and the trainer's later work on it sees the new params.
+  // REQUIRES: Finalize succeeded.
+  virtual absl::Status Step(const StepOptions& options = {}, void* stream = nullptr) = 0;
+
+  // Blocks until all work the engine has enqueued has finished.
+  virtual absl::Status Synchronize() = 0;
+
+  // Saves params, fp32 masters and moments as <root>/step-<step>/ (the policy's checkpoint() hook may
+  // skip parts), atomically. Returns the committed directory.
+  virtual absl::StatusOr<std::string> SaveCheckpoint(const std::string& root, int64_t step) = 0;
+
+  // Loads a checkpoint directory (or the `latest` of a root): params into the trainer's tensors and
+  // state into the engine, verified by checksum. The policy's after_load() hook decides which masters
+  // are re-synced from the loaded params. A corrupt or mismatching checkpoint is refused before
+  // anything is changed.
+  virtual absl::Status LoadCheckpoint(const std::string& path) = 0;
+
+  // Refreshes the fp32 masters of `groups` (all when empty) from the params' current values; with
+  // `reset_optimizer`, also zeroes their moments and step. For a trainer that loaded weights itself.
+  virtual absl::Status SyncFromModel(const std::vector<std::string>& groups, bool reset_optimizer) = 0;
+
+  // Checks that every param equals its fp32 master rounded to the param's dtype; the first mismatch is
+  // reported as FailedPrecondition naming the group, tensor and element.
+  virtual absl::Status VerifyMasters() = 0;
+
+  virtual std::vector<GroupPlacement> Placement() const = 0;
+  virtual EngineStats Stats() const = 0;
+  // The device in words, e.g. "host (emulated device memory)" or "NVIDIA H200 (cuda:0, ...)".
+  virtual std::string DeviceName() const = 0;
+  // True when the engine runs on the CUDA backend.
+  virtual bool OnGpu() const = 0;
+};
+
+}  // namespace ferry
+
+#endif  // FERRY_ENGINE_H_

@@ -1,0 +1,481 @@
+// Engine: wires device, memory, transfer, optim, ckpt and policy together behind ferry/engine.h.
+#include "ferry/engine.h"
+
+#include <algorithm>
+#include <cstring>
+#include <map>
+#include <numeric>
+#include <set>
+#include <utility>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "base/thread_pool.h"
+#include "ckpt/checkpoint.h"
+#include "device/device.h"
+#include "ferry/status.h"
+#include "memory/pinned_arena.h"
+#include "optim/hybrid_optimizer.h"
+#include "policy/policy.h"
+
+namespace ferry {
+namespace {
+
+constexpr char kModelKind[] = "model";
+constexpr std::pair<StateKind, const char*> kStateKinds[] = {
+    {StateKind::kMaster, "master"}, {StateKind::kExpAvg, "exp_avg"}, {StateKind::kExpAvgSq, "exp_avg_sq"}};
+
+std::string StateTensorName(const std::string& param, const char* kind) { return absl::StrCat(param, ":", kind); }
+
+struct ParamRecord {
+  ParamSpec spec;
+  int64_t numel = 0;
+  size_t group = 0;
+};
+
+class EngineImpl final : public Engine {
+ public:
+  EngineImpl(EngineOptions options, std::unique_ptr<Device> device, std::unique_ptr<Policy> policy)
+      : options_(std::move(options)),
+        device_(std::move(device)),
+        policy_(std::move(policy)),
+        pool_(options_.cpu_threads > 0 ? options_.cpu_threads : ThreadPool::DefaultThreads()) {}
+
+  ~EngineImpl() override {
+    optimizer_.reset();  // releases its arena and device state before the device goes away
+  }
+
+  absl::Status AddParam(const ParamSpec& spec) override;
+  absl::Status Finalize() override;
+  absl::Status Step(const StepOptions& options, void* stream) override;
+  absl::Status Synchronize() override {
+    return optimizer_ == nullptr ? absl::OkStatus() : optimizer_->Synchronize();
+  }
+  absl::StatusOr<std::string> SaveCheckpoint(const std::string& root, int64_t step) override;
+  absl::Status LoadCheckpoint(const std::string& path) override;
+  absl::Status SyncFromModel(const std::vector<std::string>& groups, bool reset_optimizer) override;
+  absl::Status VerifyMasters() override;
+  std::vector<GroupPlacement> Placement() const override;
+  EngineStats Stats() const override;
+  std::string DeviceName() const override { return device_->name(); }
+  bool OnGpu() const override { return device_->backend() == Backend::kCuda; }
+
+ private:
+  absl::Status RequireFinalized(std::string_view what) const {
+    if (optimizer_ == nullptr) {
+      return absl::FailedPreconditionError(absl::StrCat(what, " before Finalize()"));
+    }
+    return absl::OkStatus();
+  }
+  std::vector<GroupInfo> GroupInfos() const;
+  absl::StatusOr<PolicyContext> Context();
+  absl::StatusOr<std::vector<size_t>> GroupIndices(const std::vector<std::string>& names) const;
+  std::string PolicyName() const { return policy_ == nullptr ? "(default policy)" : policy_->path(); }
+
+  EngineOptions options_;
+  std::unique_ptr<Device> device_;
+  std::unique_ptr<Policy> policy_;
+  ThreadPool pool_;
+  std::vector<ParamRecord> params_;
+  absl::flat_hash_map<std::string, size_t> param_index_;
+  std::vector<std::string> group_names_;  // in order of first appearance
+  absl::flat_hash_map<std::string, size_t> group_index_;
+  std::vector<DType> group_dtype_;
+  std::vector<bool> offloaded_;
+  std::unique_ptr<HybridOptimizer> optimizer_;
+};
+
+absl::Status EngineImpl::AddParam(const ParamSpec& spec) {
+  const std::string where = absl::StrCat("AddParam('", spec.name, "')");
+  if (optimizer_ != nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat(where, ": the engine is finalized; add every param before Finalize()"));
+  }
+  if (spec.name.empty()) return absl::InvalidArgumentError("AddParam: the param name is empty");
+  if (spec.name.find(':') != std::string::npos) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": names must not contain ':' (reserved for checkpoint tensor names)"));
+  }
+  if (param_index_.contains(spec.name)) {
+    return absl::AlreadyExistsError(absl::StrCat(where, ": a param with this name was already added"));
+  }
+  if (spec.param == nullptr) return absl::InvalidArgumentError(absl::StrCat(where, ": param pointer is null"));
+  if (spec.grad == nullptr) return absl::InvalidArgumentError(absl::StrCat(where, ": grad pointer is null"));
+  if (spec.shape.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": shape is empty; a scalar param has shape {1}"));
+  }
+  int64_t numel = 1;
+  for (size_t d = 0; d < spec.shape.size(); ++d) {
+    if (spec.shape[d] <= 0) {
+      return absl::InvalidArgumentError(absl::StrCat(where, ": dimension ", d, " is ", spec.shape[d],
+                                                     "; every dimension must be at least 1 (shape [",
+                                                     absl::StrJoin(spec.shape, ", "), "])"));
+    }
+    if (numel > (int64_t{1} << 50) / spec.shape[d]) {
+      return absl::InvalidArgumentError(absl::StrCat(where, ": shape is too large"));
+    }
+    numel *= spec.shape[d];
+  }
+  const std::string group = spec.group.empty() ? spec.name : spec.group;
+  auto it = group_index_.find(group);
+  if (it != group_index_.end() && group_dtype_[it->second] != spec.dtype) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": dtype ", DTypeName(spec.dtype), " differs from group '",
+                                                   group, "', whose params are ", DTypeName(group_dtype_[it->second])));
+  }
+  if (it == group_index_.end()) {
+    it = group_index_.emplace(group, group_names_.size()).first;
+    group_names_.push_back(group);
+    group_dtype_.push_back(spec.dtype);
+  }
+  ParamRecord rec{spec, numel, it->second};
+  rec.spec.group = group;
+  param_index_.emplace(spec.name, params_.size());
+  params_.push_back(std::move(rec));
+  return absl::OkStatus();
+}
+
+std::vector<GroupInfo> EngineImpl::GroupInfos() const {
+  std::vector<GroupInfo> infos(group_names_.size());
+  for (size_t g = 0; g < infos.size(); ++g) {
+    infos[g].name = group_names_[g];
+    infos[g].dtype = group_dtype_[g];
+  }
+  for (const ParamRecord& p : params_) {
+    GroupInfo& gi = infos[p.group];
+    gi.numel += p.numel;
+    gi.bytes += p.numel * static_cast<int64_t>(DTypeSize(p.spec.dtype));
+    for (const std::string& tag : p.spec.tags) {
+      if (std::find(gi.tags.begin(), gi.tags.end(), tag) == gi.tags.end()) gi.tags.push_back(tag);
+    }
+  }
+  return infos;
+}
+
+absl::StatusOr<PolicyContext> EngineImpl::Context() {
+  PolicyContext ctx;
+  ctx.rank = 0;
+  ctx.world_size = 1;
+  FERRY_ASSIGN_OR_RETURN(size_t free_bytes, device_->FreeMemory());
+  ctx.gpu_free_bytes = static_cast<int64_t>(free_bytes);
+  ctx.pinned_budget_bytes = 0;  // no budget configured: limited by the host's memory
+  ctx.numa_nodes = NumaNodeCount();
+  ctx.args = options_.policy_args;
+  return ctx;
+}
+
+absl::Status EngineImpl::Finalize() {
+  if (optimizer_ != nullptr) return absl::FailedPreconditionError("Finalize: the engine is already finalized");
+  if (params_.empty()) return absl::FailedPreconditionError("Finalize: no params were added");
+  std::vector<GroupInfo> infos = GroupInfos();
+  FERRY_ASSIGN_OR_RETURN(PolicyContext ctx, Context());
+  ferry::Placement placement;
+  if (policy_ != nullptr) {
+    FERRY_ASSIGN_OR_RETURN(placement, policy_->Place(infos, ctx));
+  } else {
+    for (const GroupInfo& g : infos) placement.groups[g.name] = PlaceKind::kGpu;
+  }
+  HybridOptions hopt;
+  hopt.hyper.lr = options_.optimizer.lr;
+  hopt.hyper.beta1 = options_.optimizer.beta1;
+  hopt.hyper.beta2 = options_.optimizer.beta2;
+  hopt.hyper.eps = options_.optimizer.eps;
+  hopt.hyper.weight_decay = options_.optimizer.weight_decay;
+  hopt.hyper.mode = options_.optimizer.adamw ? AdamMode::kAdamW : AdamMode::kAdamL2;
+  hopt.hyper.bias_correction = options_.optimizer.bias_correction;
+  hopt.chunk_bytes = options_.transfer_chunk_bytes;
+  std::string numa = placement.numa.value_or(options_.numa);
+  if (!numa.empty()) {
+    absl::StatusOr<NumaPolicy> np = ParseNumaPolicy(numa);
+    if (!np.ok()) return absl::InvalidArgumentError(absl::StrCat("Finalize: NUMA policy: ", np.status().message()));
+    hopt.numa = *np;
+  }
+  std::vector<OptimGroup> groups(group_names_.size());
+  std::vector<bool> offloaded(group_names_.size(), false);
+  for (size_t g = 0; g < groups.size(); ++g) {
+    auto it = placement.groups.find(group_names_[g]);
+    if (it == placement.groups.end()) {
+      return absl::InternalError(absl::StrCat("Finalize: the policy placed no group '", group_names_[g], "'"));
+    }
+    groups[g].name = group_names_[g];
+    groups[g].offloaded = offloaded[g] = it->second == PlaceKind::kCpu;
+  }
+  std::vector<OptimParam> params;
+  params.reserve(params_.size());
+  for (const ParamRecord& p : params_) {
+    params.push_back(OptimParam{p.spec.name, p.group, p.numel, p.spec.dtype, p.spec.grad_dtype.value_or(p.spec.dtype),
+                                p.spec.param, p.spec.grad});
+  }
+  FERRY_ASSIGN_OR_RETURN(optimizer_, HybridOptimizer::Create(device_.get(), &pool_, std::move(params),
+                                                             std::move(groups), hopt));
+  offloaded_ = std::move(offloaded);
+  return absl::OkStatus();
+}
+
+absl::Status EngineImpl::Step(const StepOptions& options, void* stream) {
+  FERRY_RETURN_IF_ERROR(RequireFinalized("Step"));
+  FERRY_ASSIGN_OR_RETURN(std::unique_ptr<Stream> trainer, device_->WrapStream(stream));
+  const float lr = options.lr.value_or(options_.optimizer.lr);
+  return optimizer_->Step(lr, *trainer);
+}
+
+absl::StatusOr<std::vector<size_t>> EngineImpl::GroupIndices(const std::vector<std::string>& names) const {
+  std::vector<size_t> out;
+  if (names.empty()) {
+    out.resize(group_names_.size());
+    std::iota(out.begin(), out.end(), 0);
+    return out;
+  }
+  for (const std::string& n : names) {
+    auto it = group_index_.find(n);
+    if (it == group_index_.end()) {
+      return absl::NotFoundError(absl::StrCat("no parameter group '", n, "' (groups: ",
+                                              absl::StrJoin(group_names_, ", "), ")"));
+    }
+    out.push_back(it->second);
+  }
+  return out;
+}
+
+absl::StatusOr<std::string> EngineImpl::SaveCheckpoint(const std::string& root, int64_t step) {
+  FERRY_RETURN_IF_ERROR(RequireFinalized("SaveCheckpoint"));
+  if (step < 0) return absl::InvalidArgumentError(absl::StrCat("SaveCheckpoint: step must be >= 0, got ", step));
+  CheckpointInfo info;
+  info.step = step;
+  info.reason = "save";
+  info.groups = group_names_;
+  for (const ParamRecord& p : params_) {
+    info.model_bytes += p.numel * static_cast<int64_t>(DTypeSize(p.spec.dtype));
+    info.master_bytes += p.numel * 4;
+    info.optimizer_bytes += p.numel * 8;
+  }
+  for (size_t g = 0; g < group_names_.size(); ++g) {
+    if (offloaded_[g]) info.offloaded.push_back(group_names_[g]);
+  }
+  CheckpointPlan plan;
+  if (policy_ != nullptr) {
+    FERRY_ASSIGN_OR_RETURN(PolicyContext ctx, Context());
+    FERRY_ASSIGN_OR_RETURN(plan, policy_->Checkpoint(info, ctx));
+  }
+  std::set<std::string> skip_groups(plan.skip_groups.begin(), plan.skip_groups.end());
+  for (const std::string& g : skip_groups) {
+    if (!group_index_.contains(g)) {
+      return absl::InvalidArgumentError(absl::StrCat(PolicyName(), ": checkpoint(): skip names unknown group '", g, "'"));
+    }
+  }
+  std::vector<SkipRecord> skipped;
+  if (plan.skip_optimizer) skipped.push_back({"optimizer", absl::StrCat("policy ", PolicyName())});
+  if (plan.skip_master) skipped.push_back({"master", absl::StrCat("policy ", PolicyName())});
+  for (const std::string& g : skip_groups) skipped.push_back({absl::StrCat("group:", g), absl::StrCat("policy ", PolicyName())});
+
+  // Host copies of everything to write. State already in pinned memory is copied too in this version
+  // (a later version writes straight from the arena).
+  std::vector<std::vector<char>> buffers;
+  std::vector<TensorRecord> tensors;
+  buffers.reserve(params_.size() * 4);
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const ParamRecord& p = params_[i];
+    const std::string& group = group_names_[p.group];
+    if (skip_groups.contains(group)) continue;
+    buffers.emplace_back(static_cast<size_t>(p.numel) * DTypeSize(p.spec.dtype));
+    FERRY_RETURN_IF_ERROR(optimizer_->ReadParam(i, buffers.back().data()));
+    tensors.push_back(TensorRecord{p.spec.name, p.spec.dtype, p.spec.shape, buffers.back().data(),
+                                   buffers.back().size(), kModelKind, group});
+    for (const auto& [kind, kind_name] : kStateKinds) {
+      const bool is_master = kind == StateKind::kMaster;
+      if ((is_master && plan.skip_master) || (!is_master && plan.skip_optimizer)) continue;
+      buffers.emplace_back(static_cast<size_t>(p.numel) * sizeof(float));
+      FERRY_RETURN_IF_ERROR(optimizer_->ReadState(i, kind, reinterpret_cast<float*>(buffers.back().data())));
+      tensors.push_back(TensorRecord{StateTensorName(p.spec.name, kind_name), DType::kF32, p.spec.shape,
+                                     buffers.back().data(), buffers.back().size(), kind_name, group});
+    }
+  }
+  std::map<std::string, std::string> metadata;
+  metadata["ferry.version"] = "1";
+  metadata["ferry.world_size"] = "1";
+  const OptimizerOptions& o = options_.optimizer;
+  metadata["ferry.optimizer"] = absl::StrCat(o.adamw ? "adamw" : "adam_l2", " lr=", o.lr, " beta1=", o.beta1,
+                                             " beta2=", o.beta2, " eps=", o.eps, " weight_decay=", o.weight_decay,
+                                             " bias_correction=", o.bias_correction ? 1 : 0);
+  for (size_t g = 0; g < group_names_.size(); ++g) {
+    metadata[absl::StrCat("ferry.group.", group_names_[g], ".step")] = absl::StrCat(optimizer_->group_step(g));
+    metadata[absl::StrCat("ferry.group.", group_names_[g], ".placement")] = offloaded_[g] ? "cpu" : "gpu";
+  }
+  CheckpointWriteOptions wopt;
+  wopt.keep_last = plan.keep_last;
+  return WriteCheckpoint(root, step, tensors, skipped, metadata, wopt);
+}
+
+absl::Status EngineImpl::LoadCheckpoint(const std::string& path) {
+  FERRY_RETURN_IF_ERROR(RequireFinalized("LoadCheckpoint"));
+  FERRY_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointReader> reader, CheckpointReader::Open(path));
+  const std::string& dir = reader->dir();
+  // Phase 1: check and read everything into host memory; nothing in the engine changes yet.
+  std::set<std::string> known;
+  for (const ParamRecord& p : params_) {
+    known.insert(p.spec.name);
+    for (const auto& [kind, kind_name] : kStateKinds) known.insert(StateTensorName(p.spec.name, kind_name));
+  }
+  for (const TensorEntry& t : reader->tensors()) {
+    if (!known.contains(t.name)) {
+      return absl::InvalidArgumentError(absl::StrCat(dir, ": tensor '", t.name,
+                                                     "' matches no registered param; was it saved from another model?"));
+    }
+  }
+  struct Loaded {
+    std::vector<char> param;
+    std::vector<float> state[3];
+    bool has_param = false;
+    bool has_state[3] = {false, false, false};
+  };
+  std::vector<Loaded> loaded(params_.size());
+  std::vector<bool> group_loaded(group_names_.size(), false);
+  std::vector<bool> group_masters(group_names_.size(), true), group_optimizer(group_names_.size(), true);
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const ParamRecord& p = params_[i];
+    const TensorEntry* e = reader->Find(p.spec.name);
+    if (e == nullptr) {
+      group_masters[p.group] = group_optimizer[p.group] = false;
+      continue;
+    }
+    if (e->dtype != p.spec.dtype || e->shape != p.spec.shape) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          dir, ": tensor '", p.spec.name, "' is ", DTypeName(e->dtype), "[", absl::StrJoin(e->shape, ","),
+          "] but the registered param is ", DTypeName(p.spec.dtype), "[", absl::StrJoin(p.spec.shape, ","), "]"));
+    }
+    Loaded& l = loaded[i];
+    l.param.resize(e->bytes);
+    FERRY_RETURN_IF_ERROR(reader->ReadTensor(p.spec.name, l.param.data(), l.param.size()));
+    l.has_param = true;
+    group_loaded[p.group] = true;
+    for (int k = 0; k < 3; ++k) {
+      const std::string name = StateTensorName(p.spec.name, kStateKinds[k].second);
+      const TensorEntry* s = reader->Find(name);
+      if (s == nullptr) {
+        if (k == 0) group_masters[p.group] = false;
+        else group_optimizer[p.group] = false;
+        continue;
+      }
+      if (s->dtype != DType::kF32 || s->shape != p.spec.shape) {
+        return absl::InvalidArgumentError(absl::StrCat(dir, ": tensor '", name, "' is ", DTypeName(s->dtype), "[",
+                                                       absl::StrJoin(s->shape, ","), "]; expected f32[",
+                                                       absl::StrJoin(p.spec.shape, ","), "]"));
+      }
+      l.state[k].resize(static_cast<size_t>(p.numel));
+      FERRY_RETURN_IF_ERROR(reader->ReadTensor(name, l.state[k].data(), l.state[k].size() * sizeof(float)));
+      l.has_state[k] = true;
+    }
+  }
+  std::vector<int64_t> steps(group_names_.size(), 0);
+  LoadEvent event;
+  event.optimizer_loaded = true;
+  event.masters_loaded = true;
+  for (size_t g = 0; g < group_names_.size(); ++g) {
+    if (!group_loaded[g]) continue;
+    event.groups.push_back(group_names_[g]);
+    event.optimizer_loaded = event.optimizer_loaded && group_optimizer[g];
+    event.masters_loaded = event.masters_loaded && group_masters[g];
+    if (group_optimizer[g]) {
+      auto it = reader->metadata().find(absl::StrCat("ferry.group.", group_names_[g], ".step"));
+      if (it == reader->metadata().end() || !absl::SimpleAtoi(it->second, &steps[g]) || steps[g] < 0) {
+        return absl::InvalidArgumentError(absl::StrCat(dir, ": metadata has no valid step count for group '",
+                                                       group_names_[g], "'"));
+      }
+    }
+  }
+  if (event.groups.empty()) return absl::InvalidArgumentError(absl::StrCat(dir, ": no tensor of any registered param"));
+  event.kind = event.optimizer_loaded ? LoadKind::kCheckpoint : LoadKind::kModelOnly;
+  SyncPlan sync;
+  if (policy_ != nullptr) {
+    FERRY_ASSIGN_OR_RETURN(PolicyContext ctx, Context());
+    FERRY_ASSIGN_OR_RETURN(sync, policy_->AfterLoad(event, GroupInfos(), ctx));
+  } else {
+    if (!event.masters_loaded) sync.sync_groups = event.groups;
+    sync.reset_optimizer = !event.optimizer_loaded;
+  }
+  FERRY_ASSIGN_OR_RETURN(std::vector<size_t> sync_groups, GroupIndices(sync.sync_groups));
+  if (sync.sync_groups.empty()) sync_groups.clear();  // empty list means "none" here, not "all"
+
+  // Phase 2: apply.
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const Loaded& l = loaded[i];
+    if (!l.has_param) continue;
+    FERRY_RETURN_IF_ERROR(optimizer_->WriteParam(i, l.param.data()));
+    for (int k = 0; k < 3; ++k) {
+      if (l.has_state[k]) FERRY_RETURN_IF_ERROR(optimizer_->WriteState(i, kStateKinds[k].first, l.state[k].data()));
+    }
+  }
+  std::vector<size_t> reset;
+  for (size_t g = 0; g < group_names_.size(); ++g) {
+    if (!group_loaded[g]) continue;
+    if (group_optimizer[g]) {
+      optimizer_->set_group_step(g, steps[g]);
+    } else {
+      reset.push_back(g);  // moments from before the load belong to other weights: never keep them
+    }
+  }
+  if (!sync_groups.empty()) FERRY_RETURN_IF_ERROR(optimizer_->SyncFromModel(sync_groups, sync.reset_optimizer));
+  if (!reset.empty()) {
+    // Zero the moments only; the masters stay as loaded or as the sync left them.
+    for (size_t g : reset) {
+      for (size_t i = 0; i < params_.size(); ++i) {
+        if (params_[i].group != g) continue;
+        std::vector<float> zeros(static_cast<size_t>(params_[i].numel), 0.0f);
+        FERRY_RETURN_IF_ERROR(optimizer_->WriteState(i, StateKind::kExpAvg, zeros.data()));
+        FERRY_RETURN_IF_ERROR(optimizer_->WriteState(i, StateKind::kExpAvgSq, zeros.data()));
+      }
+      optimizer_->set_group_step(g, 0);
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status EngineImpl::SyncFromModel(const std::vector<std::string>& groups, bool reset_optimizer) {
+  FERRY_RETURN_IF_ERROR(RequireFinalized("SyncFromModel"));
+  FERRY_ASSIGN_OR_RETURN(std::vector<size_t> idx, GroupIndices(groups));
+  return optimizer_->SyncFromModel(idx, reset_optimizer);
+}
+
+absl::Status EngineImpl::VerifyMasters() {
+  FERRY_RETURN_IF_ERROR(RequireFinalized("VerifyMasters"));
+  return optimizer_->VerifyMasters();
+}
+
+std::vector<GroupPlacement> EngineImpl::Placement() const {
+  std::vector<GroupPlacement> out(group_names_.size());
+  for (size_t g = 0; g < out.size(); ++g) {
+    out[g].group = group_names_[g];
+    out[g].offloaded = g < offloaded_.size() && offloaded_[g];
+  }
+  for (const ParamRecord& p : params_) {
+    out[p.group].numel += p.numel;
+    out[p.group].num_params += 1;
+  }
+  return out;
+}
+
+EngineStats EngineImpl::Stats() const {
+  EngineStats s;
+  s.host_registrations = device_->host_registrations();
+  if (optimizer_ != nullptr) {
+    s.step = optimizer_->num_groups() > 0 ? optimizer_->group_step(0) : 0;
+    s.pinned_bytes = optimizer_->pinned_bytes();
+    s.gpu_state_bytes = optimizer_->gpu_state_bytes();
+  }
+  return s;
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& options) {
+  DeviceOptions dopt;
+  dopt.backend = options.device;
+  dopt.ordinal = options.device_ordinal;
+  FERRY_ASSIGN_OR_RETURN(std::unique_ptr<Device> device, CreateDevice(dopt));
+  std::unique_ptr<Policy> policy;
+  if (!options.policy_path.empty()) {
+    FERRY_ASSIGN_OR_RETURN(policy, Policy::LoadFile(options.policy_path));
+  }
+  return std::unique_ptr<Engine>(new EngineImpl(options, std::move(device), std::move(policy)));
+}
+
+}  // namespace ferry

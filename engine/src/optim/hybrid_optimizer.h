@@ -1,0 +1,143 @@
+// The hybrid optimizer: GPU groups step through the device's fused multi-tensor Adam on the trainer's
+// stream; offloaded (CPU) groups step through the pipeline D2H of grads -> CPU Adam -> H2D of params,
+// chunk by chunk, so the three stages of different chunks overlap.
+#ifndef FERRY_OPTIM_HYBRID_OPTIMIZER_H_
+#define FERRY_OPTIM_HYBRID_OPTIMIZER_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "base/adam_math.h"
+#include "base/thread_pool.h"
+#include "device/device.h"
+#include "ferry/dtype.h"
+#include "memory/pinned_arena.h"
+#include "optim/cpu_adam.h"
+#include "shard/layout.h"
+#include "transfer/transfer.h"
+
+namespace ferry {
+
+// A parameter the optimizer updates. `param` and `grad` are device memory owned by the trainer.
+struct OptimParam {
+  std::string name;
+  size_t group = 0;  // index into the groups given to Create
+  int64_t numel = 0;
+  DType dtype = DType::kBF16;
+  DType grad_dtype = DType::kBF16;
+  void* param = nullptr;
+  void* grad = nullptr;
+};
+
+struct OptimGroup {
+  std::string name;
+  bool offloaded = false;
+};
+
+struct HybridOptions {
+  AdamHyper hyper;
+  size_t chunk_bytes = 8 << 20;
+  NumaPolicy numa = NumaPolicy::kInterleave;
+  int numa_node = -1;
+};
+
+// Which per-parameter tensor of the optimizer state.
+enum class StateKind : uint8_t { kMaster, kExpAvg, kExpAvgSq };
+
+// HybridOptimizer: one thread at a time.
+class HybridOptimizer final {
+ public:
+  // Allocates every group's fp32 master, m and v (pinned host memory for offloaded groups, device
+  // memory for the others) and the pinned staging of offloaded params, then initialises the masters
+  // from the params (m = v = 0, step 0). REQUIRES: device and pool outlive the optimizer; every
+  // param's pointers valid for its lifetime.
+  static absl::StatusOr<std::unique_ptr<HybridOptimizer>> Create(Device* device, ThreadPool* pool,
+                                                                 std::vector<OptimParam> params,
+                                                                 std::vector<OptimGroup> groups,
+                                                                 const HybridOptions& options);
+  ~HybridOptimizer();
+
+  // One step of every group, ordered after the work already on `trainer` (the grads), with `trainer`
+  // made to wait for the new params. `lr` overrides the configured learning rate for this step.
+  absl::Status Step(float lr, Stream& trainer);
+
+  // Waits for every copy and kernel the optimizer has enqueued.
+  absl::Status Synchronize();
+
+  // Re-reads the fp32 masters of `groups` (indices) from the params; with `reset_optimizer` zeroes
+  // their m, v and step count.
+  absl::Status SyncFromModel(const std::vector<size_t>& groups, bool reset_optimizer);
+
+  // FailedPrecondition naming the group, param and element where a param differs from its master
+  // rounded to the param's dtype.
+  absl::Status VerifyMasters();
+
+  // Copies of one param's state to/from host memory `host` (numel floats for state, numel elements of
+  // the param's dtype for the param). Synchronous.
+  absl::Status ReadState(size_t param, StateKind kind, float* host);
+  absl::Status WriteState(size_t param, StateKind kind, const float* host);
+  absl::Status ReadParam(size_t param, void* host);
+  absl::Status WriteParam(size_t param, const void* host);
+
+  int64_t group_step(size_t group) const { return groups_[group].step; }
+  void set_group_step(size_t group, int64_t step) { groups_[group].step = step; }
+  const std::vector<OptimParam>& params() const { return params_; }
+  size_t num_groups() const { return groups_.size(); }
+  const std::string& group_name(size_t g) const { return groups_[g].name; }
+  bool offloaded(size_t g) const { return groups_[g].offloaded; }
+  const AdamHyper& hyper() const { return options_.hyper; }
+  size_t pinned_bytes() const;
+  size_t gpu_state_bytes() const;
+
+ private:
+  struct Group {
+    std::string name;
+    bool offloaded = false;
+    int64_t step = 0;
+    std::vector<size_t> params;  // indices into params_
+    Layout layout;               // of this group's params, in elements
+    HostSpan host_state;         // offloaded: [master | m | v], each layout.total_elements() floats
+    DeviceBuffer device_state;   // on GPU: the same on the device
+    float* state(StateKind kind) const;
+  };
+
+  HybridOptimizer(Device* device, ThreadPool* pool, HybridOptions options);
+  absl::Status Init(std::vector<OptimParam> params, std::vector<OptimGroup> groups);
+  absl::Status StepGpuGroups(float lr, Stream& trainer);
+  absl::Status StepCpuGroups(float lr, Event& grads_ready);
+  absl::Status WaitPending();
+  // Pointer of param `p`'s `kind` state (host memory for offloaded groups, device memory otherwise).
+  float* StatePtr(size_t p, StateKind kind) const;
+  absl::Status SyncParamsFromModel(const std::vector<size_t>& params);
+
+  Device* device_;
+  ThreadPool* pool_;
+  HybridOptions options_;
+  CpuAdam cpu_adam_;
+  std::vector<OptimParam> params_;
+  std::vector<Group> groups_;
+  std::vector<int64_t> param_slot_;  // param -> element offset within its group's layout
+
+  // Offloaded params, in order, and their pinned staging (grads and params, packed).
+  std::vector<size_t> cpu_params_;
+  std::vector<size_t> grad_stage_offset_;   // bytes, per cpu_params_ entry
+  std::vector<size_t> param_stage_offset_;  // bytes, per cpu_params_ entry
+  std::vector<CopyRegion> grad_regions_;    // D2H regions, per cpu_params_ entry
+  HostSpan grad_stage_;
+  HostSpan param_stage_;
+
+  std::unique_ptr<PinnedArena> arena_;
+  std::unique_ptr<Transfer> transfer_;
+  std::unique_ptr<Stream> work_stream_;  // state init/copies of GPU groups
+  std::unique_ptr<Event> grads_ready_;
+  std::unique_ptr<Event> step_done_;     // recorded on the trainer stream at the end of each Step
+  std::vector<std::unique_ptr<TransferBatch>> pending_;  // the last step's copies, until finished
+};
+
+}  // namespace ferry
+
+#endif  // FERRY_OPTIM_HYBRID_OPTIMIZER_H_

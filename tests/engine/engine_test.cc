@@ -1,0 +1,392 @@
+// End-to-end tests of the engine facade on whatever device CreateDevice picks (the host backend on a
+// machine without a GPU, CUDA on the GPU machine): placement by a Lua policy, bit-identical CPU and GPU
+// placements, bad input, stale masters, checkpoints and their corruption.
+#include "ferry/engine.h"
+
+#include <unistd.h>
+
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "ckpt/checkpoint.h"
+#include "device/device.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace ferry {
+namespace {
+
+using ::testing::HasSubstr;
+
+#define ASSERT_OK(expr)                                \
+  do {                                                 \
+    absl::Status s_ = (expr);                          \
+    ASSERT_TRUE(s_.ok()) << #expr << ": " << s_;       \
+  } while (0)
+
+std::string Policies() { return std::string(FERRY_SOURCE_DIR) + "/scripts/policies/"; }
+
+class TempDir {
+ public:
+  TempDir() {
+    std::string tmpl = (std::filesystem::temp_directory_path() / "ferry-engine-XXXXXX").string();
+    path_ = mkdtemp(tmpl.data());
+  }
+  ~TempDir() { std::filesystem::remove_all(path_); }
+  const std::string& path() const { return path_; }
+  std::string Write(const std::string& name, const std::string& text) const {
+    std::string p = path_ + "/" + name;
+    std::ofstream(p) << text;
+    return p;
+  }
+
+ private:
+  std::string path_;
+};
+
+// A model of a few bf16 tensors in device memory, with grads, and random initial values.
+class Model {
+ public:
+  Model(Device* device, std::vector<int64_t> sizes, uint64_t seed) : device_(device), sizes_(std::move(sizes)) {
+    std::mt19937_64 rng(seed);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    for (int64_t n : sizes_) {
+      params_.push_back(*device_->Allocate(static_cast<size_t>(n) * 2));
+      grads_.push_back(*device_->Allocate(static_cast<size_t>(n) * 2));
+      std::vector<uint16_t> init(static_cast<size_t>(n));
+      for (auto& v : init) v = F32ToBF16(normal(rng));
+      EXPECT_TRUE(device_->Copy(params_.back().data(), init.data(), init.size() * 2, CopyKind::kHostToDevice).ok());
+    }
+  }
+  size_t size() const { return sizes_.size(); }
+  std::string name(size_t i) const { return "p" + std::to_string(i); }
+  // Registers every tensor; tensor i is in group "g<i % groups>".
+  absl::Status Register(Engine& e, size_t groups) {
+    for (size_t i = 0; i < sizes_.size(); ++i) {
+      ParamSpec spec;
+      spec.name = name(i);
+      spec.group = "g" + std::to_string(i % groups);
+      spec.shape = {sizes_[i]};
+      spec.dtype = DType::kBF16;
+      spec.param = params_[i].data();
+      spec.grad = grads_[i].data();
+      absl::Status s = e.AddParam(spec);
+      if (!s.ok()) return s;
+    }
+    return absl::OkStatus();
+  }
+  void SetGrads(uint64_t seed) {
+    std::mt19937_64 rng(seed);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    for (size_t i = 0; i < sizes_.size(); ++i) {
+      std::vector<uint16_t> g(static_cast<size_t>(sizes_[i]));
+      for (auto& v : g) v = F32ToBF16(normal(rng));
+      ASSERT_TRUE(device_->Copy(grads_[i].data(), g.data(), g.size() * 2, CopyKind::kHostToDevice).ok());
+    }
+  }
+  std::vector<uint16_t> Param(size_t i) const {
+    std::vector<uint16_t> h(static_cast<size_t>(sizes_[i]));
+    EXPECT_TRUE(device_->Copy(h.data(), params_[i].data(), h.size() * 2, CopyKind::kDeviceToHost).ok());
+    return h;
+  }
+  void SetParam(size_t i, const std::vector<uint16_t>& h) {
+    ASSERT_TRUE(device_->Copy(params_[i].data(), h.data(), h.size() * 2, CopyKind::kHostToDevice).ok());
+  }
+
+ private:
+  Device* device_;
+  std::vector<int64_t> sizes_;
+  std::vector<DeviceBuffer> params_, grads_;
+};
+
+class EngineTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    absl::StatusOr<std::unique_ptr<Device>> d = CreateDevice();
+    ASSERT_TRUE(d.ok()) << d.status();
+    device_ = *std::move(d);
+  }
+  std::unique_ptr<Engine> MakeEngine(const std::string& policy, std::map<std::string, std::string> args = {},
+                                     size_t chunk_bytes = 8 << 20) {
+    EngineOptions o;
+    o.policy_path = policy;
+    o.policy_args = std::move(args);
+    o.optimizer.lr = 1e-2f;
+    o.optimizer.weight_decay = 0.01f;
+    o.transfer_chunk_bytes = chunk_bytes;
+    o.device = std::string(BackendName(device_->backend()));
+    absl::StatusOr<std::unique_ptr<Engine>> e = Engine::Create(o);
+    EXPECT_TRUE(e.ok()) << e.status();
+    return e.ok() ? *std::move(e) : nullptr;
+  }
+  std::unique_ptr<Device> device_;
+  TempDir tmp_;
+};
+
+const std::vector<int64_t> kSizes = {1, 7, 1000, 4099, 65, 3, 20000, 513};
+
+TEST_F(EngineTest, PolicyPlacesHalfTheGroupsOnTheCpu) {
+  Model m(device_.get(), kSizes, 1);
+  auto e = MakeEngine(Policies() + "offload_fraction.lua", {{"fraction", "0.5"}});
+  ASSERT_OK(m.Register(*e, 4));
+  ASSERT_OK(e->Finalize());
+  int64_t cpu = 0, total = 0;
+  for (const GroupPlacement& g : e->Placement()) {
+    total += g.numel;
+    if (g.offloaded) cpu += g.numel;
+  }
+  EXPECT_GT(cpu, 0);
+  EXPECT_LE(cpu, total / 2);
+  EXPECT_GT(e->Stats().pinned_bytes, 0u);
+  ASSERT_OK(e->VerifyMasters());
+}
+
+// The same model stepped with every group offloaded and with every group on the device gives
+// bit-identical params, masters and moments: both paths run base/adam_math.h with the same FMAs.
+TEST_F(EngineTest, CpuAndGpuPlacementsAreBitIdentical) {
+  Model a(device_.get(), kSizes, 7), b(device_.get(), kSizes, 7);
+  // A small chunk size so the pipeline runs many chunks, with tensors straddling them.
+  auto cpu = MakeEngine(Policies() + "offload_all.lua", {}, 4096);
+  auto gpu = MakeEngine(Policies() + "all_gpu.lua");
+  ASSERT_OK(a.Register(*cpu, 3));
+  ASSERT_OK(b.Register(*gpu, 3));
+  ASSERT_OK(cpu->Finalize());
+  ASSERT_OK(gpu->Finalize());
+  for (const GroupPlacement& g : cpu->Placement()) EXPECT_TRUE(g.offloaded) << g.group;
+  for (const GroupPlacement& g : gpu->Placement()) EXPECT_FALSE(g.offloaded) << g.group;
+  for (int step = 0; step < 100; ++step) {
+    a.SetGrads(1000 + step);
+    b.SetGrads(1000 + step);
+    ASSERT_OK(cpu->Step({.lr = 1e-2f * (1.0f + 0.01f * static_cast<float>(step))}));
+    ASSERT_OK(gpu->Step({.lr = 1e-2f * (1.0f + 0.01f * static_cast<float>(step))}));
+  }
+  ASSERT_OK(cpu->Synchronize());
+  ASSERT_OK(gpu->Synchronize());
+  std::vector<uint16_t> before = a.Param(2);
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_EQ(a.Param(i), b.Param(i)) << "param " << i;
+  // The params moved: the test would notice a step that did nothing.
+  Model init(device_.get(), kSizes, 7);
+  EXPECT_NE(init.Param(2), before);
+  // Masters and moments, through checkpoints.
+  absl::StatusOr<std::string> da = cpu->SaveCheckpoint(tmp_.path() + "/cpu", 100);
+  absl::StatusOr<std::string> db = gpu->SaveCheckpoint(tmp_.path() + "/gpu", 100);
+  ASSERT_TRUE(da.ok()) << da.status();
+  ASSERT_TRUE(db.ok()) << db.status();
+  auto ra = CheckpointReader::Open(*da);
+  auto rb = CheckpointReader::Open(*db);
+  ASSERT_TRUE(ra.ok() && rb.ok());
+  ASSERT_EQ((*ra)->tensors().size(), a.size() * 4);
+  for (const TensorEntry& t : (*ra)->tensors()) {
+    std::vector<char> x(t.bytes), y(t.bytes);
+    ASSERT_OK((*ra)->ReadTensor(t.name, x.data(), x.size()));
+    ASSERT_OK((*rb)->ReadTensor(t.name, y.data(), y.size()));
+    EXPECT_EQ(0, std::memcmp(x.data(), y.data(), x.size())) << t.name;
+  }
+  ASSERT_OK(cpu->VerifyMasters());
+  ASSERT_OK(gpu->VerifyMasters());
+}
+
+TEST_F(EngineTest, BadParamsAreRefusedAndChangeNothing) {
+  Model m(device_.get(), {10, 20}, 3);
+  auto e = MakeEngine("");
+  ASSERT_OK(m.Register(*e, 2));
+  DeviceBuffer buf = *device_->Allocate(64);
+  ParamSpec ok{.name = "x", .group = "g", .shape = {4}, .dtype = DType::kBF16, .param = buf.data(), .grad = buf.data()};
+  auto expect_error = [&](ParamSpec s, absl::StatusCode code, const std::string& text) {
+    absl::Status st = e->AddParam(s);
+    EXPECT_EQ(st.code(), code) << st;
+    EXPECT_THAT(std::string(st.message()), HasSubstr(text));
+  };
+  ParamSpec dup = ok;
+  dup.name = "p0";
+  expect_error(dup, absl::StatusCode::kAlreadyExists, "p0");
+  ParamSpec null_param = ok;
+  null_param.param = nullptr;
+  expect_error(null_param, absl::StatusCode::kInvalidArgument, "param pointer is null");
+  ParamSpec null_grad = ok;
+  null_grad.grad = nullptr;
+  expect_error(null_grad, absl::StatusCode::kInvalidArgument, "grad pointer is null");
+  ParamSpec zero = ok;
+  zero.shape = {4, 0};
+  expect_error(zero, absl::StatusCode::kInvalidArgument, "dimension 1 is 0");
+  ParamSpec empty_shape = ok;
+  empty_shape.shape = {};
+  expect_error(empty_shape, absl::StatusCode::kInvalidArgument, "shape is empty");
+  ParamSpec colon = ok;
+  colon.name = "a:b";
+  expect_error(colon, absl::StatusCode::kInvalidArgument, "':'");
+  ParamSpec unnamed = ok;
+  unnamed.name = "";
+  expect_error(unnamed, absl::StatusCode::kInvalidArgument, "empty");
+  ParamSpec mixed = ok;
+  mixed.group = "g0";
+  mixed.dtype = DType::kF32;
+  expect_error(mixed, absl::StatusCode::kInvalidArgument, "group 'g0'");
+  ASSERT_OK(e->Finalize());
+  EXPECT_EQ(e->Placement().size(), 2u);  // nothing of the refused params got in
+  expect_error(ok, absl::StatusCode::kFailedPrecondition, "finalized");
+  EXPECT_EQ(e->Finalize().code(), absl::StatusCode::kFailedPrecondition);
+}
+
+TEST_F(EngineTest, StepBeforeFinalizeIsRefused) {
+  auto e = MakeEngine("");
+  absl::Status s = e->Step();
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  EXPECT_EQ(e->Finalize().code(), absl::StatusCode::kFailedPrecondition);  // no params
+}
+
+// Each broken policy yields a Status naming the file (and line / hook / field); the engine stays
+// unfinalized, with nothing allocated.
+TEST_F(EngineTest, BrokenPoliciesAreReported) {
+  struct Case {
+    std::string name, source, expect1, expect2;
+  };
+  std::vector<Case> cases = {
+      {"runtime.lua", "return {\n place = function(groups, ctx)\n  local x = nil\n  return x.y\n end }\n",
+       "runtime.lua:4", "place"},
+      {"wrongtype.lua", "return { place = function() return 42 end }", "wrongtype.lua", "place"},
+      {"unknown_group.lua", "return { place = function() return { g0 = 'cpu', g1 = 'gpu', nope = 'cpu' } end }",
+       "unknown_group.lua", "nope"},
+      {"unknown_placement.lua", "return { place = function() return { g0 = 'disk', g1 = 'gpu' } end }",
+       "unknown_placement.lua", "disk"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    Model m(device_.get(), {10, 20}, 3);
+    auto e = MakeEngine(tmp_.Write(c.name, c.source));
+    ASSERT_NE(e, nullptr);
+    ASSERT_OK(m.Register(*e, 2));
+    absl::Status s = e->Finalize();
+    ASSERT_FALSE(s.ok());
+    EXPECT_THAT(std::string(s.message()), HasSubstr(c.expect1));
+    EXPECT_THAT(std::string(s.message()), HasSubstr(c.expect2));
+    EXPECT_EQ(e->Stats().pinned_bytes, 0u);
+    EXPECT_EQ(e->Step().code(), absl::StatusCode::kFailedPrecondition);
+  }
+  // A syntax error is caught when the engine is created, naming file:line.
+  EngineOptions o;
+  o.policy_path = tmp_.Write("syntax.lua", "return {\n place = function(\n");
+  absl::StatusOr<std::unique_ptr<Engine>> e = Engine::Create(o);
+  ASSERT_FALSE(e.ok());
+  EXPECT_THAT(std::string(e.status().message()), HasSubstr("syntax.lua:"));
+}
+
+// The stale-master scenario: the trainer loads weights by itself; the masters still hold the old
+// values. VerifyMasters catches it; SyncFromModel fixes it, and the next step starts from the loaded
+// weights.
+TEST_F(EngineTest, StaleMastersAreCaughtAndSynced) {
+  Model m(device_.get(), kSizes, 11);
+  auto e = MakeEngine(Policies() + "offload_fraction.lua", {{"fraction", "0.5"}});
+  ASSERT_OK(m.Register(*e, 4));
+  ASSERT_OK(e->Finalize());
+  for (int s = 0; s < 3; ++s) {
+    m.SetGrads(50 + s);
+    ASSERT_OK(e->Step());
+  }
+  ASSERT_OK(e->VerifyMasters());
+  Model loaded(device_.get(), kSizes, 99);  // "weights from elsewhere"
+  for (size_t i = 0; i < m.size(); ++i) m.SetParam(i, loaded.Param(i));
+  absl::Status s = e->VerifyMasters();
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("stale master"));
+  ASSERT_OK(e->SyncFromModel({}, /*reset_optimizer=*/true));
+  ASSERT_OK(e->VerifyMasters());
+  // One step from the loaded weights equals one step of a fresh engine built on them.
+  auto fresh = MakeEngine(Policies() + "offload_fraction.lua", {{"fraction", "0.5"}});
+  ASSERT_OK(loaded.Register(*fresh, 4));
+  ASSERT_OK(fresh->Finalize());
+  m.SetGrads(77);
+  loaded.SetGrads(77);
+  ASSERT_OK(e->Step());
+  ASSERT_OK(fresh->Step());
+  ASSERT_OK(e->Synchronize());
+  ASSERT_OK(fresh->Synchronize());
+  for (size_t i = 0; i < m.size(); ++i) EXPECT_EQ(m.Param(i), loaded.Param(i)) << i;
+}
+
+// Save, keep training; a fresh engine loads the checkpoint and repeats the same steps bit for bit.
+TEST_F(EngineTest, CheckpointResumeIsBitIdentical) {
+  Model m(device_.get(), kSizes, 21);
+  auto e = MakeEngine(Policies() + "offload_fraction.lua", {{"fraction", "0.5"}}, 8192);
+  ASSERT_OK(m.Register(*e, 4));
+  ASSERT_OK(e->Finalize());
+  for (int s = 0; s < 5; ++s) {
+    m.SetGrads(300 + s);
+    ASSERT_OK(e->Step());
+  }
+  absl::StatusOr<std::string> dir = e->SaveCheckpoint(tmp_.path() + "/run", 5);
+  ASSERT_TRUE(dir.ok()) << dir.status();
+  for (int s = 5; s < 10; ++s) {
+    m.SetGrads(300 + s);
+    ASSERT_OK(e->Step());
+  }
+  ASSERT_OK(e->Synchronize());
+  Model r(device_.get(), kSizes, 999);
+  auto resumed = MakeEngine(Policies() + "offload_fraction.lua", {{"fraction", "0.5"}}, 8192);
+  ASSERT_OK(r.Register(*resumed, 4));
+  ASSERT_OK(resumed->Finalize());
+  ASSERT_OK(resumed->LoadCheckpoint(tmp_.path() + "/run"));  // the root: follows `latest`
+  ASSERT_OK(resumed->VerifyMasters());
+  EXPECT_EQ(resumed->Stats().step, 5);
+  for (int s = 5; s < 10; ++s) {
+    r.SetGrads(300 + s);
+    ASSERT_OK(resumed->Step());
+  }
+  ASSERT_OK(resumed->Synchronize());
+  for (size_t i = 0; i < m.size(); ++i) EXPECT_EQ(m.Param(i), r.Param(i)) << i;
+}
+
+// A checkpoint with one flipped byte, or a truncated file, is refused naming the file and the tensor;
+// the engine's params are unchanged.
+TEST_F(EngineTest, CorruptCheckpointsAreRefused) {
+  Model m(device_.get(), kSizes, 31);
+  auto e = MakeEngine(Policies() + "offload_fraction.lua", {{"fraction", "0.5"}});
+  ASSERT_OK(m.Register(*e, 4));
+  ASSERT_OK(e->Finalize());
+  m.SetGrads(1);
+  ASSERT_OK(e->Step());
+  absl::StatusOr<std::string> dir = e->SaveCheckpoint(tmp_.path() + "/c", 1);
+  ASSERT_TRUE(dir.ok()) << dir.status();
+  const std::string file = *dir + "/rank-00000.safetensors";
+  auto reader = CheckpointReader::Open(*dir);
+  ASSERT_TRUE(reader.ok());
+  const TensorEntry* victim = (*reader)->Find("p6:exp_avg");
+  ASSERT_NE(victim, nullptr);
+  const size_t victim_offset = victim->file_offset + victim->bytes / 2;
+  reader->reset();
+
+  m.SetGrads(2);
+  ASSERT_OK(e->Step());
+  ASSERT_OK(e->Synchronize());
+  std::vector<std::vector<uint16_t>> before;
+  for (size_t i = 0; i < m.size(); ++i) before.push_back(m.Param(i));
+
+  std::string original;
+  {
+    std::ifstream in(file, std::ios::binary);
+    original.assign(std::istreambuf_iterator<char>(in), {});
+  }
+  std::string flipped = original;
+  flipped[victim_offset] = static_cast<char>(flipped[victim_offset] ^ 0x10);
+  std::ofstream(file, std::ios::binary | std::ios::trunc) << flipped;
+  absl::Status s = e->LoadCheckpoint(*dir);
+  EXPECT_FALSE(s.ok());
+  EXPECT_THAT(std::string(s.message()), HasSubstr("rank-00000.safetensors"));
+  EXPECT_THAT(std::string(s.message()), HasSubstr("p6:exp_avg"));
+  for (size_t i = 0; i < m.size(); ++i) EXPECT_EQ(m.Param(i), before[i]) << i;
+
+  std::ofstream(file, std::ios::binary | std::ios::trunc) << original.substr(0, original.size() - 100);
+  s = e->LoadCheckpoint(*dir);
+  EXPECT_FALSE(s.ok());
+  EXPECT_THAT(std::string(s.message()), HasSubstr("rank-00000.safetensors"));
+  for (size_t i = 0; i < m.size(); ++i) EXPECT_EQ(m.Param(i), before[i]) << i;
+  ASSERT_OK(e->VerifyMasters());
+}
+
+}  // namespace
+}  // namespace ferry
