@@ -1,0 +1,257 @@
+#include "transfer/transfer.h"
+
+#include <algorithm>
+#include <string>
+#include <utility>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "base/logging.h"
+#include "ferry/status.h"
+
+namespace ferry {
+namespace transfer_internal {
+
+// Chunk events, reused across batches so that steady-state submissions create none.
+// Safe for concurrent use (a batch may be destroyed on another thread than the one submitting).
+class EventPool final {
+ public:
+  explicit EventPool(Device* device) : device_(device) {}
+
+  // `n` events, from the pool first. On error the events taken so far go back to the pool.
+  absl::StatusOr<std::vector<std::unique_ptr<Event>>> Acquire(size_t n) {
+    std::vector<std::unique_ptr<Event>> events;
+    events.reserve(n);
+    {
+      absl::MutexLock lock(&mu_);
+      while (events.size() < n && !free_.empty()) {
+        events.push_back(std::move(free_.back()));
+        free_.pop_back();
+      }
+    }
+    while (events.size() < n) {
+      absl::StatusOr<std::unique_ptr<Event>> event = device_->CreateEvent();
+      if (!event.ok()) {
+        Return(std::move(events));
+        return absl::Status(event.status().code(),
+                            absl::StrCat("creating a chunk event: ", event.status().message()));
+      }
+      events.push_back(*std::move(event));
+      absl::MutexLock lock(&mu_);
+      ++created_;
+    }
+    return events;
+  }
+
+  void Return(std::vector<std::unique_ptr<Event>> events) {
+    absl::MutexLock lock(&mu_);
+    for (auto& e : events) free_.push_back(std::move(e));
+  }
+
+  uint64_t created() const {
+    absl::MutexLock lock(&mu_);
+    return created_;
+  }
+
+ private:
+  Device* const device_;
+  mutable absl::Mutex mu_;
+  std::vector<std::unique_ptr<Event>> free_ ABSL_GUARDED_BY(mu_);
+  uint64_t created_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+}  // namespace transfer_internal
+
+namespace {
+
+const char* KindName(CopyKind kind) {
+  switch (kind) {
+    case CopyKind::kDeviceToHost: return "D2H";
+    case CopyKind::kHostToDevice: return "H2D";
+    case CopyKind::kDeviceToDevice: return "D2D";
+    case CopyKind::kHostToHost: return "H2H";
+  }
+  return "copy";
+}
+
+}  // namespace
+
+std::vector<ChunkPlan> PlanChunks(absl::Span<const CopyRegion> regions, size_t chunk_bytes) {
+  FERRY_CHECK(chunk_bytes > 0) << "PlanChunks: chunk_bytes must be > 0";
+  std::vector<ChunkPlan> chunks;
+  ChunkPlan current;
+  size_t pos = 0;  // global offset of the next byte
+  for (size_t r = 0; r < regions.size(); ++r) {
+    size_t offset = 0;
+    while (offset < regions[r].bytes) {
+      const size_t take = std::min(regions[r].bytes - offset, chunk_bytes - current.bytes());
+      current.pieces.push_back(ChunkPiece{.region = r, .offset = offset, .bytes = take});
+      offset += take;
+      pos += take;
+      current.end = pos;
+      if (current.bytes() == chunk_bytes) {
+        chunks.push_back(std::move(current));
+        current = ChunkPlan{.begin = pos, .end = pos, .pieces = {}};
+      }
+    }
+  }
+  if (current.bytes() > 0) chunks.push_back(std::move(current));
+  return chunks;
+}
+
+// ---- TransferBatch ---------------------------------------------------------------------------------
+
+TransferBatch::TransferBatch(CopyKind kind, std::vector<CopyRegion> regions,
+                             std::vector<ChunkPlan> chunks,
+                             std::vector<std::unique_ptr<Event>> events,
+                             std::shared_ptr<transfer_internal::EventPool> pool)
+    : kind_(kind),
+      regions_(std::move(regions)),
+      chunks_(std::move(chunks)),
+      events_(std::move(events)),
+      pool_(std::move(pool)) {
+  for (const ChunkPlan& c : chunks_) bytes_ += c.bytes();
+}
+
+TransferBatch::~TransferBatch() {
+  if (pool_ != nullptr) pool_->Return(std::move(events_));
+}
+
+const ChunkPlan& TransferBatch::chunk(size_t k) const {
+  FERRY_CHECK(k < chunks_.size()) << "TransferBatch::chunk(" << k << ") of " << chunks_.size();
+  return chunks_[k];
+}
+
+Event& TransferBatch::chunk_event(size_t k) {
+  FERRY_CHECK(k < events_.size())
+      << "TransferBatch::chunk_event(" << k << ") of " << events_.size();
+  return *events_[k];
+}
+
+absl::Status TransferBatch::WaitChunk(size_t k) {
+  if (k >= events_.size()) {
+    return absl::OutOfRangeError(
+        absl::StrCat(KindName(kind_), " batch: chunk ", k, " of ", events_.size()));
+  }
+  absl::Status s = events_[k]->Synchronize();
+  if (!s.ok()) {
+    return absl::Status(s.code(), absl::StrCat(KindName(kind_), " batch: waiting for chunk ", k,
+                                               " of ", events_.size(), ": ", s.message()));
+  }
+  return s;
+}
+
+absl::StatusOr<bool> TransferBatch::ChunkDone(size_t k) {
+  if (k >= events_.size()) {
+    return absl::OutOfRangeError(
+        absl::StrCat(KindName(kind_), " batch: chunk ", k, " of ", events_.size()));
+  }
+  return events_[k]->Query();
+}
+
+absl::Status TransferBatch::Wait() {
+  // The chunks complete in order (one stream), but waiting on each surfaces the first error.
+  for (size_t k = 0; k < events_.size(); ++k) FERRY_RETURN_IF_ERROR(WaitChunk(k));
+  return absl::OkStatus();
+}
+
+absl::Status TransferBatch::MakeStreamWait(Stream& stream) {
+  if (events_.empty()) return absl::OkStatus();
+  return stream.WaitFor(*events_.back());
+}
+
+// ---- Transfer --------------------------------------------------------------------------------------
+
+absl::StatusOr<std::unique_ptr<Transfer>> Transfer::Create(Device* device,
+                                                           const TransferOptions& options) {
+  if (device == nullptr) return absl::InvalidArgumentError("Transfer: device is null");
+  if (options.chunk_bytes == 0) {
+    return absl::InvalidArgumentError("Transfer: chunk_bytes is 0; expected > 0");
+  }
+  FERRY_ASSIGN_OR_RETURN(std::unique_ptr<Stream> d2h, device->CreateStream());
+  FERRY_ASSIGN_OR_RETURN(std::unique_ptr<Stream> h2d, device->CreateStream());
+  return std::unique_ptr<Transfer>(new Transfer(device, options, std::move(d2h), std::move(h2d)));
+}
+
+Transfer::Transfer(Device* device, const TransferOptions& options, std::unique_ptr<Stream> d2h,
+                   std::unique_ptr<Stream> h2d)
+    : device_(device),
+      options_(options),
+      d2h_(std::move(d2h)),
+      h2d_(std::move(h2d)),
+      pool_(std::make_shared<transfer_internal::EventPool>(device)) {}
+
+Transfer::~Transfer() {
+  for (Stream* s : {d2h_.get(), h2d_.get()}) {
+    if (absl::Status status = s->Synchronize(); !status.ok()) {
+      FERRY_LOG(ERROR) << "Transfer: draining a stream at destruction: " << status;
+    }
+  }
+}
+
+uint64_t Transfer::events_created() const { return pool_->created(); }
+
+absl::StatusOr<std::unique_ptr<TransferBatch>> Transfer::DeviceToHost(
+    absl::Span<const CopyRegion> regions, Event* after) {
+  return Submit(CopyKind::kDeviceToHost, regions, after);
+}
+
+absl::StatusOr<std::unique_ptr<TransferBatch>> Transfer::HostToDevice(
+    absl::Span<const CopyRegion> regions, Event* after) {
+  return Submit(CopyKind::kHostToDevice, regions, after);
+}
+
+absl::StatusOr<std::unique_ptr<TransferBatch>> Transfer::Submit(
+    CopyKind kind, absl::Span<const CopyRegion> regions, Event* after) {
+  for (size_t r = 0; r < regions.size(); ++r) {
+    if (regions[r].bytes > 0 && (regions[r].dst == nullptr || regions[r].src == nullptr)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(KindName(kind), " region ", r, " of ", regions.size(), ": ",
+                       regions[r].bytes, " bytes with a null ",
+                       regions[r].dst == nullptr ? "dst" : "src", " pointer"));
+    }
+  }
+  std::vector<ChunkPlan> chunks = PlanChunks(regions, options_.chunk_bytes);
+  // Take every event before enqueueing anything, so that running out of events enqueues nothing.
+  FERRY_ASSIGN_OR_RETURN(std::vector<std::unique_ptr<Event>> events, pool_->Acquire(chunks.size()));
+  auto batch = std::unique_ptr<TransferBatch>(
+      new TransferBatch(kind, std::vector<CopyRegion>(regions.begin(), regions.end()),
+                        std::move(chunks), std::move(events), pool_));
+  if (batch->num_chunks() == 0) return batch;
+
+  Stream& stream = kind == CopyKind::kDeviceToHost ? *d2h_ : *h2d_;
+  // On an enqueue error, drain the stream so that nothing of this submission is left in flight
+  // (the caller gets no batch to wait on), and say where it stopped.
+  auto fail = [&](const absl::Status& s, const std::string& where) {
+    if (absl::Status drained = stream.Synchronize(); !drained.ok()) {
+      FERRY_LOG(ERROR) << "Transfer: draining the " << KindName(kind)
+                       << " stream after an error: " << drained;
+    }
+    return absl::Status(s.code(), absl::StrCat(KindName(kind), " ", where, ": ", s.message()));
+  };
+  if (after != nullptr) {
+    if (absl::Status s = stream.WaitFor(*after); !s.ok()) return fail(s, "waiting for `after`");
+  }
+  for (size_t k = 0; k < batch->num_chunks(); ++k) {
+    const ChunkPlan& plan = batch->chunk(k);
+    for (const ChunkPiece& piece : plan.pieces) {
+      const CopyRegion& region = regions[piece.region];
+      absl::Status s =
+          device_->CopyAsync(static_cast<char*>(region.dst) + piece.offset,
+                             static_cast<const char*>(region.src) + piece.offset, piece.bytes,
+                             kind, stream);
+      if (!s.ok()) {
+        return fail(s, absl::StrCat("chunk ", k, " of ", batch->num_chunks(), " (region ",
+                                    piece.region, ", bytes [", piece.offset, ", ",
+                                    piece.offset + piece.bytes, "))"));
+      }
+    }
+    if (absl::Status s = stream.Record(batch->chunk_event(k)); !s.ok()) {
+      return fail(s, absl::StrCat("recording the event of chunk ", k));
+    }
+  }
+  return batch;
+}
+
+}  // namespace ferry
