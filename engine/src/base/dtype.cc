@@ -26,12 +26,15 @@ std::string_view DTypeSafetensorsName(DType t) {
 }
 
 absl::StatusOr<DType> ParseDType(std::string_view name) {
-  std::string n = absl::AsciiStrToLower(name);
+  // Debian's Abseil (20220623) has its own absl::string_view, not an alias of std::string_view, so
+  // std::string_view arguments are converted explicitly.
+  std::string n = absl::AsciiStrToLower(absl::string_view(name.data(), name.size()));
   if (n == "f32" || n == "float32" || n == "fp32") return DType::kF32;
   if (n == "bf16" || n == "bfloat16") return DType::kBF16;
   if (n == "f16" || n == "float16" || n == "fp16" || n == "half") return DType::kF16;
   return absl::InvalidArgumentError(
-      absl::StrCat("unknown dtype '", name, "' (expected f32, bf16 or f16)"));
+      absl::StrCat("unknown dtype '", absl::string_view(name.data(), name.size()),
+                   "' (expected f32, bf16 or f16)"));
 }
 
 }  // namespace ferry

@@ -8,7 +8,9 @@
 namespace ferry {
 
 absl::Status PosixError(std::string_view context, int err) {
-  std::string msg = absl::StrCat(context, ": ", std::strerror(err), " (errno ", err, ")");
+  // absl::string_view is not std::string_view in Debian's Abseil: convert explicitly.
+  std::string msg = absl::StrCat(absl::string_view(context.data(), context.size()), ": ",
+                                 std::strerror(err), " (errno ", err, ")");
   switch (err) {
     case ENOENT: return absl::NotFoundError(msg);
     case EEXIST: return absl::AlreadyExistsError(msg);

@@ -16,7 +16,7 @@
 #include "absl/strings/str_format.h"
 #include "base/errors.h"
 #include "base/logging.h"
-#include "ckpt/absl_compat.h"
+#include "base/absl_compat.h"
 #include "ckpt/posix_file.h"
 #include "ckpt/safetensors.h"
 #include "ferry/status.h"

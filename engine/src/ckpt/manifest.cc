@@ -3,7 +3,7 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "ckpt/absl_compat.h"
+#include "base/absl_compat.h"
 #include "ckpt/json_util.h"
 #include "ckpt/safetensors.h"
 #include "ferry/status.h"

@@ -5,7 +5,7 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "ckpt/absl_compat.h"
+#include "base/absl_compat.h"
 #include "ckpt/json_util.h"
 #include "ferry/status.h"
 

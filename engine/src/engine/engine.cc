@@ -12,6 +12,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "base/absl_compat.h"
 #include "base/thread_pool.h"
 #include "ckpt/checkpoint.h"
 #include "device/device.h"
@@ -65,7 +66,7 @@ class EngineImpl final : public Engine {
  private:
   absl::Status RequireFinalized(std::string_view what) const {
     if (optimizer_ == nullptr) {
-      return absl::FailedPreconditionError(absl::StrCat(what, " before Finalize()"));
+      return absl::FailedPreconditionError(absl::StrCat(ToAbsl(what), " before Finalize()"));
     }
     return absl::OkStatus();
   }
@@ -119,8 +120,8 @@ absl::Status EngineImpl::AddParam(const ParamSpec& spec) {
   const std::string group = spec.group.empty() ? spec.name : spec.group;
   auto it = group_index_.find(group);
   if (it != group_index_.end() && group_dtype_[it->second] != spec.dtype) {
-    return absl::InvalidArgumentError(absl::StrCat(where, ": dtype ", DTypeName(spec.dtype), " differs from group '",
-                                                   group, "', whose params are ", DTypeName(group_dtype_[it->second])));
+    return absl::InvalidArgumentError(absl::StrCat(where, ": dtype ", ToAbsl(DTypeName(spec.dtype)), " differs from group '",
+                                                   group, "', whose params are ", ToAbsl(DTypeName(group_dtype_[it->second]))));
   }
   if (it == group_index_.end()) {
     it = group_index_.emplace(group, group_names_.size()).first;
@@ -339,8 +340,8 @@ absl::Status EngineImpl::LoadCheckpoint(const std::string& path) {
     }
     if (e->dtype != p.spec.dtype || e->shape != p.spec.shape) {
       return absl::InvalidArgumentError(absl::StrCat(
-          dir, ": tensor '", p.spec.name, "' is ", DTypeName(e->dtype), "[", absl::StrJoin(e->shape, ","),
-          "] but the registered param is ", DTypeName(p.spec.dtype), "[", absl::StrJoin(p.spec.shape, ","), "]"));
+          dir, ": tensor '", p.spec.name, "' is ", ToAbsl(DTypeName(e->dtype)), "[", absl::StrJoin(e->shape, ","),
+          "] but the registered param is ", ToAbsl(DTypeName(p.spec.dtype)), "[", absl::StrJoin(p.spec.shape, ","), "]"));
     }
     Loaded& l = loaded[i];
     l.param.resize(e->bytes);
@@ -356,7 +357,7 @@ absl::Status EngineImpl::LoadCheckpoint(const std::string& path) {
         continue;
       }
       if (s->dtype != DType::kF32 || s->shape != p.spec.shape) {
-        return absl::InvalidArgumentError(absl::StrCat(dir, ": tensor '", name, "' is ", DTypeName(s->dtype), "[",
+        return absl::InvalidArgumentError(absl::StrCat(dir, ": tensor '", name, "' is ", ToAbsl(DTypeName(s->dtype)), "[",
                                                        absl::StrJoin(s->shape, ","), "]; expected f32[",
                                                        absl::StrJoin(p.spec.shape, ","), "]"));
       }

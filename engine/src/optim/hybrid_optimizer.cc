@@ -1,5 +1,6 @@
 #include "optim/hybrid_optimizer.h"
 
+#include <algorithm>
 #include <cstring>
 #include <utility>
 
@@ -83,6 +84,12 @@ absl::Status HybridOptimizer::Init(std::vector<OptimParam> params, std::vector<O
     }
   }
   // Offloaded params' staging: grads arrive here from the device, new params leave from here.
+  // Params with 4-byte grads come first: every region's size is a multiple of its element size, and
+  // chunks are cut at multiples of 4 bytes of the concatenated regions, so with this order every chunk
+  // piece starts and ends on an element boundary.
+  std::stable_sort(cpu_params_.begin(), cpu_params_.end(), [&](size_t a, size_t b) {
+    return DTypeSize(params_[a].grad_dtype) > DTypeSize(params_[b].grad_dtype);
+  });
   size_t grad_bytes = 0, param_bytes = 0;
   for (size_t p : cpu_params_) {
     grad_stage_offset_.push_back(grad_bytes);
@@ -155,10 +162,7 @@ absl::Status HybridOptimizer::Step(float lr, Stream& trainer) {
   FERRY_RETURN_IF_ERROR(trainer.Record(*grads_ready_));
   FERRY_RETURN_IF_ERROR(StepGpuGroups(lr, trainer));
   FERRY_RETURN_IF_ERROR(StepCpuGroups(lr, *grads_ready_));
-  if (!pending_.empty()) {
-    TransferBatch& last = *pending_.back();
-    FERRY_RETURN_IF_ERROR(trainer.WaitFor(last.chunk_event(last.num_chunks() - 1)));
-  }
+  if (!pending_.empty()) FERRY_RETURN_IF_ERROR(pending_.back()->MakeStreamWait(trainer));
   FERRY_RETURN_IF_ERROR(trainer.Record(*step_done_));
   for (Group& g : groups_) ++g.step;
   return absl::OkStatus();
@@ -216,6 +220,7 @@ absl::Status HybridOptimizer::StepCpuGroups(float lr, Event& grads_ready) {
       const size_t p = cpu_params_[piece.region];
       const OptimParam& op = params_[p];
       const size_t gsize = DTypeSize(op.grad_dtype), psize = DTypeSize(op.dtype);
+      FERRY_CHECK(piece.offset % gsize == 0 && piece.bytes % gsize == 0) << "chunk piece off element boundary";
       const size_t e0 = piece.offset / gsize;
       const size_t n = piece.bytes / gsize;
       char* param_stage = param_stage_.as<char>() + param_stage_offset_[piece.region];

@@ -1,8 +1,8 @@
 // Debian's Abseil (20220623) has its own absl::string_view, not an alias of std::string_view, and
-// absl::StrCat and friends take only the former. The ckpt layer uses absl::string_view internally
+// absl::StrCat and friends take only the former. Layers use absl::string_view internally
 // and converts at the edges (public API, ferry/dtype.h) with ToAbsl.
-#ifndef FERRY_CKPT_ABSL_COMPAT_H_
-#define FERRY_CKPT_ABSL_COMPAT_H_
+#ifndef FERRY_BASE_ABSL_COMPAT_H_
+#define FERRY_BASE_ABSL_COMPAT_H_
 
 #include <string_view>
 
@@ -16,4 +16,4 @@ inline absl::string_view ToAbsl(std::string_view s) {
 
 }  // namespace ferry
 
-#endif  // FERRY_CKPT_ABSL_COMPAT_H_
+#endif  // FERRY_BASE_ABSL_COMPAT_H_

@@ -1,0 +1,524 @@
+#include "policy/policy.h"
+
+#include <algorithm>
+#include <cerrno>
+#include <cmath>
+#include <cstdio>
+#include <limits>
+#include <optional>
+#include <utility>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/strings/escaping.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "base/errors.h"
+#include "ferry/status.h"
+#include "policy/lua_runtime.h"
+
+#if __has_include(<luajit-2.1/lua.hpp>)
+#include <luajit-2.1/lua.hpp>
+#else
+#include <lua.hpp>
+#endif
+
+namespace ferry {
+
+namespace {
+
+constexpr std::string_view kNumaModes[] = {"interleave", "bind", "preferred", "local"};
+
+// Debian's Abseil has its own absl::string_view, which std::string_view does not convert to.
+absl::string_view AV(std::string_view s) { return absl::string_view(s.data(), s.size()); }
+
+// ---- host -> Lua (raw operations on fresh tables; no metamethods can run)
+// -------------------------
+
+void SetString(lua_State* L, const char* key, std::string_view value) {
+  lua_pushlstring(L, value.data(), value.size());
+  lua_setfield(L, -2, key);
+}
+void SetNumber(lua_State* L, const char* key, int64_t value) {
+  lua_pushnumber(L, static_cast<lua_Number>(value));
+  lua_setfield(L, -2, key);
+}
+void SetBool(lua_State* L, const char* key, bool value) {
+  lua_pushboolean(L, value ? 1 : 0);
+  lua_setfield(L, -2, key);
+}
+void PushStringArray(lua_State* L, const std::vector<std::string>& values) {
+  lua_createtable(L, static_cast<int>(values.size()), 0);
+  for (size_t i = 0; i < values.size(); ++i) {
+    lua_pushlstring(L, values[i].data(), values[i].size());
+    lua_rawseti(L, -2, static_cast<int>(i + 1));
+  }
+}
+void SetStringArray(lua_State* L, const char* key, const std::vector<std::string>& values) {
+  PushStringArray(L, values);
+  lua_setfield(L, -2, key);
+}
+
+void PushGroups(lua_State* L, absl::Span<const GroupInfo> groups) {
+  lua_createtable(L, static_cast<int>(groups.size()), 0);
+  for (size_t i = 0; i < groups.size(); ++i) {
+    const GroupInfo& g = groups[i];
+    lua_createtable(L, 0, 5);
+    SetString(L, "name", g.name);
+    SetNumber(L, "numel", g.numel);
+    SetNumber(L, "bytes", g.bytes);
+    SetString(L, "dtype", DTypeName(g.dtype));
+    SetStringArray(L, "tags", g.tags);
+    lua_rawseti(L, -2, static_cast<int>(i + 1));
+  }
+}
+
+void PushContext(lua_State* L, const PolicyContext& ctx) {
+  lua_createtable(L, 0, 6);
+  SetNumber(L, "rank", ctx.rank);
+  SetNumber(L, "world_size", ctx.world_size);
+  SetNumber(L, "gpu_free_bytes", ctx.gpu_free_bytes);
+  SetNumber(L, "pinned_budget_bytes", ctx.pinned_budget_bytes);
+  SetNumber(L, "numa_nodes", ctx.numa_nodes);
+  lua_createtable(L, 0, static_cast<int>(ctx.args.size()));
+  for (const auto& [key, value] : ctx.args) {
+    lua_pushlstring(L, key.data(), key.size());
+    lua_pushlstring(L, value.data(), value.size());
+    lua_rawset(L, -3);
+  }
+  lua_setfield(L, -2, "args");
+}
+
+std::vector<std::string> GroupNames(absl::Span<const GroupInfo> groups) {
+  std::vector<std::string> names;
+  names.reserve(groups.size());
+  for (const GroupInfo& g : groups) names.push_back(g.name);
+  return names;
+}
+
+// ---- Lua -> host: validation
+// ----------------------------------------------------------------------
+
+// A Lua string as it appears in messages: quoted, escaped, truncated.
+std::string Quote(std::string_view s) {
+  constexpr size_t kMax = 80;
+  if (s.size() > kMax) return absl::StrCat("\"", absl::CHexEscape(AV(s.substr(0, kMax))), "...\"");
+  return absl::StrCat("\"", absl::CHexEscape(AV(s)), "\"");
+}
+
+// Describes the value at `idx` without running any metamethod: "\"disk\"", "the number 3", "nil",
+// "the boolean true", "a table", ...
+std::string Describe(lua_State* L, int idx) {
+  switch (lua_type(L, idx)) {
+    case LUA_TNIL: return "nil";
+    case LUA_TSTRING: {
+      size_t len = 0;
+      const char* s = lua_tolstring(L, idx, &len);
+      return Quote(std::string_view(s, len));
+    }
+    case LUA_TNUMBER:
+      return absl::StrFormat("the number %.14g", lua_tonumber(L, idx));  // as Lua prints it
+    case LUA_TBOOLEAN: return lua_toboolean(L, idx) ? "the boolean true" : "the boolean false";
+    default: return absl::StrCat("a ", luaL_typename(L, idx));
+  }
+}
+
+// The string at `idx` (REQUIRES: lua_type == LUA_TSTRING).
+std::string_view StringAt(lua_State* L, int idx) {
+  size_t len = 0;
+  const char* s = lua_tolstring(L, idx, &len);
+  return std::string_view(s, len);
+}
+
+bool IsString(lua_State* L, int idx, std::string_view value) {
+  return lua_type(L, idx) == LUA_TSTRING && StringAt(L, idx) == value;
+}
+
+// Pushes t[key] read raw (the table at absolute index `t`).
+void RawGetField(lua_State* L, int t, const char* key) {
+  lua_pushstring(L, key);
+  lua_rawget(L, t);
+}
+
+// Builds the errors of one hook call: "<policy>: <hook>(): <detail>".
+class Checker final {
+ public:
+  Checker(std::string_view policy, std::string_view hook) : policy_(policy), hook_(hook) {}
+  absl::Status Error(std::string_view detail) const {
+    return absl::InvalidArgumentError(
+        absl::StrCat(AV(policy_), ": ", AV(hook_), "(): ", AV(detail)));
+  }
+
+ private:
+  std::string_view policy_;
+  std::string_view hook_;
+};
+
+// Every key of the result table at `idx` must be a string among `fields`.
+absl::Status CheckFields(lua_State* L, int idx, const Checker& c,
+                         std::initializer_list<std::string_view> fields) {
+  lua_pushnil(L);
+  while (lua_next(L, idx) != 0) {
+    const bool known = lua_type(L, -2) == LUA_TSTRING &&
+                       std::find(fields.begin(), fields.end(), StringAt(L, -2)) != fields.end();
+    if (!known) {
+      std::vector<std::string> quoted;
+      for (std::string_view f : fields) quoted.push_back(Quote(f));
+      return c.Error(absl::StrCat("unknown field ", Describe(L, -2), "; expected only ",
+                                  absl::StrJoin(quoted, ", ")));
+    }
+    lua_pop(L, 1);
+  }
+  return absl::OkStatus();
+}
+
+// Reads the array of strings at absolute index `idx` (a table): keys exactly 1..n, values strings.
+absl::Status ReadStringArray(lua_State* L, int idx, const Checker& c, std::string_view field,
+                             std::vector<std::string>* out) {
+  int64_t count = 0;
+  lua_Number max_key = 0;
+  lua_pushnil(L);
+  while (lua_next(L, idx) != 0) {
+    const bool integer_key = lua_type(L, -2) == LUA_TNUMBER && lua_tonumber(L, -2) >= 1 &&
+                             lua_tonumber(L, -2) == std::floor(lua_tonumber(L, -2));
+    if (!integer_key) {
+      return c.Error(absl::StrCat("field \"", AV(field), "\" has key ", Describe(L, -2),
+                                  "; expected an array (keys 1..n)"));
+    }
+    max_key = std::max(max_key, lua_tonumber(L, -2));
+    ++count;
+    lua_pop(L, 1);
+  }
+  if (max_key != static_cast<lua_Number>(count)) {
+    return c.Error(absl::StrCat("field \"", AV(field), "\" has holes (", count,
+                                " entries, largest key ", absl::StrFormat("%.14g", max_key),
+                                "); expected an array (keys 1..n)"));
+  }
+  out->clear();
+  for (int64_t i = 1; i <= count; ++i) {
+    lua_rawgeti(L, idx, static_cast<int>(i));
+    if (lua_type(L, -1) != LUA_TSTRING) {
+      return c.Error(absl::StrCat("field \"", AV(field), "\" entry ", i, " is ", Describe(L, -1),
+                                  "; expected a string"));
+    }
+    out->emplace_back(StringAt(L, -1));
+    lua_pop(L, 1);
+  }
+  return absl::OkStatus();
+}
+
+// Host inputs: names non-empty and unique. Returns name -> position.
+absl::StatusOr<absl::flat_hash_map<std::string, size_t>> IndexNames(
+    const Checker& c, std::string_view what, const std::vector<std::string>& names) {
+  absl::flat_hash_map<std::string, size_t> index;
+  for (size_t i = 0; i < names.size(); ++i) {
+    if (names[i].empty()) {
+      return c.Error(absl::StrCat("input: ", AV(what), " ", i, " has an empty name"));
+    }
+    if (!index.emplace(names[i], i).second) {
+      return c.Error(absl::StrCat("input: ", AV(what), " \"", names[i], "\" appears twice"));
+    }
+  }
+  return index;
+}
+
+absl::Status CheckSubset(const Checker& c, std::string_view what,
+                         const std::vector<std::string>& names,
+                         const absl::flat_hash_map<std::string, size_t>& index) {
+  for (const std::string& n : names) {
+    if (!index.contains(n)) {
+      return c.Error(absl::StrCat("input: ", AV(what), " names \"", n, "\", which is not a group"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::string> ReadFile(const std::string& path) {
+  std::FILE* f = std::fopen(path.c_str(), "rb");
+  if (f == nullptr) return PosixError(absl::StrCat("cannot open policy ", path), errno);
+  std::string data;
+  char buffer[1 << 14];
+  size_t n = 0;
+  while ((n = std::fread(buffer, 1, sizeof(buffer), f)) > 0) data.append(buffer, n);
+  const bool failed = std::ferror(f) != 0;
+  const int err = errno;
+  std::fclose(f);
+  if (failed) return PosixError(absl::StrCat("cannot read policy ", path), err);
+  return data;
+}
+
+absl::StatusOr<std::unique_ptr<LuaRuntime>> MakeRuntime(std::string name, std::string_view source,
+                                                        const std::string& lua_chunk_name,
+                                                        const PolicyOptions& options) {
+  FERRY_ASSIGN_OR_RETURN(std::unique_ptr<LuaRuntime> lua,
+                         LuaRuntime::Create(std::move(name), options));
+  FERRY_RETURN_IF_ERROR(lua->Load(source, lua_chunk_name));
+  return lua;
+}
+
+}  // namespace
+
+Policy::Policy(std::string path, std::unique_ptr<LuaRuntime> lua)
+    : path_(std::move(path)), lua_(std::move(lua)) {}
+
+Policy::~Policy() = default;
+
+absl::StatusOr<std::unique_ptr<Policy>> Policy::LoadFile(const std::string& path,
+                                                         const PolicyOptions& options) {
+  FERRY_ASSIGN_OR_RETURN(std::string source, ReadFile(path));
+  FERRY_ASSIGN_OR_RETURN(std::unique_ptr<LuaRuntime> lua,
+                         MakeRuntime(path, source, absl::StrCat("@", path), options));
+  return std::unique_ptr<Policy>(new Policy(path, std::move(lua)));
+}
+
+absl::StatusOr<std::unique_ptr<Policy>> Policy::LoadString(std::string_view source,
+                                                           std::string_view chunk_name,
+                                                           const PolicyOptions& options) {
+  std::string name(chunk_name);
+  FERRY_ASSIGN_OR_RETURN(std::unique_ptr<LuaRuntime> lua,
+                         MakeRuntime(name, source, absl::StrCat("=", name), options));
+  return std::unique_ptr<Policy>(new Policy(std::move(name), std::move(lua)));
+}
+
+bool Policy::has_hook(std::string_view name) const { return lua_->HasHook(name); }
+
+absl::StatusOr<Placement> Policy::Place(absl::Span<const GroupInfo> groups,
+                                        const PolicyContext& ctx) {
+  const Checker c(path_, "place");
+  const std::vector<std::string> names = GroupNames(groups);
+  FERRY_ASSIGN_OR_RETURN(auto index, IndexNames(c, "group", names));
+  Placement placement;
+  if (!has_hook("place")) {
+    for (const std::string& n : names) placement.groups.emplace(n, PlaceKind::kGpu);
+    return placement;
+  }
+  std::vector<std::optional<PlaceKind>> kinds(groups.size());
+  std::optional<std::string> numa;
+  auto push_args = [&](lua_State* L) {
+    PushGroups(L, groups);
+    PushContext(L, ctx);
+    return 2;
+  };
+  auto read = [&](lua_State* L, int r) -> absl::Status {
+    if (lua_type(L, r) != LUA_TTABLE) {
+      return c.Error(absl::StrCat("returned ", Describe(L, r),
+                                  "; expected a table mapping each group name to \"cpu\" or "
+                                  "\"gpu\""));
+    }
+    lua_pushnil(L);
+    while (lua_next(L, r) != 0) {
+      if (lua_type(L, -2) != LUA_TSTRING) {
+        return c.Error(absl::StrCat("has key ", Describe(L, -2),
+                                    "; expected group names (strings) and optionally \"numa\""));
+      }
+      const std::string_view key = StringAt(L, -2);
+      auto it = index.find(AV(key));
+      const bool placement_value = IsString(L, -1, "cpu") || IsString(L, -1, "gpu");
+      if (key == "numa" && (it == index.end() || !placement_value)) {
+        // The NUMA mode (a group named "numa" is placed with "cpu"/"gpu" under the same key).
+        const bool valid = lua_type(L, -1) == LUA_TSTRING &&
+                           std::find(std::begin(kNumaModes), std::end(kNumaModes),
+                                     StringAt(L, -1)) != std::end(kNumaModes);
+        if (!valid) {
+          return c.Error(absl::StrCat("field \"numa\" is ", Describe(L, -1),
+                                      "; expected \"interleave\", \"bind\", \"preferred\" or "
+                                      "\"local\""));
+        }
+        numa = std::string(StringAt(L, -1));
+      } else if (it == index.end()) {
+        return c.Error(absl::StrCat("names unknown group ", Quote(key), "; expected only the ",
+                                    groups.size(), " groups passed to place()"));
+      } else if (!placement_value) {
+        return c.Error(absl::StrCat("group ", Quote(key), " has placement ", Describe(L, -1),
+                                    "; expected \"cpu\" or \"gpu\""));
+      } else {
+        kinds[it->second] = IsString(L, -1, "cpu") ? PlaceKind::kCpu : PlaceKind::kGpu;
+      }
+      lua_pop(L, 1);
+    }
+    for (size_t i = 0; i < kinds.size(); ++i) {
+      if (!kinds[i].has_value()) {
+        const size_t missing = std::count(kinds.begin(), kinds.end(), std::nullopt);
+        return c.Error(absl::StrCat(
+            "group ", Quote(names[i]), " has no placement",
+            missing > 1 ? absl::StrCat(" (nor do ", missing - 1, " other groups)") : "",
+            "; expected \"cpu\" or \"gpu\" for every group"));
+      }
+    }
+    return absl::OkStatus();
+  };
+  FERRY_RETURN_IF_ERROR(lua_->CallHook("place", push_args, read));
+  for (size_t i = 0; i < names.size(); ++i) placement.groups.emplace(names[i], *kinds[i]);
+  placement.numa = std::move(numa);
+  return placement;
+}
+
+absl::StatusOr<SyncPlan> Policy::AfterLoad(const LoadEvent& event,
+                                           absl::Span<const GroupInfo> groups,
+                                           const PolicyContext& ctx) {
+  const Checker c(path_, "after_load");
+  const std::vector<std::string> names = GroupNames(groups);
+  FERRY_ASSIGN_OR_RETURN(auto index, IndexNames(c, "group", names));
+  FERRY_RETURN_IF_ERROR(IndexNames(c, "event group", event.groups).status());
+  FERRY_RETURN_IF_ERROR(CheckSubset(c, "event.groups", event.groups, index));
+
+  // Defaults, also for fields the hook leaves out.
+  std::vector<bool> sync(names.size(), !event.masters_loaded);
+  bool reset_optimizer = !event.optimizer_loaded;
+  if (has_hook("after_load")) {
+    auto push_args = [&](lua_State* L) {
+      lua_createtable(L, 0, 5);
+      SetString(L, "kind", LoadKindName(event.kind));
+      SetBool(L, "optimizer_loaded", event.optimizer_loaded);
+      SetBool(L, "masters_loaded", event.masters_loaded);
+      SetStringArray(L, "groups", event.groups);
+      SetStringArray(L, "all_groups", names);
+      PushContext(L, ctx);
+      return 2;
+    };
+    auto read = [&](lua_State* L, int r) -> absl::Status {
+      if (lua_type(L, r) != LUA_TTABLE) {
+        return c.Error(absl::StrCat("returned ", Describe(L, r),
+                                    "; expected a table {sync = \"all\" | \"none\" | {group "
+                                    "names}, reset_optimizer = boolean}"));
+      }
+      FERRY_RETURN_IF_ERROR(CheckFields(L, r, c, {"sync", "reset_optimizer"}));
+      RawGetField(L, r, "sync");
+      const int s = lua_gettop(L);
+      if (IsString(L, s, "all") || IsString(L, s, "none")) {
+        std::fill(sync.begin(), sync.end(), IsString(L, s, "all"));
+      } else if (lua_type(L, s) == LUA_TTABLE) {
+        std::vector<std::string> listed;
+        FERRY_RETURN_IF_ERROR(ReadStringArray(L, s, c, "sync", &listed));
+        std::fill(sync.begin(), sync.end(), false);
+        for (size_t i = 0; i < listed.size(); ++i) {
+          auto it = index.find(listed[i]);
+          if (it == index.end()) {
+            return c.Error(absl::StrCat("field \"sync\" entry ", i + 1, " is ", Quote(listed[i]),
+                                        ", which is not a group; expected names from "
+                                        "event.all_groups"));
+          }
+          if (sync[it->second]) {
+            return c.Error(absl::StrCat("field \"sync\" names group ", Quote(listed[i]),
+                                        " twice; expected each group at most once"));
+          }
+          sync[it->second] = true;
+        }
+      } else if (lua_type(L, s) != LUA_TNIL) {
+        return c.Error(absl::StrCat("field \"sync\" is ", Describe(L, s),
+                                    "; expected \"all\", \"none\" or an array of group names"));
+      }
+      lua_pop(L, 1);
+      RawGetField(L, r, "reset_optimizer");
+      if (lua_type(L, -1) == LUA_TBOOLEAN) {
+        reset_optimizer = lua_toboolean(L, -1) != 0;
+      } else if (lua_type(L, -1) != LUA_TNIL) {
+        return c.Error(
+            absl::StrCat("field \"reset_optimizer\" is ", Describe(L, -1), "; expected a boolean"));
+      }
+      lua_pop(L, 1);
+      return absl::OkStatus();
+    };
+    FERRY_RETURN_IF_ERROR(lua_->CallHook("after_load", push_args, read));
+  }
+  SyncPlan plan;
+  for (size_t i = 0; i < names.size(); ++i) {
+    if (sync[i]) plan.sync_groups.push_back(names[i]);
+  }
+  plan.reset_optimizer = reset_optimizer;
+  return plan;
+}
+
+absl::StatusOr<CheckpointPlan> Policy::Checkpoint(const CheckpointInfo& info,
+                                                  const PolicyContext& ctx) {
+  const Checker c(path_, "checkpoint");
+  FERRY_ASSIGN_OR_RETURN(auto index, IndexNames(c, "group", info.groups));
+  FERRY_RETURN_IF_ERROR(IndexNames(c, "offloaded group", info.offloaded).status());
+  FERRY_RETURN_IF_ERROR(CheckSubset(c, "info.offloaded", info.offloaded, index));
+
+  CheckpointPlan plan;
+  if (!has_hook("checkpoint")) return plan;
+  auto skip_group = std::make_unique<bool[]>(info.groups.size());  // all false
+  auto push_args = [&](lua_State* L) {
+    lua_createtable(L, 0, 5);
+    SetNumber(L, "step", info.step);
+    SetString(L, "reason", info.reason);
+    lua_createtable(L, 0, 3);
+    SetNumber(L, "model", info.model_bytes);
+    SetNumber(L, "master", info.master_bytes);
+    SetNumber(L, "optimizer", info.optimizer_bytes);
+    lua_setfield(L, -2, "bytes");
+    SetStringArray(L, "offloaded", info.offloaded);
+    SetStringArray(L, "groups", info.groups);
+    PushContext(L, ctx);
+    return 2;
+  };
+  auto read = [&](lua_State* L, int r) -> absl::Status {
+    if (lua_type(L, r) != LUA_TTABLE) {
+      return c.Error(absl::StrCat("returned ", Describe(L, r),
+                                  "; expected a table {skip = {...}, async = boolean, "
+                                  "keep_last = integer >= 0}"));
+    }
+    FERRY_RETURN_IF_ERROR(CheckFields(L, r, c, {"skip", "async", "keep_last"}));
+    RawGetField(L, r, "skip");
+    if (lua_type(L, -1) == LUA_TTABLE) {
+      std::vector<std::string> listed;
+      FERRY_RETURN_IF_ERROR(ReadStringArray(L, lua_gettop(L), c, "skip", &listed));
+      for (size_t i = 0; i < listed.size(); ++i) {
+        bool* flag = nullptr;  // what this entry skips
+        if (listed[i] == "optimizer") {
+          flag = &plan.skip_optimizer;
+        } else if (listed[i] == "master") {
+          flag = &plan.skip_master;
+        } else if (auto it = index.find(listed[i]); it != index.end()) {
+          flag = &skip_group[it->second];
+        } else {
+          return c.Error(absl::StrCat("field \"skip\" entry ", i + 1, " is ", Quote(listed[i]),
+                                      "; expected \"optimizer\", \"master\" or a group name "
+                                      "from info.groups"));
+        }
+        if (*flag) {
+          return c.Error(absl::StrCat("field \"skip\" names ", Quote(listed[i]),
+                                      " twice; expected each entry at most once"));
+        }
+        *flag = true;
+      }
+    } else if (lua_type(L, -1) != LUA_TNIL) {
+      return c.Error(absl::StrCat("field \"skip\" is ", Describe(L, -1),
+                                  "; expected an array of \"optimizer\", \"master\" or group "
+                                  "names"));
+    }
+    lua_pop(L, 1);
+    RawGetField(L, r, "async");
+    if (lua_type(L, -1) == LUA_TBOOLEAN) {
+      plan.async = lua_toboolean(L, -1) != 0;
+    } else if (lua_type(L, -1) != LUA_TNIL) {
+      return c.Error(absl::StrCat("field \"async\" is ", Describe(L, -1), "; expected a boolean"));
+    }
+    lua_pop(L, 1);
+    RawGetField(L, r, "keep_last");
+    if (lua_type(L, -1) == LUA_TNUMBER) {
+      const lua_Number k = lua_tonumber(L, -1);
+      if (!(k >= 0 && k <= std::numeric_limits<int>::max() && k == std::floor(k))) {
+        return c.Error(absl::StrCat("field \"keep_last\" is ", Describe(L, -1),
+                                    "; expected an integer >= 0 (0 keeps all)"));
+      }
+      plan.keep_last = static_cast<int>(k);
+    } else if (lua_type(L, -1) != LUA_TNIL) {
+      return c.Error(absl::StrCat("field \"keep_last\" is ", Describe(L, -1),
+                                  "; expected an integer >= 0 (0 keeps all)"));
+    }
+    lua_pop(L, 1);
+    return absl::OkStatus();
+  };
+  // A failed call must not leave a half-filled plan behind.
+  absl::Status status = lua_->CallHook("checkpoint", push_args, read);
+  if (!status.ok()) return status;
+  for (size_t i = 0; i < info.groups.size(); ++i) {
+    if (skip_group[i]) plan.skip_groups.push_back(info.groups[i]);
+  }
+  return plan;
+}
+
+}  // namespace ferry

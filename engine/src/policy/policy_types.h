@@ -1,0 +1,91 @@
+// Plain C++ shapes of what policy hooks receive and return. No Lua here: the policy layer turns
+// hook results into these structs only after validating them completely, so the engine never sees a
+// half-checked decision. All types are plain values (copyable, no shared state).
+#ifndef FERRY_POLICY_POLICY_TYPES_H_
+#define FERRY_POLICY_POLICY_TYPES_H_
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "ferry/dtype.h"
+
+namespace ferry {
+
+// Where a group's fp32 master copy and Adam state live.
+enum class PlaceKind : uint8_t { kGpu, kCpu };
+
+// "gpu" or "cpu": the spelling policies use.
+std::string_view PlaceKindName(PlaceKind kind);
+
+// One parameter group as a policy sees it (Lua: {name=, numel=, bytes=, dtype=, tags={...}}).
+struct GroupInfo {
+  std::string name;  // unique and non-empty within one hook call
+  int64_t numel = 0;
+  int64_t bytes = 0;  // bytes of the low-precision parameters
+  DType dtype = DType::kBF16;
+  std::vector<std::string> tags;
+};
+
+// What every hook gets as `ctx`. Integers reach Lua as numbers (exact up to 2^53).
+struct PolicyContext {
+  int rank = 0;
+  int world_size = 1;
+  int64_t gpu_free_bytes = 0;
+  int64_t pinned_budget_bytes = 0;
+  int numa_nodes = 1;
+  std::map<std::string, std::string> args;  // policy arguments (EngineOptions::policy_args)
+};
+
+// Result of place(): every group named exactly once.
+struct Placement {
+  std::map<std::string, PlaceKind> groups;
+  std::optional<std::string> numa;  // "interleave" | "bind" | "preferred" | "local" when set
+};
+
+enum class LoadKind : uint8_t { kCheckpoint, kModelOnly, kExternal };
+
+// "checkpoint", "model_only" or "external".
+std::string_view LoadKindName(LoadKind kind);
+
+// What happened in a load (Lua: {kind=, optimizer_loaded=, masters_loaded=, groups={names},
+// all_groups={names}}).
+struct LoadEvent {
+  LoadKind kind = LoadKind::kCheckpoint;
+  bool optimizer_loaded = false;
+  bool masters_loaded = false;
+  std::vector<std::string> groups;  // the groups the load restored (subset of all groups)
+};
+
+// Result of after_load().
+struct SyncPlan {
+  // Groups whose fp32 masters are re-synced from the model params, in the engine's group order.
+  std::vector<std::string> sync_groups;
+  bool reset_optimizer = false;
+};
+
+// What a checkpoint is about to write (Lua: {step=, reason=, bytes={model=, master=, optimizer=},
+// offloaded={names}, groups={names}}).
+struct CheckpointInfo {
+  int64_t step = 0;
+  std::string reason;
+  int64_t model_bytes = 0, master_bytes = 0, optimizer_bytes = 0;
+  std::vector<std::string> offloaded;  // groups placed on the CPU
+  std::vector<std::string> groups;     // every group
+};
+
+// Result of checkpoint().
+struct CheckpointPlan {
+  bool skip_optimizer = false;
+  bool skip_master = false;
+  std::vector<std::string> skip_groups;  // in CheckpointInfo::groups order
+  bool async = false;
+  int keep_last = 0;  // 0 = keep all
+};
+
+}  // namespace ferry
+
+#endif  // FERRY_POLICY_POLICY_TYPES_H_

@@ -1,0 +1,95 @@
+-- offload_fraction.lua: offload a leading fraction of the model, by element count, to the CPU.
+--
+-- Args:
+--   fraction  number in [0, 1], default 0.5: the share of all parameter elements whose fp32 master
+--             copy and Adam state go to pinned host memory.
+--   numa      optional NUMA mode for the pinned arena: "interleave", "bind", "preferred" or
+--             "local" (default: the engine's choice).
+--
+-- place(), the exact rule. Let total = the sum of numel over all groups, budget = fraction * total.
+--   1. fraction == 0: every group stays on the GPU. fraction == 1: every group is offloaded.
+--   2. Otherwise walk the groups in the order given (parameter order) and offload whole groups
+--      while the running count of offloaded elements stays <= budget; stop at the first group that
+--      would exceed it (the offloaded groups are always a prefix of the order).
+--   3. If that offloaded nothing, the first group is offloaded anyway (fraction > 0 offloads
+--      something).
+--   4. If that offloaded every group and there are at least two, the last one goes back to the GPU
+--      (fraction < 1 keeps something on the GPU; only possible when every group is empty).
+--      A single group with 0 < fraction < 1 is offloaded.
+--   Every group not offloaded stays on the GPU.
+--
+-- after_load(): re-sync the fp32 masters of every group whose masters were not loaded: all groups
+--   when event.masters_loaded is false, else the groups missing from event.groups. Reset the
+--   optimizer state when it was not loaded.
+--
+-- checkpoint(): the defaults, spelled out: nothing skipped, synchronous, keep every checkpoint.
+
+local M = {}
+
+local function parse_fraction(args)
+  local text = args.fraction
+  if text == nil then return 0.5 end
+  local f = tonumber(text)
+  if f == nil or f ~= f or f < 0 or f > 1 then
+    error(string.format("args.fraction must be a number in [0, 1], got %q", tostring(text)), 0)
+  end
+  return f
+end
+
+-- Returns the set of offloaded group names (name -> true), following the rule above.
+local function offloaded_set(groups, fraction)
+  local offload = {}
+  local n = #groups
+  if n == 0 or fraction == 0 then return offload end
+  if fraction == 1 then
+    for _, g in ipairs(groups) do offload[g.name] = true end
+    return offload
+  end
+  local total = 0
+  for _, g in ipairs(groups) do total = total + g.numel end
+  local budget = fraction * total
+  local used, count = 0, 0
+  for _, g in ipairs(groups) do
+    if used + g.numel > budget then break end
+    used = used + g.numel
+    count = count + 1
+    offload[g.name] = true
+  end
+  if count == 0 then
+    offload[groups[1].name] = true
+  elseif count == n and n >= 2 then
+    offload[groups[n].name] = nil
+  end
+  return offload
+end
+
+function M.place(groups, ctx)
+  local offload = offloaded_set(groups, parse_fraction(ctx.args))
+  local placement = {}
+  for _, g in ipairs(groups) do
+    placement[g.name] = offload[g.name] and "cpu" or "gpu"
+  end
+  if ctx.args.numa ~= nil then placement.numa = ctx.args.numa end  -- validated by the engine
+  return placement
+end
+
+function M.after_load(event, ctx)
+  local sync
+  if not event.masters_loaded then
+    sync = "all"
+  else
+    local loaded = {}
+    for _, name in ipairs(event.groups) do loaded[name] = true end
+    sync = {}
+    for _, name in ipairs(event.all_groups) do
+      if not loaded[name] then sync[#sync + 1] = name end
+    end
+  end
+  return { sync = sync, reset_optimizer = not event.optimizer_loaded }
+end
+
+function M.checkpoint(info, ctx)
+  return { skip = {}, async = false, keep_last = 0 }
+end
+
+return M
