@@ -6,6 +6,9 @@
 //     its queue in order, so asynchrony, stream ordering and events are real and testable without a GPU.
 // CreateDevice() picks the backend at run time: CUDA if a device is present, else host;
 // the environment variable FERRY_DEVICE=host|cuda overrides.
+// The host backend also checks what a GPU would only corrupt: new allocations are filled with 0xFF bytes
+// (NaN in every float type), copies and memsets that run past the end of an allocation are refused,
+// and a kernel that would is a stream error (details in host/host_device.h).
 #ifndef FERRY_DEVICE_DEVICE_H_
 #define FERRY_DEVICE_DEVICE_H_
 
@@ -14,6 +17,8 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <string_view>
+#include <utility>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -27,6 +32,7 @@ enum class Backend : uint8_t { kHost, kCuda };
 std::string_view BackendName(Backend b);  // "host" or "cuda"
 
 enum class CopyKind : uint8_t { kHostToDevice, kDeviceToHost, kDeviceToDevice, kHostToHost };
+std::string_view CopyKindName(CopyKind k);  // "host-to-device", ...
 
 class Device;
 class Stream;
@@ -64,6 +70,7 @@ class Stream {
 };
 
 // Device memory, move-only. Freed (after a device-wide synchronize-free, see Device::Free) on destruction.
+// Thread-safety: one thread at a time. REQUIRES: the Device outlives the buffer.
 class DeviceBuffer {
  public:
   DeviceBuffer() = default;
@@ -100,6 +107,15 @@ struct AdamTensorArgs {
   uint32_t scalars_index = 0;  // index into the launch's `scalars`
 };
 
+// The checks both backends make before enqueueing LaunchAdam: every scalars_index in range, numel >= 0,
+// master/exp_avg/exp_avg_sq/grad non-null and aligned to their element size when numel > 0 (param may
+// be null), valid dtypes and modes. Errors name the tensor's index in `tensors`.
+absl::Status ValidateAdamArgs(absl::Span<const AdamTensorArgs> tensors,
+                              absl::Span<const AdamScalars> scalars);
+// The same for LaunchConvert.
+absl::Status ValidateConvertArgs(const void* dst, DType dst_dtype, const void* src, DType src_dtype,
+                                 int64_t numel);
+
 struct DeviceOptions {
   // "", "host" or "cuda". Empty means: FERRY_DEVICE if set, else cuda when a device is present, else host.
   std::string backend;
@@ -118,7 +134,10 @@ class Device {
 
   // Memory. Allocate(0) returns an empty buffer. Contents are uninitialised.
   virtual absl::StatusOr<DeviceBuffer> Allocate(size_t bytes) = 0;
-  // Frees memory from Allocate. Used by DeviceBuffer; callers need not call it.
+  // Frees memory from Allocate. Used by DeviceBuffer; callers need not call it. Waits for the work
+  // enqueued so far on the whole device first (cudaFree synchronizes the device; the host backend
+  // waits for every stream), so never call it on a hot path. A pointer that is not a live allocation
+  // is logged and otherwise ignored (nullptr is a no-op).
   virtual void Free(void* data) = 0;
 
   virtual absl::StatusOr<std::unique_ptr<Stream>> CreateStream() = 0;
@@ -129,7 +148,8 @@ class Device {
   virtual absl::StatusOr<std::unique_ptr<Stream>> WrapStream(void* native) = 0;
 
   // Asynchronous copy of `bytes` in stream order. Host memory should be registered (PinnedArena) for
-  // the copy to be truly asynchronous on CUDA. REQUIRES: the memory stays valid until the copy ran.
+  // the copy to be truly asynchronous on CUDA: with pageable memory CUDA may block the caller until
+  // the stream reaches the copy. REQUIRES: the memory stays valid until the copy ran.
   virtual absl::Status CopyAsync(void* dst, const void* src, size_t bytes, CopyKind kind,
                                  Stream& stream) = 0;
   virtual absl::Status MemsetAsync(void* dst, uint8_t value, size_t bytes, Stream& stream) = 0;
@@ -149,15 +169,13 @@ class Device {
   virtual absl::Status LaunchConvert(void* dst, DType dst_dtype, const void* src, DType src_dtype,
                                      int64_t numel, Stream& stream) = 0;
 
-  // Convenience: synchronous copy through an internal stream.
+  // Convenience: synchronous copy. Safe for concurrent use. Runs on WrapStream(nullptr): on CUDA that
+  // is the legacy default stream, so the copy is ordered after work already enqueued there (and on
+  // blocking streams), but not after work on streams from CreateStream (they are non-blocking).
   absl::Status Copy(void* dst, const void* src, size_t bytes, CopyKind kind);
 
  protected:
   Device() = default;
-
- private:
-  std::unique_ptr<Stream> sync_stream_;
-  absl::Status EnsureSyncStream();
 };
 
 // Creates the device chosen by `options` (see DeviceOptions::backend). Errors name what was asked for

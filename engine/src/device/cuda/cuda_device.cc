@@ -1,0 +1,400 @@
+#include "device/cuda/cuda_device.h"
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/string_view.h"
+#include "base/logging.h"
+#include "device/cuda/cuda_error.h"
+#include "device/cuda/kernels.h"
+#include "ferry/status.h"
+
+namespace ferry {
+namespace {
+
+// This Abseil build's absl::string_view is not std::string_view, and StrCat takes only the former.
+absl::string_view ToAbsl(std::string_view s) { return absl::string_view(s.data(), s.size()); }
+
+// Makes `ordinal` the calling thread's current device for the guard's lifetime, then restores the
+// previous one (the trainer's threads keep their own current device). One thread.
+class ScopedCudaDevice {
+ public:
+  explicit ScopedCudaDevice(int ordinal) {
+    cudaError_t err = cudaGetDevice(&previous_);
+    if (err != cudaSuccess) {
+      status_ = CudaError(absl::StrCat("cudaGetDevice (switching to cuda:", ordinal, ")"), err);
+      return;
+    }
+    if (previous_ == ordinal) return;
+    err = cudaSetDevice(ordinal);
+    if (err != cudaSuccess) {
+      status_ = CudaError(absl::StrCat("cudaSetDevice(", ordinal, ")"), err);
+      return;
+    }
+    restore_ = true;
+  }
+  ~ScopedCudaDevice() {
+    if (restore_) {
+      const cudaError_t err = cudaSetDevice(previous_);
+      if (err != cudaSuccess) {
+        FERRY_LOG(ERROR) << CudaError(absl::StrCat("cudaSetDevice(", previous_, ") restoring"), err);
+      }
+    }
+  }
+  ScopedCudaDevice(const ScopedCudaDevice&) = delete;
+  ScopedCudaDevice& operator=(const ScopedCudaDevice&) = delete;
+  const absl::Status& status() const { return status_; }
+
+ private:
+  int previous_ = 0;
+  bool restore_ = false;
+  absl::Status status_;
+};
+
+#define FERRY_CUDA_ENTER_DEVICE(ordinal)         \
+  ScopedCudaDevice ferry_device_guard_(ordinal); \
+  FERRY_RETURN_IF_ERROR(ferry_device_guard_.status())
+
+// Kernel launches report their failure through cudaGetLastError, so an error left behind by an earlier
+// CUDA call of this thread (outside Ferry: Ferry's own calls clear theirs in CudaError) would be taken
+// for the launch's. Report such an error as what it is instead.
+absl::Status CheckNoPendingError(absl::string_view before) {
+  const cudaError_t pending = cudaPeekAtLastError();
+  if (pending == cudaSuccess) return absl::OkStatus();
+  return CudaError(absl::StrCat("an earlier CUDA call of this thread had failed before ", before),
+                   pending);
+}
+
+// Event: cudaEvent_t with cudaEventDisableTiming, owned. Safe for concurrent use (CUDA's are).
+class CudaEvent final : public Event {
+ public:
+  CudaEvent(int ordinal, cudaEvent_t event) : ordinal_(ordinal), event_(event) {}
+  ~CudaEvent() override {
+    ScopedCudaDevice guard(ordinal_);
+    const cudaError_t err = cudaEventDestroy(event_);
+    if (err != cudaSuccess) FERRY_LOG(ERROR) << CudaError("cudaEventDestroy", err);
+  }
+  absl::Status Synchronize() override {
+    FERRY_CUDA_ENTER_DEVICE(ordinal_);
+    FERRY_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(event_), "Event::Synchronize");
+    return absl::OkStatus();
+  }
+  absl::StatusOr<bool> Query() override {
+    FERRY_CUDA_ENTER_DEVICE(ordinal_);
+    const cudaError_t err = cudaEventQuery(event_);
+    if (err == cudaSuccess) return true;
+    if (err == cudaErrorNotReady) {
+      (void)cudaGetLastError();  // "not ready" is an answer, not an error: do not leave it behind
+      return false;
+    }
+    return CudaError("cudaEventQuery in Event::Query", err);
+  }
+  cudaEvent_t native() const { return event_; }
+
+ private:
+  const int ordinal_;
+  const cudaEvent_t event_;
+};
+
+void CUDART_CB RunHostFunction(void* arg) {
+  std::unique_ptr<std::function<void()>> fn(static_cast<std::function<void()>*>(arg));
+  (*fn)();
+}
+
+// Stream: a cudaStream_t, owned (cudaStreamNonBlocking, from CreateStream) or borrowed (WrapStream).
+// Safe for concurrent use (CUDA's streams are).
+class CudaStream final : public Stream {
+ public:
+  CudaStream(int ordinal, cudaStream_t stream, bool owned)
+      : ordinal_(ordinal), stream_(stream), owned_(owned) {}
+  ~CudaStream() override {
+    if (!owned_) return;
+    ScopedCudaDevice guard(ordinal_);
+    // Work still queued completes; the stream's resources are released afterwards.
+    const cudaError_t err = cudaStreamDestroy(stream_);
+    if (err != cudaSuccess) FERRY_LOG(ERROR) << CudaError("cudaStreamDestroy", err);
+  }
+
+  absl::Status Record(Event& event) override {
+    FERRY_ASSIGN_OR_RETURN(CudaEvent * e, AsCudaEvent(event, "Stream::Record"));
+    FERRY_CUDA_ENTER_DEVICE(ordinal_);
+    FERRY_CUDA_RETURN_IF_ERROR(cudaEventRecord(e->native(), stream_), "Stream::Record");
+    return absl::OkStatus();
+  }
+  absl::Status WaitFor(Event& event) override {
+    FERRY_ASSIGN_OR_RETURN(CudaEvent * e, AsCudaEvent(event, "Stream::WaitFor"));
+    FERRY_CUDA_ENTER_DEVICE(ordinal_);
+    FERRY_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(stream_, e->native(), 0), "Stream::WaitFor");
+    return absl::OkStatus();
+  }
+  absl::Status Synchronize() override {
+    FERRY_CUDA_ENTER_DEVICE(ordinal_);
+    FERRY_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_), "Stream::Synchronize");
+    return absl::OkStatus();
+  }
+  absl::Status EnqueueHost(std::function<void()> fn) override {
+    if (!fn) return absl::InvalidArgumentError("Stream::EnqueueHost: empty function");
+    FERRY_CUDA_ENTER_DEVICE(ordinal_);
+    // The closure lives on the heap until the callback has run it; freed here if the launch fails.
+    auto closure = std::make_unique<std::function<void()>>(std::move(fn));
+    FERRY_CUDA_RETURN_IF_ERROR(cudaLaunchHostFunc(stream_, &RunHostFunction, closure.get()),
+                               "Stream::EnqueueHost");
+    closure.release();  // now owned by the callback
+    return absl::OkStatus();
+  }
+  void* native() const override { return stream_; }
+  cudaStream_t stream() const { return stream_; }
+
+ private:
+  static absl::StatusOr<CudaEvent*> AsCudaEvent(Event& event, absl::string_view what) {
+    auto* e = dynamic_cast<CudaEvent*>(&event);
+    if (e == nullptr) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(what, ": the event was not created by a CUDA-backend device"));
+    }
+    return e;
+  }
+
+  const int ordinal_;
+  const cudaStream_t stream_;
+  const bool owned_;
+};
+
+absl::StatusOr<CudaStream*> AsCudaStream(Stream& stream, absl::string_view what) {
+  auto* s = dynamic_cast<CudaStream*>(&stream);
+  if (s == nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": the stream was not created by a CUDA-backend device"));
+  }
+  return s;
+}
+
+cudaMemcpyKind ToCuda(CopyKind kind) {
+  switch (kind) {
+    case CopyKind::kHostToDevice: return cudaMemcpyHostToDevice;
+    case CopyKind::kDeviceToHost: return cudaMemcpyDeviceToHost;
+    case CopyKind::kDeviceToDevice: return cudaMemcpyDeviceToDevice;
+    case CopyKind::kHostToHost: return cudaMemcpyHostToHost;
+  }
+  return cudaMemcpyDefault;
+}
+
+// Thread-safety: safe for concurrent use (immutable after creation; the counter is atomic).
+class CudaDevice final : public Device {
+ public:
+  CudaDevice(int ordinal, std::string name, int sm_count)
+      : ordinal_(ordinal), name_(std::move(name)), sm_count_(sm_count) {}
+
+  Backend backend() const override { return Backend::kCuda; }
+  std::string name() const override { return name_; }
+
+  absl::StatusOr<size_t> FreeMemory() override {
+    FERRY_CUDA_ENTER_DEVICE(ordinal_);
+    size_t free_bytes = 0;
+    size_t total_bytes = 0;
+    FERRY_CUDA_RETURN_IF_ERROR(cudaMemGetInfo(&free_bytes, &total_bytes), "FreeMemory");
+    return free_bytes;
+  }
+
+  absl::StatusOr<DeviceBuffer> Allocate(size_t bytes) override {
+    if (bytes == 0) return DeviceBuffer();
+    FERRY_CUDA_ENTER_DEVICE(ordinal_);
+    void* p = nullptr;
+    FERRY_CUDA_RETURN_IF_ERROR(cudaMalloc(&p, bytes),
+                               absl::StrCat("Allocate(", bytes, " bytes) on cuda:", ordinal_));
+    return DeviceBuffer(this, p, bytes);
+  }
+
+  // cudaFree synchronizes the device (it waits for all work on it), so this blocks.
+  void Free(void* data) override {
+    if (data == nullptr) return;
+    ScopedCudaDevice guard(ordinal_);
+    if (!guard.status().ok()) {
+      FERRY_LOG(ERROR) << "Device::Free(" << data << "): " << guard.status();
+      return;
+    }
+    const cudaError_t err = cudaFree(data);
+    if (err != cudaSuccess) {
+      FERRY_LOG(ERROR) << CudaError(absl::StrFormat("cudaFree(%p) in Device::Free", data), err);
+    }
+  }
+
+  absl::StatusOr<std::unique_ptr<Stream>> CreateStream() override {
+    FERRY_CUDA_ENTER_DEVICE(ordinal_);
+    cudaStream_t s = nullptr;
+    FERRY_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "CreateStream");
+    return std::unique_ptr<Stream>(std::make_unique<CudaStream>(ordinal_, s, /*owned=*/true));
+  }
+
+  absl::StatusOr<std::unique_ptr<Event>> CreateEvent() override {
+    FERRY_CUDA_ENTER_DEVICE(ordinal_);
+    cudaEvent_t e = nullptr;
+    FERRY_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "CreateEvent");
+    return std::unique_ptr<Event>(std::make_unique<CudaEvent>(ordinal_, e));
+  }
+
+  absl::StatusOr<std::unique_ptr<Stream>> WrapStream(void* native) override {
+    return std::unique_ptr<Stream>(
+        std::make_unique<CudaStream>(ordinal_, static_cast<cudaStream_t>(native), /*owned=*/false));
+  }
+
+  absl::Status CopyAsync(void* dst, const void* src, size_t bytes, CopyKind kind,
+                         Stream& stream) override {
+    FERRY_ASSIGN_OR_RETURN(CudaStream * s, AsCudaStream(stream, "CopyAsync"));
+    if (bytes == 0) return absl::OkStatus();
+    FERRY_CUDA_ENTER_DEVICE(ordinal_);
+    FERRY_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst, src, bytes, ToCuda(kind), s->stream()),
+                               absl::StrFormat("CopyAsync %s of %u bytes (dst %p, src %p)",
+                                               ToAbsl(CopyKindName(kind)), bytes, dst, src));
+    return absl::OkStatus();
+  }
+
+  absl::Status MemsetAsync(void* dst, uint8_t value, size_t bytes, Stream& stream) override {
+    FERRY_ASSIGN_OR_RETURN(CudaStream * s, AsCudaStream(stream, "MemsetAsync"));
+    if (bytes == 0) return absl::OkStatus();
+    FERRY_CUDA_ENTER_DEVICE(ordinal_);
+    FERRY_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(dst, value, bytes, s->stream()),
+                               absl::StrFormat("MemsetAsync of %u bytes at %p", bytes, dst));
+    return absl::OkStatus();
+  }
+
+  absl::Status RegisterHost(void* data, size_t bytes) override {
+    if (data == nullptr || bytes == 0) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "RegisterHost(%p, %u bytes): need a non-null region of at least one byte", data, bytes));
+    }
+    FERRY_CUDA_ENTER_DEVICE(ordinal_);
+    FERRY_CUDA_RETURN_IF_ERROR(cudaHostRegister(data, bytes, cudaHostRegisterDefault),
+                               absl::StrFormat("RegisterHost(%p, %u bytes)", data, bytes));
+    registrations_.fetch_add(1, std::memory_order_relaxed);
+    return absl::OkStatus();
+  }
+
+  absl::Status UnregisterHost(void* data) override {
+    FERRY_CUDA_ENTER_DEVICE(ordinal_);
+    FERRY_CUDA_RETURN_IF_ERROR(cudaHostUnregister(data), absl::StrFormat("UnregisterHost(%p)", data));
+    return absl::OkStatus();
+  }
+
+  uint64_t host_registrations() const override { return registrations_.load(std::memory_order_relaxed); }
+
+  absl::Status LaunchAdam(absl::Span<const AdamTensorArgs> tensors,
+                          absl::Span<const AdamScalars> scalars, Stream& stream) override;
+
+  absl::Status LaunchConvert(void* dst, DType dst_dtype, const void* src, DType src_dtype, int64_t numel,
+                             Stream& stream) override {
+    FERRY_ASSIGN_OR_RETURN(CudaStream * s, AsCudaStream(stream, "LaunchConvert"));
+    FERRY_RETURN_IF_ERROR(ValidateConvertArgs(dst, dst_dtype, src, src_dtype, numel));
+    if (numel == 0) return absl::OkStatus();
+    FERRY_CUDA_ENTER_DEVICE(ordinal_);
+    const std::string what = absl::StrCat("LaunchConvert ", ToAbsl(DTypeName(src_dtype)), " -> ",
+                                          ToAbsl(DTypeName(dst_dtype)), " of ", numel, " elements");
+    if (dst_dtype == src_dtype) {
+      FERRY_CUDA_RETURN_IF_ERROR(
+          cudaMemcpyAsync(dst, src, static_cast<size_t>(numel) * DTypeSize(dst_dtype),
+                          cudaMemcpyDeviceToDevice, s->stream()),
+          what);
+      return absl::OkStatus();
+    }
+    const int64_t blocks_needed =
+        (numel + cuda_kernels::kConvertThreads - 1) / cuda_kernels::kConvertThreads;
+    const int grid = static_cast<int>(std::min<int64_t>(blocks_needed, int64_t{sm_count_} * 8));
+    FERRY_RETURN_IF_ERROR(CheckNoPendingError(what));
+    FERRY_CUDA_RETURN_IF_ERROR(
+        cuda_kernels::LaunchConvertKernel(dst, dst_dtype, src, src_dtype, numel, grid, s->stream()),
+        what);
+    return absl::OkStatus();
+  }
+
+ private:
+  const int ordinal_;
+  const std::string name_;
+  const int sm_count_;
+  std::atomic<uint64_t> registrations_{0};
+};
+
+absl::Status CudaDevice::LaunchAdam(absl::Span<const AdamTensorArgs> tensors,
+                                    absl::Span<const AdamScalars> scalars, Stream& stream) {
+  FERRY_ASSIGN_OR_RETURN(CudaStream * s, AsCudaStream(stream, "LaunchAdam"));
+  FERRY_RETURN_IF_ERROR(ValidateAdamArgs(tensors, scalars));
+  FERRY_CUDA_ENTER_DEVICE(ordinal_);
+  // One launch per batch of up to kAdamMaxTensors tensors using up to kAdamMaxScalars scalar sets
+  // (almost always a single launch). The batch's scalar sets are renumbered locally.
+  auto params = std::make_unique<cuda_kernels::AdamLaunchParams>();
+  const int max_grid = std::max(1, sm_count_ * (2048 / cuda_kernels::kAdamThreads));
+  size_t next = 0;
+  int batch = 0;
+  while (next < tensors.size()) {
+    const size_t batch_begin = next;
+    int num_tensors = 0;
+    int num_scalars = 0;
+    uint32_t global_scalars[cuda_kernels::kAdamMaxScalars];
+    int64_t chunks = 0;
+    for (; next < tensors.size() && num_tensors < cuda_kernels::kAdamMaxTensors; ++next) {
+      const AdamTensorArgs& t = tensors[next];
+      if (t.numel == 0) continue;
+      int local = 0;
+      while (local < num_scalars && global_scalars[local] != t.scalars_index) ++local;
+      if (local == num_scalars) {
+        if (num_scalars == cuda_kernels::kAdamMaxScalars) break;  // next batch
+        global_scalars[num_scalars] = t.scalars_index;
+        params->scalars[num_scalars] = scalars[t.scalars_index];
+        ++num_scalars;
+      }
+      cuda_kernels::AdamTensorDesc& d = params->tensors[num_tensors++];
+      d.master = t.master;
+      d.exp_avg = t.exp_avg;
+      d.exp_avg_sq = t.exp_avg_sq;
+      d.grad = t.grad;
+      d.param = t.param;
+      d.numel = t.numel;
+      d.first_chunk = chunks;
+      d.grad_dtype = t.grad_dtype;
+      d.param_dtype = t.param_dtype;
+      d.scalars_index = static_cast<uint16_t>(local);
+      chunks += (t.numel + cuda_kernels::kAdamChunkElems - 1) / cuda_kernels::kAdamChunkElems;
+    }
+    if (num_tensors == 0) continue;  // only empty tensors in this stretch
+    params->num_tensors = num_tensors;
+    params->total_chunks = chunks;
+    const int grid = static_cast<int>(std::min<int64_t>(chunks, max_grid));
+    FERRY_RETURN_IF_ERROR(CheckNoPendingError("LaunchAdam"));
+    FERRY_CUDA_RETURN_IF_ERROR(cuda_kernels::LaunchAdamKernel(*params, grid, s->stream()),
+                               absl::StrCat("LaunchAdam batch ", batch, " (tensors ", batch_begin, "..",
+                                            next - 1, ", ", chunks, " chunks, grid ", grid, ")"));
+    ++batch;
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<int> CudaDeviceCount() {
+  int count = 0;
+  const cudaError_t err = cudaGetDeviceCount(&count);
+  if (err != cudaSuccess) return CudaError("cudaGetDeviceCount", err);
+  return count;
+}
+
+absl::StatusOr<std::unique_ptr<Device>> CreateCudaDevice(int ordinal) {
+  FERRY_CUDA_ENTER_DEVICE(ordinal);
+  cudaDeviceProp prop{};
+  FERRY_CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&prop, ordinal),
+                             absl::StrCat("CreateDevice(cuda:", ordinal, ")"));
+  const double gib = static_cast<double>(prop.totalGlobalMem) / (1024.0 * 1024.0 * 1024.0);
+  std::string name = absl::StrFormat("%s (cuda:%d, sm_%d%d, %.1f GiB)", prop.name, ordinal, prop.major,
+                                     prop.minor, gib);
+  return std::unique_ptr<Device>(
+      std::make_unique<CudaDevice>(ordinal, std::move(name), prop.multiProcessorCount));
+}
+
+}  // namespace ferry

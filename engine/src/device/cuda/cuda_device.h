@@ -1,0 +1,31 @@
+// The CUDA backend's factory (private to the device layer; everyone else calls CreateDevice()). This
+// header includes no CUDA headers, so device.cc can use it without them; it is compiled into the build
+// only when FERRY_HAVE_CUDA is defined.
+#ifndef FERRY_DEVICE_CUDA_CUDA_DEVICE_H_
+#define FERRY_DEVICE_CUDA_CUDA_DEVICE_H_
+
+#include <memory>
+
+#include "absl/status/statusor.h"
+#include "device/device.h"
+
+namespace ferry {
+
+// The number of CUDA devices, or the error of cudaGetDeviceCount (no driver, no device, ...).
+absl::StatusOr<int> CudaDeviceCount();
+
+// A Device over CUDA device `ordinal`:
+//   - streams are created with cudaStreamNonBlocking, events with cudaEventDisableTiming; WrapStream
+//     does not own the native stream (nullptr is the legacy default stream);
+//   - every call makes `ordinal` the calling thread's current device for its duration and restores
+//     the previous one;
+//   - Free is cudaFree, which synchronizes the whole device: never on a hot path;
+//   - LaunchAdam passes the tensor descriptors as kernel parameters (captured at launch), one launch
+//     per up to 320 tensors and 16 scalar sets (see kernels.h).
+// REQUIRES: 0 <= ordinal < CudaDeviceCount(); streams, events and buffers are destroyed before the
+// device.
+absl::StatusOr<std::unique_ptr<Device>> CreateCudaDevice(int ordinal);
+
+}  // namespace ferry
+
+#endif  // FERRY_DEVICE_CUDA_CUDA_DEVICE_H_

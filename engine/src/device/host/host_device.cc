@@ -1,0 +1,603 @@
+#include "device/host/host_device.h"
+
+#include <sys/sysinfo.h>
+
+#include <cerrno>
+#include <condition_variable>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <fstream>
+#include <iterator>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_set.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/string_view.h"
+#include "base/adam_math.h"
+#include "base/errors.h"
+#include "base/logging.h"
+#include "ferry/dtype.h"
+#include "ferry/status.h"
+
+namespace ferry {
+namespace {
+
+// Like cudaMalloc, which returns at least 256-byte aligned memory.
+constexpr size_t kAlignment = 256;
+// New allocations are filled with this byte: 0xFFFF... is a NaN in f32, bf16 and f16.
+constexpr uint8_t kUninitialisedByte = 0xFF;
+
+// Synchronization uses std::mutex and std::condition_variable rather than absl::Mutex: the
+// distributions' Abseil is not built with ThreadSanitizer, whose runtime therefore cannot see
+// absl::Mutex's synchronization and would report races on everything it guards. This backend is what
+// the other layers' concurrency tests run on, so it must stay checkable with -DFERRY_TSAN=ON.
+
+// True on the worker thread of a HostQueueStream (Free must not wait for streams there: it could be
+// waiting for itself).
+thread_local bool tls_on_stream_worker = false;
+
+// This Abseil build's absl::string_view is not std::string_view, and StrCat takes only the former.
+absl::string_view ToAbsl(std::string_view s) { return absl::string_view(s.data(), s.size()); }
+
+// One unit of stream work. Its Status becomes the stream's error if it is the first failure.
+using Op = std::function<absl::Status()>;
+
+// The live allocations of one device. Safe for concurrent use.
+class AllocationTable {
+ public:
+  void Add(void* p, size_t bytes) {
+    std::lock_guard<std::mutex> lock(mu_);
+    live_[reinterpret_cast<uintptr_t>(p)] = bytes;
+  }
+  bool Contains(void* p) const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return live_.contains(reinterpret_cast<uintptr_t>(p));
+  }
+  // Removes `p`; false when it is not a live allocation.
+  bool Remove(void* p) {
+    std::lock_guard<std::mutex> lock(mu_);
+    return live_.erase(reinterpret_cast<uintptr_t>(p)) == 1;
+  }
+  // OK unless [p, p + bytes) overlaps a live allocation without lying inside it (memory that is not
+  // from Allocate is allowed: any host memory may serve as device memory on this backend).
+  absl::Status CheckRange(const void* p, size_t bytes, absl::string_view what) const {
+    if (bytes == 0) return absl::OkStatus();
+    const uintptr_t begin = reinterpret_cast<uintptr_t>(p);
+    const uintptr_t end = begin + bytes;
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = live_.upper_bound(begin);  // first allocation starting after `begin`
+    if (it != live_.end() && it->first < end) {
+      return absl::OutOfRangeError(absl::StrFormat(
+          "%s: [%p, +%u bytes) overlaps the device allocation at %p (%u bytes) without lying inside it",
+          what, p, bytes, reinterpret_cast<void*>(it->first), it->second));
+    }
+    if (it != live_.begin()) {
+      --it;  // last allocation starting at or before `begin`
+      const uintptr_t alloc_end = it->first + it->second;
+      if (begin < alloc_end && end > alloc_end) {
+        return absl::OutOfRangeError(absl::StrFormat(
+            "%s: [%p, +%u bytes) runs %u bytes past the end of the device allocation at %p (%u bytes)",
+            what, p, bytes, end - alloc_end, reinterpret_cast<void*>(it->first), it->second));
+      }
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  mutable std::mutex mu_;
+  std::map<uintptr_t, size_t> live_ ABSL_GUARDED_BY(mu_);  // start -> requested bytes
+};
+
+// What a completed Record leaves behind. Generations: each Record takes the next number; a Synchronize
+// or WaitFor waits for the generation that was latest when it was called. Safe for concurrent use.
+class EventState {
+ public:
+  // Starts a record; returns its generation.
+  uint64_t BeginRecord() {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++latest_;
+    pending_.insert(latest_);
+    return latest_;
+  }
+  // Marks generation `gen` complete; `stream_error` is the recording stream's error so far.
+  void Complete(uint64_t gen, const absl::Status& stream_error) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      pending_.erase(gen);
+      if (!stream_error.ok() && error_.ok()) error_ = stream_error;
+    }
+    completed_.notify_all();
+  }
+  uint64_t latest() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return latest_;
+  }
+  bool IsComplete(uint64_t gen) const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return !pending_.contains(gen);
+  }
+  // Blocks until generation `gen` is complete; returns the error its stream had, if any.
+  absl::Status Wait(uint64_t gen) const {
+    std::unique_lock<std::mutex> lock(mu_);
+    completed_.wait(
+        lock, [this, gen]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !pending_.contains(gen); });
+    return error_;
+  }
+
+ private:
+  mutable std::mutex mu_;
+  mutable std::condition_variable completed_;  // signalled by Complete
+  uint64_t latest_ ABSL_GUARDED_BY(mu_) = 0;   // 0: never recorded
+  absl::flat_hash_set<uint64_t> pending_ ABSL_GUARDED_BY(mu_);
+  absl::Status error_ ABSL_GUARDED_BY(mu_);
+};
+
+// Event: safe for concurrent use (the state is shared with the stream work that completes it, so the
+// event may be destroyed while a record is still pending).
+class HostEvent final : public Event {
+ public:
+  HostEvent() : state_(std::make_shared<EventState>()) {}
+  absl::Status Synchronize() override { return state_->Wait(state_->latest()); }
+  absl::StatusOr<bool> Query() override { return state_->IsComplete(state_->latest()); }
+  const std::shared_ptr<EventState>& state() const { return state_; }
+
+ private:
+  std::shared_ptr<EventState> state_;
+};
+
+absl::StatusOr<HostEvent*> AsHostEvent(Event& event, absl::string_view what) {
+  auto* e = dynamic_cast<HostEvent*>(&event);
+  if (e == nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": the event was not created by a host-backend device"));
+  }
+  return e;
+}
+
+// The queue and counters of one worker-thread stream. Safe for concurrent use; shared between the
+// stream, its worker and the device's stream registry (which waits on it in Free).
+class QueueCore {
+ public:
+  // Appends `op`; returns its ticket (ops are numbered from 1 in enqueue order).
+  uint64_t Push(Op op) {
+    uint64_t ticket;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      queue_.push_back(std::move(op));
+      ticket = ++enqueued_;
+    }
+    work_.notify_one();
+    return ticket;
+  }
+  // The ticket of the last op enqueued so far.
+  uint64_t last_ticket() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return enqueued_;
+  }
+  // Blocks until the op with `ticket` (and all before it) has run; returns the first error.
+  absl::Status WaitUntil(uint64_t ticket) const {
+    std::unique_lock<std::mutex> lock(mu_);
+    done_.wait(lock,
+               [this, ticket]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return completed_ >= ticket; });
+    return error_;
+  }
+  absl::Status error() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return error_;
+  }
+  void Stop() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stopping_ = true;
+    }
+    work_.notify_one();
+  }
+  // The worker loop: runs ops in order until stopped and drained.
+  void Run() {
+    tls_on_stream_worker = true;
+    while (true) {
+      Op op;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        work_.wait(lock,
+                   [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stopping_ || !queue_.empty(); });
+        if (queue_.empty()) return;  // stopping and drained
+        op = std::move(queue_.front());
+        queue_.pop_front();
+      }
+      absl::Status status = op();
+      op = nullptr;  // destroy the closure (and what it captured) before the op counts as complete
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (!status.ok() && error_.ok()) error_ = std::move(status);
+        ++completed_;
+      }
+      done_.notify_all();
+    }
+  }
+
+ private:
+  mutable std::mutex mu_;
+  std::condition_variable work_;          // signalled by Push and Stop (one waiter: the worker)
+  mutable std::condition_variable done_;  // signalled when an op completes
+  std::deque<Op> queue_ ABSL_GUARDED_BY(mu_);
+  uint64_t enqueued_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t completed_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::Status error_ ABSL_GUARDED_BY(mu_);
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+// The worker-thread streams of one device, so Free can wait for all of them. Safe for concurrent use.
+class StreamRegistry {
+ public:
+  void Add(std::shared_ptr<QueueCore> core) {
+    std::lock_guard<std::mutex> lock(mu_);
+    cores_.insert(std::move(core));
+  }
+  void Remove(const std::shared_ptr<QueueCore>& core) {
+    std::lock_guard<std::mutex> lock(mu_);
+    cores_.erase(core);
+  }
+  // Waits for the work enqueued so far on every registered stream.
+  void WaitForAll() const {
+    std::vector<std::pair<std::shared_ptr<QueueCore>, uint64_t>> targets;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      targets.reserve(cores_.size());
+      for (const auto& core : cores_) targets.emplace_back(core, core->last_ticket());
+    }
+    for (const auto& [core, ticket] : targets) core->WaitUntil(ticket).IgnoreError();
+  }
+
+ private:
+  mutable std::mutex mu_;
+  absl::flat_hash_set<std::shared_ptr<QueueCore>> cores_ ABSL_GUARDED_BY(mu_);
+};
+
+// What the device's operations need from a host stream. Safe for concurrent use.
+class HostStreamBase : public Stream {
+ public:
+  // Runs `op` in stream order (now, or on the worker). The returned Status is an enqueue error; the
+  // op's own failure becomes the stream's (sticky) error.
+  virtual absl::Status Submit(Op op) = 0;
+  void* native() const override { return nullptr; }
+};
+
+// A stream with its own worker thread.
+class HostQueueStream final : public HostStreamBase {
+ public:
+  explicit HostQueueStream(std::shared_ptr<StreamRegistry> registry)
+      : registry_(std::move(registry)), core_(std::make_shared<QueueCore>()) {
+    registry_->Add(core_);
+    worker_ = std::thread([core = core_] { core->Run(); });
+  }
+  // Finishes the queued work, then joins the worker.
+  ~HostQueueStream() override {
+    core_->Stop();
+    worker_.join();
+    registry_->Remove(core_);
+  }
+
+  absl::Status Submit(Op op) override {
+    core_->Push(std::move(op));
+    return absl::OkStatus();
+  }
+  absl::Status Record(Event& event) override {
+    FERRY_ASSIGN_OR_RETURN(HostEvent * e, AsHostEvent(event, "Stream::Record"));
+    std::shared_ptr<EventState> state = e->state();
+    const uint64_t gen = state->BeginRecord();
+    // The record runs on the worker after everything before it; it passes on the stream's error.
+    core_->Push([state, gen, core = core_.get()] {
+      state->Complete(gen, core->error());
+      return absl::OkStatus();
+    });
+    return absl::OkStatus();
+  }
+  absl::Status WaitFor(Event& event) override {
+    FERRY_ASSIGN_OR_RETURN(HostEvent * e, AsHostEvent(event, "Stream::WaitFor"));
+    std::shared_ptr<EventState> state = e->state();
+    const uint64_t gen = state->latest();
+    if (gen == 0 || state->IsComplete(gen)) return absl::OkStatus();
+    core_->Push([state, gen] {
+      state->Wait(gen).IgnoreError();  // the other stream's error is that stream's to report
+      return absl::OkStatus();
+    });
+    return absl::OkStatus();
+  }
+  absl::Status Synchronize() override { return core_->WaitUntil(core_->last_ticket()); }
+  absl::Status EnqueueHost(std::function<void()> fn) override {
+    if (!fn) return absl::InvalidArgumentError("Stream::EnqueueHost: empty function");
+    core_->Push([fn = std::move(fn)] {
+      fn();
+      return absl::OkStatus();
+    });
+    return absl::OkStatus();
+  }
+
+ private:
+  std::shared_ptr<StreamRegistry> registry_;
+  std::shared_ptr<QueueCore> core_;
+  std::thread worker_;
+};
+
+// WrapStream(nullptr): the calling thread is the stream; work runs before the enqueueing call returns.
+class HostInlineStream final : public HostStreamBase {
+ public:
+  absl::Status Submit(Op op) override {
+    absl::Status status = op();
+    if (!status.ok()) {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (error_.ok()) error_ = std::move(status);
+    }
+    return absl::OkStatus();
+  }
+  absl::Status Record(Event& event) override {
+    FERRY_ASSIGN_OR_RETURN(HostEvent * e, AsHostEvent(event, "Stream::Record"));
+    const uint64_t gen = e->state()->BeginRecord();
+    e->state()->Complete(gen, error());
+    return absl::OkStatus();
+  }
+  absl::Status WaitFor(Event& event) override {
+    FERRY_ASSIGN_OR_RETURN(HostEvent * e, AsHostEvent(event, "Stream::WaitFor"));
+    e->state()->Wait(e->state()->latest()).IgnoreError();
+    return absl::OkStatus();
+  }
+  absl::Status Synchronize() override { return error(); }
+  absl::Status EnqueueHost(std::function<void()> fn) override {
+    if (!fn) return absl::InvalidArgumentError("Stream::EnqueueHost: empty function");
+    fn();
+    return absl::OkStatus();
+  }
+
+ private:
+  absl::Status error() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return error_;
+  }
+  mutable std::mutex mu_;
+  absl::Status error_ ABSL_GUARDED_BY(mu_);
+};
+
+absl::StatusOr<HostStreamBase*> AsHostStream(Stream& stream, absl::string_view what) {
+  auto* s = dynamic_cast<HostStreamBase*>(&stream);
+  if (s == nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": the stream was not created by a host-backend device"));
+  }
+  return s;
+}
+
+bool IsDeviceSide(CopyKind kind, bool dst) {
+  switch (kind) {
+    case CopyKind::kHostToDevice: return dst;
+    case CopyKind::kDeviceToHost: return !dst;
+    case CopyKind::kDeviceToDevice: return true;
+    case CopyKind::kHostToHost: return false;
+  }
+  return false;
+}
+
+// One tensor of LaunchAdam on the host: the same element update as the CUDA kernel.
+void AdamTensorOnHost(const AdamTensorArgs& t, const AdamScalars& s) {
+  for (int64_t i = 0; i < t.numel; ++i) {
+    const size_t k = static_cast<size_t>(i);
+    float p = t.master[k];
+    float m = t.exp_avg[k];
+    float v = t.exp_avg_sq[k];
+    AdamUpdate(s, p, m, v, LoadAsF32(t.grad, t.grad_dtype, k));
+    t.master[k] = p;
+    t.exp_avg[k] = m;
+    t.exp_avg_sq[k] = v;
+    if (t.param != nullptr) StoreFromF32(t.param, t.param_dtype, k, p);
+  }
+}
+
+absl::StatusOr<size_t> AvailableHostMemory() {
+  std::ifstream meminfo("/proc/meminfo");
+  std::string line;
+  while (std::getline(meminfo, line)) {
+    unsigned long long kib = 0;  // "MemAvailable:   123456 kB"
+    if (std::sscanf(line.c_str(), "MemAvailable: %llu kB", &kib) == 1)
+      return static_cast<size_t>(kib) * 1024;
+  }
+  struct sysinfo info {};
+  if (sysinfo(&info) != 0) return PosixError("FreeMemory: sysinfo", errno);
+  return static_cast<size_t>(info.freeram) * info.mem_unit;
+}
+
+// Thread-safety: safe for concurrent use (the tables and the registry have their own locks).
+class HostDevice final : public Device {
+ public:
+  HostDevice()
+      : allocations_(std::make_shared<AllocationTable>()),
+        registry_(std::make_shared<StreamRegistry>()) {}
+
+  Backend backend() const override { return Backend::kHost; }
+  std::string name() const override { return "host (emulated device memory)"; }
+  absl::StatusOr<size_t> FreeMemory() override { return AvailableHostMemory(); }
+
+  absl::StatusOr<DeviceBuffer> Allocate(size_t bytes) override {
+    if (bytes == 0) return DeviceBuffer();
+    const size_t rounded = (bytes + kAlignment - 1) / kAlignment * kAlignment;
+    if (rounded < bytes) {
+      return absl::InvalidArgumentError(absl::StrCat("Allocate: ", bytes, " bytes is too large"));
+    }
+    void* p = std::aligned_alloc(kAlignment, rounded);
+    if (p == nullptr) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("Allocate: host backend could not allocate ", bytes, " bytes"));
+    }
+    std::memset(p, kUninitialisedByte, rounded);
+    allocations_->Add(p, bytes);
+    return DeviceBuffer(this, p, bytes);
+  }
+
+  void Free(void* data) override {
+    if (data == nullptr) return;
+    if (!allocations_->Contains(data)) {
+      FERRY_LOG(ERROR) << "Device::Free(" << data << "): not a live allocation of this device; ignored";
+      return;
+    }
+    if (!tls_on_stream_worker) registry_->WaitForAll();
+    if (!allocations_->Remove(data)) {  // freed by another thread meanwhile
+      FERRY_LOG(ERROR) << "Device::Free(" << data << "): freed twice concurrently; ignored";
+      return;
+    }
+    std::free(data);
+  }
+
+  absl::StatusOr<std::unique_ptr<Stream>> CreateStream() override {
+    return std::unique_ptr<Stream>(std::make_unique<HostQueueStream>(registry_));
+  }
+  absl::StatusOr<std::unique_ptr<Event>> CreateEvent() override {
+    return std::unique_ptr<Event>(std::make_unique<HostEvent>());
+  }
+  absl::StatusOr<std::unique_ptr<Stream>> WrapStream(void* native) override {
+    if (native != nullptr) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "WrapStream(%p): the host backend has no native streams; pass nullptr for the calling thread",
+          native));
+    }
+    return std::unique_ptr<Stream>(std::make_unique<HostInlineStream>());
+  }
+
+  absl::Status CopyAsync(void* dst, const void* src, size_t bytes, CopyKind kind,
+                         Stream& stream) override {
+    FERRY_ASSIGN_OR_RETURN(HostStreamBase * s, AsHostStream(stream, "CopyAsync"));
+    if (bytes == 0) return absl::OkStatus();
+    const std::string what =
+        absl::StrCat("CopyAsync ", ToAbsl(CopyKindName(kind)), " of ", bytes, " bytes");
+    if (dst == nullptr || src == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat(what, ": null ", dst == nullptr ? "dst" : "src"));
+    }
+    if (IsDeviceSide(kind, /*dst=*/true)) {
+      FERRY_RETURN_IF_ERROR(allocations_->CheckRange(dst, bytes, absl::StrCat(what, ", dst")));
+    }
+    if (IsDeviceSide(kind, /*dst=*/false)) {
+      FERRY_RETURN_IF_ERROR(allocations_->CheckRange(src, bytes, absl::StrCat(what, ", src")));
+    }
+    return s->Submit([dst, src, bytes] {
+      std::memmove(dst, src, bytes);
+      return absl::OkStatus();
+    });
+  }
+
+  absl::Status MemsetAsync(void* dst, uint8_t value, size_t bytes, Stream& stream) override {
+    FERRY_ASSIGN_OR_RETURN(HostStreamBase * s, AsHostStream(stream, "MemsetAsync"));
+    if (bytes == 0) return absl::OkStatus();
+    const std::string what = absl::StrCat("MemsetAsync of ", bytes, " bytes");
+    if (dst == nullptr) return absl::InvalidArgumentError(absl::StrCat(what, ": null dst"));
+    FERRY_RETURN_IF_ERROR(allocations_->CheckRange(dst, bytes, what));
+    return s->Submit([dst, value, bytes] {
+      std::memset(dst, value, bytes);
+      return absl::OkStatus();
+    });
+  }
+
+  absl::Status RegisterHost(void* data, size_t bytes) override {
+    if (data == nullptr || bytes == 0) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "RegisterHost(%p, %u bytes): need a non-null region of at least one byte", data, bytes));
+    }
+    const uintptr_t begin = reinterpret_cast<uintptr_t>(data);
+    std::lock_guard<std::mutex> lock(registered_mu_);
+    auto next = registered_.lower_bound(begin);
+    bool overlaps = next != registered_.end() && next->first < begin + bytes;
+    if (!overlaps && next != registered_.begin()) {
+      auto prev = std::prev(next);
+      overlaps = prev->first + prev->second > begin;
+    }
+    if (overlaps) {
+      return absl::AlreadyExistsError(absl::StrFormat(
+          "RegisterHost(%p, %u bytes): overlaps a region that is already registered", data, bytes));
+    }
+    registered_.emplace(begin, bytes);
+    ++registrations_;
+    return absl::OkStatus();
+  }
+
+  absl::Status UnregisterHost(void* data) override {
+    std::lock_guard<std::mutex> lock(registered_mu_);
+    if (registered_.erase(reinterpret_cast<uintptr_t>(data)) != 1) {
+      return absl::NotFoundError(absl::StrFormat(
+          "UnregisterHost(%p): not the start of a region registered with RegisterHost", data));
+    }
+    return absl::OkStatus();
+  }
+
+  uint64_t host_registrations() const override {
+    std::lock_guard<std::mutex> lock(registered_mu_);
+    return registrations_;
+  }
+
+  absl::Status LaunchAdam(absl::Span<const AdamTensorArgs> tensors,
+                          absl::Span<const AdamScalars> scalars, Stream& stream) override {
+    FERRY_ASSIGN_OR_RETURN(HostStreamBase * s, AsHostStream(stream, "LaunchAdam"));
+    FERRY_RETURN_IF_ERROR(ValidateAdamArgs(tensors, scalars));
+    if (tensors.empty()) return absl::OkStatus();
+    return s->Submit([allocations = allocations_,
+                      tensor_args = std::vector<AdamTensorArgs>(tensors.begin(), tensors.end()),
+                      scalar_args = std::vector<AdamScalars>(scalars.begin(), scalars.end())] {
+      // Like a kernel touching memory past an allocation: the whole launch fails, nothing is written.
+      for (size_t i = 0; i < tensor_args.size(); ++i) {
+        const AdamTensorArgs& t = tensor_args[i];
+        const size_t n = static_cast<size_t>(t.numel);
+        const std::string what = absl::StrCat("LaunchAdam tensor ", i);
+        FERRY_RETURN_IF_ERROR(allocations->CheckRange(t.master, 4 * n, absl::StrCat(what, " master")));
+        FERRY_RETURN_IF_ERROR(allocations->CheckRange(t.exp_avg, 4 * n, absl::StrCat(what, " exp_avg")));
+        FERRY_RETURN_IF_ERROR(
+            allocations->CheckRange(t.exp_avg_sq, 4 * n, absl::StrCat(what, " exp_avg_sq")));
+        FERRY_RETURN_IF_ERROR(
+            allocations->CheckRange(t.grad, DTypeSize(t.grad_dtype) * n, absl::StrCat(what, " grad")));
+        if (t.param != nullptr) {
+          FERRY_RETURN_IF_ERROR(allocations->CheckRange(t.param, DTypeSize(t.param_dtype) * n,
+                                                        absl::StrCat(what, " param")));
+        }
+      }
+      for (const AdamTensorArgs& t : tensor_args) AdamTensorOnHost(t, scalar_args[t.scalars_index]);
+      return absl::OkStatus();
+    });
+  }
+
+  absl::Status LaunchConvert(void* dst, DType dst_dtype, const void* src, DType src_dtype, int64_t numel,
+                             Stream& stream) override {
+    FERRY_ASSIGN_OR_RETURN(HostStreamBase * s, AsHostStream(stream, "LaunchConvert"));
+    FERRY_RETURN_IF_ERROR(ValidateConvertArgs(dst, dst_dtype, src, src_dtype, numel));
+    if (numel == 0) return absl::OkStatus();
+    return s->Submit([allocations = allocations_, dst, dst_dtype, src, src_dtype, numel] {
+      const size_t n = static_cast<size_t>(numel);
+      FERRY_RETURN_IF_ERROR(allocations->CheckRange(src, DTypeSize(src_dtype) * n, "LaunchConvert src"));
+      FERRY_RETURN_IF_ERROR(allocations->CheckRange(dst, DTypeSize(dst_dtype) * n, "LaunchConvert dst"));
+      if (dst_dtype == src_dtype) {
+        std::memmove(dst, src, DTypeSize(dst_dtype) * n);
+      } else {
+        for (size_t i = 0; i < n; ++i) StoreFromF32(dst, dst_dtype, i, LoadAsF32(src, src_dtype, i));
+      }
+      return absl::OkStatus();
+    });
+  }
+
+ private:
+  std::shared_ptr<AllocationTable> allocations_;
+  std::shared_ptr<StreamRegistry> registry_;
+  mutable std::mutex registered_mu_;
+  std::map<uintptr_t, size_t> registered_ ABSL_GUARDED_BY(registered_mu_);  // start -> bytes
+  uint64_t registrations_ ABSL_GUARDED_BY(registered_mu_) = 0;
+};
+
+}  // namespace
+
+std::unique_ptr<Device> CreateHostDevice() { return std::make_unique<HostDevice>(); }
+
+}  // namespace ferry
