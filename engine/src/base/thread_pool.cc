@@ -6,7 +6,6 @@
 #include <atomic>
 #include <utility>
 
-#include "absl/synchronization/blocking_counter.h"
 
 namespace ferry {
 
@@ -18,24 +17,27 @@ ThreadPool::ThreadPool(size_t num_threads) {
 
 ThreadPool::~ThreadPool() {
   {
-    absl::MutexLock lock(&mu_);
+    std::lock_guard<std::mutex> lock(mu_);
     stopping_ = true;
   }
+  cv_.notify_all();
   for (std::thread& t : workers_) t.join();
 }
 
 void ThreadPool::Schedule(std::function<void()> fn) {
-  absl::MutexLock lock(&mu_);
-  queue_.push_back(std::move(fn));
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    queue_.push_back(std::move(fn));
+  }
+  cv_.notify_one();
 }
 
 void ThreadPool::WorkerLoop() {
   while (true) {
     std::function<void()> fn;
     {
-      absl::MutexLock lock(&mu_);
-      auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stopping_ || !queue_.empty(); };
-      mu_.Await(absl::Condition(&ready));
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
       if (queue_.empty()) return;  // stopping and drained
       fn = std::move(queue_.front());
       queue_.pop_front();
@@ -53,18 +55,22 @@ void ThreadPool::ParallelFor(size_t num_tasks, const std::function<void(size_t)>
   // Tasks are claimed dynamically, but each task index names fixed work, so the result is the same.
   std::atomic<size_t> next{0};
   size_t helpers = std::min(num_tasks - 1, workers_.size());
-  absl::BlockingCounter done(static_cast<int>(helpers));
+  size_t remaining = helpers;  // guarded by done_mu
+  std::mutex done_mu;
+  std::condition_variable done_cv;
   auto drain = [&] {
     for (size_t i = next.fetch_add(1); i < num_tasks; i = next.fetch_add(1)) fn(i);
   };
   for (size_t h = 0; h < helpers; ++h) {
     Schedule([&] {
       drain();
-      done.DecrementCount();
+      std::lock_guard<std::mutex> lock(done_mu);
+      if (--remaining == 0) done_cv.notify_all();
     });
   }
   drain();
-  done.Wait();
+  std::unique_lock<std::mutex> lock(done_mu);
+  done_cv.wait(lock, [&] { return remaining == 0; });
 }
 
 size_t ThreadPool::DefaultThreads() {

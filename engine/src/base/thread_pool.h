@@ -8,8 +8,10 @@
 #include <thread>
 #include <vector>
 
+#include <condition_variable>
+#include <mutex>
+
 #include "absl/base/thread_annotations.h"
-#include "absl/synchronization/mutex.h"
 
 namespace ferry {
 
@@ -40,7 +42,10 @@ class ThreadPool final {
  private:
   void WorkerLoop();
 
-  absl::Mutex mu_;
+  // std::mutex rather than absl::Mutex: Debian's Abseil is not built for ThreadSanitizer, which then
+  // cannot see absl::Mutex and reports false races.
+  std::mutex mu_;
+  std::condition_variable cv_;
   std::deque<std::function<void()>> queue_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::vector<std::thread> workers_;

@@ -258,7 +258,7 @@ PinnedArena::PinnedArena(Device* device, const PinnedArenaOptions& options, void
 
 PinnedArena::~PinnedArena() {
   {
-    absl::MutexLock lock(&mu_);
+    std::lock_guard<std::mutex> lock(mu_);
     if (ranges_.num_allocations() > 0) {
       FERRY_LOG(ERROR) << "arena '" << options_.name << "' destroyed with "
                        << ranges_.num_allocations() << " span(s) still allocated ("
@@ -283,7 +283,7 @@ absl::StatusOr<HostSpan> PinnedArena::Allocate(size_t bytes, size_t alignment) {
     return absl::InvalidArgumentError(absl::StrCat("arena '", options_.name, "': alignment ",
                                                    alignment, " is not a power of two"));
   }
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   const std::optional<size_t> offset = ranges_.Allocate(bytes, alignment);
   if (!offset.has_value()) {
     return absl::ResourceExhaustedError(absl::StrCat(
@@ -316,7 +316,7 @@ absl::Status PinnedArena::Release(const HostSpan& span) {
         absl::StrCat("arena '", options_.name, "': span says offset ", span.offset,
                      " but its pointer is at offset ", offset));
   }
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   if (absl::Status s = ranges_.Release(offset, span.bytes); !s.ok()) {
     return absl::Status(s.code(), absl::StrCat("arena '", options_.name, "': ", s.message()));
   }
@@ -325,7 +325,7 @@ absl::Status PinnedArena::Release(const HostSpan& span) {
 }
 
 ArenaStats PinnedArena::stats() const {
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   return ArenaStats{.reserved_bytes = capacity_,
                     .in_use_bytes = ranges_.in_use_bytes(),
                     .peak_bytes = peak_bytes_,

@@ -15,7 +15,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "absl/synchronization/mutex.h"
+#include <mutex>
 #include "device/device.h"
 #include "memory/range_allocator.h"
 
@@ -122,7 +122,7 @@ class PinnedArena final {
   const size_t capacity_;
   const bool numa_applied_;
 
-  mutable absl::Mutex mu_;
+  mutable std::mutex mu_;  // std::mutex: TSan sees it (Debian's Abseil is not TSan-built)
   RangeAllocator ranges_ ABSL_GUARDED_BY(mu_);
   size_t peak_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t allocations_ ABSL_GUARDED_BY(mu_) = 0;
