@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "ckpt/checkpoint.h"
 #include "device/device.h"
 #include "gmock/gmock.h"
@@ -64,13 +65,13 @@ class Model {
     }
   }
   size_t size() const { return sizes_.size(); }
-  std::string name(size_t i) const { return "p" + std::to_string(i); }
+  std::string name(size_t i) const { return absl::StrCat("p", i); }
   // Registers every tensor; tensor i is in group "g<i % groups>".
   absl::Status Register(Engine& e, size_t groups) {
     for (size_t i = 0; i < sizes_.size(); ++i) {
       ParamSpec spec;
       spec.name = name(i);
-      spec.group = "g" + std::to_string(i % groups);
+      spec.group = absl::StrCat("g", i % groups);  // (not "g" + to_string: GCC 12 -Wrestrict false positive)
       spec.shape = {sizes_[i]};
       spec.dtype = DType::kBF16;
       spec.param = params_[i].data();
