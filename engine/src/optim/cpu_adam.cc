@@ -3,6 +3,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "base/adam_element.h"
 
 namespace ferry {
 
@@ -13,14 +14,7 @@ void CpuAdam::StepSerial(const CpuAdamTensor& t, int64_t begin, int64_t end) {
   const AdamScalars s = *t.scalars;
   for (int64_t i = begin; i < end; ++i) {
     const size_t k = static_cast<size_t>(i);
-    float p = t.master[k];
-    float m = t.exp_avg[k];
-    float v = t.exp_avg_sq[k];
-    AdamUpdate(s, p, m, v, LoadAsF32(t.grad, t.grad_dtype, k));
-    t.master[k] = p;
-    t.exp_avg[k] = m;
-    t.exp_avg_sq[k] = v;
-    if (t.param != nullptr) StoreFromF32(t.param, t.param_dtype, k, p);
+    AdamStepElement(s, t.master, t.exp_avg, t.exp_avg_sq, t.grad, t.grad_dtype, t.param, t.param_dtype, k);
   }
 }
 

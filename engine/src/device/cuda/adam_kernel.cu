@@ -1,6 +1,7 @@
 // The fused multi-tensor Adam kernel. The element update is base/adam_math.h's AdamUpdate, the same
 // function the host backend and the CPU kernels call; the build compiles this file with --fmad=false,
 // and sqrtf and division are IEEE-rounded by default, so the results equal the host's bit for bit.
+#include "base/adam_element.h"
 #include "device/cuda/kernels.h"
 
 namespace ferry::cuda_kernels {
@@ -25,14 +26,7 @@ __global__ void __launch_bounds__(kAdamThreads) AdamKernel(const AdamLaunchParam
     const int64_t end = begin + kAdamChunkElems < t.numel ? begin + kAdamChunkElems : t.numel;
     for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) {
       const size_t k = static_cast<size_t>(i);
-      float master = t.master[k];
-      float m = t.exp_avg[k];
-      float v = t.exp_avg_sq[k];
-      AdamUpdate(s, master, m, v, LoadAsF32(t.grad, t.grad_dtype, k));
-      t.master[k] = master;
-      t.exp_avg[k] = m;
-      t.exp_avg_sq[k] = v;
-      if (t.param != nullptr) StoreFromF32(t.param, t.param_dtype, k, master);
+      AdamStepElement(s, t.master, t.exp_avg, t.exp_avg_sq, t.grad, t.grad_dtype, t.param, t.param_dtype, k);
     }
   }
 }

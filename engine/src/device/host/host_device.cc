@@ -24,6 +24,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/string_view.h"
+#include "base/adam_element.h"
 #include "base/adam_math.h"
 #include "base/errors.h"
 #include "base/logging.h"
@@ -392,14 +393,7 @@ bool IsDeviceSide(CopyKind kind, bool dst) {
 void AdamTensorOnHost(const AdamTensorArgs& t, const AdamScalars& s) {
   for (int64_t i = 0; i < t.numel; ++i) {
     const size_t k = static_cast<size_t>(i);
-    float p = t.master[k];
-    float m = t.exp_avg[k];
-    float v = t.exp_avg_sq[k];
-    AdamUpdate(s, p, m, v, LoadAsF32(t.grad, t.grad_dtype, k));
-    t.master[k] = p;
-    t.exp_avg[k] = m;
-    t.exp_avg_sq[k] = v;
-    if (t.param != nullptr) StoreFromF32(t.param, t.param_dtype, k, p);
+    AdamStepElement(s, t.master, t.exp_avg, t.exp_avg_sq, t.grad, t.grad_dtype, t.param, t.param_dtype, k);
   }
 }
 
