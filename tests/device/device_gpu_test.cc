@@ -16,6 +16,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
+#include "device/adam_reference.h"
 #include "device/device.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -25,11 +26,13 @@ namespace {
 
 using ::testing::HasSubstr;
 
+#ifndef FERRY_TEST_ASSERT_OK
 #define FERRY_TEST_ASSERT_OK(expr)               \
   do {                                           \
     const absl::Status s_ = (expr);              \
     ASSERT_TRUE(s_.ok()) << #expr << ": " << s_; \
   } while (0)
+#endif
 #define FERRY_TEST_EXPECT_OK(expr)               \
   do {                                           \
     const absl::Status s_ = (expr);              \
@@ -449,5 +452,9 @@ TEST_F(CudaDeviceTest, LaunchConvertEqualsHostBitForBit) {
   }
 }
 
+
+// The CUDA kernel against the float64 reference over 1,000 steps (the same check and bounds as the host
+// backend's HostAdamTest).
+TEST_F(CudaDeviceTest, LaunchAdamMatchesFloat64ReferenceOver1000Steps) { CheckLaunchAdamAgainstFloat64(*cuda_); }
 }  // namespace
 }  // namespace ferry
