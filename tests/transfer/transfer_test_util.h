@@ -4,6 +4,8 @@
 #define FERRY_TESTS_TRANSFER_TRANSFER_TEST_UTIL_H_
 
 #include <atomic>
+#include <condition_variable>
+#include <mutex>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -41,14 +43,24 @@ class Gate final {
  public:
   ~Gate() { Open(); }
   absl::Status Hold(Stream& stream) {
-    return stream.EnqueueHost([this] { open_.WaitForNotification(); });
+    return stream.EnqueueHost([this] {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [this] { return open_; });
+    });
   }
   void Open() {
-    if (!open_.HasBeenNotified()) open_.Notify();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      open_ = true;
+    }
+    cv_.notify_all();
   }
 
  private:
-  absl::Notification open_;
+  // std::mutex rather than absl::Notification: ThreadSanitizer cannot see Debian's Abseil.
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool open_ = false;
 };
 
 // A Device that forwards everything to `inner`, except that the copy whose source is `gate_src`
