@@ -6,9 +6,11 @@
 #include <cstring>
 #include <filesystem>
 #include <string>
+#include <vector>
 
 #include <lua.hpp>
 
+#include "bench/bench.h"
 #include "lua/ferry_module.h"
 
 namespace {
@@ -19,6 +21,7 @@ constexpr char kUsage[] =
     "verbs:\n"
     "  run SCRIPT.lua [ARGS...]  run a Lua script with the `ferry` module (the engine's API for\n"
     "                            scripts); ARGS reach the script as arg[1..] and as `...`\n"
+    "  bench NAME [ARGS...]      run a benchmark (`ferry bench` lists them; NAME --help)\n"
     "  version                   print the version\n"
     "  help                      this text\n"
     "\n"
@@ -85,6 +88,21 @@ int Run(int argc, char** argv) {
   return status;
 }
 
+int Bench(int argc, char** argv) {
+  const std::vector<ferry::bench::BenchInfo> benches = ferry::bench::Benches();
+  if (argc < 1 || std::strcmp(argv[0], "--help") == 0 || std::strcmp(argv[0], "-h") == 0) {
+    std::fputs("usage: ferry bench NAME [ARGS...]   (NAME --help for its arguments)\n\nbenchmarks:\n",
+               argc < 1 ? stderr : stdout);
+    for (const auto& b : benches) std::fprintf(argc < 1 ? stderr : stdout, "  %-12s %s\n", b.name.c_str(), b.help.c_str());
+    return argc < 1 ? 2 : 0;
+  }
+  for (const auto& b : benches) {
+    if (b.name == argv[0]) return b.fn(argc, argv);
+  }
+  std::fprintf(stderr, "ferry bench: no benchmark '%s' (`ferry bench` lists them)\n", argv[0]);
+  return 2;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -94,6 +112,7 @@ int main(int argc, char** argv) {
   }
   const std::string verb = argv[1];
   if (verb == "run") return Run(argc - 2, argv + 2);
+  if (verb == "bench") return Bench(argc - 2, argv + 2);
   if (verb == "help" || verb == "--help" || verb == "-h") {
     std::fputs(kUsage, stdout);
     return 0;
