@@ -389,5 +389,41 @@ TEST_F(EngineTest, CorruptCheckpointsAreRefused) {
   ASSERT_OK(e->VerifyMasters());
 }
 
+
+// Hot reload: a new policy moves groups between pinned host memory and the device between steps; the
+// continued run is bit-identical to one that never moved. A broken policy leaves the old one in force.
+TEST_F(EngineTest, ReloadPolicyMovesStateWithoutChangingValues) {
+  Model a(device_.get(), kSizes, 41), b(device_.get(), kSizes, 41);
+  auto moving = MakeEngine(Policies() + "offload_fraction.lua", {{"fraction", "0.5"}}, 4096);
+  auto still = MakeEngine(Policies() + "offload_fraction.lua", {{"fraction", "0.5"}}, 4096);
+  ASSERT_OK(a.Register(*moving, 4));
+  ASSERT_OK(b.Register(*still, 4));
+  ASSERT_OK(moving->Finalize());
+  ASSERT_OK(still->Finalize());
+  auto step_both = [&](int seed) {
+    a.SetGrads(seed);
+    b.SetGrads(seed);
+    ASSERT_OK(moving->Step());
+    ASSERT_OK(still->Step());
+  };
+  for (int s = 0; s < 4; ++s) step_both(500 + s);
+  ASSERT_OK(moving->ReloadPolicy(Policies() + "offload_all.lua", {}));
+  for (const GroupPlacement& g : moving->Placement()) EXPECT_TRUE(g.offloaded) << g.group;
+  for (int s = 4; s < 8; ++s) step_both(500 + s);
+  ASSERT_OK(moving->ReloadPolicy(Policies() + "all_gpu.lua", {}));
+  for (const GroupPlacement& g : moving->Placement()) EXPECT_FALSE(g.offloaded) << g.group;
+  for (int s = 8; s < 12; ++s) step_both(500 + s);
+  // A policy that fails changes nothing.
+  absl::Status bad = moving->ReloadPolicy(tmp_.Write("bad.lua", "return { place = function() error('no') end }"), {});
+  EXPECT_FALSE(bad.ok());
+  EXPECT_THAT(std::string(bad.message()), HasSubstr("bad.lua"));
+  for (const GroupPlacement& g : moving->Placement()) EXPECT_FALSE(g.offloaded) << g.group;
+  for (int s = 12; s < 14; ++s) step_both(500 + s);
+  ASSERT_OK(moving->Synchronize());
+  ASSERT_OK(still->Synchronize());
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_EQ(a.Param(i), b.Param(i)) << i;
+  ASSERT_OK(moving->VerifyMasters());
+  EXPECT_EQ(moving->Stats().step, 14);
+}
 }  // namespace
 }  // namespace ferry

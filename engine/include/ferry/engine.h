@@ -130,6 +130,13 @@ class Engine {
   // reported as FailedPrecondition naming the group, tensor and element.
   virtual absl::Status VerifyMasters() = 0;
 
+  // Replaces the policy between steps (hot reload): loads `path` with `args`, runs its place() hook,
+  // and moves the state of every group whose placement changed between pinned host memory and the
+  // GPU without changing any value (the continued run is bit-identical to one that never moved). On
+  // any error (the file, the hook, the move) the old policy and placement stay in force.
+  // REQUIRES: Finalize succeeded.
+  virtual absl::Status ReloadPolicy(const std::string& path, const std::map<std::string, std::string>& args) = 0;
+
   virtual std::vector<GroupPlacement> Placement() const = 0;
   virtual EngineStats Stats() const = 0;
   // The device in words, e.g. "host (emulated device memory)" or "NVIDIA H200 (cuda:0, ...)".

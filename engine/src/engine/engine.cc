@@ -57,6 +57,7 @@ class EngineImpl final : public Engine {
   absl::StatusOr<std::string> SaveCheckpoint(const std::string& root, int64_t step) override;
   absl::Status LoadCheckpoint(const std::string& path) override;
   absl::Status SyncFromModel(const std::vector<std::string>& groups, bool reset_optimizer) override;
+  absl::Status ReloadPolicy(const std::string& path, const std::map<std::string, std::string>& args) override;
   absl::Status VerifyMasters() override;
   std::vector<GroupPlacement> Placement() const override;
   EngineStats Stats() const override;
@@ -71,6 +72,9 @@ class EngineImpl final : public Engine {
     return absl::OkStatus();
   }
   std::vector<GroupInfo> GroupInfos() const;
+  // A new optimizer with `placement`; its masters come from the params (m = v = 0).
+  absl::StatusOr<std::unique_ptr<HybridOptimizer>> BuildOptimizer(const ferry::Placement& placement,
+                                                                  std::vector<bool>* offloaded_out);
   absl::StatusOr<PolicyContext> Context();
   absl::StatusOr<std::vector<size_t>> GroupIndices(const std::vector<std::string>& names) const;
   std::string PolicyName() const { return policy_ == nullptr ? "(default policy)" : policy_->path(); }
@@ -175,6 +179,12 @@ absl::Status EngineImpl::Finalize() {
   } else {
     for (const GroupInfo& g : infos) placement.groups[g.name] = PlaceKind::kGpu;
   }
+  FERRY_ASSIGN_OR_RETURN(optimizer_, BuildOptimizer(placement, &offloaded_));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<HybridOptimizer>> EngineImpl::BuildOptimizer(const ferry::Placement& placement,
+                                                                             std::vector<bool>* offloaded_out) {
   HybridOptions hopt;
   hopt.hyper.lr = options_.optimizer.lr;
   hopt.hyper.beta1 = options_.optimizer.beta1;
@@ -187,7 +197,7 @@ absl::Status EngineImpl::Finalize() {
   std::string numa = placement.numa.value_or(options_.numa);
   if (!numa.empty()) {
     absl::StatusOr<NumaPolicy> np = ParseNumaPolicy(numa);
-    if (!np.ok()) return absl::InvalidArgumentError(absl::StrCat("Finalize: NUMA policy: ", np.status().message()));
+    if (!np.ok()) return absl::InvalidArgumentError(absl::StrCat("NUMA policy: ", np.status().message()));
     hopt.numa = *np;
   }
   std::vector<OptimGroup> groups(group_names_.size());
@@ -195,7 +205,7 @@ absl::Status EngineImpl::Finalize() {
   for (size_t g = 0; g < groups.size(); ++g) {
     auto it = placement.groups.find(group_names_[g]);
     if (it == placement.groups.end()) {
-      return absl::InternalError(absl::StrCat("Finalize: the policy placed no group '", group_names_[g], "'"));
+      return absl::InternalError(absl::StrCat("the policy placed no group '", group_names_[g], "'"));
     }
     groups[g].name = group_names_[g];
     groups[g].offloaded = offloaded[g] = it->second == PlaceKind::kCpu;
@@ -206,10 +216,10 @@ absl::Status EngineImpl::Finalize() {
     params.push_back(OptimParam{p.spec.name, p.group, p.numel, p.spec.dtype, p.spec.grad_dtype.value_or(p.spec.dtype),
                                 p.spec.param, p.spec.grad});
   }
-  FERRY_ASSIGN_OR_RETURN(optimizer_, HybridOptimizer::Create(device_.get(), &pool_, std::move(params),
-                                                             std::move(groups), hopt));
-  offloaded_ = std::move(offloaded);
-  return absl::OkStatus();
+  FERRY_ASSIGN_OR_RETURN(std::unique_ptr<HybridOptimizer> optimizer,
+                         HybridOptimizer::Create(device_.get(), &pool_, std::move(params), std::move(groups), hopt));
+  *offloaded_out = std::move(offloaded);
+  return optimizer;
 }
 
 absl::Status EngineImpl::Step(const StepOptions& options, void* stream) {
@@ -434,6 +444,39 @@ absl::Status EngineImpl::SyncFromModel(const std::vector<std::string>& groups, b
   FERRY_RETURN_IF_ERROR(RequireFinalized("SyncFromModel"));
   FERRY_ASSIGN_OR_RETURN(std::vector<size_t> idx, GroupIndices(groups));
   return optimizer_->SyncFromModel(idx, reset_optimizer);
+}
+
+absl::Status EngineImpl::ReloadPolicy(const std::string& path, const std::map<std::string, std::string>& args) {
+  FERRY_RETURN_IF_ERROR(RequireFinalized("ReloadPolicy"));
+  FERRY_ASSIGN_OR_RETURN(std::unique_ptr<Policy> policy, Policy::LoadFile(path));
+  FERRY_ASSIGN_OR_RETURN(PolicyContext ctx, Context());
+  ctx.args = args;
+  FERRY_ASSIGN_OR_RETURN(ferry::Placement placement, policy->Place(GroupInfos(), ctx));
+  bool changed = false;
+  for (size_t g = 0; g < group_names_.size(); ++g) {
+    changed = changed || (placement.groups.at(group_names_[g]) == PlaceKind::kCpu) != offloaded_[g];
+  }
+  if (changed) {
+    // Build the new placement beside the old one, copy every group's state and step count across
+    // exactly, then swap: on any error the old optimizer stays in force.
+    FERRY_RETURN_IF_ERROR(optimizer_->Synchronize());
+    std::vector<bool> offloaded;
+    FERRY_ASSIGN_OR_RETURN(std::unique_ptr<HybridOptimizer> moved, BuildOptimizer(placement, &offloaded));
+    std::vector<float> buf;
+    for (size_t i = 0; i < params_.size(); ++i) {
+      buf.resize(static_cast<size_t>(params_[i].numel));
+      for (const auto& [kind, kind_name] : kStateKinds) {
+        FERRY_RETURN_IF_ERROR(optimizer_->ReadState(i, kind, buf.data()));
+        FERRY_RETURN_IF_ERROR(moved->WriteState(i, kind, buf.data()));
+      }
+    }
+    for (size_t g = 0; g < group_names_.size(); ++g) moved->set_group_step(g, optimizer_->group_step(g));
+    optimizer_ = std::move(moved);
+    offloaded_ = std::move(offloaded);
+  }
+  policy_ = std::move(policy);
+  options_.policy_args = args;
+  return absl::OkStatus();
 }
 
 absl::Status EngineImpl::VerifyMasters() {
