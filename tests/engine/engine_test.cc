@@ -425,5 +425,35 @@ TEST_F(EngineTest, ReloadPolicyMovesStateWithoutChangingValues) {
   ASSERT_OK(moving->VerifyMasters());
   EXPECT_EQ(moving->Stats().step, 14);
 }
+
+// The offload pipeline with one chunk, exactly two, a ragged last chunk and many chunks (tensors
+// straddling chunk boundaries, more chunks than staging slots) gives the same bits as the device path.
+TEST_F(EngineTest, PipelineChunkingDoesNotChangeResults) {
+  int64_t grad_bytes = 0;
+  for (int64_t n : kSizes) grad_bytes += 2 * n;
+  Model ref_model(device_.get(), kSizes, 61);
+  auto ref = MakeEngine(Policies() + "all_gpu.lua");
+  ASSERT_OK(ref_model.Register(*ref, 3));
+  ASSERT_OK(ref->Finalize());
+  for (int s = 0; s < 20; ++s) {
+    ref_model.SetGrads(700 + s);
+    ASSERT_OK(ref->Step());
+  }
+  ASSERT_OK(ref->Synchronize());
+  for (size_t chunk : {size_t{1} << 20, static_cast<size_t>(grad_bytes / 2), size_t{20000}, size_t{1024}}) {
+    SCOPED_TRACE(absl::StrCat("chunk bytes ", chunk));
+    Model m(device_.get(), kSizes, 61);
+    auto e = MakeEngine(Policies() + "offload_all.lua", {}, chunk);
+    ASSERT_OK(m.Register(*e, 3));
+    ASSERT_OK(e->Finalize());
+    for (int s = 0; s < 20; ++s) {
+      m.SetGrads(700 + s);
+      ASSERT_OK(e->Step());
+    }
+    ASSERT_OK(e->Synchronize());
+    for (size_t i = 0; i < m.size(); ++i) EXPECT_EQ(m.Param(i), ref_model.Param(i)) << i;
+    ASSERT_OK(e->VerifyMasters());
+  }
+}
 }  // namespace
 }  // namespace ferry

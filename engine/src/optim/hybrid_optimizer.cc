@@ -35,8 +35,8 @@ HybridOptimizer::~HybridOptimizer() {
     for (Group& g : groups_) {
       if (!g.host_state.empty()) (void)arena_->Release(g.host_state);
     }
-    if (!grad_stage_.empty()) (void)arena_->Release(grad_stage_);
-    if (!param_stage_.empty()) (void)arena_->Release(param_stage_);
+    for (const HostSpan& slot : grad_slots_) (void)arena_->Release(slot);
+    for (const HostSpan& slot : param_slots_) (void)arena_->Release(slot);
   }
 }
 
@@ -83,25 +83,36 @@ absl::Status HybridOptimizer::Init(std::vector<OptimParam> params, std::vector<O
       FERRY_ASSIGN_OR_RETURN(g.device_state, device_->Allocate(state_bytes));
     }
   }
-  // Offloaded params' staging: grads arrive here from the device, new params leave from here.
   // Params with 4-byte grads come first: every region's size is a multiple of its element size, and
   // chunks are cut at multiples of 4 bytes of the concatenated regions, so with this order every chunk
   // piece starts and ends on an element boundary.
   std::stable_sort(cpu_params_.begin(), cpu_params_.end(), [&](size_t a, size_t b) {
     return DTypeSize(params_[a].grad_dtype) > DTypeSize(params_[b].grad_dtype);
   });
-  size_t grad_bytes = 0, param_bytes = 0;
-  for (size_t p : cpu_params_) {
-    grad_stage_offset_.push_back(grad_bytes);
-    param_stage_offset_.push_back(param_bytes);
-    grad_bytes += AlignUp(static_cast<size_t>(params_[p].numel) * DTypeSize(params_[p].grad_dtype), 64);
-    param_bytes += AlignUp(static_cast<size_t>(params_[p].numel) * DTypeSize(params_[p].dtype), 64);
-  }
   FERRY_ASSIGN_OR_RETURN(work_stream_, device_->CreateStream());
   FERRY_ASSIGN_OR_RETURN(grads_ready_, device_->CreateEvent());
   FERRY_ASSIGN_OR_RETURN(step_done_, device_->CreateEvent());
   if (!cpu_params_.empty()) {
-    arena_bytes += AlignUp(grad_bytes, kStageAlign) + AlignUp(param_bytes, kStageAlign) + 4 * kStageAlign;
+    const size_t chunk_bytes = options_.chunk_bytes / 4 * 4;  // whole elements of any dtype
+    const size_t depth = std::max<size_t>(options_.pipeline_depth, 2);
+    std::vector<CopyRegion> grads;
+    for (size_t p : cpu_params_) {
+      const OptimParam& op = params_[p];
+      grads.push_back(CopyRegion{nullptr, op.grad, static_cast<size_t>(op.numel) * DTypeSize(op.grad_dtype)});
+    }
+    grad_chunks_ = PlanChunks(grads, chunk_bytes);
+    size_t param_slot_bytes = 0;
+    for (const ChunkPlan& c : grad_chunks_) {
+      size_t bytes = 0;
+      for (const ChunkPiece& piece : c.pieces) {
+        const OptimParam& op = params_[cpu_params_[piece.region]];
+        bytes += piece.bytes / DTypeSize(op.grad_dtype) * DTypeSize(op.dtype);
+      }
+      param_slot_bytes = std::max(param_slot_bytes, bytes);
+    }
+    const size_t slots = std::min(depth, grad_chunks_.size());
+    arena_bytes += slots * (AlignUp(chunk_bytes, kStageAlign) + AlignUp(param_slot_bytes, kStageAlign)) +
+                   4 * kStageAlign;
     PinnedArenaOptions arena_options;
     arena_options.capacity_bytes = arena_bytes;
     arena_options.numa = options_.numa;
@@ -113,15 +124,14 @@ absl::Status HybridOptimizer::Init(std::vector<OptimParam> params, std::vector<O
       FERRY_ASSIGN_OR_RETURN(g.host_state,
                              arena_->Allocate(3 * static_cast<size_t>(g.layout.total_elements()) * sizeof(float)));
     }
-    FERRY_ASSIGN_OR_RETURN(grad_stage_, arena_->Allocate(grad_bytes));
-    FERRY_ASSIGN_OR_RETURN(param_stage_, arena_->Allocate(param_bytes));
-    for (size_t i = 0; i < cpu_params_.size(); ++i) {
-      const OptimParam& op = params_[cpu_params_[i]];
-      grad_regions_.push_back(CopyRegion{grad_stage_.as<char>() + grad_stage_offset_[i], op.grad,
-                                         static_cast<size_t>(op.numel) * DTypeSize(op.grad_dtype)});
+    for (size_t i = 0; i < slots; ++i) {
+      FERRY_ASSIGN_OR_RETURN(HostSpan grad_slot, arena_->Allocate(chunk_bytes, kStageAlign));
+      grad_slots_.push_back(grad_slot);
+      FERRY_ASSIGN_OR_RETURN(HostSpan param_slot, arena_->Allocate(param_slot_bytes, kStageAlign));
+      param_slots_.push_back(param_slot);
     }
     TransferOptions transfer_options;
-    transfer_options.chunk_bytes = options_.chunk_bytes / 4 * 4;  // whole elements of any dtype
+    transfer_options.chunk_bytes = chunk_bytes;
     FERRY_ASSIGN_OR_RETURN(transfer_, Transfer::Create(device_, transfer_options));
   }
   std::vector<size_t> all(groups_.size());
@@ -198,6 +208,23 @@ absl::Status HybridOptimizer::StepGpuGroups(float lr, Stream& trainer) {
   return device_->LaunchAdam(tensors, scalars, trainer);
 }
 
+absl::StatusOr<std::unique_ptr<TransferBatch>> HybridOptimizer::SubmitGradChunk(size_t k, Event& grads_ready) {
+  std::vector<CopyRegion> regions;
+  char* slot = grad_slots_[k % grad_slots_.size()].as<char>();
+  size_t at = 0;
+  for (const ChunkPiece& piece : grad_chunks_[k].pieces) {
+    const OptimParam& op = params_[cpu_params_[piece.region]];
+    regions.push_back(CopyRegion{slot + at, static_cast<const char*>(op.grad) + piece.offset, piece.bytes});
+    at += piece.bytes;
+  }
+  return transfer_->DeviceToHost(regions, &grads_ready);
+}
+
+// The pipeline over grad chunks, `depth` = number of staging slots:
+//   D2H of chunk k+depth-1 | CPU Adam on chunk k | H2D of chunk k-1, all in flight at once.
+// Chunk k's grads land in grad slot k % depth; CPU Adam writes its new params into param slot k % depth,
+// which the H2D of chunk k reads. A grad slot is refilled once CPU Adam has read it; a param slot is
+// rewritten only after the H2D that read it completed.
 absl::Status HybridOptimizer::StepCpuGroups(float lr, Event& grads_ready) {
   if (cpu_params_.empty()) return absl::OkStatus();
   std::vector<AdamScalars> scalars(groups_.size());
@@ -206,71 +233,138 @@ absl::Status HybridOptimizer::StepCpuGroups(float lr, Event& grads_ready) {
     h.lr = lr;
     scalars[gi] = MakeAdamScalars(h, groups_[gi].step + 1);
   }
-  FERRY_ASSIGN_OR_RETURN(std::unique_ptr<TransferBatch> down,
-                         transfer_->DeviceToHost(grad_regions_, &grads_ready));
-  TransferBatch* d2h = down.get();
-  pending_.push_back(std::move(down));
+  const size_t num_chunks = grad_chunks_.size();
+  const size_t depth = grad_slots_.size();
+  std::vector<std::unique_ptr<TransferBatch>> down(num_chunks), up(num_chunks);
+  for (size_t k = 0; k < std::min(depth, num_chunks); ++k) {
+    FERRY_ASSIGN_OR_RETURN(down[k], SubmitGradChunk(k, grads_ready));
+  }
   std::vector<CpuAdamTensor> work;
-  std::vector<CopyRegion> up;
-  for (size_t k = 0; k < d2h->num_chunks(); ++k) {
-    FERRY_RETURN_IF_ERROR(d2h->WaitChunk(k));
+  std::vector<CopyRegion> regions;
+  absl::Status status;
+  for (size_t k = 0; k < num_chunks && status.ok(); ++k) {
+    status = down[k]->Wait();
+    if (!status.ok()) break;
+    if (k >= depth) {
+      status = up[k - depth]->Wait();  // its param slot is about to be rewritten
+      if (!status.ok()) break;
+    }
+    const char* grad_slot = grad_slots_[k % depth].as<char>();
+    char* param_slot = param_slots_[k % depth].as<char>();
     work.clear();
-    up.clear();
-    for (const ChunkPiece& piece : d2h->chunk(k).pieces) {
+    regions.clear();
+    size_t grad_at = 0, param_at = 0;
+    for (const ChunkPiece& piece : grad_chunks_[k].pieces) {
       const size_t p = cpu_params_[piece.region];
       const OptimParam& op = params_[p];
       const size_t gsize = DTypeSize(op.grad_dtype), psize = DTypeSize(op.dtype);
       FERRY_CHECK(piece.offset % gsize == 0 && piece.bytes % gsize == 0) << "chunk piece off element boundary";
       const size_t e0 = piece.offset / gsize;
       const size_t n = piece.bytes / gsize;
-      char* param_stage = param_stage_.as<char>() + param_stage_offset_[piece.region];
       CpuAdamTensor t;
       t.master = StatePtr(p, StateKind::kMaster) + e0;
       t.exp_avg = StatePtr(p, StateKind::kExpAvg) + e0;
       t.exp_avg_sq = StatePtr(p, StateKind::kExpAvgSq) + e0;
-      t.grad = grad_stage_.as<char>() + grad_stage_offset_[piece.region] + e0 * gsize;
-      t.param = param_stage + e0 * psize;
+      t.grad = grad_slot + grad_at;
+      t.param = param_slot + param_at;
       t.numel = static_cast<int64_t>(n);
       t.grad_dtype = op.grad_dtype;
       t.param_dtype = op.dtype;
       t.scalars = &scalars[op.group];
       work.push_back(t);
-      up.push_back(CopyRegion{static_cast<char*>(op.param) + e0 * psize, param_stage + e0 * psize, n * psize});
+      regions.push_back(CopyRegion{static_cast<char*>(op.param) + e0 * psize, param_slot + param_at, n * psize});
+      grad_at += piece.bytes;
+      param_at += n * psize;
     }
-    FERRY_RETURN_IF_ERROR(cpu_adam_.Step(work));
+    status = cpu_adam_.Step(work);
+    if (!status.ok()) break;
     // The trainer's stream may still read the params until the grads are ready: the upload waits.
-    FERRY_ASSIGN_OR_RETURN(std::unique_ptr<TransferBatch> upload, transfer_->HostToDevice(up, &grads_ready));
-    pending_.push_back(std::move(upload));
+    absl::StatusOr<std::unique_ptr<TransferBatch>> upload = transfer_->HostToDevice(regions, &grads_ready);
+    if (!upload.ok()) {
+      status = upload.status();
+      break;
+    }
+    up[k] = *std::move(upload);
+    if (k + depth < num_chunks) {
+      absl::StatusOr<std::unique_ptr<TransferBatch>> next = SubmitGradChunk(k + depth, grads_ready);
+      if (!next.ok()) {
+        status = next.status();
+        break;
+      }
+      down[k + depth] = *std::move(next);
+    }
   }
-  return absl::OkStatus();
+  // Everything submitted stays alive until it completed (WaitPending at the next call).
+  for (auto& batch : down) {
+    if (batch != nullptr) pending_.push_back(std::move(batch));
+  }
+  for (auto& batch : up) {
+    if (batch != nullptr) pending_.push_back(std::move(batch));
+  }
+  return status;
 }
 
 absl::Status HybridOptimizer::SyncParamsFromModel(const std::vector<size_t>& params) {
   FERRY_RETURN_IF_ERROR(Synchronize());
   FERRY_RETURN_IF_ERROR(work_stream_->WaitFor(*step_done_));
   std::vector<size_t> host_params;
+  std::vector<CopyRegion> host_regions;
   for (size_t p : params) {
     const OptimParam& op = params_[p];
     if (groups_[op.group].offloaded) {
-      size_t i = 0;
-      while (cpu_params_[i] != p) ++i;
-      host_params.push_back(i);
-      FERRY_RETURN_IF_ERROR(device_->CopyAsync(param_stage_.as<char>() + param_stage_offset_[i], op.param,
-                                               static_cast<size_t>(op.numel) * DTypeSize(op.dtype),
-                                               CopyKind::kDeviceToHost, *work_stream_));
+      host_params.push_back(p);
+      host_regions.push_back(CopyRegion{nullptr, op.param, static_cast<size_t>(op.numel) * DTypeSize(op.dtype)});
     } else {
       FERRY_RETURN_IF_ERROR(device_->LaunchConvert(StatePtr(p, StateKind::kMaster), DType::kF32, op.param,
                                                    op.dtype, op.numel, *work_stream_));
     }
   }
   FERRY_RETURN_IF_ERROR(work_stream_->Synchronize());
-  pool_->ParallelFor(host_params.size(), [&](size_t k) {
-    const size_t i = host_params[k];
-    const OptimParam& op = params_[cpu_params_[i]];
-    const char* src = param_stage_.as<char>() + param_stage_offset_[i];
-    float* master = StatePtr(cpu_params_[i], StateKind::kMaster);
-    for (int64_t e = 0; e < op.numel; ++e) master[e] = LoadAsF32(src, op.dtype, static_cast<size_t>(e));
+  if (host_params.empty()) return absl::OkStatus();
+  // 4-byte params first, so every chunk piece is whole elements (chunks are cut at multiples of 4).
+  std::vector<size_t> order(host_params.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+    return DTypeSize(params_[host_params[a]].dtype) > DTypeSize(params_[host_params[b]].dtype);
   });
+  {
+    std::vector<size_t> sorted_params;
+    std::vector<CopyRegion> sorted_regions;
+    for (size_t i : order) {
+      sorted_params.push_back(host_params[i]);
+      sorted_regions.push_back(host_regions[i]);
+    }
+    host_params = std::move(sorted_params);
+    host_regions = std::move(sorted_regions);
+  }
+  // Offloaded params come down chunk by chunk through the grad slots (each holds chunk_bytes) and are
+  // widened into their fp32 masters.
+  const std::vector<ChunkPlan> chunks = PlanChunks(host_regions, grad_slots_[0].bytes / 4 * 4);
+  for (size_t k = 0; k < chunks.size(); ++k) {
+    char* slot = grad_slots_[0].as<char>();
+    std::vector<CopyRegion> regions;
+    size_t at = 0;
+    for (const ChunkPiece& piece : chunks[k].pieces) {
+      regions.push_back(CopyRegion{slot + at, static_cast<const char*>(host_regions[piece.region].src) + piece.offset,
+                                   piece.bytes});
+      at += piece.bytes;
+    }
+    FERRY_ASSIGN_OR_RETURN(std::unique_ptr<TransferBatch> batch, transfer_->DeviceToHost(regions, step_done_.get()));
+    FERRY_RETURN_IF_ERROR(batch->Wait());
+    at = 0;
+    for (const ChunkPiece& piece : chunks[k].pieces) {
+      const OptimParam& op = params_[host_params[piece.region]];
+      const size_t esize = DTypeSize(op.dtype);
+      float* master = StatePtr(host_params[piece.region], StateKind::kMaster) + piece.offset / esize;
+      const char* src = slot + at;
+      const size_t n = piece.bytes / esize;
+      pool_->ParallelFor((n + 65535) / 65536, [&](size_t block) {
+        const size_t end = std::min(n, (block + 1) * 65536);
+        for (size_t e = block * 65536; e < end; ++e) master[e] = LoadAsF32(src, op.dtype, e);
+      });
+      at += piece.bytes;
+    }
+  }
   return absl::OkStatus();
 }
 

@@ -40,7 +40,8 @@ struct OptimGroup {
 
 struct HybridOptions {
   AdamHyper hyper;
-  size_t chunk_bytes = 8 << 20;
+  size_t chunk_bytes = 8 << 20;  // bytes of grads per pipeline chunk
+  size_t pipeline_depth = 4;     // staging slots: chunks in flight between D2H, CPU Adam and H2D
   NumaPolicy numa = NumaPolicy::kInterleave;
   int numa_node = -1;
 };
@@ -113,6 +114,8 @@ class HybridOptimizer final {
   // Pointer of param `p`'s `kind` state (host memory for offloaded groups, device memory otherwise).
   float* StatePtr(size_t p, StateKind kind) const;
   absl::Status SyncParamsFromModel(const std::vector<size_t>& params);
+  // Enqueues the D2H copy of grad chunk k into its ring slot.
+  absl::StatusOr<std::unique_ptr<TransferBatch>> SubmitGradChunk(size_t k, Event& grads_ready);
 
   Device* device_;
   ThreadPool* pool_;
@@ -122,14 +125,14 @@ class HybridOptimizer final {
   std::vector<Group> groups_;
   std::vector<int64_t> param_slot_;  // param -> element offset within its group's layout
 
-  // Offloaded params, in order, and their pinned staging (grads and params, packed).
+  // Offloaded params in pipeline order, the chunks of their grads (a plan over the concatenation of
+  // their grad tensors), and the pinned staging ring: `pipeline_depth` grad slots of chunk_bytes and
+  // as many param slots. Host memory per offloaded param is its 12 bytes of fp32 state; the staging
+  // is a constant.
   std::vector<size_t> cpu_params_;
-  std::vector<size_t> grad_stage_offset_;   // bytes, per cpu_params_ entry
-  std::vector<size_t> param_stage_offset_;  // bytes, per cpu_params_ entry
-  std::vector<CopyRegion> grad_regions_;    // D2H regions, per cpu_params_ entry
-  HostSpan grad_stage_;
-  HostSpan param_stage_;
-
+  std::vector<ChunkPlan> grad_chunks_;
+  std::vector<HostSpan> grad_slots_;
+  std::vector<HostSpan> param_slots_;
   std::unique_ptr<PinnedArena> arena_;
   std::unique_ptr<Transfer> transfer_;
   std::unique_ptr<Stream> work_stream_;  // state init/copies of GPU groups
