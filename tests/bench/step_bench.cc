@@ -1,0 +1,289 @@
+// `ferry bench step`: one optimizer step of ~1B bf16 params in ~200 tensors, fully offloaded and with
+// half the groups offloaded, against each stage of the pipeline timed alone (D2H of grads, CPU Adam,
+// H2D of params, GPU Adam) on the same data. Reports the step time, the stages, their sum and the
+// overlap efficiency = slowest stage / step time (1.0 = the step costs no more than its slowest stage).
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "base/thread_pool.h"
+#include "bench/bench.h"
+#include "device/device.h"
+#include "ferry/engine.h"
+#include "ferry/status.h"
+#include "memory/pinned_arena.h"
+#include "optim/cpu_adam.h"
+#include "transfer/transfer.h"
+
+namespace ferry::bench {
+namespace {
+
+struct Options {
+  int64_t params = 1'000'000'000;
+  int tensors = 200;
+  int steps = 5;
+  size_t chunk_bytes = 8 << 20;
+};
+
+struct Tensors {
+  std::vector<int64_t> sizes;
+  std::vector<DeviceBuffer> params, grads;
+  int64_t total = 0;
+};
+
+// ~`count` tensors of mixed sizes summing to about `params` elements, bf16 params and grads on the
+// device, filled with small random values.
+absl::StatusOr<Tensors> MakeTensors(Device& device, const Options& o) {
+  Tensors t;
+  std::mt19937_64 rng(7);
+  std::vector<double> weights(static_cast<size_t>(o.tensors));
+  double sum = 0;
+  for (double& w : weights) sum += (w = std::exp(std::uniform_real_distribution<double>(0, 3)(rng)));
+  std::vector<uint16_t> fill(1 << 20);
+  std::normal_distribution<float> normal(0.0f, 0.02f);
+  for (auto& v : fill) v = F32ToBF16(normal(rng));
+  for (double w : weights) {
+    const int64_t n = std::max<int64_t>(1, static_cast<int64_t>(static_cast<double>(o.params) * w / sum));
+    t.sizes.push_back(n);
+    t.total += n;
+    for (auto* list : {&t.params, &t.grads}) {
+      FERRY_ASSIGN_OR_RETURN(DeviceBuffer b, device.Allocate(static_cast<size_t>(n) * 2));
+      for (int64_t at = 0; at < n; at += static_cast<int64_t>(fill.size())) {
+        const size_t len = static_cast<size_t>(std::min<int64_t>(n - at, static_cast<int64_t>(fill.size())));
+        FERRY_RETURN_IF_ERROR(device.Copy(b.as<uint16_t>() + at, fill.data(), len * 2, CopyKind::kHostToDevice));
+      }
+      list->push_back(std::move(b));
+    }
+  }
+  return t;
+}
+
+template <typename F>
+absl::StatusOr<double> MedianSeconds(int reps, F&& fn) {
+  FERRY_RETURN_IF_ERROR(fn());  // warm-up
+  std::vector<double> samples;
+  for (int r = 0; r < reps; ++r) {
+    const double t0 = Now();
+    FERRY_RETURN_IF_ERROR(fn());
+    samples.push_back(Now() - t0);
+  }
+  return Median(samples);
+}
+
+// Step time of an engine over `t` with `policy` (every group its own tensor).
+absl::StatusOr<double> EngineStep(Device& device, Tensors& t, const Options& o, const std::string& policy,
+                                  const std::map<std::string, std::string>& args, int64_t* offloaded_numel) {
+  EngineOptions eo;
+  eo.policy_path = policy;
+  eo.policy_args = args;
+  eo.device = std::string(BackendName(device.backend()));
+  eo.transfer_chunk_bytes = o.chunk_bytes;
+  FERRY_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine, Engine::Create(eo));
+  for (size_t i = 0; i < t.sizes.size(); ++i) {
+    ParamSpec spec;
+    spec.name = "t" + std::to_string(i);
+    spec.shape = {t.sizes[i]};
+    spec.param = t.params[i].data();
+    spec.grad = t.grads[i].data();
+    FERRY_RETURN_IF_ERROR(engine->AddParam(spec));
+  }
+  FERRY_RETURN_IF_ERROR(engine->Finalize());
+  *offloaded_numel = 0;
+  for (const GroupPlacement& g : engine->Placement()) *offloaded_numel += g.offloaded ? g.numel : 0;
+  return MedianSeconds(o.steps, [&]() -> absl::Status {
+    FERRY_RETURN_IF_ERROR(engine->Step());
+    return engine->Synchronize();
+  });
+}
+
+struct Stages {
+  double d2h = 0, cpu_adam = 0, h2d = 0, gpu_adam = 0;
+};
+
+// Each stage alone over the first `count` tensors (the offloaded ones) and GPU Adam over the rest.
+absl::StatusOr<Stages> TimeStages(Device& device, Tensors& t, const Options& o, size_t cpu_count) {
+  Stages s;
+  int64_t cpu_numel = 0, gpu_numel = 0;
+  for (size_t i = 0; i < t.sizes.size(); ++i) (i < cpu_count ? cpu_numel : gpu_numel) += t.sizes[i];
+  if (cpu_numel > 0) {
+    PinnedArenaOptions ao;
+    ao.capacity_bytes = static_cast<size_t>(cpu_numel) * 4 + (8 << 20);
+    FERRY_ASSIGN_OR_RETURN(std::unique_ptr<PinnedArena> arena, PinnedArena::Create(&device, ao));
+    FERRY_ASSIGN_OR_RETURN(HostSpan grads, arena->Allocate(static_cast<size_t>(cpu_numel) * 2));
+    FERRY_ASSIGN_OR_RETURN(HostSpan params, arena->Allocate(static_cast<size_t>(cpu_numel) * 2));
+    TransferOptions to;
+    to.chunk_bytes = o.chunk_bytes;
+    FERRY_ASSIGN_OR_RETURN(std::unique_ptr<Transfer> transfer, Transfer::Create(&device, to));
+    std::vector<CopyRegion> down, up;
+    size_t at = 0;
+    for (size_t i = 0; i < cpu_count; ++i) {
+      const size_t bytes = static_cast<size_t>(t.sizes[i]) * 2;
+      down.push_back({grads.as<char>() + at, t.grads[i].data(), bytes});
+      up.push_back({t.params[i].data(), params.as<char>() + at, bytes});
+      at += bytes;
+    }
+    FERRY_ASSIGN_OR_RETURN(s.d2h, MedianSeconds(o.steps, [&]() -> absl::Status {
+                             FERRY_ASSIGN_OR_RETURN(auto b, transfer->DeviceToHost(down));
+                             return b->Wait();
+                           }));
+    FERRY_ASSIGN_OR_RETURN(s.h2d, MedianSeconds(o.steps, [&]() -> absl::Status {
+                             FERRY_ASSIGN_OR_RETURN(auto b, transfer->HostToDevice(up));
+                             return b->Wait();
+                           }));
+    // CPU Adam alone: 12 B of fp32 state per param in ordinary memory, bf16 grads in, bf16 params out.
+    std::vector<float> master(static_cast<size_t>(cpu_numel), 0.01f), m(master.size(), 0.0f), v(master.size(), 0.0f);
+    ThreadPool pool(ThreadPool::DefaultThreads());
+    CpuAdam adam(&pool);
+    AdamScalars scalars = MakeAdamScalars(AdamHyper{}, 1);
+    CpuAdamTensor ct{master.data(), m.data(), v.data(), grads.data, params.data, cpu_numel, DType::kBF16,
+                     DType::kBF16, &scalars};
+    FERRY_ASSIGN_OR_RETURN(s.cpu_adam, MedianSeconds(o.steps, [&] { return adam.Step({&ct, 1}); }));
+    FERRY_RETURN_IF_ERROR(arena->Release(grads));
+    FERRY_RETURN_IF_ERROR(arena->Release(params));
+  }
+  if (gpu_numel > 0) {
+    FERRY_ASSIGN_OR_RETURN(DeviceBuffer state, device.Allocate(static_cast<size_t>(gpu_numel) * 12));
+    FERRY_ASSIGN_OR_RETURN(std::unique_ptr<Stream> stream, device.CreateStream());
+    FERRY_RETURN_IF_ERROR(device.MemsetAsync(state.data(), 0, state.bytes(), *stream));
+    std::vector<AdamTensorArgs> args;
+    int64_t at = 0;
+    for (size_t i = cpu_count; i < t.sizes.size(); ++i) {
+      AdamTensorArgs a;
+      a.master = state.as<float>() + at;
+      a.exp_avg = state.as<float>() + gpu_numel + at;
+      a.exp_avg_sq = state.as<float>() + 2 * gpu_numel + at;
+      a.grad = t.grads[i].data();
+      a.param = t.params[i].data();
+      a.numel = t.sizes[i];
+      a.grad_dtype = a.param_dtype = DType::kBF16;
+      args.push_back(a);
+      at += t.sizes[i];
+    }
+    AdamScalars scalars = MakeAdamScalars(AdamHyper{}, 1);
+    FERRY_ASSIGN_OR_RETURN(s.gpu_adam, MedianSeconds(o.steps, [&]() -> absl::Status {
+                             FERRY_RETURN_IF_ERROR(device.LaunchAdam(args, {&scalars, 1}, *stream));
+                             return stream->Synchronize();
+                           }));
+  }
+  return s;
+}
+
+void PrintRow(const char* name, double seconds, int64_t numel) {
+  std::printf("  %-28s %9.2f ms  %7.2f G params/s\n", name, seconds * 1e3,
+              seconds > 0 ? static_cast<double>(numel) / seconds / 1e9 : 0.0);
+}
+
+int Run(int argc, char** argv) {
+  Options o;
+  bool quick = false;
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    auto value = [&](const char* flag) -> const char* {
+      const size_t n = std::strlen(flag);
+      if (a.compare(0, n, flag) == 0 && a.size() > n && a[n] == '=') return argv[i] + n + 1;
+      return nullptr;
+    };
+    if (a == "--help" || a == "-h") {
+      std::puts("usage: ferry bench step [--quick] [--params=N] [--tensors=N] [--steps=N] [--chunk-mib=N]\n"
+                "  One Adam step of N bf16 params (default 1e9) in ~200 tensors, fully offloaded and half\n"
+                "  offloaded, against each pipeline stage timed alone; prints overlap efficiency.");
+      return 0;
+    } else if (a == "--quick") {
+      quick = true;
+    } else if (const char* v = value("--params")) {
+      o.params = static_cast<int64_t>(std::atof(v));
+    } else if (const char* v2 = value("--tensors")) {
+      o.tensors = std::atoi(v2);
+    } else if (const char* v3 = value("--steps")) {
+      o.steps = std::atoi(v3);
+    } else if (const char* v4 = value("--chunk-mib")) {
+      o.chunk_bytes = static_cast<size_t>(std::atof(v4) * (1 << 20));
+    } else {
+      std::fprintf(stderr, "ferry bench step: unknown argument '%s' (--help)\n", a.c_str());
+      return 2;
+    }
+  }
+  if (quick) {
+    o.params = 4'000'000;
+    o.tensors = 20;
+    o.steps = 2;
+    o.chunk_bytes = 1 << 20;
+  }
+  if (o.params <= 0 || o.tensors <= 0 || o.steps <= 0 || o.chunk_bytes < 1024) {
+    std::fprintf(stderr, "ferry bench step: sizes must be positive (chunk at least 1 KiB)\n");
+    return 2;
+  }
+  absl::StatusOr<std::unique_ptr<Device>> device = CreateDevice();
+  if (!device.ok()) {
+    std::fprintf(stderr, "ferry bench step: %s\n", std::string(device.status().message()).c_str());
+    return 1;
+  }
+  absl::StatusOr<Tensors> tensors = MakeTensors(**device, o);
+  if (!tensors.ok()) {
+    std::fprintf(stderr, "ferry bench step: %s\n", std::string(tensors.status().message()).c_str());
+    return 1;
+  }
+  std::printf("ferry bench step on %s: %lld bf16 params in %d tensors, chunk %.1f MiB, %zu CPU threads, "
+              "median of %d\n",
+              (*device)->name().c_str(), static_cast<long long>(tensors->total), o.tensors,
+              static_cast<double>(o.chunk_bytes) / (1 << 20), ThreadPool::DefaultThreads(), o.steps);
+  const std::string policies = std::string(FERRY_SOURCE_DIR) + "/scripts/policies/";
+  int64_t cpu_numel = 0;
+  absl::StatusOr<double> full = EngineStep(**device, *tensors, o, policies + "offload_all.lua", {}, &cpu_numel);
+  if (!full.ok()) {
+    std::fprintf(stderr, "ferry bench step: %s\n", std::string(full.status().message()).c_str());
+    return 1;
+  }
+  absl::StatusOr<Stages> all = TimeStages(**device, *tensors, o, tensors->sizes.size());
+  int64_t half_numel = 0;
+  absl::StatusOr<double> half =
+      EngineStep(**device, *tensors, o, policies + "offload_fraction.lua", {{"fraction", "0.5"}}, &half_numel);
+  // offload_fraction offloads whole groups in parameter order: the first ones.
+  size_t half_count = 0;
+  for (int64_t acc = 0; half_count < tensors->sizes.size() && acc < half_numel; ++half_count) {
+    acc += tensors->sizes[half_count];
+  }
+  absl::StatusOr<Stages> halves = half.ok() ? TimeStages(**device, *tensors, o, half_count) : absl::StatusOr<Stages>(half.status());
+  if (!all.ok() || !half.ok() || !halves.ok()) {
+    absl::Status s = !all.ok() ? all.status() : !half.ok() ? half.status() : halves.status();
+    std::fprintf(stderr, "ferry bench step: %s\n", std::string(s.message()).c_str());
+    return 1;
+  }
+  const int64_t n = tensors->total;
+  std::printf("\nfully offloaded (%lld params on the CPU)\n", static_cast<long long>(cpu_numel));
+  PrintRow("step", *full, n);
+  PrintRow("D2H of grads alone", all->d2h, n);
+  PrintRow("CPU Adam alone", all->cpu_adam, n);
+  PrintRow("H2D of params alone", all->h2d, n);
+  const double slowest = std::max({all->d2h, all->cpu_adam, all->h2d});
+  PrintRow("sum of stages", all->d2h + all->cpu_adam + all->h2d, n);
+  std::printf("  overlap efficiency (slowest stage / step) %.3f   step / CPU Adam alone %.3f   (target: "
+              "efficiency >= 0.9)\n",
+              slowest / *full, *full / all->cpu_adam);
+  std::printf("\nhalf offloaded (%lld params on the CPU, %lld on the GPU)\n", static_cast<long long>(half_numel),
+              static_cast<long long>(n - half_numel));
+  PrintRow("step", *half, n);
+  PrintRow("D2H of grads alone", halves->d2h, half_numel);
+  PrintRow("CPU Adam alone", halves->cpu_adam, half_numel);
+  PrintRow("H2D of params alone", halves->h2d, half_numel);
+  PrintRow("GPU Adam alone", halves->gpu_adam, n - half_numel);
+  const double cpu_side = std::max({halves->d2h, halves->cpu_adam, halves->h2d});
+  const double slower_side = std::max(cpu_side, halves->gpu_adam);
+  std::printf("  step / slower side %.3f   (target <= 1.1; CPU side = slowest CPU stage)\n", *half / slower_side);
+  std::printf("\nhost memory per offloaded param: 12 B of fp32 state + %.1f MiB of staging in all\n",
+              4.0 * 2 * static_cast<double>(o.chunk_bytes) / (1 << 20));
+  return 0;
+}
+
+}  // namespace
+
+FERRY_BENCH(step, "one offloaded Adam step vs its stages alone (overlap efficiency)", Run);
+
+}  // namespace ferry::bench
