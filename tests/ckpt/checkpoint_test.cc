@@ -527,8 +527,16 @@ TEST_F(CheckpointTest, ManifestProblemsAreNamed) {
   EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
   EXPECT_THAT(std::string(s.message()), HasSubstr("step-00000003"));
 
-  s = open_with([](Json& m) { m["world_size"] = 2; });
-  EXPECT_EQ(s.code(), absl::StatusCode::kUnimplemented) << s;
+  s = open_with([](Json& m) { m["tensors"][0]["chunks"][0]["rank"] = 1; });
+  EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;  // rank 1 of world size 1
+  EXPECT_THAT(std::string(s.message()), HasSubstr("rank 1"));
+
+  s = open_with([](Json& m) {  // a chunk whose file is not its rank's
+    m["world_size"] = 2;
+    m["tensors"][0]["chunks"][0]["rank"] = 1;
+  });
+  EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
+  EXPECT_THAT(std::string(s.message()), HasSubstr("rank-00001.safetensors"));
 
   WriteWholeFile(path, "{not json");
   s = CheckpointReader::Open(dir).status();

@@ -84,6 +84,15 @@ struct EngineStats {
   size_t gpu_state_bytes = 0;       // device memory held for GPU groups' fp32 state
 };
 
+// How LoadCheckpoint treats a checkpoint that fails verification.
+struct LoadOptions {
+  // When the checkpoint (the one `latest` names, or the directory given) is corrupt, truncated or
+  // incomplete (DataLoss or NotFound), load the newest older committed checkpoint of the same root
+  // that verifies instead (logged as a warning). A checkpoint that does not match the registered
+  // params (InvalidArgument) is never skipped this way.
+  bool fall_back_to_previous = false;
+};
+
 // Engine: one thread at a time (a trainer drives it from its training loop).
 class Engine {
  public:
@@ -113,14 +122,34 @@ class Engine {
   virtual absl::Status Synchronize() = 0;
 
   // Saves params, fp32 masters and moments as <root>/step-<step>/ (the policy's checkpoint() hook may
-  // skip parts), atomically. Returns the committed directory.
+  // skip parts and chooses async and keep_last), atomically. Returns the checkpoint directory.
+  // Every save first waits for the previous asynchronous save; if that one failed, its error is
+  // returned here and nothing new is saved. The state is snapshotted into host staging buffers that
+  // are kept across saves while the set of saved tensors is unchanged (reallocated when it
+  // changes; every save copies fresh values). Synchronous saves return once committed. With the
+  // policy's `async = true` the call returns once the snapshot is taken (Step may run at once) and
+  // writer threads write and commit in the background: the returned directory exists only once
+  // WaitCheckpoint returns OK (or PollCheckpoint returns OK).
   virtual absl::StatusOr<std::string> SaveCheckpoint(const std::string& root, int64_t step) = 0;
+
+  // Blocks until the asynchronous save in flight (if any) has committed; returns the error of a
+  // finished save not yet reported (once), else OK. Errors are never lost: one not collected here
+  // is returned by the next SaveCheckpoint (or logged when the engine is destroyed).
+  virtual absl::Status WaitCheckpoint() = 0;
+
+  // Without blocking: nullopt while an asynchronous save is in flight, else what WaitCheckpoint
+  // would return.
+  virtual std::optional<absl::Status> PollCheckpoint() = 0;
 
   // Loads a checkpoint directory (or the `latest` of a root): params into the trainer's tensors and
   // state into the engine, verified by checksum. The policy's after_load() hook decides which masters
   // are re-synced from the loaded params. A corrupt or mismatching checkpoint is refused before
   // anything is changed.
+  // Checkpoints saved with any world size load (the global tensors are assembled from the ranks'
+  // chunks). Waits for an asynchronous save in flight first.
   virtual absl::Status LoadCheckpoint(const std::string& path) = 0;
+  // The same, with `options` (e.g. falling back to the previous complete checkpoint).
+  virtual absl::Status LoadCheckpoint(const std::string& path, const LoadOptions& options) = 0;
 
   // Refreshes the fp32 masters of `groups` (all when empty) from the params' current values; with
   // `reset_optimizer`, also zeroes their moments and step. For a trainer that loaded weights itself.

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstring>
 #include <optional>
 #include <utility>
 
@@ -18,6 +19,7 @@
 #include "base/logging.h"
 #include "base/absl_compat.h"
 #include "ckpt/posix_file.h"
+#include "shard/layout.h"
 #include "ckpt/safetensors.h"
 #include "ferry/status.h"
 #include "xxhash.h"
@@ -31,7 +33,6 @@ constexpr absl::string_view kStepPrefix = "step-";
 constexpr absl::string_view kIncompleteSuffix = ".incomplete";
 constexpr absl::string_view kDeletingSuffix = ".deleting";
 constexpr absl::string_view kLatestFileName = "latest";
-constexpr absl::string_view kRankFileName = "rank-00000.safetensors";
 // Tensors are written and read in pieces of this size, each hashed right after it is written or
 // read, while it is still in cache: one pass over the data, large system calls.
 constexpr size_t kIoChunkBytes = size_t{8} << 20;
@@ -141,101 +142,129 @@ absl::Status ValidateRequest(const std::string& root, int64_t step,
 // The order of the tensors in the file: 4-byte types first, then 2-byte ones, each in the caller's
 // order. The data section starts 8-byte aligned, so every tensor is then aligned to its element
 // size, which mmap-based readers (safe_open, numpy views) prefer; safetensors forbids gaps, so
+
+// The order of a rank's pieces in its file: 4-byte types first, then 2-byte ones, each in plan
+// order. The data section starts 8-byte aligned, so every piece is then aligned to its element
+// size, which mmap-based readers (safe_open, numpy views) prefer; safetensors forbids gaps, so
 // padding is not an option.
-std::vector<size_t> FileOrder(absl::Span<const TensorRecord> tensors) {
-  std::vector<size_t> order(tensors.size());
+std::vector<size_t> FileOrder(absl::Span<const TensorRecord> tensors,
+                              absl::Span<const ShardPiece> pieces) {
+  std::vector<size_t> order(pieces.size());
   for (size_t i = 0; i < order.size(); ++i) order[i] = i;
   std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
-    return DTypeSize(tensors[a].dtype) > DTypeSize(tensors[b].dtype);
+    return DTypeSize(tensors[pieces[a].tensor].dtype) > DTypeSize(tensors[pieces[b].tensor].dtype);
   });
   return order;
 }
 
-// What a write puts on disk, computed from the request alone: the file order, the safetensors
-// header and the manifest (checksums still 0). Building it checks every string (UTF-8) before the
-// disk is touched.
-struct WritePlan {
-  std::vector<size_t> order;  // tensor indices in file order
-  std::string header;         // length prefix + padded JSON
-  Manifest manifest;          // tensors in the caller's order
+// What a rank's file holds, computed from the request alone: the pieces in file order, their
+// safetensors entries and the encoded header. Building it checks every string (UTF-8) and name.
+struct RankFilePlan {
+  std::vector<ShardPiece> pieces;  // in file order
+  std::vector<SafetensorsEntry> entries;
+  std::string header;  // length prefix + padded JSON
 };
 
-absl::StatusOr<WritePlan> PlanWrite(int64_t step, absl::Span<const TensorRecord> tensors,
-                                    absl::Span<const SkipRecord> skipped,
-                                    const std::map<std::string, std::string>& metadata) {
-  WritePlan plan;
-  plan.order = FileOrder(tensors);
-  std::vector<SafetensorsEntry> entries;
-  entries.reserve(tensors.size());
+absl::StatusOr<RankFilePlan> PlanRankFile(absl::Span<const TensorRecord> tensors,
+                                          const CheckpointShards& shards, int rank,
+                                          const std::map<std::string, std::string>& metadata) {
+  if (rank < 0 || rank >= shards.world_size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("rank ", rank, " is outside [0, world size ", shards.world_size(), ")"));
+  }
+  const std::vector<ShardPiece>& pieces = shards.pieces(rank);
+  RankFilePlan plan;
   uint64_t offset = 0;
-  for (size_t i : plan.order) {
-    const TensorRecord& t = tensors[i];
-    entries.push_back({.name = t.name,
-                       .dtype = t.dtype,
-                       .shape = t.shape,
-                       .begin = offset,
-                       .end = offset + t.bytes});
-    offset += t.bytes;
+  for (size_t k : FileOrder(tensors, pieces)) {
+    const ShardPiece& p = pieces[k];
+    if (p.tensor >= tensors.size() || p.global_offset + p.length > tensors[p.tensor].bytes) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "rank ", rank, ": the shard plan was made from other tensors (piece of tensor ",
+          p.tensor, " at ", p.global_offset, " + ", p.length, " does not fit)"));
+    }
+    const TensorRecord& t = tensors[p.tensor];
+    const uint64_t es = DTypeSize(t.dtype);
+    const bool whole = p.global_offset == 0 && p.length == t.bytes;
+    plan.pieces.push_back(p);
+    plan.entries.push_back(
+        {.name = ChunkEntryName(t.name, t.dtype, t.bytes, p.global_offset, p.length),
+         .dtype = t.dtype,
+         .shape = whole ? t.shape : std::vector<int64_t>{static_cast<int64_t>(p.length / es)},
+         .begin = offset,
+         .end = offset + p.length});
+    offset += p.length;
   }
-  FERRY_ASSIGN_OR_RETURN(plan.header, EncodeSafetensorsHeader(metadata, entries));
-
-  Manifest& manifest = plan.manifest;
-  manifest.step = step;
-  manifest.world_size = 1;
-  manifest.metadata = metadata;
-  manifest.skipped.assign(skipped.begin(), skipped.end());
-  manifest.tensors.resize(tensors.size());
-  for (size_t k = 0; k < plan.order.size(); ++k) {
-    const TensorRecord& t = tensors[plan.order[k]];
-    ManifestTensor& m = manifest.tensors[plan.order[k]];
-    m.name = t.name;
-    m.kind = t.kind;
-    m.group = t.group;
-    m.dtype = t.dtype;
-    m.shape = t.shape;
-    m.bytes = t.bytes;
-    m.chunks.push_back({.rank = 0,
-                        .file = std::string(kRankFileName),
-                        .global_offset = 0,
-                        .length = t.bytes,
-                        .file_offset = plan.header.size() + entries[k].begin,
-                        .checksum = 0});
+  absl::StatusOr<std::string> header = EncodeSafetensorsHeader(metadata, plan.entries);
+  if (!header.ok()) {
+    return Annotate(header.status(), absl::StrCat(" (", RankFileName(rank), ")"));
   }
-  FERRY_RETURN_IF_ERROR(SerializeManifest(manifest).status());
+  plan.header = *std::move(header);
   return plan;
 }
 
-// Writes the safetensors file and then manifest.json into `dir`, each synced (if `sync`) and
-// closed. Fills in the manifest's checksums, hashing each piece of a tensor as it is written.
-absl::Status WriteStepFiles(const std::string& dir, absl::Span<const TensorRecord> tensors,
-                            WritePlan& plan, XXH3_state_t* hash, bool sync) {
-  {
-    FERRY_ASSIGN_OR_RETURN(WritableFile file, WritableFile::Create(JoinPath(dir, kRankFileName)));
-    FERRY_RETURN_IF_ERROR(file.Append(plan.header.data(), plan.header.size()));
-    for (size_t i : plan.order) {
-      const TensorRecord& t = tensors[i];
-      ResetXxh3(hash);
-      const char* p = static_cast<const char*>(t.data);
-      for (size_t done = 0; done < t.bytes;) {
-        const size_t n = std::min(kIoChunkBytes, t.bytes - done);
-        absl::Status s = file.Append(p + done, n);
-        if (!s.ok()) return Annotate(s, absl::StrCat(" (writing tensor '", t.name, "')"));
-        XXH3_64bits_update(hash, p + done, n);
-        done += n;
-      }
-      plan.manifest.tensors[i].chunks[0].checksum = XXH3_64bits_digest(hash);
-    }
-    if (sync) FERRY_RETURN_IF_ERROR(file.Sync());
-    FERRY_RETURN_IF_ERROR(file.Close());
+// The manifest of a write, without chunks.
+Manifest ManifestSkeleton(int64_t step, int world_size, absl::Span<const TensorRecord> tensors,
+                          absl::Span<const SkipRecord> skipped,
+                          const std::map<std::string, std::string>& metadata) {
+  Manifest m;
+  m.step = step;
+  m.world_size = world_size;
+  m.metadata = metadata;
+  m.skipped.assign(skipped.begin(), skipped.end());
+  m.tensors.resize(tensors.size());
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const TensorRecord& t = tensors[i];
+    ManifestTensor& mt = m.tensors[i];
+    mt.name = t.name;
+    mt.kind = t.kind;
+    mt.group = t.group;
+    mt.dtype = t.dtype;
+    mt.shape = t.shape;
+    mt.bytes = t.bytes;
   }
-  FERRY_ASSIGN_OR_RETURN(std::string text, SerializeManifest(plan.manifest));
-  FERRY_ASSIGN_OR_RETURN(WritableFile file, WritableFile::Create(JoinPath(dir, kManifestFileName)));
-  FERRY_RETURN_IF_ERROR(file.Append(text.data(), text.size()));
-  if (sync) FERRY_RETURN_IF_ERROR(file.Sync());
-  return file.Close();
+  return m;
 }
 
-// Removes `tmp_dir` after `failure`; a failure to clean up is added to the message.
+// Writes piece `p` of `t` at `file_offset` of `file` in bounded pieces, hashing each right after
+// it is written (while it is still in cache), and returns its checksum.
+absl::StatusOr<uint64_t> WritePiece(const WritableFile& file, const TensorRecord& t,
+                                    const ShardPiece& p, uint64_t file_offset, bool writeback) {
+  FERRY_ASSIGN_OR_RETURN(Xxh3State hash, NewXxh3State());
+  ResetXxh3(hash.get());
+  const char* src = static_cast<const char*>(t.data) + p.global_offset;
+  for (uint64_t done = 0; done < p.length;) {
+    const size_t n = static_cast<size_t>(std::min<uint64_t>(kIoChunkBytes, p.length - done));
+    absl::Status s = file.WriteAt(file_offset + done, src + done, n);
+    if (!s.ok()) return Annotate(s, absl::StrCat(" (writing tensor '", t.name, "')"));
+    XXH3_64bits_update(hash.get(), src + done, n);
+    // Start the writeback of what was just written, so the final fsync has little left to do.
+    // Advisory only: a failure here shows up in fsync.
+    if (writeback) (void)file.StartWriteback(file_offset + done, n);
+    done += n;
+  }
+  return XXH3_64bits_digest(hash.get());
+}
+
+// Every check WriteShardedCheckpoint makes before touching the disk.
+absl::StatusOr<CheckpointShards> PrepareWrite(const std::string& root, int64_t step,
+                                              absl::Span<const TensorRecord> tensors,
+                                              int world_size,
+                                              absl::Span<const SkipRecord> skipped,
+                                              const std::map<std::string, std::string>& metadata,
+                                              const CheckpointWriteOptions& options) {
+  FERRY_RETURN_IF_ERROR(ValidateRequest(root, step, tensors, skipped, options));
+  absl::StatusOr<CheckpointShards> shards = CheckpointShards::Plan(tensors, world_size);
+  if (!shards.ok()) return Annotate(shards.status(), " (WriteCheckpoint)");
+  for (int r = 0; r < world_size; ++r) {
+    absl::Status s = PlanRankFile(tensors, *shards, r, metadata).status();
+    if (!s.ok()) return Annotate(s, " (WriteCheckpoint)");
+  }
+  absl::Status s =
+      SerializeManifest(ManifestSkeleton(step, world_size, tensors, skipped, metadata)).status();
+  if (!s.ok()) return Annotate(s, " (WriteCheckpoint)");
+  return shards;
+}
+
 absl::Status CleanUpAfter(const absl::Status& failure, const std::string& tmp_dir) {
   absl::StatusOr<bool> exists = PathExists(tmp_dir);
   absl::Status s = exists.status();
@@ -357,24 +386,77 @@ absl::StatusOr<std::string> ResolveCheckpointDir(const std::string& path) {
   return dir;
 }
 
-std::string DescribeChecksumRange(const TensorEntry& e) {
-  return absl::StrCat("bytes [", e.file_offset, ", ", e.file_offset + e.bytes, ")");
-}
 
 }  // namespace
 
-absl::StatusOr<std::string> WriteCheckpoint(const std::string& root, int64_t step,
-                                            absl::Span<const TensorRecord> tensors,
-                                            absl::Span<const SkipRecord> skipped,
-                                            const std::map<std::string, std::string>& metadata,
-                                            const CheckpointWriteOptions& options) {
-  FERRY_RETURN_IF_ERROR(ValidateRequest(root, step, tensors, skipped, options));
-  absl::StatusOr<WritePlan> plan = PlanWrite(step, tensors, skipped, metadata);
-  if (!plan.ok()) return Annotate(plan.status(), " (WriteCheckpoint)");
-  FERRY_ASSIGN_OR_RETURN(Xxh3State hash, NewXxh3State());
+std::string CheckpointDirName(int64_t step) { return StepDirName(step); }
 
-  const std::string name = StepDirName(step);
-  const std::string final_dir = JoinPath(root, name);
+std::string RankFileName(int64_t rank) { return absl::StrFormat("rank-%05d.safetensors", rank); }
+
+std::string ChunkEntryName(absl::string_view tensor, DType dtype, uint64_t tensor_bytes,
+                           uint64_t global_offset, uint64_t length) {
+  if (global_offset == 0 && length == tensor_bytes) return std::string(tensor);
+  const uint64_t es = DTypeSize(dtype);
+  return absl::StrCat(tensor, "[", global_offset / es, ":", (global_offset + length) / es, "]");
+}
+
+absl::StatusOr<CheckpointShards> CheckpointShards::Plan(absl::Span<const TensorRecord> tensors,
+                                                        int world_size) {
+  if (world_size < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("CheckpointShards: world size ", world_size, " must be >= 1"));
+  }
+  CheckpointShards shards;
+  shards.pieces_.resize(static_cast<size_t>(world_size));
+  std::vector<std::string> kinds;  // in order of first appearance
+  absl::flat_hash_map<std::string, std::vector<size_t>> by_kind;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const TensorRecord& t = tensors[i];
+    absl::StatusOr<uint64_t> bytes = ShapeBytes(t.dtype, t.shape);
+    if (!bytes.ok() || *bytes != t.bytes) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("CheckpointShards: tensor '", t.name, "' has ", t.bytes, " bytes, which ",
+                       ToAbsl(DTypeName(t.dtype)), " ", ShapeString(t.shape), " does not match"));
+    }
+    auto [it, inserted] = by_kind.try_emplace(t.kind);
+    if (inserted) kinds.push_back(t.kind);
+    it->second.push_back(i);
+  }
+  for (const std::string& kind : kinds) {
+    std::vector<size_t> nonempty;
+    std::vector<int64_t> numels;
+    for (size_t i : by_kind[kind]) {
+      const TensorRecord& t = tensors[i];
+      const uint64_t numel = t.bytes / DTypeSize(t.dtype);
+      if (numel == 0) {
+        shards.pieces_[0].push_back({.tensor = i, .global_offset = 0, .length = 0});
+      } else {
+        nonempty.push_back(i);
+        numels.push_back(static_cast<int64_t>(numel));
+      }
+    }
+    if (nonempty.empty()) continue;
+    absl::StatusOr<Layout> layout = Layout::Pack(numels, 1);
+    if (!layout.ok()) return Annotate(layout.status(), absl::StrCat(" (kind '", kind, "')"));
+    FERRY_ASSIGN_OR_RETURN(ShardPlan plan, ShardPlan::Partition(*layout, world_size));
+    for (int r = 0; r < world_size; ++r) {
+      for (const Chunk& c : plan.chunks(r)) {
+        const size_t i = nonempty[c.tensor];
+        const uint64_t es = DTypeSize(tensors[i].dtype);
+        shards.pieces_[static_cast<size_t>(r)].push_back(
+            {.tensor = i,
+             .global_offset = static_cast<uint64_t>(c.tensor_offset) * es,
+             .length = static_cast<uint64_t>(c.numel) * es});
+      }
+    }
+  }
+  return shards;
+}
+
+absl::StatusOr<std::string> BeginCheckpoint(const std::string& root, int64_t step,
+                                            const CheckpointWriteOptions& options) {
+  FERRY_RETURN_IF_ERROR(ValidateRequest(root, step, {}, {}, options));
+  const std::string final_dir = JoinPath(root, StepDirName(step));
   const std::string tmp_dir = absl::StrCat(final_dir, kIncompleteSuffix);
   FERRY_RETURN_IF_ERROR(MakeDirs(root, options.fsync));
   FERRY_ASSIGN_OR_RETURN(bool exists, PathExists(final_dir));
@@ -387,8 +469,115 @@ absl::StatusOr<std::string> WriteCheckpoint(const std::string& root, int64_t ste
   if (::mkdir(tmp_dir.c_str(), 0755) != 0) {
     return PosixError(absl::StrCat("mkdir ", tmp_dir), errno);
   }
+  return tmp_dir;
+}
 
-  absl::Status s = WriteStepFiles(tmp_dir, tensors, *plan, hash.get(), options.fsync);
+absl::StatusOr<RankChunks> WriteRankFile(const std::string& tmp_dir,
+                                         absl::Span<const TensorRecord> tensors,
+                                         const CheckpointShards& shards, int rank,
+                                         const std::map<std::string, std::string>& metadata,
+                                         const CheckpointWriteOptions& options) {
+  FERRY_ASSIGN_OR_RETURN(RankFilePlan plan, PlanRankFile(tensors, shards, rank, metadata));
+  for (const ShardPiece& p : plan.pieces) {
+    const TensorRecord& t = tensors[p.tensor];
+    if (t.data == nullptr && p.length > 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("WriteRankFile: tensor '", t.name, "' has null data"));
+    }
+  }
+  const std::string file_name = RankFileName(rank);
+  FERRY_ASSIGN_OR_RETURN(WritableFile file, WritableFile::Create(JoinPath(tmp_dir, file_name)));
+  FERRY_RETURN_IF_ERROR(file.WriteAt(0, plan.header.data(), plan.header.size()));
+  RankChunks out;
+  out.rank = rank;
+  out.chunks.resize(plan.pieces.size());
+  std::vector<absl::Status> status(plan.pieces.size());
+  auto write_one = [&](size_t k) {
+    const ShardPiece& p = plan.pieces[k];
+    const uint64_t file_offset = plan.header.size() + plan.entries[k].begin;
+    absl::StatusOr<uint64_t> checksum =
+        WritePiece(file, tensors[p.tensor], p, file_offset, options.fsync);
+    if (!checksum.ok()) {
+      status[k] = checksum.status();
+      return;
+    }
+    out.chunks[k] = {p.tensor,
+                     ManifestChunk{.rank = rank,
+                                   .file = file_name,
+                                   .global_offset = p.global_offset,
+                                   .length = p.length,
+                                   .file_offset = file_offset,
+                                   .checksum = *checksum}};
+  };
+  if (options.pool != nullptr && plan.pieces.size() > 1) {
+    options.pool->ParallelFor(plan.pieces.size(), write_one);
+  } else {
+    for (size_t k = 0; k < plan.pieces.size(); ++k) write_one(k);
+  }
+  for (const absl::Status& s : status) FERRY_RETURN_IF_ERROR(s);
+  if (options.fsync) FERRY_RETURN_IF_ERROR(file.Sync());
+  FERRY_RETURN_IF_ERROR(file.Close());
+  return out;
+}
+
+absl::StatusOr<std::string> CommitCheckpoint(const std::string& root, int64_t step,
+                                             absl::Span<const TensorRecord> tensors,
+                                             absl::Span<const SkipRecord> skipped,
+                                             const std::map<std::string, std::string>& metadata,
+                                             int world_size, absl::Span<const RankChunks> ranks,
+                                             const CheckpointWriteOptions& options) {
+  const std::string name = StepDirName(step);
+  const std::string final_dir = JoinPath(root, name);
+  const std::string tmp_dir = absl::StrCat(final_dir, kIncompleteSuffix);
+  // Assembles the manifest from every rank's chunks; nothing on disk changes until it is complete.
+  auto assemble = [&]() -> absl::StatusOr<std::string> {
+    if (world_size < 1 || ranks.size() != static_cast<size_t>(world_size)) {
+      return absl::InvalidArgumentError(absl::StrCat("CommitCheckpoint: ", ranks.size(),
+                                                     " ranks reported, world size ", world_size));
+    }
+    Manifest m = ManifestSkeleton(step, world_size, tensors, skipped, metadata);
+    std::vector<bool> seen(static_cast<size_t>(world_size), false);
+    for (const RankChunks& r : ranks) {
+      if (r.rank < 0 || r.rank >= world_size || seen[static_cast<size_t>(r.rank)]) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("CommitCheckpoint: rank ", r.rank, " is out of range or reported twice"));
+      }
+      seen[static_cast<size_t>(r.rank)] = true;
+      for (const auto& [tensor, chunk] : r.chunks) {
+        if (tensor >= m.tensors.size()) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "CommitCheckpoint: rank ", r.rank, " reports a chunk of tensor index ", tensor));
+        }
+        m.tensors[tensor].chunks.push_back(chunk);
+      }
+    }
+    for (ManifestTensor& t : m.tensors) {
+      std::sort(t.chunks.begin(), t.chunks.end(),
+                [](const ManifestChunk& a, const ManifestChunk& b) {
+                  return a.global_offset < b.global_offset;
+                });
+      uint64_t covered = 0;
+      for (const ManifestChunk& c : t.chunks) {
+        if (c.global_offset != covered) break;
+        covered += c.length;
+      }
+      if (t.chunks.empty() || covered != t.bytes) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("CommitCheckpoint: the ranks' chunks of tensor '", t.name,
+                         "' do not tile its ", t.bytes, " bytes"));
+      }
+    }
+    return SerializeManifest(m);
+  };
+  absl::StatusOr<std::string> text = assemble();
+  absl::Status s = text.status();
+  if (s.ok()) {
+    absl::StatusOr<WritableFile> file = WritableFile::Create(JoinPath(tmp_dir, kManifestFileName));
+    s = file.status();
+    if (s.ok()) s = file->Append(text->data(), text->size());
+    if (s.ok() && options.fsync) s = file->Sync();
+    if (s.ok()) s = file->Close();
+  }
   if (s.ok() && options.fsync) s = SyncDir(tmp_dir);
   if (s.ok()) s = RenameNoReplace(tmp_dir, final_dir);
   if (!s.ok()) return CleanUpAfter(s, tmp_dir);
@@ -405,7 +594,51 @@ absl::StatusOr<std::string> WriteCheckpoint(const std::string& root, int64_t ste
   return final_dir;
 }
 
+absl::Status AbortCheckpoint(const std::string& root, int64_t step) {
+  const std::string tmp_dir = absl::StrCat(JoinPath(root, StepDirName(step)), kIncompleteSuffix);
+  FERRY_ASSIGN_OR_RETURN(bool exists, PathExists(tmp_dir));
+  return exists ? RemoveTree(tmp_dir) : absl::OkStatus();
+}
+
+absl::StatusOr<std::string> WriteShardedCheckpoint(
+    const std::string& root, int64_t step, absl::Span<const TensorRecord> tensors, int world_size,
+    absl::Span<const SkipRecord> skipped, const std::map<std::string, std::string>& metadata,
+    const CheckpointWriteOptions& options) {
+  FERRY_ASSIGN_OR_RETURN(
+      CheckpointShards shards,
+      PrepareWrite(root, step, tensors, world_size, skipped, metadata, options));
+  FERRY_ASSIGN_OR_RETURN(std::string tmp_dir, BeginCheckpoint(root, step, options));
+  std::vector<RankChunks> ranks;
+  ranks.reserve(static_cast<size_t>(world_size));
+  for (int r = 0; r < world_size; ++r) {
+    absl::StatusOr<RankChunks> chunks =
+        WriteRankFile(tmp_dir, tensors, shards, r, metadata, options);
+    if (!chunks.ok()) return CleanUpAfter(chunks.status(), tmp_dir);
+    ranks.push_back(*std::move(chunks));
+  }
+  return CommitCheckpoint(root, step, tensors, skipped, metadata, world_size, ranks, options);
+}
+
+absl::StatusOr<std::string> WriteCheckpoint(const std::string& root, int64_t step,
+                                            absl::Span<const TensorRecord> tensors,
+                                            absl::Span<const SkipRecord> skipped,
+                                            const std::map<std::string, std::string>& metadata,
+                                            const CheckpointWriteOptions& options) {
+  return WriteShardedCheckpoint(root, step, tensors, 1, skipped, metadata, options);
+}
+
 // ---- CheckpointReader ---------------------------------------------------------------------------
+
+namespace {
+
+std::string DescribeChunk(const TensorEntry& e, const ManifestChunk& c) {
+  const uint64_t es = DTypeSize(e.dtype);
+  return absl::StrCat("bytes [", c.file_offset, ", ", c.file_offset + c.length, ") of ", c.file,
+                      ", elements [", c.global_offset / es, ", ", (c.global_offset + c.length) / es,
+                      ") of the tensor");
+}
+
+}  // namespace
 
 CheckpointReader::~CheckpointReader() = default;
 
@@ -417,11 +650,6 @@ absl::StatusOr<std::unique_ptr<CheckpointReader>> CheckpointReader::Open(const s
     return Annotate(text.status(), absl::StrCat(" (reading the manifest of checkpoint ", dir, ")"));
   }
   FERRY_ASSIGN_OR_RETURN(Manifest manifest, ParseManifest(*text, manifest_path));
-  if (manifest.world_size != 1) {
-    return absl::UnimplementedError(
-        absl::StrCat(manifest_path, ": world_size ", manifest.world_size,
-                     "; this reader loads single-rank checkpoints only"));
-  }
   std::optional<int64_t> dir_step = ParseStepDirName(BaseName(dir));
   if (dir_step.has_value() && *dir_step != manifest.step) {
     return absl::DataLossError(absl::StrCat(manifest_path, ": step ", manifest.step,
@@ -433,15 +661,27 @@ absl::StatusOr<std::unique_ptr<CheckpointReader>> CheckpointReader::Open(const s
   reader->step_ = manifest.step;
   reader->metadata_ = manifest.metadata;
   reader->skipped_ = std::move(manifest.skipped);
-  std::map<std::string, std::vector<size_t>> by_file;  // file name -> tensor indices
+  // file name -> (tensor index, chunk index)
+  std::map<std::string, std::vector<std::pair<size_t, size_t>>> by_file;
   for (ManifestTensor& t : manifest.tensors) {
-    if (t.chunks.size() != 1) {
-      return absl::UnimplementedError(
-          absl::StrCat(manifest_path, ": tensor '", t.name, "' has ", t.chunks.size(),
-                       " chunks; this reader loads one chunk per tensor"));
+    const uint64_t es = DTypeSize(t.dtype);
+    for (size_t k = 0; k < t.chunks.size(); ++k) {
+      const ManifestChunk& c = t.chunks[k];
+      const std::string where =
+          absl::StrCat(manifest_path, ": tensor '", t.name, "' chunks[", k, "]");
+      if (c.file != RankFileName(c.rank)) {
+        return absl::DataLossError(absl::StrCat(where, ": a chunk of rank ", c.rank,
+                                                " must be in ", RankFileName(c.rank), ", not ",
+                                                c.file));
+      }
+      if (c.global_offset % es != 0 || c.length % es != 0) {
+        return absl::DataLossError(absl::StrCat(where, ": offset ", c.global_offset,
+                                                " and length ", c.length,
+                                                " must be whole elements of ", es, " bytes"));
+      }
+      by_file[c.file].emplace_back(reader->tensors_.size(), k);
     }
-    ManifestChunk& c = t.chunks[0];
-    by_file[c.file].push_back(reader->tensors_.size());
+    const ManifestChunk& first = t.chunks[0];
     reader->index_.emplace(t.name, reader->tensors_.size());
     reader->tensors_.push_back({.name = std::move(t.name),
                                 .kind = std::move(t.kind),
@@ -449,51 +689,64 @@ absl::StatusOr<std::unique_ptr<CheckpointReader>> CheckpointReader::Open(const s
                                 .dtype = t.dtype,
                                 .shape = std::move(t.shape),
                                 .bytes = t.bytes,
-                                .checksum = c.checksum,
-                                .file = std::move(c.file),
-                                .file_offset = c.file_offset});
+                                .checksum = first.checksum,
+                                .file = first.file,
+                                .file_offset = first.file_offset,
+                                .chunks = std::move(t.chunks)});
   }
 
-  for (auto& [file_name, indices] : by_file) {
+  for (auto& [file_name, refs] : by_file) {
     const std::string file_path = JoinPath(dir, file_name);
-    std::sort(indices.begin(), indices.end(), [&](size_t a, size_t b) {
-      return reader->tensors_[a].file_offset < reader->tensors_[b].file_offset;
+    auto chunk_of = [&](const std::pair<size_t, size_t>& ref) -> const ManifestChunk& {
+      return reader->tensors_[ref.first].chunks[ref.second];
+    };
+    std::sort(refs.begin(), refs.end(), [&](const auto& a, const auto& b) {
+      return chunk_of(a).file_offset < chunk_of(b).file_offset;
     });
     absl::StatusOr<ReadOnlyFile> file = ReadOnlyFile::Open(file_path);
     if (!file.ok()) {
-      return Annotate(file.status(), absl::StrCat(" (", manifest_path, " places tensor '",
-                                                  reader->tensors_[indices[0]].name, "' there)"));
+      return Annotate(file.status(),
+                      absl::StrCat(" (", manifest_path, " places tensor '",
+                                   reader->tensors_[refs[0].first].name, "' there)"));
     }
     // Truncation first: it names the first tensor that does not fit, even when the header is gone
     // too.
-    for (size_t i : indices) {
-      const TensorEntry& e = reader->tensors_[i];
-      if (e.file_offset + e.bytes > file->size()) {
+    for (const auto& ref : refs) {
+      const ManifestChunk& c = chunk_of(ref);
+      if (c.file_offset + c.length > file->size()) {
+        const TensorEntry& e = reader->tensors_[ref.first];
         return absl::DataLossError(absl::StrCat(file_path, " is truncated: it has ", file->size(),
                                                 " bytes, but tensor '", e.name, "' occupies ",
-                                                DescribeChecksumRange(e)));
+                                                DescribeChunk(e, c)));
       }
     }
     FERRY_ASSIGN_OR_RETURN(SafetensorsHeader header, ReadSafetensorsHeader(*file));
     absl::flat_hash_map<absl::string_view, const SafetensorsEntry*> in_header;
     for (const SafetensorsEntry& h : header.entries) in_header.emplace(h.name, &h);
-    for (size_t i : indices) {
-      const TensorEntry& e = reader->tensors_[i];
-      auto it = in_header.find(e.name);
+    for (const auto& ref : refs) {
+      const TensorEntry& e = reader->tensors_[ref.first];
+      const ManifestChunk& c = chunk_of(ref);
+      const std::string entry_name =
+          ChunkEntryName(e.name, e.dtype, e.bytes, c.global_offset, c.length);
+      auto it = in_header.find(entry_name);
       if (it == in_header.end()) {
-        return absl::DataLossError(absl::StrCat(file_path, ": tensor '", e.name, "' of ",
-                                                manifest_path,
-                                                " is missing from the safetensors header"));
+        return absl::DataLossError(absl::StrCat(file_path, ": '", entry_name, "' (tensor '",
+                                                e.name, "' of ", manifest_path,
+                                                ") is missing from the safetensors header"));
       }
       const SafetensorsEntry& h = *it->second;
-      if (h.dtype != e.dtype || h.shape != e.shape ||
-          header.data_start + h.begin != e.file_offset) {
+      const bool whole = c.length == e.bytes;
+      const std::vector<int64_t> shape =
+          whole ? e.shape
+                : std::vector<int64_t>{static_cast<int64_t>(c.length / DTypeSize(e.dtype))};
+      if (h.dtype != e.dtype || h.shape != shape ||
+          header.data_start + h.begin != c.file_offset) {
         return absl::DataLossError(absl::StrCat(
             file_path, ": the safetensors header disagrees with ", manifest_path, " on tensor '",
-            e.name, "': header says ", ToAbsl(DTypeSafetensorsName(h.dtype)), " ",
-            ShapeString(h.shape), " at file offset ", header.data_start + h.begin,
-            ", manifest says ", ToAbsl(DTypeSafetensorsName(e.dtype)), " ", ShapeString(e.shape),
-            " at ", e.file_offset));
+            e.name, "' ('", entry_name, "'): header says ", ToAbsl(DTypeSafetensorsName(h.dtype)),
+            " ", ShapeString(h.shape), " at file offset ", header.data_start + h.begin,
+            ", manifest says ", ToAbsl(DTypeSafetensorsName(e.dtype)), " ", ShapeString(shape),
+            " at ", c.file_offset));
       }
       in_header.erase(it);
     }
@@ -519,30 +772,70 @@ const TensorEntry* CheckpointReader::Find(std::string_view name) const {
   return it == index_.end() ? nullptr : &tensors_[it->second];
 }
 
-absl::Status CheckpointReader::ReadAndVerify(const TensorEntry& entry, void* dst) const {
-  auto file_it = files_.find(entry.file);
+absl::Status CheckpointReader::ReadChunk(const TensorEntry& entry, const ManifestChunk& c,
+                                         uint64_t offset, char* dst, uint64_t n) const {
+  auto file_it = files_.find(c.file);
   FERRY_CHECK(file_it != files_.end()) << "Open() opened every file of the manifest";
   const ReadOnlyFile& file = *file_it->second;
   FERRY_ASSIGN_OR_RETURN(Xxh3State hash, NewXxh3State());
   ResetXxh3(hash.get());
-  // With dst == nullptr (VerifyAll) the bytes go through a bounded scratch buffer.
+  // The part of the chunk the caller wants, in global bytes: [lo, hi).
+  const uint64_t chunk_end = c.global_offset + c.length;
+  const uint64_t lo = dst == nullptr ? 0 : std::max(offset, c.global_offset);
+  const uint64_t hi = dst == nullptr ? 0 : std::min(offset + n, chunk_end);
+  // A chunk wanted whole is read straight into dst; anything else goes through a bounded scratch
+  // buffer, since the checksum covers the whole chunk.
+  const bool direct = dst != nullptr && lo == c.global_offset && hi == chunk_end;
   std::vector<char> scratch;
-  if (dst == nullptr) scratch.resize(std::min(kIoChunkBytes, entry.bytes));
-  char* out = static_cast<char*>(dst);
-  for (size_t done = 0; done < entry.bytes;) {
-    const size_t n = std::min(kIoChunkBytes, entry.bytes - done);
-    char* piece = out != nullptr ? out + done : scratch.data();
-    absl::Status s = file.ReadAt(entry.file_offset + done, piece, n);
+  if (!direct) scratch.resize(static_cast<size_t>(std::min<uint64_t>(kIoChunkBytes, c.length)));
+  for (uint64_t done = 0; done < c.length;) {
+    const size_t m = static_cast<size_t>(std::min<uint64_t>(kIoChunkBytes, c.length - done));
+    char* piece = direct ? dst + (c.global_offset - offset) + done : scratch.data();
+    absl::Status s = file.ReadAt(c.file_offset + done, piece, m);
     if (!s.ok()) return Annotate(s, absl::StrCat(" (reading tensor '", entry.name, "')"));
-    XXH3_64bits_update(hash.get(), piece, n);
-    done += n;
+    XXH3_64bits_update(hash.get(), piece, m);
+    if (!direct && lo < hi) {
+      const uint64_t begin = std::max(lo, c.global_offset + done);
+      const uint64_t end = std::min(hi, c.global_offset + done + m);
+      if (begin < end) {
+        std::memcpy(dst + (begin - offset), piece + (begin - c.global_offset - done),
+                    static_cast<size_t>(end - begin));
+      }
+    }
+    done += m;
   }
   const uint64_t found = XXH3_64bits_digest(hash.get());
-  if (found != entry.checksum) {
+  if (found != c.checksum) {
     return absl::DataLossError(absl::StrCat("checksum mismatch in ", file.path(), " for tensor '",
-                                            entry.name, "' (", DescribeChecksumRange(entry),
-                                            "): expected ", FormatChecksum(entry.checksum),
+                                            entry.name, "' (", DescribeChunk(entry, c),
+                                            "): expected ", FormatChecksum(c.checksum),
                                             ", found ", FormatChecksum(found)));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckpointReader::ReadRange(std::string_view std_name, uint64_t offset, void* dst,
+                                         size_t n) const {
+  const absl::string_view name = ToAbsl(std_name);
+  const TensorEntry* entry = Find(std_name);
+  if (entry == nullptr) {
+    return absl::NotFoundError(absl::StrCat("checkpoint ", dir_, " has no tensor '", name, "'"));
+  }
+  if (offset > entry->bytes || n > entry->bytes - offset) {
+    return absl::OutOfRangeError(absl::StrCat("ReadRange '", name, "': bytes [", offset, ", +", n,
+                                              ") pass the end of the tensor's ", entry->bytes));
+  }
+  if (dst == nullptr && n > 0) {
+    return absl::InvalidArgumentError(absl::StrCat("ReadRange '", name, "': null destination"));
+  }
+  char* out = static_cast<char*>(dst);
+  for (const ManifestChunk& c : entry->chunks) {
+    const bool overlaps = c.global_offset < offset + n && c.global_offset + c.length > offset;
+    if (entry->bytes == 0) {
+      FERRY_RETURN_IF_ERROR(ReadChunk(*entry, c, 0, nullptr, 0));  // checks the empty checksum
+    } else if (overlaps) {
+      FERRY_RETURN_IF_ERROR(ReadChunk(*entry, c, offset, out, n));
+    }
   }
   return absl::OkStatus();
 }
@@ -558,26 +851,25 @@ absl::Status CheckpointReader::ReadTensor(std::string_view std_name, void* dst,
     return absl::InvalidArgumentError(absl::StrCat("ReadTensor '", name, "': destination has ",
                                                    dst_bytes, " bytes, the tensor ", entry->bytes));
   }
-  if (dst == nullptr && dst_bytes > 0) {
-    return absl::InvalidArgumentError(absl::StrCat("ReadTensor '", name, "': null destination"));
-  }
-  if (entry->bytes == 0) return ReadAndVerify(*entry, nullptr);  // still checks the empty checksum
-  return ReadAndVerify(*entry, dst);
+  return ReadRange(std_name, 0, dst, dst_bytes);
 }
 
 absl::Status CheckpointReader::VerifyAll() const {
   absl::Status first;
-  size_t failed = 0;
+  size_t failed = 0, total = 0;
   for (const TensorEntry& e : tensors_) {
-    absl::Status s = ReadAndVerify(e, nullptr);
-    if (!s.ok()) {
-      if (failed == 0) first = s;
-      ++failed;
+    for (const ManifestChunk& c : e.chunks) {
+      ++total;
+      absl::Status s = ReadChunk(e, c, 0, nullptr, 0);
+      if (!s.ok()) {
+        if (failed == 0) first = s;
+        ++failed;
+      }
     }
   }
   if (failed > 1) {
-    return Annotate(first, absl::StrCat(" [", failed, " of ", tensors_.size(),
-                                        " tensors failed verification in ", dir_, "]"));
+    return Annotate(first, absl::StrCat(" [", failed, " of ", total,
+                                        " chunks failed verification in ", dir_, "]"));
   }
   return first;
 }

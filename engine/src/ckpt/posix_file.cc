@@ -81,6 +81,30 @@ absl::Status WritableFile::Append(const void* data, size_t n) {
   return absl::OkStatus();
 }
 
+absl::Status WritableFile::WriteAt(uint64_t offset, const void* data, size_t n) const {
+  const char* p = static_cast<const char*>(data);
+  while (n > 0) {
+    ssize_t w = ::pwrite(fd_, p, std::min(n, kMaxIoPerCall), static_cast<off_t>(offset));
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      return PosixError(absl::StrCat("pwrite ", path_, " at offset ", offset), errno);
+    }
+    if (w == 0) return absl::InternalError(absl::StrCat("pwrite ", path_, ": wrote 0 bytes"));
+    p += w;
+    offset += static_cast<uint64_t>(w);
+    n -= static_cast<size_t>(w);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status WritableFile::StartWriteback(uint64_t offset, uint64_t n) const {
+  if (::sync_file_range(fd_, static_cast<off_t>(offset), static_cast<off_t>(n),
+                        SYNC_FILE_RANGE_WRITE) != 0) {
+    return PosixError(absl::StrCat("sync_file_range ", path_), errno);
+  }
+  return absl::OkStatus();
+}
+
 absl::Status WritableFile::Sync() {
   if (::fsync(fd_) != 0) return PosixError(absl::StrCat("fsync ", path_), errno);
   return absl::OkStatus();

@@ -36,6 +36,14 @@ class WritableFile final {
   // `data` is borrowed for the call. On error the file holds an unspecified prefix of the bytes.
   // REQUIRES: the file is open (Close not called).
   absl::Status Append(const void* data, size_t n);
+  // Writes all `n` bytes of `data` at absolute `offset` (pwrite; looping over short writes and
+  // EINTR); does not move the file position. Safe to call from several threads at once for disjoint
+  // ranges (and alongside StartWriteback). REQUIRES: the file is open.
+  absl::Status WriteAt(uint64_t offset, const void* data, size_t n) const;
+  // Asks the kernel to start writing back the dirty pages of [offset, offset + n) now, without
+  // waiting (Linux sync_file_range(SYNC_FILE_RANGE_WRITE)), so a final Sync has less left to do.
+  // Advisory: durability still needs Sync. Thread-safe like WriteAt. REQUIRES: the file is open.
+  absl::Status StartWriteback(uint64_t offset, uint64_t n) const;
   // fsync. REQUIRES: the file is open.
   absl::Status Sync();
   // Closes the descriptor and reports close()'s error. REQUIRES: the file is open.

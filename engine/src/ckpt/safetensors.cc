@@ -119,6 +119,15 @@ absl::StatusOr<SafetensorsHeader> ReadSafetensorsHeader(const ReadOnlyFile& file
   }
   std::string text(static_cast<size_t>(n), '\0');
   FERRY_RETURN_IF_ERROR(file.ReadAt(kLengthPrefixBytes, text.data(), text.size()));
+  return ParseSafetensorsHeaderText(path, file.size(), text);
+}
+
+namespace {
+
+// Validates header JSON `text` of a file of `file_size` bytes whose length prefix said text.size().
+absl::StatusOr<SafetensorsHeader> ParseHeaderJson(const std::string& path, uint64_t file_size,
+                                                  absl::string_view text) {
+  const uint64_t n = text.size();
   const std::string what = absl::StrCat(path, ": safetensors header");
   FERRY_ASSIGN_OR_RETURN(Json j, ParseJson(text, what));
   if (!j.is_object()) {
@@ -184,13 +193,41 @@ absl::StatusOr<SafetensorsHeader> ReadSafetensorsHeader(const ReadOnlyFile& file
     }
     expected = e.end;
   }
-  const uint64_t data_bytes = file.size() - header.data_start;
+  const uint64_t data_bytes = file_size - header.data_start;
   if (expected != data_bytes) {
     return absl::DataLossError(absl::StrCat(path, ": the header describes ", expected,
                                             " bytes of tensor data but the file holds ",
                                             data_bytes));
   }
   return header;
+}
+
+
+}  // namespace
+
+absl::StatusOr<SafetensorsHeader> ParseSafetensorsHeaderText(const std::string& path,
+                                                             uint64_t file_size,
+                                                             absl::string_view text) {
+  if (file_size < kLengthPrefixBytes || text.size() > file_size - kLengthPrefixBytes) {
+    return absl::DataLossError(absl::StrCat(path, ": a safetensors header of ", text.size(),
+                                            " bytes does not fit in a file of ", file_size));
+  }
+  return ParseHeaderJson(path, file_size, text);
+}
+
+absl::StatusOr<SafetensorsHeader> ParseSafetensorsFile(absl::string_view bytes,
+                                                       const std::string& path) {
+  if (bytes.size() < kLengthPrefixBytes) {
+    return absl::DataLossError(
+        absl::StrCat(path, ": ", bytes.size(), " bytes, too short for a safetensors header"));
+  }
+  const uint64_t n = GetLittleEndian64(reinterpret_cast<const unsigned char*>(bytes.data()));
+  if (n > kMaxSafetensorsHeaderBytes || n > bytes.size() - kLengthPrefixBytes) {
+    return absl::DataLossError(
+        absl::StrCat(path, ": safetensors header length ", n, " does not fit in the file (",
+                     bytes.size(), " bytes) or exceeds the limit of ", kMaxSafetensorsHeaderBytes));
+  }
+  return ParseHeaderJson(path, bytes.size(), bytes.substr(kLengthPrefixBytes, n));
 }
 
 }  // namespace ferry

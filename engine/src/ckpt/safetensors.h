@@ -59,6 +59,15 @@ absl::StatusOr<std::string> EncodeSafetensorsHeader(
 // name the file (and the tensor or field at fault).
 absl::StatusOr<SafetensorsHeader> ReadSafetensorsHeader(const ReadOnlyFile& file);
 
+// The same checks on the header JSON `text` of a file of `file_size` bytes (`path` names it).
+absl::StatusOr<SafetensorsHeader> ParseSafetensorsHeaderText(const std::string& path,
+                                                             uint64_t file_size,
+                                                             absl::string_view text);
+
+// The same checks on a whole file image in memory (for tools and the fuzz target).
+absl::StatusOr<SafetensorsHeader> ParseSafetensorsFile(absl::string_view bytes,
+                                                       const std::string& path);
+
 }  // namespace ferry
 
 #endif  // FERRY_CKPT_SAFETENSORS_H_

@@ -2,6 +2,7 @@
 #include "ferry/engine.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <numeric>
@@ -12,9 +13,13 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/ascii.h"
 #include "base/absl_compat.h"
+#include "base/logging.h"
 #include "base/thread_pool.h"
 #include "ckpt/checkpoint.h"
+#include "ckpt/checkpoint_writer.h"
+#include "ckpt/posix_file.h"
 #include "device/device.h"
 #include "ferry/status.h"
 #include "memory/pinned_arena.h"
@@ -29,6 +34,56 @@ constexpr std::pair<StateKind, const char*> kStateKinds[] = {
     {StateKind::kMaster, "master"}, {StateKind::kExpAvg, "exp_avg"}, {StateKind::kExpAvgSq, "exp_avg_sq"}};
 
 std::string StateTensorName(const std::string& param, const char* kind) { return absl::StrCat(param, ":", kind); }
+
+// Host memory that checkpoint snapshots are copied into, kept across saves while the saved tensors
+// keep their names, dtypes and shapes. Registered with the device (pinned) on the CUDA backend, so
+// device-resident state is copied at the pinned rate. Move-only; one thread at a time.
+class CheckpointStaging final {
+ public:
+  static absl::StatusOr<std::unique_ptr<CheckpointStaging>> Create(Device* device, size_t bytes) {
+    constexpr size_t kAlign = 4096;
+    const size_t rounded = std::max<size_t>(kAlign, (bytes + kAlign - 1) / kAlign * kAlign);
+    void* data = std::aligned_alloc(kAlign, rounded);
+    if (data == nullptr) {
+      return absl::ResourceExhaustedError(absl::StrCat("checkpoint staging: cannot allocate ", rounded, " bytes"));
+    }
+    std::unique_ptr<CheckpointStaging> s(new CheckpointStaging(device, static_cast<char*>(data)));
+    if (device->backend() == Backend::kCuda) {
+      FERRY_RETURN_IF_ERROR(device->RegisterHost(data, rounded));
+      s->registered_ = true;
+    }
+    return s;
+  }
+  ~CheckpointStaging() {
+    if (registered_) {
+      absl::Status st = device_->UnregisterHost(data_);
+      if (!st.ok()) FERRY_LOG(ERROR) << "checkpoint staging: " << st;
+    }
+    std::free(data_);
+  }
+  CheckpointStaging(const CheckpointStaging&) = delete;
+  CheckpointStaging& operator=(const CheckpointStaging&) = delete;
+  char* data() const { return data_; }
+
+ private:
+  CheckpointStaging(Device* device, char* data) : device_(device), data_(data) {}
+  Device* device_;
+  char* data_;
+  bool registered_ = false;
+};
+
+// Whether two lists of tensors to save have the same structure (names, kinds, groups, dtypes,
+// shapes), ignoring where their bytes are.
+bool SameStructure(const std::vector<TensorRecord>& a, const std::vector<TensorRecord>& b) {
+  if (a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (a[i].name != b[i].name || a[i].kind != b[i].kind || a[i].group != b[i].group ||
+        a[i].dtype != b[i].dtype || a[i].shape != b[i].shape || a[i].bytes != b[i].bytes) {
+      return false;
+    }
+  }
+  return true;
+}
 
 struct ParamRecord {
   ParamSpec spec;
@@ -55,7 +110,10 @@ class EngineImpl final : public Engine {
     return optimizer_ == nullptr ? absl::OkStatus() : optimizer_->Synchronize();
   }
   absl::StatusOr<std::string> SaveCheckpoint(const std::string& root, int64_t step) override;
-  absl::Status LoadCheckpoint(const std::string& path) override;
+  absl::Status WaitCheckpoint() override;
+  std::optional<absl::Status> PollCheckpoint() override;
+  absl::Status LoadCheckpoint(const std::string& path) override { return LoadCheckpoint(path, LoadOptions{}); }
+  absl::Status LoadCheckpoint(const std::string& path, const LoadOptions& options) override;
   absl::Status SyncFromModel(const std::vector<std::string>& groups, bool reset_optimizer) override;
   absl::Status ReloadPolicy(const std::string& path, const std::map<std::string, std::string>& args) override;
   absl::Status VerifyMasters() override;
@@ -78,6 +136,8 @@ class EngineImpl final : public Engine {
   absl::StatusOr<PolicyContext> Context();
   absl::StatusOr<std::vector<size_t>> GroupIndices(const std::vector<std::string>& names) const;
   std::string PolicyName() const { return policy_ == nullptr ? "(default policy)" : policy_->path(); }
+  // LoadCheckpoint of one checkpoint: reads and verifies everything, then applies.
+  absl::Status LoadCheckpointFrom(const std::string& path);
 
   EngineOptions options_;
   std::unique_ptr<Device> device_;
@@ -90,6 +150,12 @@ class EngineImpl final : public Engine {
   std::vector<DType> group_dtype_;
   std::vector<bool> offloaded_;
   std::unique_ptr<HybridOptimizer> optimizer_;
+  // Checkpoints (SaveCheckpoint/LoadCheckpoint). Declared last, so destroyed first: the writer
+  // waits for its save in flight and joins its threads before the staging it reads is freed.
+  std::vector<TensorRecord> ckpt_structure_;  // what ckpt_staging_ is laid out for (data unset)
+  std::vector<size_t> ckpt_offsets_;          // byte offset of each of them in ckpt_staging_
+  std::unique_ptr<CheckpointStaging> ckpt_staging_;
+  std::unique_ptr<CheckpointWriter> ckpt_writer_;
 };
 
 absl::Status EngineImpl::AddParam(const ParamSpec& spec) {
@@ -250,6 +316,9 @@ absl::StatusOr<std::vector<size_t>> EngineImpl::GroupIndices(const std::vector<s
 absl::StatusOr<std::string> EngineImpl::SaveCheckpoint(const std::string& root, int64_t step) {
   FERRY_RETURN_IF_ERROR(RequireFinalized("SaveCheckpoint"));
   if (step < 0) return absl::InvalidArgumentError(absl::StrCat("SaveCheckpoint: step must be >= 0, got ", step));
+  // The previous asynchronous save must be done before its staging is reused; its error, if any, is
+  // delivered here.
+  if (ckpt_writer_ != nullptr) FERRY_RETURN_IF_ERROR(ckpt_writer_->Wait());
   CheckpointInfo info;
   info.step = step;
   info.reason = "save";
@@ -278,27 +347,57 @@ absl::StatusOr<std::string> EngineImpl::SaveCheckpoint(const std::string& root, 
   if (plan.skip_master) skipped.push_back({"master", absl::StrCat("policy ", PolicyName())});
   for (const std::string& g : skip_groups) skipped.push_back({absl::StrCat("group:", g), absl::StrCat("policy ", PolicyName())});
 
-  // Host copies of everything to write. State already in pinned memory is copied too in this version
-  // (a later version writes straight from the arena).
-  std::vector<std::vector<char>> buffers;
+  // What to save, then a snapshot of it in the cached staging (re-laid out when the structure
+  // changed). State already in host memory is copied too in this version (a later one writes
+  // straight from the arena and makes the next Step wait only for the chunks it modifies).
+  struct Source {
+    size_t param;
+    int kind;  // -1: the param itself, else an index into kStateKinds
+  };
   std::vector<TensorRecord> tensors;
-  buffers.reserve(params_.size() * 4);
+  std::vector<Source> sources;
   for (size_t i = 0; i < params_.size(); ++i) {
     const ParamRecord& p = params_[i];
     const std::string& group = group_names_[p.group];
     if (skip_groups.contains(group)) continue;
-    buffers.emplace_back(static_cast<size_t>(p.numel) * DTypeSize(p.spec.dtype));
-    FERRY_RETURN_IF_ERROR(optimizer_->ReadParam(i, buffers.back().data()));
-    tensors.push_back(TensorRecord{p.spec.name, p.spec.dtype, p.spec.shape, buffers.back().data(),
-                                   buffers.back().size(), kModelKind, group});
-    for (const auto& [kind, kind_name] : kStateKinds) {
-      const bool is_master = kind == StateKind::kMaster;
+    tensors.push_back(TensorRecord{p.spec.name, p.spec.dtype, p.spec.shape, nullptr,
+                                   static_cast<size_t>(p.numel) * DTypeSize(p.spec.dtype), kModelKind, group});
+    sources.push_back({i, -1});
+    for (int k = 0; k < 3; ++k) {
+      const bool is_master = kStateKinds[k].first == StateKind::kMaster;
       if ((is_master && plan.skip_master) || (!is_master && plan.skip_optimizer)) continue;
-      buffers.emplace_back(static_cast<size_t>(p.numel) * sizeof(float));
-      FERRY_RETURN_IF_ERROR(optimizer_->ReadState(i, kind, reinterpret_cast<float*>(buffers.back().data())));
-      tensors.push_back(TensorRecord{StateTensorName(p.spec.name, kind_name), DType::kF32, p.spec.shape,
-                                     buffers.back().data(), buffers.back().size(), kind_name, group});
+      tensors.push_back(TensorRecord{StateTensorName(p.spec.name, kStateKinds[k].second), DType::kF32, p.spec.shape,
+                                     nullptr, static_cast<size_t>(p.numel) * sizeof(float), kStateKinds[k].second,
+                                     group});
+      sources.push_back({i, k});
     }
+  }
+  if (ckpt_staging_ == nullptr || !SameStructure(tensors, ckpt_structure_)) {
+    ckpt_staging_.reset();
+    ckpt_offsets_.clear();
+    size_t total = 0;
+    for (const TensorRecord& t : tensors) {
+      ckpt_offsets_.push_back(total);
+      total += (t.bytes + 63) / 64 * 64;
+    }
+    absl::StatusOr<std::unique_ptr<CheckpointStaging>> staging = CheckpointStaging::Create(device_.get(), total);
+    if (!staging.ok()) {
+      ckpt_offsets_.clear();
+      ckpt_structure_.clear();
+      return staging.status();
+    }
+    ckpt_staging_ = *std::move(staging);
+    ckpt_structure_ = tensors;
+  }
+  for (size_t k = 0; k < tensors.size(); ++k) {
+    char* dst = ckpt_staging_->data() + ckpt_offsets_[k];
+    const Source& src = sources[k];
+    if (src.kind < 0) {
+      FERRY_RETURN_IF_ERROR(optimizer_->ReadParam(src.param, dst));
+    } else {
+      FERRY_RETURN_IF_ERROR(optimizer_->ReadState(src.param, kStateKinds[src.kind].first, reinterpret_cast<float*>(dst)));
+    }
+    tensors[k].data = dst;
   }
   std::map<std::string, std::string> metadata;
   metadata["ferry.version"] = "1";
@@ -311,13 +410,69 @@ absl::StatusOr<std::string> EngineImpl::SaveCheckpoint(const std::string& root, 
     metadata[absl::StrCat("ferry.group.", group_names_[g], ".step")] = absl::StrCat(optimizer_->group_step(g));
     metadata[absl::StrCat("ferry.group.", group_names_[g], ".placement")] = offloaded_[g] ? "cpu" : "gpu";
   }
-  CheckpointWriteOptions wopt;
-  wopt.keep_last = plan.keep_last;
-  return WriteCheckpoint(root, step, tensors, skipped, metadata, wopt);
+  CheckpointJob job;
+  job.root = root;
+  job.step = step;
+  job.tensors = std::move(tensors);
+  job.skipped = std::move(skipped);
+  job.metadata = std::move(metadata);
+  job.options.keep_last = plan.keep_last;
+  if (ckpt_writer_ == nullptr) ckpt_writer_ = std::make_unique<CheckpointWriter>();
+  if (!plan.async) return ckpt_writer_->Write(job);
+  FERRY_RETURN_IF_ERROR(ckpt_writer_->Start(std::move(job)));
+  return JoinPath(root, CheckpointDirName(step));
 }
 
-absl::Status EngineImpl::LoadCheckpoint(const std::string& path) {
+absl::Status EngineImpl::WaitCheckpoint() {
+  return ckpt_writer_ == nullptr ? absl::OkStatus() : ckpt_writer_->Wait();
+}
+
+std::optional<absl::Status> EngineImpl::PollCheckpoint() {
+  if (ckpt_writer_ == nullptr) return absl::OkStatus();
+  return ckpt_writer_->Poll();
+}
+
+absl::Status EngineImpl::LoadCheckpoint(const std::string& path, const LoadOptions& options) {
   FERRY_RETURN_IF_ERROR(RequireFinalized("LoadCheckpoint"));
+  if (ckpt_writer_ != nullptr) ckpt_writer_->WaitIdle();  // a save in flight may be the one to load
+  const absl::Status first = LoadCheckpointFrom(path);
+  const bool corrupt = first.code() == absl::StatusCode::kDataLoss || first.code() == absl::StatusCode::kNotFound;
+  if (first.ok() || !options.fall_back_to_previous || !corrupt) return first;
+  // Which checkpoint failed, and under which root: `path` itself if it is a checkpoint directory,
+  // else the one `latest` names (unknown when `latest` itself is unreadable: then every committed
+  // checkpoint is a candidate).
+  std::string root = path, failed_name;
+  absl::StatusOr<bool> is_dir = PathExists(JoinPath(path, kManifestFileName));
+  if (is_dir.ok() && *is_dir) {
+    std::string p = path;
+    while (p.size() > 1 && p.back() == '/') p.pop_back();
+    const size_t slash = p.rfind('/');
+    root = slash == std::string::npos ? "." : p.substr(0, slash);
+    failed_name = slash == std::string::npos ? p : p.substr(slash + 1);
+  } else {
+    absl::StatusOr<std::string> latest = ReadFileToString(JoinPath(path, "latest"), 4096);
+    if (latest.ok()) failed_name = std::string(absl::StripAsciiWhitespace(*latest));
+  }
+  absl::StatusOr<std::vector<std::string>> candidates = ListCheckpoints(root);
+  if (!candidates.ok()) return first;
+  const std::string failed_dir = failed_name.empty() ? "" : JoinPath(root, failed_name);
+  bool older = failed_dir.empty() || std::find(candidates->begin(), candidates->end(), failed_dir) == candidates->end();
+  for (auto it = candidates->rbegin(); it != candidates->rend(); ++it) {  // newest first
+    if (!older) {
+      older = *it == failed_dir;  // only checkpoints older than the one that failed
+      continue;
+    }
+    absl::Status s = LoadCheckpointFrom(*it);
+    if (s.ok()) {
+      FERRY_LOG(WARNING) << "LoadCheckpoint(" << path << ") failed (" << first << "); loaded the previous complete checkpoint " << *it << " instead";
+      return s;
+    }
+    if (s.code() != absl::StatusCode::kDataLoss && s.code() != absl::StatusCode::kNotFound) return s;
+  }
+  return absl::Status(first.code(), absl::StrCat(first.message(), " (and no older checkpoint under ", root, " loads)"));
+}
+
+absl::Status EngineImpl::LoadCheckpointFrom(const std::string& path) {
   FERRY_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointReader> reader, CheckpointReader::Open(path));
   const std::string& dir = reader->dir();
   // Phase 1: check and read everything into host memory; nothing in the engine changes yet.

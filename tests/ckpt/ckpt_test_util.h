@@ -1,0 +1,120 @@
+// Helpers shared by the checkpoint tests: a scratch directory, random tensors, file surgery.
+#ifndef FERRY_TESTS_CKPT_CKPT_TEST_UTIL_H_
+#define FERRY_TESTS_CKPT_CKPT_TEST_UTIL_H_
+
+#include <stdlib.h>
+#include <sys/stat.h>
+
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "ckpt/checkpoint.h"
+#include "gtest/gtest.h"
+
+#define CKPT_CONCAT_INNER_(a, b) a##b
+#define CKPT_CONCAT_(a, b) CKPT_CONCAT_INNER_(a, b)
+#define CKPT_ASSERT_OK(expr)              \
+  do {                                    \
+    const absl::Status ckpt_s_ = (expr);  \
+    ASSERT_TRUE(ckpt_s_.ok()) << ckpt_s_; \
+  } while (0)
+#define CKPT_ASSERT_OK_AND_ASSIGN(lhs, rexpr) \
+  CKPT_ASSERT_OK_AND_ASSIGN_IMPL_(CKPT_CONCAT_(ckpt_sor_, __LINE__), lhs, rexpr)
+#define CKPT_ASSERT_OK_AND_ASSIGN_IMPL_(tmp, lhs, rexpr) \
+  auto tmp = (rexpr);                                    \
+  ASSERT_TRUE(tmp.ok()) << tmp.status();                 \
+  lhs = std::move(tmp).value()
+
+namespace ferry::ckpt_test {
+
+struct TestTensor {
+  std::string name;
+  DType dtype;
+  std::vector<int64_t> shape;
+  std::string kind;
+  std::string group;
+  std::vector<uint8_t> data;
+};
+
+inline size_t ElementBytes(DType t) { return t == DType::kF32 ? 4 : 2; }
+
+// Fresh random bytes (every bit pattern; the comparisons are bitwise), never all zeros.
+inline TestTensor RandomTensor(std::mt19937_64& rng, std::string name, DType dtype,
+                               std::vector<int64_t> shape, std::string kind = "model",
+                               std::string group = "g0") {
+  size_t n = ElementBytes(dtype);
+  for (int64_t d : shape) n *= static_cast<size_t>(d);
+  TestTensor t{std::move(name), dtype, std::move(shape), std::move(kind), std::move(group), {}};
+  t.data.resize(n);
+  for (size_t i = 0; i < n; i += 8) {
+    uint64_t w = rng();
+    std::memcpy(t.data.data() + i, &w, std::min<size_t>(8, n - i));
+  }
+  if (n > 0) t.data[0] |= 1;
+  return t;
+}
+
+inline std::vector<TensorRecord> Records(const std::vector<TestTensor>& tensors) {
+  std::vector<TensorRecord> r;
+  for (const TestTensor& t : tensors) {
+    r.push_back({.name = t.name,
+                 .dtype = t.dtype,
+                 .shape = t.shape,
+                 .data = t.data.data(),
+                 .bytes = t.data.size(),
+                 .kind = t.kind,
+                 .group = t.group});
+  }
+  return r;
+}
+
+inline std::string ReadWholeFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+inline void WriteWholeFile(const std::string& path, const std::string& contents) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out.write(contents.data(), static_cast<std::streamsize>(contents.size()));
+}
+
+inline void XorByte(const std::string& path, uint64_t offset, uint8_t mask) {
+  std::string s = ReadWholeFile(path);
+  ASSERT_LT(offset, s.size());
+  s[offset] = static_cast<char>(static_cast<uint8_t>(s[offset]) ^ mask);
+  WriteWholeFile(path, s);
+}
+
+inline bool Exists(const std::string& path) {
+  struct stat st;
+  return ::lstat(path.c_str(), &st) == 0;
+}
+
+// A fresh directory under the test temp dir, removed on destruction.
+class ScratchDir {
+ public:
+  ScratchDir() {
+    std::string tmpl = ::testing::TempDir() + "ferry_ckpt_XXXXXX";
+    if (::mkdtemp(tmpl.data()) == nullptr) ADD_FAILURE() << std::strerror(errno);
+    path_ = tmpl;
+  }
+  ~ScratchDir() {
+    std::error_code ec;
+    std::filesystem::remove_all(path_, ec);
+  }
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
+
+}  // namespace ferry::ckpt_test
+
+#endif  // FERRY_TESTS_CKPT_CKPT_TEST_UTIL_H_
