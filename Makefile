@@ -4,11 +4,13 @@
 #                  ./build/ferry run samples/quickstart.lua
 #   make test      the CI build: build/ with warnings as errors (-DFERRY_WERROR=ON), every target,
 #                  then every test (ctest, all cores); exits non-zero if anything fails
+#   make fuzz      clang build of the checkpoint-parser fuzz target in build-fuzz/, run for 30 s
+#                  (libFuzzer; part of `make test`)
 #   make asan      AddressSanitizer + UBSan build in build-asan/ (-DFERRY_SANITIZE=ON), every test
 #   make tsan      ThreadSanitizer build in build-tsan/ (-DFERRY_TSAN=ON, host backend only), every test
 #   make gpu-test  the tests labelled `gpu`, in build/ (configured as by `make test` if it does not
 #                  exist yet, else rebuilt as configured); they skip cleanly when no GPU is present
-#   make clean     removes build/, build-asan/ and build-tsan/
+#   make clean     removes build/, build-asan/, build-tsan/ and build-fuzz/
 #
 # Every target first runs scripts/setup/deps.sh, which checks the Debian / Ubuntu packages: as root it
 # installs what is missing, otherwise it prints the `sudo apt-get install` command and stops. So each
@@ -40,7 +42,11 @@ TSAN_ARGS = -DCMAKE_BUILD_TYPE=RelWithDebInfo -DFERRY_WERROR=OFF -DFERRY_SANITIZ
 
 CTEST = ctest --output-on-failure -j$(JOBS)
 
-.PHONY: help deps demo test asan tsan gpu-test clean
+# libFuzzer needs clang: only the fuzz target is built there, on the host backend.
+FUZZ_ARGS = -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ \
+            -DFERRY_WERROR=OFF -DFERRY_SANITIZE=OFF -DFERRY_TSAN=OFF -DFERRY_ENABLE_CUDA=OFF
+
+.PHONY: help deps demo test fuzz asan tsan gpu-test clean
 
 help:
 	@sed -n '1,/^$$/p' Makefile | sed 's/^# \{0,1\}//'
@@ -57,6 +63,12 @@ test: deps
 	$(CONFIGURE) -B build $(CI_ARGS) $(CMAKE_ARGS)
 	cmake --build build -j$(JOBS)
 	$(CTEST) --test-dir build
+	$(MAKE) --no-print-directory fuzz FERRY_SKIP_DEPS=1
+
+fuzz: deps
+	cmake -S . -G Ninja -B build-fuzz $(FUZZ_ARGS)
+	cmake --build build-fuzz --target ckpt_safetensors_fuzz -j$(JOBS)
+	$(CTEST) --test-dir build-fuzz -L fuzz --no-tests=error
 
 # protect_shadow_gap=0 lets the CUDA driver map its memory under ASan (harmless without a GPU).
 asan: deps
@@ -78,4 +90,4 @@ gpu-test: deps
 	$(CTEST) --test-dir build -L gpu --no-tests=error
 
 clean:
-	rm -rf build build-asan build-tsan
+	rm -rf build build-asan build-tsan build-fuzz

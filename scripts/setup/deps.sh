@@ -29,9 +29,10 @@ set -euo pipefail
 #   libgtest-dev, libgmock-dev  the tests
 #   nlohmann-json3-dev   checkpoint manifests
 #   libxxhash-dev        checkpoint checksums
+#   clang libclang-rt-dev  libFuzzer, for the bounded fuzz run of the checkpoint parsers in `make test`
 readonly REQUIRED=(
   build-essential cmake ninja-build pkg-config libluajit-5.1-dev libabsl-dev libnuma-dev
-  libgtest-dev libgmock-dev nlohmann-json3-dev libxxhash-dev
+  libgtest-dev libgmock-dev nlohmann-json3-dev libxxhash-dev clang libclang-rt-dev
 )
 
 dry_run=0
