@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -177,24 +178,33 @@ bool OptBool(lua_State* L, int t, const char* key, bool def) {
   return v;
 }
 
-// ferry.engine{ policy=, args={}, lr=, beta1=, beta2=, eps=, weight_decay=, adamw=, chunk_bytes=, threads= }
-int LEngine(lua_State* L) {
-  luaL_checktype(L, 1, LUA_TTABLE);
-  EngineOptions o;
-  o.policy_path = OptString(L, 1, "policy", "");
-  lua_getfield(L, 1, "args");
+// The policy arguments in field `args` of the table at `t` (strings or numbers, by string keys).
+std::map<std::string, std::string> OptArgs(lua_State* L, int t, const char* who) {
+  std::map<std::string, std::string> args;
+  lua_getfield(L, t, "args");
   if (lua_istable(L, -1)) {
     lua_pushnil(L);
     while (lua_next(L, -2) != 0) {
       lua_pushvalue(L, -2);  // copy the key: tostring on it in place would confuse lua_next
       std::string key = lua_tostring(L, -1) ? lua_tostring(L, -1) : "";
       const char* value = lua_tostring(L, -2);
-      if (key.empty() || value == nullptr) luaL_error(L, "ferry.engine: args must map strings to strings or numbers");
-      o.policy_args[key] = value;
+      if (key.empty() || value == nullptr) luaL_error(L, "%s: args must map strings to strings or numbers", who);
+      args[key] = value;
       lua_pop(L, 2);
     }
+  } else if (!lua_isnil(L, -1)) {
+    luaL_error(L, "%s: field 'args' must be a table", who);
   }
   lua_pop(L, 1);
+  return args;
+}
+
+// ferry.engine{ policy=, args={}, lr=, beta1=, beta2=, eps=, weight_decay=, adamw=, chunk_bytes=, threads= }
+int LEngine(lua_State* L) {
+  luaL_checktype(L, 1, LUA_TTABLE);
+  EngineOptions o;
+  o.policy_path = OptString(L, 1, "policy", "");
+  o.policy_args = OptArgs(L, 1, "ferry.engine");
   o.optimizer.lr = static_cast<float>(OptNumber(L, 1, "lr", o.optimizer.lr));
   o.optimizer.beta1 = static_cast<float>(OptNumber(L, 1, "beta1", o.optimizer.beta1));
   o.optimizer.beta2 = static_cast<float>(OptNumber(L, 1, "beta2", o.optimizer.beta2));
@@ -331,6 +341,18 @@ int LEngineSync(lua_State* L) {
   return CheckOk(L, e->SyncFromModel(groups, lua_toboolean(L, 3) != 0));
 }
 
+// e:reload_policy{ path = "policy.lua", args = { key = value } }: Engine::ReloadPolicy between steps.
+// The new policy's place() decides; groups whose placement changed move between host and device
+// without changing any value. Raises the error (file:line, hook) with the old policy still in force.
+int LEngineReloadPolicy(lua_State* L) {
+  Engine* e = CheckEngine(L, 1);
+  luaL_checktype(L, 2, LUA_TTABLE);
+  const std::string path = OptString(L, 2, "path", "");
+  if (path.empty()) luaL_error(L, "reload_policy: field 'path' (the policy file) is required");
+  const std::map<std::string, std::string> args = OptArgs(L, 2, "reload_policy");
+  return CheckOk(L, e->ReloadPolicy(path, args));
+}
+
 // e:verify_masters() -> true, or false and the message
 int LEngineVerify(lua_State* L) {
   absl::Status s = CheckEngine(L, 1)->VerifyMasters();
@@ -408,6 +430,7 @@ int OpenFerryModule(lua_State* L) {
       {"add_param", LEngineAddParam}, {"finalize", LEngineFinalize}, {"step", LEngineStep},
       {"save", LEngineSave},          {"load", LEngineLoad},         {"sync_from_model", LEngineSync},
       {"verify_masters", LEngineVerify}, {"placement", LEnginePlacement}, {"stats", LEngineStats},
+      {"reload_policy", LEngineReloadPolicy},
       {"close", LEngineClose},        {nullptr, nullptr}};
   static const luaL_Reg functions[] = {{"tensor", LTensor},         {"engine", LEngine},
                                        {"backend", LBackend},       {"device_name", LDeviceName},

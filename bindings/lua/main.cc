@@ -1,7 +1,12 @@
 // The `ferry` command.
 //   ferry run SCRIPT.lua [ARGS...]   runs a script with the `ferry` module (arg[0] = SCRIPT, arg[1..] = ARGS)
-//   ferry help | --help              usage
+//   ferry check POLICY.lua [flags]   runs a policy's hooks against a model (commands.h)
+//   ferry inspect CHECKPOINT [flags] describes and verifies a checkpoint (commands.h)
+//   ferry bench NAME [ARGS...]       runs a benchmark of tests/bench
+//   ferry help [VERB] | --help       usage; VERB --help for a verb's flags
 //   ferry version | --version
+// Verbs take Abseil flags (lua/verb_flags.h), parsed per verb; `run` and `bench` pass their
+// arguments through to the script or benchmark.
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -11,6 +16,7 @@
 #include <lua.hpp>
 
 #include "bench/bench.h"
+#include "lua/commands.h"
 #include "lua/ferry_module.h"
 
 namespace {
@@ -21,9 +27,14 @@ constexpr char kUsage[] =
     "verbs:\n"
     "  run SCRIPT.lua [ARGS...]  run a Lua script with the `ferry` module (the engine's API for\n"
     "                            scripts); ARGS reach the script as arg[1..] and as `...`\n"
+    "  check POLICY.lua [flags]  run a policy's hooks against a synthetic or described model:\n"
+    "                            placement table, checkpoint plan, after_load and on_step decisions,\n"
+    "                            every error (--model SPEC, --arg KEY=VALUE, ...)\n"
+    "  inspect CHECKPOINT        tensors, files, groups, sizes and what was skipped; --verify reads\n"
+    "                            every tensor and checks its checksum\n"
     "  bench NAME [ARGS...]      run a benchmark (`ferry bench` lists them; NAME --help)\n"
     "  version                   print the version\n"
-    "  help                      this text\n"
+    "  help [VERB]               this text, or VERB's (same as ferry VERB --help)\n"
     "\n"
     "environment:\n"
     "  FERRY_DEVICE=host|cuda    force the device backend (default: cuda when a GPU is present)\n";
@@ -103,6 +114,8 @@ int Bench(int argc, char** argv) {
   return 2;
 }
 
+std::vector<std::string> Words(int argc, char** argv) { return std::vector<std::string>(argv, argv + argc); }
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -112,8 +125,21 @@ int main(int argc, char** argv) {
   }
   const std::string verb = argv[1];
   if (verb == "run") return Run(argc - 2, argv + 2);
+  if (verb == "check") return ferry::cli::CheckCommand(Words(argc - 2, argv + 2), stdout, stderr);
+  if (verb == "inspect") return ferry::cli::InspectCommand(Words(argc - 2, argv + 2), stdout, stderr);
   if (verb == "bench") return Bench(argc - 2, argv + 2);
   if (verb == "help" || verb == "--help" || verb == "-h") {
+    if (argc >= 3) {
+      const std::string topic = argv[2];
+      char help[] = "--help";
+      char* help_argv[] = {help};
+      if (topic == "run") return Run(1, help_argv);
+      if (topic == "check") return ferry::cli::CheckCommand({"--help"}, stdout, stderr);
+      if (topic == "inspect") return ferry::cli::InspectCommand({"--help"}, stdout, stderr);
+      if (topic == "bench") return Bench(1, help_argv);
+      std::fprintf(stderr, "ferry help: unknown verb '%s'\n\n%s", topic.c_str(), kUsage);
+      return 2;
+    }
     std::fputs(kUsage, stdout);
     return 0;
   }

@@ -1,10 +1,12 @@
 // The policies shipped in scripts/policies/, loaded from the source tree as a trainer would.
+#include <algorithm>
 #include <cstdlib>
 #include <map>
 #include <memory>
 #include <random>
 #include <set>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -241,6 +243,325 @@ TEST(ShippedPoliciesTest, AllGpuAndOffloadAll) {
   absl::StatusOr<Placement> none = offload_all->Place(model, Args({}));
   ASSERT_TRUE(none.ok()) << none.status();
   EXPECT_FALSE(none->numa.has_value());
+}
+
+// ---- memory_budget.lua ---------------------------------------------------------------------------
+
+// The documented rule, written again in C++: offload the largest GPU groups (earliest first among
+// equals) while 12 * numel of the GPU groups exceeds max(available, 0).
+Names ReferenceBudget(const std::vector<GroupInfo>& groups, double available) {
+  const double room = std::max(available, 0.0);
+  double need = 0;
+  for (const GroupInfo& g : groups) need += 12.0 * static_cast<double>(g.numel);
+  std::vector<size_t> order(groups.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(),
+                   [&](size_t a, size_t b) { return groups[a].numel > groups[b].numel; });
+  std::vector<bool> off(groups.size(), false);
+  for (size_t i : order) {
+    if (need <= room) break;
+    off[i] = true;
+    need -= 12.0 * static_cast<double>(groups[i].numel);
+  }
+  Names out;
+  for (size_t i = 0; i < groups.size(); ++i) {
+    if (off[i]) out.push_back(groups[i].name);
+  }
+  return out;
+}
+
+std::vector<std::string> BudgetOffloaded(Policy& policy, const std::vector<GroupInfo>& groups,
+                                         std::map<std::string, std::string> args,
+                                         int64_t gpu_free = 0) {
+  PolicyContext ctx = Args(std::move(args));
+  ctx.gpu_free_bytes = gpu_free;
+  absl::StatusOr<Placement> p = policy.Place(groups, ctx);
+  EXPECT_TRUE(p.ok()) << p.status();
+  return p.ok() ? Offloaded(*p, groups) : std::vector<std::string>{"<error>"};
+}
+
+TEST(MemoryBudgetTest, OffloadsTheLargestGroupsUntilTheStateFits) {
+  auto policy = MustLoad("memory_budget.lua");
+  ASSERT_NE(policy, nullptr);
+  const std::vector<GroupInfo> model = Model();  // 10000 elements: 120000 bytes of state
+  auto with = [&](const char* budget, const char* reserve) {
+    return BudgetOffloaded(*policy, model, {{"budget", budget}, {"reserve", reserve}});
+  };
+  EXPECT_EQ(with("120000", "0"), Names{});
+  // One byte short: the largest group goes (layer0, the first of four equal ones).
+  EXPECT_EQ(with("119999", "0"), Names{"layer0"});
+  // 96000 left exactly fits (the bound is inclusive).
+  EXPECT_EQ(with("96000", "0"), Names{"layer0"});
+  EXPECT_EQ(with("95999", "0"), (Names{"layer0", "layer1"}));
+  // available = 100000 - 50000: three 2000-element groups leave 48000.
+  EXPECT_EQ(with("100000", "50000"), (Names{"layer0", "layer1", "layer2"}));
+  // After the four large groups, the two of 1000: embed (first) before head.
+  EXPECT_EQ(with("12000", "0"), (Names{"embed", "layer0", "layer1", "layer2", "layer3"}));
+  EXPECT_EQ(with("11999", "0"), (Names{"embed", "layer0", "layer1", "layer2", "layer3", "head"}));
+  // A reserve larger than the budget offloads everything.
+  EXPECT_EQ(with("1000", "5000"),
+            (Names{"embed", "layer0", "layer1", "layer2", "layer3", "head"}));
+}
+
+TEST(MemoryBudgetTest, DefaultsAndUnits) {
+  auto policy = MustLoad("memory_budget.lua");
+  ASSERT_NE(policy, nullptr);
+  const std::vector<GroupInfo> model = Model();
+  const int64_t gib = int64_t{1} << 30;
+  // Defaults: budget = ctx.gpu_free_bytes, reserve = 1 GiB.
+  EXPECT_EQ(BudgetOffloaded(*policy, model, {}, gib + 120000), Names{});
+  EXPECT_EQ(BudgetOffloaded(*policy, model, {}, gib + 60000),
+            (Names{"layer0", "layer1", "layer2"}));
+  EXPECT_EQ(BudgetOffloaded(*policy, model, {{"reserve", "0"}}, 96000), Names{"layer0"});
+  // The same 120000 bytes in every unit: nothing offloaded; one byte (or unit) less: layer0.
+  for (const char* fits : {"120000", "120K", "120KB", "0.12M", "1.2e5", "117.1875KiB", " 120000 B "}) {
+    EXPECT_EQ(BudgetOffloaded(*policy, model, {{"budget", fits}, {"reserve", "0"}}), Names{})
+        << fits;
+  }
+  for (const char* short_by_one : {"119999", "119.999K", "1.19999e5"}) {
+    EXPECT_EQ(BudgetOffloaded(*policy, model, {{"budget", short_by_one}, {"reserve", "0"}}),
+              Names{"layer0"})
+        << short_by_one;
+  }
+  // Binary units: 1 MiB of budget less 0.5 MiB of reserve = 524288 bytes: everything fits.
+  EXPECT_EQ(BudgetOffloaded(*policy, model, {{"budget", "1MiB"}, {"reserve", "0.5MiB"}}), Names{});
+  EXPECT_EQ(BudgetOffloaded(*policy, model, {{"budget", "1GiB"}, {"reserve", "1GiB"}}),
+            (Names{"embed", "layer0", "layer1", "layer2", "layer3", "head"}));
+  EXPECT_EQ(BudgetOffloaded(*policy, model, {{"budget", "1T"}, {"reserve", "1TiB"}}),
+            (Names{"embed", "layer0", "layer1", "layer2", "layer3", "head"}));
+}
+
+TEST(MemoryBudgetTest, EmptyGroupsStayAndNumaPassesThrough) {
+  auto policy = MustLoad("memory_budget.lua");
+  ASSERT_NE(policy, nullptr);
+  const std::vector<GroupInfo> groups = {Group("empty", 0), Group("big", 10), Group("small", 5)};
+  EXPECT_EQ(BudgetOffloaded(*policy, groups, {{"budget", "0"}, {"reserve", "0"}}),
+            (Names{"big", "small"}));
+  EXPECT_EQ(BudgetOffloaded(*policy, groups, {{"budget", "60"}, {"reserve", "0"}}), Names{"big"});
+  EXPECT_EQ(BudgetOffloaded(*policy, {}, {{"budget", "0"}}), Names{});
+  PolicyContext ctx = Args({{"budget", "0"}, {"numa", "preferred"}});
+  absl::StatusOr<Placement> p = policy->Place(groups, ctx);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->numa, "preferred");
+}
+
+TEST(MemoryBudgetTest, RejectsBadSizes) {
+  auto policy = MustLoad("memory_budget.lua");
+  ASSERT_NE(policy, nullptr);
+  for (const auto& [arg, value] : std::vector<std::pair<std::string, std::string>>{
+           {"budget", "abc"}, {"budget", "-1"}, {"reserve", "12XB"}, {"reserve", ""},
+           {"budget", "1e400"}, {"reserve", "5 G B"}}) {
+    SCOPED_TRACE(arg + "=" + value);
+    absl::StatusOr<Placement> p = policy->Place(Model(), Args({{arg, value}}));
+    ASSERT_FALSE(p.ok());
+    EXPECT_EQ(p.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(std::string(p.status().message()),
+                HasSubstr("memory_budget.lua: place(): args." + arg +
+                          " must be a byte size such as \"512MiB\", \"2G\" or \"1e9\", got \"" +
+                          value + "\""));
+  }
+}
+
+TEST(MemoryBudgetTest, MatchesTheRuleOnRandomModels) {
+  auto policy = MustLoad("memory_budget.lua");
+  ASSERT_NE(policy, nullptr);
+  std::mt19937_64 rng(std::random_device{}());
+  std::uniform_int_distribution<int> count(1, 12);
+  std::uniform_int_distribution<int64_t> numel(0, int64_t{1} << 20);
+  std::uniform_int_distribution<int> few(0, 3);  // repeated sizes, to exercise the ties
+  std::set<size_t> sizes_seen;
+  for (int trial = 0; trial < 300; ++trial) {
+    std::vector<GroupInfo> groups;
+    const int n = count(rng);
+    for (int i = 0; i < n; ++i) {
+      groups.push_back(Group("g" + std::to_string(i), trial % 2 == 0 ? numel(rng) : few(rng) * 1000));
+    }
+    double total = 0;
+    for (const GroupInfo& g : groups) total += 12.0 * static_cast<double>(g.numel);
+    const int64_t budget =
+        std::uniform_int_distribution<int64_t>(0, static_cast<int64_t>(total) + 1)(rng);
+    const int64_t reserve = std::uniform_int_distribution<int64_t>(0, budget / 2 + 1)(rng);
+    const Names expected = ReferenceBudget(groups, static_cast<double>(budget - reserve));
+    sizes_seen.insert(expected.size());
+    ASSERT_EQ(BudgetOffloaded(*policy, groups,
+                              {{"budget", std::to_string(budget)},
+                               {"reserve", std::to_string(reserve)}}),
+              expected)
+        << "budget " << budget << ", reserve " << reserve << ", " << n << " groups";
+  }
+  EXPECT_GT(sizes_seen.size(), 3u);
+}
+
+// ---- skip_optimizer_on_save.lua and sync_after_load.lua --------------------------------------------
+
+LoadEvent Event(LoadKind kind, bool optimizer_loaded, bool masters_loaded, Names groups) {
+  LoadEvent e;
+  e.kind = kind;
+  e.optimizer_loaded = optimizer_loaded;
+  e.masters_loaded = masters_loaded;
+  e.groups = std::move(groups);
+  return e;
+}
+
+CheckpointInfo Info(Names offloaded) {
+  CheckpointInfo info;
+  info.step = 500;
+  info.reason = "save";
+  for (const GroupInfo& g : Model()) info.groups.push_back(g.name);
+  info.offloaded = std::move(offloaded);
+  return info;
+}
+
+TEST(SharedPlacementTest, NewPoliciesPlaceExactlyLikeOffloadFraction) {
+  std::mt19937_64 rng(std::random_device{}());
+  std::uniform_int_distribution<int> count(1, 10);
+  std::uniform_int_distribution<int64_t> numel(1, int64_t{1} << 24);
+  std::uniform_int_distribution<int> millis(0, 1000);
+  for (const char* file : {"skip_optimizer_on_save.lua", "sync_after_load.lua"}) {
+    SCOPED_TRACE(file);
+    auto policy = MustLoad(file);
+    ASSERT_NE(policy, nullptr);
+    EXPECT_EQ(OffloadedWith(*policy, Model(), {}), (Names{"embed", "layer0", "layer1"}));
+    EXPECT_EQ(OffloadedWith(*policy, Model(), {{"fraction", "0.25"}}), Names{"embed"});
+    EXPECT_EQ(OffloadedWith(*policy, Model(), {{"fraction", "1"}}).size(), 6u);
+    EXPECT_EQ(OffloadedWith(*policy, Model(), {{"fraction", "0"}}), Names{});
+    for (int trial = 0; trial < 100; ++trial) {
+      std::vector<GroupInfo> groups;
+      const int n = count(rng);
+      for (int i = 0; i < n; ++i) groups.push_back(Group("g" + std::to_string(i), numel(rng)));
+      const int m = millis(rng);
+      const std::string text =
+          std::to_string(m / 1000) + "." + std::to_string(1000 + m % 1000).substr(1);
+      ASSERT_EQ(OffloadedWith(*policy, groups, {{"fraction", text}}),
+                ReferenceOffload(groups, std::strtod(text.c_str(), nullptr)))
+          << text;
+    }
+    absl::StatusOr<Placement> bad = policy->Place(Model(), Args({{"fraction", "2"}}));
+    ASSERT_FALSE(bad.ok());
+    EXPECT_THAT(std::string(bad.status().message()),
+                HasSubstr("place(): args.fraction must be a number in [0, 1], got \"2\""));
+  }
+}
+
+TEST(SkipOptimizerOnSaveTest, ModelOnlyCheckpointsWhileOffloading) {
+  auto policy = MustLoad("skip_optimizer_on_save.lua");
+  ASSERT_NE(policy, nullptr);
+  EXPECT_TRUE(policy->has_hook("checkpoint"));
+  EXPECT_TRUE(policy->has_hook("after_load"));
+  struct Case {
+    Names offloaded;
+    std::map<std::string, std::string> args;
+    bool model_only;
+    int keep_last;
+  };
+  const std::vector<Case> cases = {
+      {{"embed", "layer0"}, {}, true, 0},
+      {{"head"}, {{"keep_last", "3"}}, true, 3},
+      {{}, {}, false, 0},
+      {{}, {{"keep_last", "5"}}, false, 5},
+      {{}, {{"always", "true"}}, true, 0},
+      {{}, {{"always", "false"}, {"keep_last", "0"}}, false, 0},
+      {{"embed"}, {{"always", "false"}}, true, 0},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(testing::PrintToString(c.offloaded) + " " + testing::PrintToString(c.args));
+    absl::StatusOr<CheckpointPlan> plan = policy->Checkpoint(Info(c.offloaded), Args(c.args));
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    EXPECT_EQ(plan->skip_optimizer, c.model_only);
+    EXPECT_EQ(plan->skip_master, c.model_only);
+    EXPECT_TRUE(plan->skip_groups.empty());
+    EXPECT_FALSE(plan->async);
+    EXPECT_EQ(plan->keep_last, c.keep_last);
+  }
+  for (const auto& [arg, value, expected] :
+       std::vector<std::tuple<std::string, std::string, std::string>>{
+           {"keep_last", "-1", "args.keep_last must be an integer >= 0, got \"-1\""},
+           {"keep_last", "2.5", "args.keep_last must be an integer >= 0, got \"2.5\""},
+           {"keep_last", "many", "args.keep_last must be an integer >= 0, got \"many\""},
+           {"always", "yes", "args.always must be \"true\" or \"false\", got \"yes\""}}) {
+    absl::StatusOr<CheckpointPlan> plan = policy->Checkpoint(Info({}), Args({{arg, value}}));
+    ASSERT_FALSE(plan.ok()) << arg << "=" << value;
+    EXPECT_THAT(std::string(plan.status().message()),
+                HasSubstr("skip_optimizer_on_save.lua: checkpoint(): " + expected));
+  }
+}
+
+TEST(SkipOptimizerOnSaveTest, ResumeReinitialisesTheOptimizerAndSyncsMasters) {
+  auto policy = MustLoad("skip_optimizer_on_save.lua");
+  ASSERT_NE(policy, nullptr);
+  const std::vector<GroupInfo> model = Model();
+  struct Case {
+    LoadEvent event;
+    Names sync;
+    bool reset;
+  };
+  const std::vector<Case> cases = {
+      // One of its own model-only checkpoints, of every group: sync them all, fresh Adam.
+      {Event(LoadKind::kModelOnly, false, false,
+             {"embed", "layer0", "layer1", "layer2", "layer3", "head"}),
+       {"embed", "layer0", "layer1", "layer2", "layer3", "head"},
+       true},
+      // Of some groups, listed out of order: those, in engine order.
+      {Event(LoadKind::kModelOnly, false, false, {"head", "layer1"}), {"layer1", "head"}, true},
+      // A full checkpoint: resume exactly.
+      {Event(LoadKind::kCheckpoint, true, true, {"embed", "head"}), {}, false},
+      // Masters but no moments: keep the masters, reset Adam.
+      {Event(LoadKind::kModelOnly, false, true, {"embed"}), {}, true},
+      // Moments but no masters (odd, but possible): sync, keep the moments.
+      {Event(LoadKind::kCheckpoint, true, false, {"layer2"}), {"layer2"}, false},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(testing::PrintToString(c.event.groups));
+    absl::StatusOr<SyncPlan> plan = policy->AfterLoad(c.event, model, Args({}));
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    EXPECT_EQ(plan->sync_groups, c.sync);
+    EXPECT_EQ(plan->reset_optimizer, c.reset);
+  }
+}
+
+TEST(SyncAfterLoadTest, ResyncsEveryMasterAfterModelOnlyOrExternalLoads) {
+  auto policy = MustLoad("sync_after_load.lua");
+  ASSERT_NE(policy, nullptr);
+  EXPECT_TRUE(policy->has_hook("after_load"));
+  EXPECT_FALSE(policy->has_hook("checkpoint"));
+  const std::vector<GroupInfo> model = Model();
+  const Names all = {"embed", "layer0", "layer1", "layer2", "layer3", "head"};
+  struct Case {
+    LoadEvent event;
+    std::string reset_arg;  // "" = absent
+    Names sync;
+    bool reset;
+  };
+  const std::vector<Case> cases = {
+      {Event(LoadKind::kModelOnly, false, false, {"layer0"}), "", all, true},
+      {Event(LoadKind::kExternal, false, false, {}), "", all, true},
+      // An external load is re-synced even if the caller says the masters were loaded.
+      {Event(LoadKind::kExternal, true, true, {"embed"}), "", all, false},
+      {Event(LoadKind::kModelOnly, true, true, {"embed"}), "", all, false},
+      {Event(LoadKind::kCheckpoint, true, false, {"embed", "head"}), "", all, false},
+      // A full checkpoint restored the masters it loaded; the others never changed.
+      {Event(LoadKind::kCheckpoint, true, true, {"embed", "head"}), "", {}, false},
+      {Event(LoadKind::kCheckpoint, true, true, all), "", {}, false},
+      // reset_optimizer overrides.
+      {Event(LoadKind::kCheckpoint, true, true, all), "always", {}, true},
+      {Event(LoadKind::kModelOnly, false, false, all), "never", all, false},
+      {Event(LoadKind::kModelOnly, false, false, all), "auto", all, true},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(std::string(LoadKindName(c.event.kind)) + " " + c.reset_arg);
+    std::map<std::string, std::string> args;
+    if (!c.reset_arg.empty()) args["reset_optimizer"] = c.reset_arg;
+    absl::StatusOr<SyncPlan> plan = policy->AfterLoad(c.event, model, Args(args));
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    EXPECT_EQ(plan->sync_groups, c.sync);
+    EXPECT_EQ(plan->reset_optimizer, c.reset);
+  }
+  absl::StatusOr<SyncPlan> bad = policy->AfterLoad(Event(LoadKind::kExternal, false, false, {}),
+                                                   model, Args({{"reset_optimizer", "sometimes"}}));
+  ASSERT_FALSE(bad.ok());
+  EXPECT_THAT(std::string(bad.status().message()),
+              HasSubstr("sync_after_load.lua: after_load(): args.reset_optimizer must be \"auto\", "
+                        "\"always\" or \"never\", got \"sometimes\""));
 }
 
 }  // namespace

@@ -32,6 +32,16 @@ constexpr char kRegHooks[] = "ferry.policy.hooks";         // hook name -> funct
 
 constexpr char kProtected[] = "protected by the policy sandbox";
 
+// How far the C stack may grow below the protected call while policy code runs. The VM itself does
+// not recurse on the C stack for Lua-to-Lua calls; only C functions that call back into Lua do
+// (string.gsub with a function or table replacement keeps an 8 KiB buffer per level and would
+// overflow the host's stack long before Lua's own stack limit). Small enough for a thread with a
+// modest stack, large enough that no reasonable policy comes near it.
+constexpr uintptr_t kCStackLimitBytes = 256 << 10;
+
+// Hooks named in messages about the module table.
+constexpr char kHookList[] = "place, after_load, checkpoint or on_step";
+
 // Base functions a policy may use. collectgarbage is replaced by a "count"-only version.
 constexpr const char* kBaseFunctions[] = {
     "assert",   "error",        "ipairs",       "next",   "pairs",   "pcall",    "select",
@@ -81,18 +91,38 @@ LuaRuntime::Budget* GetBudget(lua_State* L) {
   return budget;
 }
 
-// Count hook: bounds the instructions of one call. Once the limit is hit it fires on every
-// instruction, so a script that catches the error with pcall is stopped again at once.
-void CountHook(lua_State* L, lua_Debug* /*ar*/) {
+// The hook of every protected call. On each function call it bounds the C stack (see
+// kCStackLimitBytes): a call made from deep inside nested C functions fails instead of overflowing
+// the host's stack. Every hook_interval instructions it bounds the instruction count; once the
+// limit is hit it fires on every instruction, so a script that catches the error with pcall is
+// stopped again at once.
+void CountHook(lua_State* L, lua_Debug* ar) {
   LuaRuntime::Budget* budget = GetBudget(L);
-  budget->instructions += budget->hook_interval;
-  char message[160];
+  char message[200];
   message[0] = '\0';
+  if (ar->event != LUA_HOOKCOUNT) {
+    // Only calls of Lua functions are refused: unbounded recursion needs one in the loop, and the
+    // error handler (a C function) must still run at the depth where the error was raised.
+    const auto here = reinterpret_cast<uintptr_t>(__builtin_frame_address(0));
+    if (budget->c_stack_base > here && budget->c_stack_base - here > kCStackLimitBytes &&
+        lua_getinfo(L, "S", ar) != 0 && std::strcmp(ar->what, "C") != 0) {
+      std::snprintf(message, sizeof(message),
+                    "C stack overflow (calls nested through C functions such as string.gsub, "
+                    "table.sort or xpcall use more than %d KiB of C stack)",
+                    static_cast<int>(kCStackLimitBytes >> 10));
+      luaL_where(L, 0);  // the Lua function being entered: "chunk:line: "
+      lua_pushstring(L, message);
+      lua_concat(L, 2);
+      lua_error(L);
+    }
+    return;
+  }
+  budget->instructions += budget->hook_interval;
   if (budget->instructions >= budget->instruction_limit) {
     if (!budget->instruction_limit_hit) {
       budget->instruction_limit_hit = true;
       budget->hook_interval = 1;
-      lua_sethook(L, CountHook, LUA_MASKCOUNT, 1);
+      lua_sethook(L, CountHook, LUA_MASKCOUNT | LUA_MASKCALL, 1);
     }
     std::snprintf(message, sizeof(message), "instruction limit exceeded (%lld per call)",
                   static_cast<long long>(budget->instruction_limit));
@@ -414,11 +444,13 @@ absl::Status LuaRuntime::ProtectedCall(std::string_view what, int nargs, int nre
   budget_.instruction_limit_hit = false;
   budget_.hook_interval = static_cast<int>(std::min<int64_t>(1000, options_.instruction_limit));
   budget_.memory_refused = false;
-  lua_sethook(L, CountHook, LUA_MASKCOUNT, budget_.hook_interval);
+  budget_.c_stack_base = reinterpret_cast<uintptr_t>(__builtin_frame_address(0));
+  lua_sethook(L, CountHook, LUA_MASKCOUNT | LUA_MASKCALL, budget_.hook_interval);
   budget_.enforce = true;
   const int rc = lua_pcall(L, nargs, nresults, func);
   budget_.enforce = false;
   lua_sethook(L, nullptr, 0, 0);
+  budget_.c_stack_base = 0;
   lua_remove(L, func);  // the handler
 
   if (rc == 0) {
@@ -492,7 +524,7 @@ absl::Status LuaRuntime::Load(std::string_view source, const std::string& lua_ch
   if (lua_type(L, module) != LUA_TTABLE) {
     return absl::InvalidArgumentError(
         absl::StrCat(name_, ": the chunk returned ", luaL_typename(L, module),
-                     "; expected a table of hooks (place, after_load, checkpoint)"));
+                     "; expected a table of hooks (", kHookList, ")"));
   }
   lua_getfield(L, LUA_REGISTRYINDEX, kRegHooks);
   const int hooks = lua_gettop(L);
@@ -501,7 +533,7 @@ absl::Status LuaRuntime::Load(std::string_view source, const std::string& lua_ch
     if (lua_type(L, -2) != LUA_TSTRING) {
       return absl::InvalidArgumentError(
           absl::StrCat(name_, ": the returned table has a ", luaL_typename(L, -2),
-                       " key; expected only hook names (place, after_load, checkpoint)"));
+                       " key; expected only hook names (", kHookList, ")"));
     }
     const std::string key = lua_tostring(L, -2);
     const bool known =
@@ -509,7 +541,7 @@ absl::Status LuaRuntime::Load(std::string_view source, const std::string& lua_ch
     if (!known) {
       return absl::InvalidArgumentError(
           absl::StrCat(name_, ": the returned table has unknown hook \"", key,
-                       "\"; expected place, after_load or checkpoint"));
+                       "\"; expected ", kHookList));
     }
     if (lua_type(L, -1) != LUA_TFUNCTION) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -530,6 +562,20 @@ bool LuaRuntime::HasHook(std::string_view hook) const {
   const bool present = lua_type(L, -1) == LUA_TFUNCTION;
   lua_pop(L, 2);
   return present;
+}
+
+std::string LuaRuntime::HookLocation(std::string_view hook) const {
+  lua_State* L = L_;
+  StackRestorer restore(L);
+  lua_getfield(L, LUA_REGISTRYINDEX, kRegHooks);
+  lua_pushlstring(L, hook.data(), hook.size());
+  lua_rawget(L, -2);
+  FERRY_CHECK(lua_type(L, -1) == LUA_TFUNCTION) << name_ << " has no hook " << hook;
+  lua_Debug ar;
+  if (lua_getinfo(L, ">S", &ar) == 0 || ar.source == nullptr) return name_;
+  // "@path" for files, "=name" for LoadString: drop the marker, keep the whole name.
+  const char* source = ar.source[0] == '@' || ar.source[0] == '=' ? ar.source + 1 : ar.source;
+  return absl::StrCat(source, ":", ar.linedefined);
 }
 
 absl::Status LuaRuntime::CallHook(std::string_view hook,

@@ -19,7 +19,7 @@ struct lua_State;
 namespace ferry {
 
 // The hook names a policy module may define.
-inline constexpr std::string_view kHookNames[] = {"place", "after_load", "checkpoint"};
+inline constexpr std::string_view kHookNames[] = {"place", "after_load", "checkpoint", "on_step"};
 
 // Thread-safety: one thread at a time.
 class LuaRuntime final {
@@ -36,6 +36,9 @@ class LuaRuntime final {
     int64_t instruction_limit = 0;
     int hook_interval = 1000;
     bool instruction_limit_hit = false;
+    // Frame address of the protected call in progress (0: none). The call hook refuses to let the C
+    // stack grow more than kCStackLimitBytes below it (recursion through C functions).
+    uintptr_t c_stack_base = 0;
   };
 
   // Creates a state with the sandbox installed. `name` names the policy in every message.
@@ -52,6 +55,10 @@ class LuaRuntime final {
   absl::Status Load(std::string_view source, const std::string& lua_chunk_name);
 
   bool HasHook(std::string_view hook) const;
+
+  // Where hook `hook` is defined: "file:line" (the file as given to LoadFile, or the chunk name).
+  // REQUIRES: HasHook(hook).
+  std::string HookLocation(std::string_view hook) const;
 
   // Pushes the hook's function, calls `push_args` (which must push exactly the arguments it returns
   // the count of, using raw table operations only), runs the hook through the protected wrapper

@@ -141,18 +141,23 @@ void RawGetField(lua_State* L, int t, const char* key) {
   lua_rawget(L, t);
 }
 
-// Builds the errors of one hook call: "<policy>: <hook>(): <detail>".
+// Builds the errors of one hook call: "<policy>: <hook>(): <detail>", and for a wrong result
+// " (hook defined at <file>:<line>)" after it.
 class Checker final {
  public:
   Checker(std::string_view policy, std::string_view hook) : policy_(policy), hook_(hook) {}
+  // Called once the hook is known to exist, before its result is read.
+  void set_location(std::string location) { location_ = std::move(location); }
   absl::Status Error(std::string_view detail) const {
     return absl::InvalidArgumentError(
-        absl::StrCat(AV(policy_), ": ", AV(hook_), "(): ", AV(detail)));
+        absl::StrCat(AV(policy_), ": ", AV(hook_), "(): ", AV(detail),
+                     location_.empty() ? "" : absl::StrCat(" (hook defined at ", location_, ")")));
   }
 
  private:
   std::string_view policy_;
   std::string_view hook_;
+  std::string location_;
 };
 
 // Every key of the result table at `idx` must be a string among `fields`.
@@ -285,7 +290,7 @@ bool Policy::has_hook(std::string_view name) const { return lua_->HasHook(name);
 
 absl::StatusOr<Placement> Policy::Place(absl::Span<const GroupInfo> groups,
                                         const PolicyContext& ctx) {
-  const Checker c(path_, "place");
+  Checker c(path_, "place");
   const std::vector<std::string> names = GroupNames(groups);
   FERRY_ASSIGN_OR_RETURN(auto index, IndexNames(c, "group", names));
   Placement placement;
@@ -348,6 +353,7 @@ absl::StatusOr<Placement> Policy::Place(absl::Span<const GroupInfo> groups,
     }
     return absl::OkStatus();
   };
+  c.set_location(lua_->HookLocation("place"));
   FERRY_RETURN_IF_ERROR(lua_->CallHook("place", push_args, read));
   for (size_t i = 0; i < names.size(); ++i) placement.groups.emplace(names[i], *kinds[i]);
   placement.numa = std::move(numa);
@@ -357,7 +363,7 @@ absl::StatusOr<Placement> Policy::Place(absl::Span<const GroupInfo> groups,
 absl::StatusOr<SyncPlan> Policy::AfterLoad(const LoadEvent& event,
                                            absl::Span<const GroupInfo> groups,
                                            const PolicyContext& ctx) {
-  const Checker c(path_, "after_load");
+  Checker c(path_, "after_load");
   const std::vector<std::string> names = GroupNames(groups);
   FERRY_ASSIGN_OR_RETURN(auto index, IndexNames(c, "group", names));
   FERRY_RETURN_IF_ERROR(IndexNames(c, "event group", event.groups).status());
@@ -420,6 +426,7 @@ absl::StatusOr<SyncPlan> Policy::AfterLoad(const LoadEvent& event,
       lua_pop(L, 1);
       return absl::OkStatus();
     };
+    c.set_location(lua_->HookLocation("after_load"));
     FERRY_RETURN_IF_ERROR(lua_->CallHook("after_load", push_args, read));
   }
   SyncPlan plan;
@@ -432,7 +439,7 @@ absl::StatusOr<SyncPlan> Policy::AfterLoad(const LoadEvent& event,
 
 absl::StatusOr<CheckpointPlan> Policy::Checkpoint(const CheckpointInfo& info,
                                                   const PolicyContext& ctx) {
-  const Checker c(path_, "checkpoint");
+  Checker c(path_, "checkpoint");
   FERRY_ASSIGN_OR_RETURN(auto index, IndexNames(c, "group", info.groups));
   FERRY_RETURN_IF_ERROR(IndexNames(c, "offloaded group", info.offloaded).status());
   FERRY_RETURN_IF_ERROR(CheckSubset(c, "info.offloaded", info.offloaded, index));
@@ -513,12 +520,96 @@ absl::StatusOr<CheckpointPlan> Policy::Checkpoint(const CheckpointInfo& info,
     return absl::OkStatus();
   };
   // A failed call must not leave a half-filled plan behind.
+  c.set_location(lua_->HookLocation("checkpoint"));
   absl::Status status = lua_->CallHook("checkpoint", push_args, read);
   if (!status.ok()) return status;
   for (size_t i = 0; i < info.groups.size(); ++i) {
     if (skip_group[i]) plan.skip_groups.push_back(info.groups[i]);
   }
   return plan;
+}
+
+absl::StatusOr<MoveRequest> Policy::OnStep(const StepStats& stats, const PolicyContext& ctx) {
+  Checker c(path_, "on_step");
+  std::vector<std::string> names;
+  names.reserve(stats.groups.size());
+  for (const GroupStepInfo& g : stats.groups) names.push_back(g.name);
+  FERRY_ASSIGN_OR_RETURN(auto index, IndexNames(c, "group", names));
+  for (const GroupStepInfo& g : stats.groups) {
+    if (g.placement != PlaceKind::kCpu && g.placement != PlaceKind::kGpu) {
+      return c.Error(absl::StrCat("input: group \"", g.name, "\" has an invalid placement"));
+    }
+  }
+  MoveRequest request;
+  if (!has_hook("on_step")) return request;
+  std::vector<std::optional<PlaceKind>> target(names.size());
+  auto push_args = [&](lua_State* L) {
+    lua_createtable(L, 0, 5);
+    SetNumber(L, "step", stats.step);
+    lua_pushnumber(L, stats.step_seconds);
+    lua_setfield(L, -2, "step_seconds");
+    SetNumber(L, "gpu_state_bytes", stats.gpu_state_bytes);
+    SetNumber(L, "pinned_bytes", stats.pinned_bytes);
+    lua_createtable(L, static_cast<int>(stats.groups.size()), 0);
+    for (size_t i = 0; i < stats.groups.size(); ++i) {
+      const GroupStepInfo& g = stats.groups[i];
+      lua_createtable(L, 0, 4);
+      SetString(L, "name", g.name);
+      SetString(L, "placement", PlaceKindName(g.placement));
+      SetNumber(L, "numel", g.numel);
+      SetNumber(L, "bytes", g.bytes);
+      lua_rawseti(L, -2, static_cast<int>(i + 1));
+    }
+    lua_setfield(L, -2, "groups");
+    PushContext(L, ctx);
+    return 2;
+  };
+  auto read = [&](lua_State* L, int r) -> absl::Status {
+    if (lua_type(L, r) == LUA_TNIL) return absl::OkStatus();
+    if (lua_type(L, r) != LUA_TTABLE) {
+      return c.Error(absl::StrCat("returned ", Describe(L, r),
+                                  "; expected nil (nothing to do) or a table {move = {[group name] "
+                                  "= \"cpu\" | \"gpu\"}}"));
+    }
+    FERRY_RETURN_IF_ERROR(CheckFields(L, r, c, {"move"}));
+    RawGetField(L, r, "move");
+    const int m = lua_gettop(L);
+    if (lua_type(L, m) == LUA_TNIL) return absl::OkStatus();
+    if (lua_type(L, m) != LUA_TTABLE) {
+      return c.Error(absl::StrCat("field \"move\" is ", Describe(L, m),
+                                  "; expected a table mapping group names to \"cpu\" or \"gpu\""));
+    }
+    lua_pushnil(L);
+    while (lua_next(L, m) != 0) {
+      if (lua_type(L, -2) != LUA_TSTRING) {
+        return c.Error(absl::StrCat("field \"move\" has key ", Describe(L, -2),
+                                    "; expected group names (strings) from stats.groups"));
+      }
+      const std::string_view key = StringAt(L, -2);
+      auto it = index.find(AV(key));
+      if (it == index.end()) {
+        return c.Error(absl::StrCat("field \"move\" names unknown group ", Quote(key),
+                                    "; expected only the ", names.size(),
+                                    " groups of stats.groups"));
+      }
+      if (!IsString(L, -1, "cpu") && !IsString(L, -1, "gpu")) {
+        return c.Error(absl::StrCat("field \"move\" group ", Quote(key), " is ", Describe(L, -1),
+                                    "; expected \"cpu\" or \"gpu\""));
+      }
+      target[it->second] = IsString(L, -1, "cpu") ? PlaceKind::kCpu : PlaceKind::kGpu;
+      lua_pop(L, 1);
+    }
+    lua_pop(L, 1);
+    return absl::OkStatus();
+  };
+  c.set_location(lua_->HookLocation("on_step"));
+  FERRY_RETURN_IF_ERROR(lua_->CallHook("on_step", push_args, read));
+  for (size_t i = 0; i < names.size(); ++i) {
+    if (target[i].has_value() && *target[i] != stats.groups[i].placement) {
+      request.moves.push_back(GroupMove{names[i], *target[i]});
+    }
+  }
+  return request;
 }
 
 }  // namespace ferry

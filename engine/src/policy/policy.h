@@ -19,8 +19,16 @@
 // string.find pattern) runs to completion before the instruction limit can stop it; its memory is
 // still bounded.
 //
+// Deep recursion is a clean error, never a crash. Lua frames live on Lua's own bounded stack
+// ("stack overflow"). Recursion through C functions that call back into Lua (string.gsub with a
+// function or table replacement, table.sort's comparator, xpcall, __tostring under string.format)
+// grows the host's C stack instead; a call hook refuses to enter a Lua function once the C stack
+// has grown 256 KiB below where the hook call began ("C stack overflow"; kCStackLimitBytes in
+// lua_runtime.cc), so a policy cannot overflow the caller's stack, even a small thread stack.
+//
 // Results are read raw (metatables on returned tables are ignored) and validated completely; an
-// error names the policy, the hook, the field, and what was expected versus found.
+// error names the policy, the hook, the field, and what was expected versus found, and ends with
+// where the hook is defined ("(hook defined at file:line)").
 #ifndef FERRY_POLICY_POLICY_H_
 #define FERRY_POLICY_POLICY_H_
 
@@ -51,8 +59,8 @@ struct PolicyOptions {
 class Policy final {
  public:
   // Loads a policy file into a fresh sandboxed state and runs its top level, which must return a
-  // table whose keys are hook names ("place", "after_load", "checkpoint"; each optional) and whose
-  // values are functions. Errors: NotFound/PermissionDenied for an unreadable file; InvalidArgument
+  // table whose keys are hook names ("place", "after_load", "checkpoint", "on_step"; each optional)
+  // and whose values are functions. Errors: NotFound/PermissionDenied for an unreadable file; InvalidArgument
   // for bytecode, syntax errors (with file:line), runtime errors of the top level and a wrong
   // module table; ResourceExhausted for the instruction or memory limit. Messages name the file.
   static absl::StatusOr<std::unique_ptr<Policy>> LoadFile(const std::string& path,
@@ -69,7 +77,7 @@ class Policy final {
 
   // The file path given to LoadFile, or the chunk name given to LoadString.
   const std::string& path() const { return path_; }
-  // Whether the policy defines hook `name` ("place", "after_load" or "checkpoint").
+  // Whether the policy defines hook `name` ("place", "after_load", "checkpoint" or "on_step").
   bool has_hook(std::string_view name) const;
 
   // Hooks. Each validates its inputs (group names non-empty and unique: InvalidArgument otherwise),
@@ -93,6 +101,13 @@ class Policy final {
   // checkpoint(info, ctx). Fields missing from the result take the defaults. Default when absent:
   // nothing skipped, synchronous, keep all. skip_groups come back in info.groups order.
   absl::StatusOr<CheckpointPlan> Checkpoint(const CheckpointInfo& info, const PolicyContext& ctx);
+
+  // on_step(stats, ctx), after an optimizer step. The hook returns nil or {} (nothing to do), or
+  // {move = {[group] = "cpu" | "gpu", ...}} naming groups of stats.groups. A group named with the
+  // placement it already has is left out of the request; the moves come back in stats.groups order.
+  // Default when absent: an empty request, without entering Lua (cheap enough to call every step;
+  // has_hook("on_step") tells whether building StepStats is worth it).
+  absl::StatusOr<MoveRequest> OnStep(const StepStats& stats, const PolicyContext& ctx);
 
  private:
   Policy(std::string path, std::unique_ptr<LuaRuntime> lua);

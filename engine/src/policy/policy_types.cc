@@ -19,4 +19,11 @@ std::string_view LoadKindName(LoadKind kind) {
   return "invalid";
 }
 
+Placement PlacementAfter(const StepStats& stats, const MoveRequest& request) {
+  Placement placement;
+  for (const GroupStepInfo& g : stats.groups) placement.groups[g.name] = g.placement;
+  for (const GroupMove& m : request.moves) placement.groups[m.group] = m.to;
+  return placement;
+}
+
 }  // namespace ferry

@@ -86,6 +86,43 @@ struct CheckpointPlan {
   int keep_last = 0;  // 0 = keep all
 };
 
+// One group as on_step() sees it (Lua: {name=, placement="cpu"|"gpu", numel=, bytes=}).
+struct GroupStepInfo {
+  std::string name;  // unique and non-empty within one hook call
+  PlaceKind placement = PlaceKind::kGpu;  // where its fp32 master and Adam state live now
+  int64_t numel = 0;
+  int64_t bytes = 0;  // bytes of the low-precision parameters
+};
+
+// What on_step() gets after each optimizer step (Lua: {step=, step_seconds=, gpu_state_bytes=,
+// pinned_bytes=, groups={...}}).
+struct StepStats {
+  int64_t step = 0;           // optimizer steps taken, this one included
+  double step_seconds = 0.0;  // wall time of the Engine::Step call that just ran
+  int64_t gpu_state_bytes = 0;  // device memory held for GPU groups' fp32 state
+  int64_t pinned_bytes = 0;     // pinned host memory reserved
+  std::vector<GroupStepInfo> groups;  // every group, in the engine's order
+};
+
+// One change of placement asked for by on_step().
+struct GroupMove {
+  std::string group;
+  PlaceKind to = PlaceKind::kGpu;
+  friend bool operator==(const GroupMove&, const GroupMove&) = default;
+};
+
+// Result of on_step(): the groups to move, in StepStats::groups order, each at most once. Only real
+// changes are listed (a group the hook names with its current placement is left out), so an empty
+// request means "nothing to do".
+struct MoveRequest {
+  std::vector<GroupMove> moves;
+  bool empty() const { return moves.empty(); }
+};
+
+// The placement of every group of `stats` once `request` is applied (numa unset). `request` must come
+// from OnStep for these stats (its groups are among stats.groups).
+Placement PlacementAfter(const StepStats& stats, const MoveRequest& request);
+
 }  // namespace ferry
 
 #endif  // FERRY_POLICY_POLICY_TYPES_H_

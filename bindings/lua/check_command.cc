@@ -1,0 +1,581 @@
+// `ferry check`: a policy run against a synthetic or described model, without an engine or a GPU.
+#include <algorithm>
+#include <cerrno>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <set>
+#include <sstream>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/status/status.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+#include "base/absl_compat.h"
+#include "base/errors.h"
+#include "ferry/dtype.h"
+#include "ferry/status.h"
+#include "lua/commands.h"
+#include "lua/verb_flags.h"
+#include "policy/policy.h"
+
+ABSL_FLAG(std::string, ferry_check_model, "",
+          "the model, a SPEC as described above (empty: gpt:12:768:50257)");
+ABSL_FLAG(std::vector<std::string>, ferry_check_arg, {},
+          "a policy argument, ctx.args[KEY] = VALUE; repeat for more (a comma also separates "
+          "arguments, so values cannot hold one)");
+ABSL_FLAG(std::string, ferry_check_gpu_free, "80GiB", "ctx.gpu_free_bytes, a byte size");
+ABSL_FLAG(std::string, ferry_check_pinned_budget, "0",
+          "ctx.pinned_budget_bytes, a byte size (0: no budget)");
+ABSL_FLAG(int32_t, ferry_check_rank, 0, "ctx.rank");
+ABSL_FLAG(int32_t, ferry_check_world_size, 1, "ctx.world_size");
+ABSL_FLAG(int32_t, ferry_check_numa_nodes, 1, "ctx.numa_nodes");
+ABSL_FLAG(int64_t, ferry_check_step, 1000, "info.step of the checkpoint() call");
+ABSL_FLAG(int32_t, ferry_check_steps, 3,
+          "on_step() calls to simulate, each applying the moves it asks for");
+ABSL_FLAG(double, ferry_check_step_seconds, 1.0, "stats.step_seconds of each on_step() call");
+
+namespace ferry::cli {
+namespace {
+
+constexpr int64_t kStateBytesPerParam = 12;  // fp32 master + exp_avg + exp_avg_sq
+constexpr char kDefaultModel[] = "gpt:12:768:50257";
+
+const std::vector<VerbFlag>& CheckFlags() {
+  static const auto* flags = new std::vector<VerbFlag>{
+      {"model", "ferry_check_model", "SPEC"},
+      {"arg", "ferry_check_arg", "KEY=VALUE", /*repeatable=*/true},
+      {"gpu_free", "ferry_check_gpu_free", "BYTES"},
+      {"pinned_budget", "ferry_check_pinned_budget", "BYTES"},
+      {"rank", "ferry_check_rank", "N"},
+      {"world_size", "ferry_check_world_size", "N"},
+      {"numa_nodes", "ferry_check_numa_nodes", "N"},
+      {"step", "ferry_check_step", "N"},
+      {"steps", "ferry_check_steps", "N"},
+      {"step_seconds", "ferry_check_step_seconds", "SECONDS"},
+  };
+  return *flags;
+}
+
+// A number with an optional unit from `units` (exact, case-sensitive names), e.g. "1.5M".
+absl::StatusOr<double> ParseScaled(absl::string_view text,
+                                   const std::vector<std::pair<absl::string_view, double>>& units,
+                                   absl::string_view what) {
+  absl::string_view t = absl::StripAsciiWhitespace(text);
+  size_t split = t.size();
+  while (split > 0 && absl::ascii_isalpha(static_cast<unsigned char>(t[split - 1]))) --split;
+  absl::string_view number = absl::StripAsciiWhitespace(t.substr(0, split));
+  absl::string_view unit = t.substr(split);
+  double scale = 0;
+  for (const auto& [name, factor] : units) {
+    if (unit == name) scale = factor;
+  }
+  double value = 0;
+  // Plain decimal notation only (SimpleAtod alone would also take "0x1p4", "inf", "nan").
+  const bool digit_first =
+      !number.empty() &&
+      (absl::ascii_isdigit(static_cast<unsigned char>(number[0])) || number[0] == '.') &&
+      number.find_first_not_of("0123456789.eE+-") == absl::string_view::npos;
+  if (scale == 0 || !digit_first || !absl::SimpleAtod(number, &value) || !std::isfinite(value) ||
+      value < 0 || value * scale >= 9.2e18) {
+    return absl::InvalidArgumentError(absl::StrCat("\"", text, "\" is not ", what));
+  }
+  return value * scale;
+}
+
+std::vector<std::pair<absl::string_view, double>> ByteUnits() {
+  return {{"", 1},       {"B", 1},          {"K", 1e3},        {"KB", 1e3},
+          {"M", 1e6},    {"MB", 1e6},       {"G", 1e9},        {"GB", 1e9},
+          {"T", 1e12},   {"TB", 1e12},      {"KiB", 0x1p10},   {"MiB", 0x1p20},
+          {"GiB", 0x1p30}, {"TiB", 0x1p40}};
+}
+
+absl::StatusOr<int64_t> ParseCount(absl::string_view text) {
+  const std::vector<std::pair<absl::string_view, double>> units = {
+      {"", 1}, {"K", 1e3}, {"M", 1e6}, {"G", 1e9}, {"T", 1e12}};
+  FERRY_ASSIGN_OR_RETURN(
+      double n,
+      ParseScaled(text, units, "an element count (an integer, optionally with K, M, G or T)"));
+  if (n != std::floor(n)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("\"", text, "\" is not a whole number of elements"));
+  }
+  return static_cast<int64_t>(n);
+}
+
+GroupInfo MakeGroup(std::string name, int64_t numel, DType dtype, std::vector<std::string> tags) {
+  GroupInfo g;
+  g.name = std::move(name);
+  g.numel = numel;
+  g.dtype = dtype;
+  g.bytes = numel * static_cast<int64_t>(DTypeSize(dtype));
+  g.tags = std::move(tags);
+  return g;
+}
+
+absl::StatusOr<std::vector<GroupInfo>> GptModel(absl::string_view spec) {
+  std::vector<absl::string_view> parts = absl::StrSplit(spec, ':');
+  const std::string usage = absl::StrCat("model \"", spec, "\": expected gpt:LAYERS:HIDDEN[:VOCAB]");
+  if (parts.size() < 3 || parts.size() > 4) return absl::InvalidArgumentError(usage);
+  int64_t layers = 0, hidden = 0, vocab = 50257;
+  if (!absl::SimpleAtoi(parts[1], &layers) || !absl::SimpleAtoi(parts[2], &hidden) ||
+      (parts.size() == 4 && !absl::SimpleAtoi(parts[3], &vocab)) || layers < 0 ||
+      layers > 100000 || hidden <= 0 || hidden > (int64_t{1} << 20) || vocab <= 0 ||
+      vocab > (int64_t{1} << 24)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(usage, ", with 0 <= LAYERS <= 100000, 0 < HIDDEN <= 2^20, 0 < VOCAB <= 2^24"));
+  }
+  std::vector<GroupInfo> groups;
+  groups.push_back(MakeGroup("embed", vocab * hidden, DType::kBF16, {"embedding"}));
+  for (int64_t i = 0; i < layers; ++i) {
+    groups.push_back(MakeGroup(absl::StrCat("layer", i), 12 * hidden * hidden + 13 * hidden,
+                               DType::kBF16, {"transformer"}));
+  }
+  groups.push_back(MakeGroup("head", vocab * hidden, DType::kBF16, {"head"}));
+  return groups;
+}
+
+absl::StatusOr<std::string> ReadWholeFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return PosixError(absl::StrCat("cannot open model file ", path), errno);
+  std::ostringstream text;
+  text << in.rdbuf();
+  if (in.bad()) return PosixError(absl::StrCat("cannot read model file ", path), errno);
+  return text.str();
+}
+
+// "name:numel[:dtype[:tag+tag]]" entries separated by commas or newlines; '#' comments.
+absl::StatusOr<std::vector<GroupInfo>> GroupList(absl::string_view text, absl::string_view where) {
+  std::vector<GroupInfo> groups;
+  std::set<std::string> names;
+  int line_number = 0;
+  for (absl::string_view line : absl::StrSplit(text, '\n')) {
+    ++line_number;
+    line = line.substr(0, line.find('#'));
+    for (absl::string_view entry : absl::StrSplit(line, ',')) {
+      entry = absl::StripAsciiWhitespace(entry);
+      if (entry.empty()) continue;
+      const std::string at =
+          where.empty() ? absl::StrCat("group \"", entry, "\"")
+                        : absl::StrCat(where, ":", line_number, ": group \"", entry, "\"");
+      std::vector<std::string> parts = absl::StrSplit(entry, ':');
+      if (parts.size() < 2 || parts.size() > 4) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(at, ": expected NAME:NUMEL[:DTYPE[:TAG+TAG...]]"));
+      }
+      for (std::string& p : parts) p = std::string(absl::StripAsciiWhitespace(p));
+      if (parts[0].empty()) return absl::InvalidArgumentError(absl::StrCat(at, ": empty name"));
+      if (!names.insert(parts[0]).second) {
+        return absl::InvalidArgumentError(absl::StrCat(at, ": name \"", parts[0], "\" appears twice"));
+      }
+      absl::StatusOr<int64_t> numel = ParseCount(parts[1]);
+      if (!numel.ok()) return absl::InvalidArgumentError(absl::StrCat(at, ": ", numel.status().message()));
+      DType dtype = DType::kBF16;
+      if (parts.size() >= 3 && !parts[2].empty()) {
+        absl::StatusOr<DType> d = ParseDType(parts[2]);
+        if (!d.ok()) {
+          return absl::InvalidArgumentError(
+              absl::StrCat(at, ": dtype \"", parts[2], "\"; expected bf16, f16 or f32"));
+        }
+        dtype = *d;
+      }
+      std::vector<std::string> tags;
+      if (parts.size() == 4 && !parts[3].empty()) tags = absl::StrSplit(parts[3], '+');
+      groups.push_back(MakeGroup(parts[0], *numel, dtype, std::move(tags)));
+    }
+  }
+  if (groups.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(where.empty() ? "model" : where, ": no groups"));
+  }
+  return groups;
+}
+
+// Collects the report's errors.
+class Reporter final {
+ public:
+  Reporter(std::FILE* out, std::FILE* err) : out_(out), err_(err) {}
+  void Error(const absl::Status& status) {
+    ++errors_;
+    absl::FPrintF(err_, "error: %s\n", status.message());
+    absl::FPrintF(out_, "  error (details on stderr): %s\n", FirstLine(status.message()));
+  }
+  int errors() const { return errors_; }
+
+ private:
+  static absl::string_view FirstLine(absl::string_view s) { return s.substr(0, s.find('\n')); }
+  std::FILE* out_;
+  std::FILE* err_;
+  int errors_ = 0;
+};
+
+std::string Names(const std::vector<std::string>& names, size_t total) {
+  if (names.empty()) return "none";
+  if (names.size() == total && total > 1) return absl::StrCat("all ", total, " groups");
+  constexpr size_t kShown = 8;
+  if (names.size() <= kShown) return absl::StrJoin(names, ", ");
+  std::vector<std::string> shown(names.begin(), names.begin() + kShown);
+  return absl::StrCat(absl::StrJoin(shown, ", "), ", ... (", names.size(), " groups)");
+}
+
+const char* Bool(bool b) { return b ? "true" : "false"; }
+
+void PrintPlacementTable(std::FILE* out, const std::vector<GroupInfo>& groups,
+                         const std::vector<PlaceKind>& kinds, const PolicyContext& ctx) {
+  size_t width = 5;
+  for (const GroupInfo& g : groups) width = std::max(width, g.name.size());
+  const int w = static_cast<int>(width);
+  absl::FPrintF(out, "  %-*s %14s %-5s %-6s %16s %16s\n", w, "group", "numel", "dtype", "device",
+                "gpu_bytes", "cpu_bytes");
+  int64_t numel = 0, gpu = 0, cpu = 0, gpu_state = 0, cpu_groups = 0;
+  for (size_t i = 0; i < groups.size(); ++i) {
+    const GroupInfo& g = groups[i];
+    const bool on_cpu = kinds[i] == PlaceKind::kCpu;
+    const int64_t state = kStateBytesPerParam * g.numel;
+    const int64_t g_gpu = 2 * g.bytes + (on_cpu ? 0 : state);
+    const int64_t g_cpu = on_cpu ? state : 0;
+    absl::FPrintF(out, "  %-*s %14d %-5s %-6s %16d %16d\n", w, g.name, g.numel,
+                  ToAbsl(DTypeName(g.dtype)), ToAbsl(PlaceKindName(kinds[i])), g_gpu, g_cpu);
+    numel += g.numel;
+    gpu += g_gpu;
+    cpu += g_cpu;
+    gpu_state += on_cpu ? 0 : state;
+    cpu_groups += on_cpu ? 1 : 0;
+  }
+  absl::FPrintF(out, "  %-*s %14d %-5s %-6s %16d %16d\n", w, "total", numel, "",
+                absl::StrCat(cpu_groups, "/", groups.size()), gpu, cpu);
+  absl::FPrintF(out,
+                "  (device: where the fp32 master and Adam moments live; gpu_bytes: params and grads,\n"
+                "  2 x the dtype's size per element, plus 12 B per element of state on the GPU;\n"
+                "  cpu_bytes: 12 B per element of state in pinned host memory)\n");
+  absl::FPrintF(out, "  GPU: %s in all; the optimizer state placed there is %s", HumanBytes(gpu),
+                HumanBytes(gpu_state));
+  if (gpu_state <= ctx.gpu_free_bytes) {
+    absl::FPrintF(out, ", within gpu_free_bytes (%s)\n", HumanBytes(ctx.gpu_free_bytes));
+  } else {
+    absl::FPrintF(out, "\n  warning: the GPU state exceeds gpu_free_bytes (%s) by %s\n",
+                  HumanBytes(ctx.gpu_free_bytes), HumanBytes(gpu_state - ctx.gpu_free_bytes));
+  }
+  absl::FPrintF(out, "  CPU: %s of pinned host memory", HumanBytes(cpu));
+  if (ctx.pinned_budget_bytes > 0 && cpu > ctx.pinned_budget_bytes) {
+    absl::FPrintF(out, "\n  warning: exceeds pinned_budget_bytes (%s) by %s\n",
+                  HumanBytes(ctx.pinned_budget_bytes), HumanBytes(cpu - ctx.pinned_budget_bytes));
+  } else if (ctx.pinned_budget_bytes > 0) {
+    absl::FPrintF(out, ", within pinned_budget_bytes (%s)\n", HumanBytes(ctx.pinned_budget_bytes));
+  } else {
+    absl::FPrintF(out, "\n");
+  }
+}
+
+std::string HookState(const Policy& policy, const char* hook) {
+  return policy.has_hook(hook) ? hook : absl::StrCat(hook, " (absent: engine default)");
+}
+
+}  // namespace
+
+std::string HumanBytes(int64_t bytes) {
+  const char* units[] = {"KiB", "MiB", "GiB", "TiB", "PiB"};
+  if (bytes < 1024) return absl::StrCat(bytes, " B");
+  double v = static_cast<double>(bytes);
+  int u = -1;
+  while (v >= 1024 && u < 4) {
+    v /= 1024;
+    ++u;
+  }
+  return absl::StrFormat("%.1f %s", v, units[u]);
+}
+
+absl::StatusOr<int64_t> ParseByteSize(std::string_view text) {
+  FERRY_ASSIGN_OR_RETURN(
+      double bytes,
+      ParseScaled(ToAbsl(text), ByteUnits(),
+                  "a byte size (a number, optionally with B, K, M, G, T, KiB, MiB, GiB or TiB)"));
+  return static_cast<int64_t>(std::floor(bytes));
+}
+
+absl::StatusOr<std::vector<GroupInfo>> ParseModelSpec(std::string_view spec_in) {
+  absl::string_view spec = absl::StripAsciiWhitespace(ToAbsl(spec_in));
+  if (spec.empty()) spec = kDefaultModel;
+  if (absl::StartsWith(spec, "gpt:")) return GptModel(spec);
+  if (absl::ConsumePrefix(&spec, "@")) {
+    const std::string path(spec);
+    FERRY_ASSIGN_OR_RETURN(std::string text, ReadWholeFile(path));
+    return GroupList(text, path);
+  }
+  return GroupList(spec, "");
+}
+
+std::string CheckUsage() {
+  return absl::StrCat(
+      "usage: ferry check POLICY.lua [--model SPEC] [--arg KEY=VALUE ...] [flags]\n"
+      "\n"
+      "Loads POLICY.lua in the policy sandbox and runs its hooks against a model, without an engine\n"
+      "or a GPU: place() gives the placement table (group, size, device, bytes per device),\n"
+      "checkpoint() the checkpoint plan, after_load() its decisions after three kinds of load (a\n"
+      "resume from the checkpoint just planned, a model-only load, an external load), and on_step()\n"
+      "the moves it asks for over a few simulated steps. Every error is reported (on stderr, with\n"
+      "the file, line and hook); the exit status is 0 when there is none, 1 when there are errors,\n"
+      "2 for a usage error.\n"
+      "\n"
+      "SPEC, the model, in parameter order:\n"
+      "  gpt:LAYERS:HIDDEN[:VOCAB]    GPT-style, bf16: embed (VOCAB x HIDDEN), layer0.. (12 HIDDEN^2\n"
+      "                               + 13 HIDDEN each), head (VOCAB x HIDDEN); VOCAB default 50257.\n"
+      "                               The default model is ",
+      kDefaultModel,
+      ".\n"
+      "  NAME:NUMEL[:DTYPE[:TAG+TAG]],...\n"
+      "                               groups one by one; NUMEL may end in K, M, G or T (x 1000^n);\n"
+      "                               DTYPE bf16 (default), f16 or f32\n"
+      "  @FILE                        that list read from FILE (commas or newlines; # comments)\n"
+      "\n"
+      "BYTES: a number, optionally with B, K, M, G, T (x 1000^n) or KiB, MiB, GiB, TiB (x 1024^n).\n"
+      "\n"
+      "flags:\n",
+      FlagsHelp(CheckFlags()),
+      "\n"
+      "example:\n"
+      "  ferry check scripts/policies/memory_budget.lua --model gpt:24:2048 --gpu_free 24GiB \\\n"
+      "      --arg reserve=4GiB\n");
+}
+
+int CheckCommand(const std::vector<std::string>& args, std::FILE* out, std::FILE* err) {
+  if (WantsHelp(args)) {
+    std::fputs(CheckUsage().c_str(), out);
+    return 0;
+  }
+  auto usage_error = [&](absl::string_view message) {
+    absl::FPrintF(err, "%s\n(ferry check --help for usage)\n", message);
+    return 2;
+  };
+  absl::StatusOr<std::vector<std::string>> positional = ParseVerbFlags("check", args, CheckFlags());
+  if (!positional.ok()) return usage_error(positional.status().message());
+  if (positional->size() != 1) {
+    return usage_error(absl::StrCat("ferry check: expected one POLICY.lua, got ",
+                                    positional->size(), " arguments"));
+  }
+  const std::string& path = (*positional)[0];
+  const std::string spec = absl::GetFlag(FLAGS_ferry_check_model);
+  absl::StatusOr<std::vector<GroupInfo>> groups = ParseModelSpec(spec);
+  if (!groups.ok()) return usage_error(absl::StrCat("ferry check: --model: ", groups.status().message()));
+
+  PolicyContext ctx;
+  ctx.rank = absl::GetFlag(FLAGS_ferry_check_rank);
+  ctx.world_size = absl::GetFlag(FLAGS_ferry_check_world_size);
+  ctx.numa_nodes = absl::GetFlag(FLAGS_ferry_check_numa_nodes);
+  if (ctx.world_size < 1 || ctx.rank < 0 || ctx.rank >= ctx.world_size || ctx.numa_nodes < 1) {
+    return usage_error(absl::StrCat("ferry check: need 0 <= --rank < --world_size and --numa_nodes "
+                                    ">= 1; got rank ",
+                                    ctx.rank, ", world_size ", ctx.world_size, ", numa_nodes ",
+                                    ctx.numa_nodes));
+  }
+  absl::StatusOr<int64_t> gpu_free = ParseByteSize(absl::GetFlag(FLAGS_ferry_check_gpu_free));
+  if (!gpu_free.ok()) return usage_error(absl::StrCat("ferry check: --gpu_free: ", gpu_free.status().message()));
+  absl::StatusOr<int64_t> pinned = ParseByteSize(absl::GetFlag(FLAGS_ferry_check_pinned_budget));
+  if (!pinned.ok()) {
+    return usage_error(absl::StrCat("ferry check: --pinned_budget: ", pinned.status().message()));
+  }
+  ctx.gpu_free_bytes = *gpu_free;
+  ctx.pinned_budget_bytes = *pinned;
+  for (const std::string& kv : absl::GetFlag(FLAGS_ferry_check_arg)) {
+    const size_t eq = kv.find('=');
+    if (eq == std::string::npos || eq == 0) {
+      return usage_error(absl::StrCat("ferry check: --arg \"", kv, "\": expected KEY=VALUE"));
+    }
+    if (!ctx.args.emplace(kv.substr(0, eq), kv.substr(eq + 1)).second) {
+      return usage_error(absl::StrCat("ferry check: --arg ", kv.substr(0, eq), " given twice"));
+    }
+  }
+  const int64_t ckpt_step = absl::GetFlag(FLAGS_ferry_check_step);
+  const int steps = absl::GetFlag(FLAGS_ferry_check_steps);
+  const double step_seconds = absl::GetFlag(FLAGS_ferry_check_step_seconds);
+  if (ckpt_step < 0 || steps < 0 || steps > 1'000'000 || !(step_seconds >= 0)) {
+    return usage_error("ferry check: --step, --steps (at most 1000000) and --step_seconds must be >= 0");
+  }
+
+  Reporter report(out, err);
+  absl::StatusOr<std::unique_ptr<Policy>> loaded = Policy::LoadFile(path);
+  absl::FPrintF(out, "policy: %s\n", path);
+  if (!loaded.ok()) {
+    report.Error(loaded.status());
+    absl::FPrintF(out, "result: 1 error\n");
+    return 1;
+  }
+  Policy& policy = **loaded;
+  const std::vector<GroupInfo>& model = *groups;
+  int64_t total_numel = 0;
+  for (const GroupInfo& g : model) total_numel += g.numel;
+  absl::FPrintF(out, "hooks: %s, %s, %s, %s\n", HookState(policy, "place"),
+                HookState(policy, "checkpoint"), HookState(policy, "after_load"),
+                HookState(policy, "on_step"));
+  absl::FPrintF(out, "model: %s: %d groups, %d elements\n", spec.empty() ? kDefaultModel : spec,
+                model.size(), total_numel);
+  std::vector<std::string> arg_text;
+  for (const auto& [k, v] : ctx.args) arg_text.push_back(absl::StrCat(k, "=", v));
+  absl::FPrintF(out,
+                "ctx: rank %d, world_size %d, gpu_free_bytes %d (%s), pinned_budget_bytes %d, "
+                "numa_nodes %d, args {%s}\n",
+                ctx.rank, ctx.world_size, ctx.gpu_free_bytes, HumanBytes(ctx.gpu_free_bytes),
+                ctx.pinned_budget_bytes, ctx.numa_nodes, absl::StrJoin(arg_text, ", "));
+
+  // place()
+  absl::FPrintF(out, "\nplace():\n");
+  std::vector<PlaceKind> kinds(model.size(), PlaceKind::kGpu);
+  absl::StatusOr<Placement> placement = policy.Place(model, ctx);
+  if (placement.ok()) {
+    for (size_t i = 0; i < model.size(); ++i) kinds[i] = placement->groups.at(model[i].name);
+    PrintPlacementTable(out, model, kinds, ctx);
+    absl::FPrintF(out, "  numa: %s\n", placement->numa.value_or("(the engine's choice)"));
+  } else {
+    report.Error(placement.status());
+    absl::FPrintF(out, "  (what follows assumes every group on the GPU)\n");
+  }
+
+  // checkpoint()
+  CheckpointInfo info;
+  info.step = ckpt_step;
+  info.reason = "save";
+  for (size_t i = 0; i < model.size(); ++i) {
+    info.groups.push_back(model[i].name);
+    if (kinds[i] == PlaceKind::kCpu) info.offloaded.push_back(model[i].name);
+    info.model_bytes += model[i].bytes;
+    info.master_bytes += 4 * model[i].numel;
+    info.optimizer_bytes += 8 * model[i].numel;
+  }
+  absl::FPrintF(out, "\ncheckpoint(step=%d):\n", ckpt_step);
+  absl::StatusOr<CheckpointPlan> plan = policy.Checkpoint(info, ctx);
+  if (plan.ok()) {
+    std::vector<std::string> skip;
+    if (plan->skip_optimizer) skip.push_back("optimizer");
+    if (plan->skip_master) skip.push_back("master");
+    for (const std::string& g : plan->skip_groups) skip.push_back(absl::StrCat("group ", g));
+    int64_t model_bytes = 0, master_bytes = 0, optimizer_bytes = 0;
+    for (const GroupInfo& g : model) {
+      if (std::find(plan->skip_groups.begin(), plan->skip_groups.end(), g.name) !=
+          plan->skip_groups.end()) {
+        continue;
+      }
+      model_bytes += g.bytes;
+      master_bytes += plan->skip_master ? 0 : 4 * g.numel;
+      optimizer_bytes += plan->skip_optimizer ? 0 : 8 * g.numel;
+    }
+    absl::FPrintF(out, "  skip: %s\n", skip.empty() ? "nothing" : absl::StrJoin(skip, ", "));
+    absl::FPrintF(out, "  writes: model %d B, master %d B, optimizer %d B: %s in all\n",
+                  model_bytes, master_bytes, optimizer_bytes,
+                  HumanBytes(model_bytes + master_bytes + optimizer_bytes));
+    absl::FPrintF(out, "  async: %s, keep_last: %d%s\n", Bool(plan->async), plan->keep_last,
+                  plan->keep_last == 0 ? " (keep all)" : "");
+  } else {
+    report.Error(plan.status());
+  }
+
+  // after_load()
+  absl::FPrintF(out, "\nafter_load():\n");
+  struct NamedEvent {
+    std::string what;
+    LoadEvent event;
+  };
+  std::vector<NamedEvent> events;
+  if (plan.ok()) {
+    LoadEvent resume;
+    for (const GroupInfo& g : model) {
+      if (std::find(plan->skip_groups.begin(), plan->skip_groups.end(), g.name) ==
+          plan->skip_groups.end()) {
+        resume.groups.push_back(g.name);
+      }
+    }
+    resume.masters_loaded = !plan->skip_master;
+    resume.optimizer_loaded = !plan->skip_optimizer;
+    resume.kind = resume.optimizer_loaded ? LoadKind::kCheckpoint : LoadKind::kModelOnly;
+    if (resume.groups.empty()) {
+      absl::FPrintF(out, "  (the checkpoint above holds no group: nothing to resume from)\n");
+    } else {
+      events.push_back({"resume from the checkpoint above", resume});
+    }
+  }
+  LoadEvent model_only;
+  model_only.kind = LoadKind::kModelOnly;
+  LoadEvent external;
+  external.kind = LoadKind::kExternal;
+  for (const GroupInfo& g : model) {
+    model_only.groups.push_back(g.name);
+    external.groups.push_back(g.name);
+  }
+  events.push_back({"model-only load", model_only});
+  events.push_back({"external load", external});
+  for (const NamedEvent& e : events) {
+    absl::FPrintF(out, "  %s (kind=%s, groups=%s, masters_loaded=%s, optimizer_loaded=%s):\n",
+                  e.what, ToAbsl(LoadKindName(e.event.kind)),
+                  Names(e.event.groups, model.size()), Bool(e.event.masters_loaded),
+                  Bool(e.event.optimizer_loaded));
+    absl::StatusOr<SyncPlan> sync = policy.AfterLoad(e.event, model, ctx);
+    if (sync.ok()) {
+      absl::FPrintF(out, "    sync: %s; reset_optimizer: %s\n",
+                    Names(sync->sync_groups, model.size()), Bool(sync->reset_optimizer));
+    } else {
+      report.Error(sync.status());
+    }
+  }
+
+  // on_step()
+  absl::FPrintF(out, "\non_step():\n");
+  if (!policy.has_hook("on_step")) {
+    absl::FPrintF(out, "  absent: the placement stays as place() left it\n");
+  } else {
+    StepStats stats;
+    for (size_t i = 0; i < model.size(); ++i) {
+      stats.groups.push_back({model[i].name, kinds[i], model[i].numel, model[i].bytes});
+    }
+    bool moved = false;
+    for (int s = 1; s <= steps; ++s) {
+      stats.step = s;
+      stats.step_seconds = step_seconds;
+      stats.gpu_state_bytes = stats.pinned_bytes = 0;
+      for (const GroupStepInfo& g : stats.groups) {
+        (g.placement == PlaceKind::kGpu ? stats.gpu_state_bytes : stats.pinned_bytes) +=
+            kStateBytesPerParam * g.numel;
+      }
+      absl::StatusOr<MoveRequest> request = policy.OnStep(stats, ctx);
+      if (!request.ok()) {
+        absl::FPrintF(out, "  step %d:\n", s);
+        report.Error(request.status());
+        break;
+      }
+      std::vector<std::string> moves;
+      for (const GroupMove& m : request->moves) {
+        moves.push_back(absl::StrCat(m.group, " -> ", ToAbsl(PlaceKindName(m.to))));
+      }
+      absl::FPrintF(out, "  step %d: %s\n", s,
+                    moves.empty() ? "no moves" : absl::StrCat("move ", absl::StrJoin(moves, ", ")));
+      moved = moved || !moves.empty();
+      const Placement next = PlacementAfter(stats, *request);
+      for (GroupStepInfo& g : stats.groups) g.placement = next.groups.at(g.name);
+    }
+    if (moved) {
+      std::vector<std::string> cpu;
+      for (const GroupStepInfo& g : stats.groups) {
+        if (g.placement == PlaceKind::kCpu) cpu.push_back(g.name);
+      }
+      absl::FPrintF(out, "  after these steps, on the CPU: %s\n", Names(cpu, model.size()));
+    }
+  }
+
+  if (report.errors() == 0) {
+    absl::FPrintF(out, "\nresult: no errors\n");
+    return 0;
+  }
+  absl::FPrintF(out, "\nresult: %d error%s\n", report.errors(), report.errors() == 1 ? "" : "s");
+  return 1;
+}
+
+}  // namespace ferry::cli
