@@ -63,6 +63,10 @@ ferry_status ferry_load_checkpoint(ferry_engine* engine, const char* path);
 ferry_status ferry_sync_from_model(ferry_engine* engine, const char* const* groups, size_t num_groups,
                                    int reset_optimizer);
 ferry_status ferry_verify_masters(ferry_engine* engine);
+/* Hot reload between steps (ferry::Engine::ReloadPolicy): `num_args` key/value pairs; on error the
+ * old policy and placement stay in force. */
+ferry_status ferry_reload_policy(ferry_engine* engine, const char* path, const char* const* arg_keys,
+                                 const char* const* arg_values, size_t num_args);
 /* 1 when the group's optimizer state is offloaded to pinned host memory, 0 when on the GPU. */
 ferry_status ferry_group_offloaded(ferry_engine* engine, const char* group, int* offloaded);
 

@@ -1,6 +1,7 @@
 #include "c/ferry.h"
 
 #include <cstring>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -148,6 +149,20 @@ ferry_status ferry_sync_from_model(ferry_engine* engine, const char* const* grou
 ferry_status ferry_verify_masters(ferry_engine* engine) {
   if (engine == nullptr) return NullHandle("ferry_verify_masters");
   return Report(engine->engine->VerifyMasters());
+}
+
+ferry_status ferry_reload_policy(ferry_engine* engine, const char* path, const char* const* arg_keys,
+                                 const char* const* arg_values, size_t num_args) {
+  if (engine == nullptr) return NullHandle("ferry_reload_policy");
+  if (path == nullptr) return Report(absl::InvalidArgumentError("ferry_reload_policy: path is NULL"));
+  std::map<std::string, std::string> args;
+  for (size_t i = 0; i < num_args; ++i) {
+    if (arg_keys == nullptr || arg_values == nullptr || arg_keys[i] == nullptr || arg_values[i] == nullptr) {
+      return Report(absl::InvalidArgumentError("ferry_reload_policy: argument " + std::to_string(i) + " is NULL"));
+    }
+    args[arg_keys[i]] = arg_values[i];
+  }
+  return Report(engine->engine->ReloadPolicy(path, args));
 }
 
 ferry_status ferry_group_offloaded(ferry_engine* engine, const char* group, int* offloaded) {

@@ -68,6 +68,16 @@ TEST(CApiTest, TrainSaveLoadAndErrors) {
   const char* groups[] = {"ga"};
   ASSERT_EQ(ferry_sync_from_model(e, groups, 1, 1), FERRY_OK) << ferry_last_error();
   ASSERT_EQ(ferry_verify_masters(e), FERRY_OK) << ferry_last_error();
+  // Hot reload: everything offloaded, then a policy that does not exist (nothing changes).
+  const std::string all = Policy("offload_all.lua");
+  ASSERT_EQ(ferry_reload_policy(e, all.c_str(), nullptr, nullptr, 0), FERRY_OK) << ferry_last_error();
+  ASSERT_EQ(ferry_group_offloaded(e, "ga", &off_a), FERRY_OK);
+  ASSERT_EQ(ferry_group_offloaded(e, "gb", &off_b), FERRY_OK);
+  EXPECT_EQ(off_a + off_b, 2);
+  EXPECT_EQ(ferry_reload_policy(e, "/no/such/policy.lua", nullptr, nullptr, 0), FERRY_NOT_FOUND);
+  EXPECT_NE(std::string(ferry_last_error()).find("/no/such/policy.lua"), std::string::npos) << ferry_last_error();
+  ASSERT_EQ(ferry_step(e, -1.0f, nullptr), FERRY_OK) << ferry_last_error();
+  ASSERT_EQ(ferry_verify_masters(e), FERRY_OK) << ferry_last_error();
   ferry_engine_destroy(e);
   std::filesystem::remove_all(root);
 

@@ -455,5 +455,50 @@ TEST_F(EngineTest, PipelineChunkingDoesNotChangeResults) {
     ASSERT_OK(e->VerifyMasters());
   }
 }
+
+// on_step moves a group to the CPU after step 3 and back after step 6; the run stays bit-identical to
+// one that never moved, and a failing on_step reports that the step was applied.
+TEST_F(EngineTest, OnStepMovesGroupsBetweenSteps) {
+  const std::string mover = tmp_.Write("mover.lua", R"(
+return {
+  on_step = function(stats, ctx)
+    if stats.step == 3 then return { move = { g0 = "cpu", g2 = "cpu" } } end
+    if stats.step == 6 then return { move = { g0 = "gpu" } } end
+    if stats.step == 8 then error("on_step gave up") end
+    return nil
+  end,
+})");
+  Model a(device_.get(), kSizes, 81), b(device_.get(), kSizes, 81);
+  auto moving = MakeEngine(mover, {}, 4096);
+  auto still = MakeEngine(Policies() + "all_gpu.lua");
+  ASSERT_OK(a.Register(*moving, 4));
+  ASSERT_OK(b.Register(*still, 4));
+  ASSERT_OK(moving->Finalize());
+  ASSERT_OK(still->Finalize());
+  auto offloaded = [&](const std::string& group) {
+    for (const GroupPlacement& g : moving->Placement())
+      if (g.group == group) return g.offloaded;
+    return false;
+  };
+  for (int s = 1; s <= 9; ++s) {
+    a.SetGrads(900 + s);
+    b.SetGrads(900 + s);
+    absl::Status st = moving->Step();
+    if (s == 8) {
+      EXPECT_FALSE(st.ok());
+      EXPECT_THAT(std::string(st.message()), HasSubstr("the step was applied"));
+      EXPECT_THAT(std::string(st.message()), HasSubstr("on_step gave up"));
+    } else {
+      ASSERT_OK(st);
+    }
+    ASSERT_OK(still->Step());
+    if (s == 3) EXPECT_TRUE(offloaded("g0") && offloaded("g2") && !offloaded("g1"));
+    if (s == 6) EXPECT_TRUE(!offloaded("g0") && offloaded("g2"));
+  }
+  ASSERT_OK(moving->Synchronize());
+  ASSERT_OK(still->Synchronize());
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_EQ(a.Param(i), b.Param(i)) << i;
+  ASSERT_OK(moving->VerifyMasters());
+}
 }  // namespace
 }  // namespace ferry

@@ -13,6 +13,8 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "absl/strings/ascii.h"
 #include "base/absl_compat.h"
 #include "base/logging.h"
@@ -116,6 +118,11 @@ class EngineImpl final : public Engine {
   absl::Status LoadCheckpoint(const std::string& path, const LoadOptions& options) override;
   absl::Status SyncFromModel(const std::vector<std::string>& groups, bool reset_optimizer) override;
   absl::Status ReloadPolicy(const std::string& path, const std::map<std::string, std::string>& args) override;
+  // Moves every group whose placement differs from `placement` (which names every group) between pinned
+  // host memory and the device, values and step counts unchanged. On error nothing changes.
+  absl::Status MoveTo(const ferry::Placement& placement);
+  // Calls the policy's on_step hook after a step and applies the moves it asks for.
+  absl::Status RunOnStep(double step_seconds);
   absl::Status VerifyMasters() override;
   std::vector<GroupPlacement> Placement() const override;
   EngineStats Stats() const override;
@@ -292,7 +299,31 @@ absl::Status EngineImpl::Step(const StepOptions& options, void* stream) {
   FERRY_RETURN_IF_ERROR(RequireFinalized("Step"));
   FERRY_ASSIGN_OR_RETURN(std::unique_ptr<Stream> trainer, device_->WrapStream(stream));
   const float lr = options.lr.value_or(options_.optimizer.lr);
-  return optimizer_->Step(lr, *trainer);
+  const double start = absl::ToDoubleSeconds(absl::Now() - absl::UnixEpoch());
+  FERRY_RETURN_IF_ERROR(optimizer_->Step(lr, *trainer));
+  if (policy_ == nullptr || !policy_->has_hook("on_step")) return absl::OkStatus();
+  return RunOnStep(absl::ToDoubleSeconds(absl::Now() - absl::UnixEpoch()) - start);
+}
+
+absl::Status EngineImpl::RunOnStep(double step_seconds) {
+  StepStats stats;
+  stats.step = optimizer_->num_groups() > 0 ? optimizer_->group_step(0) : 0;
+  stats.step_seconds = step_seconds;
+  stats.gpu_state_bytes = static_cast<int64_t>(optimizer_->gpu_state_bytes());
+  stats.pinned_bytes = static_cast<int64_t>(optimizer_->pinned_bytes());
+  for (const GroupInfo& g : GroupInfos()) {
+    const size_t gi = group_index_.at(g.name);
+    stats.groups.push_back(GroupStepInfo{g.name, offloaded_[gi] ? PlaceKind::kCpu : PlaceKind::kGpu, g.numel, g.bytes});
+  }
+  FERRY_ASSIGN_OR_RETURN(PolicyContext ctx, Context());
+  absl::StatusOr<MoveRequest> request = policy_->OnStep(stats, ctx);
+  absl::Status s = request.ok() ? absl::OkStatus() : request.status();
+  if (s.ok() && !request->empty()) s = MoveTo(PlacementAfter(stats, *request));
+  if (!s.ok()) {
+    return absl::Status(s.code(), absl::StrCat("the step was applied, but its on_step hook failed and the placement "
+                                               "is unchanged: ", s.message()));
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<std::vector<size_t>> EngineImpl::GroupIndices(const std::vector<std::string>& names) const {
@@ -601,12 +632,7 @@ absl::Status EngineImpl::SyncFromModel(const std::vector<std::string>& groups, b
   return optimizer_->SyncFromModel(idx, reset_optimizer);
 }
 
-absl::Status EngineImpl::ReloadPolicy(const std::string& path, const std::map<std::string, std::string>& args) {
-  FERRY_RETURN_IF_ERROR(RequireFinalized("ReloadPolicy"));
-  FERRY_ASSIGN_OR_RETURN(std::unique_ptr<Policy> policy, Policy::LoadFile(path));
-  FERRY_ASSIGN_OR_RETURN(PolicyContext ctx, Context());
-  ctx.args = args;
-  FERRY_ASSIGN_OR_RETURN(ferry::Placement placement, policy->Place(GroupInfos(), ctx));
+absl::Status EngineImpl::MoveTo(const ferry::Placement& placement) {
   bool changed = false;
   for (size_t g = 0; g < group_names_.size(); ++g) {
     changed = changed || (placement.groups.at(group_names_[g]) == PlaceKind::kCpu) != offloaded_[g];
@@ -629,6 +655,16 @@ absl::Status EngineImpl::ReloadPolicy(const std::string& path, const std::map<st
     optimizer_ = std::move(moved);
     offloaded_ = std::move(offloaded);
   }
+  return absl::OkStatus();
+}
+
+absl::Status EngineImpl::ReloadPolicy(const std::string& path, const std::map<std::string, std::string>& args) {
+  FERRY_RETURN_IF_ERROR(RequireFinalized("ReloadPolicy"));
+  FERRY_ASSIGN_OR_RETURN(std::unique_ptr<Policy> policy, Policy::LoadFile(path));
+  FERRY_ASSIGN_OR_RETURN(PolicyContext ctx, Context());
+  ctx.args = args;
+  FERRY_ASSIGN_OR_RETURN(ferry::Placement placement, policy->Place(GroupInfos(), ctx));
+  FERRY_RETURN_IF_ERROR(MoveTo(placement));
   policy_ = std::move(policy);
   options_.policy_args = args;
   return absl::OkStatus();
