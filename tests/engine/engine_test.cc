@@ -476,8 +476,9 @@ return {
   ASSERT_OK(moving->Finalize());
   ASSERT_OK(still->Finalize());
   auto offloaded = [&](const std::string& group) {
-    for (const GroupPlacement& g : moving->Placement())
+    for (const GroupPlacement& g : moving->Placement()) {
       if (g.group == group) return g.offloaded;
+    }
     return false;
   };
   for (int s = 1; s <= 9; ++s) {
