@@ -1,6 +1,8 @@
 // The arena's NUMA placement, read back from the kernel with get_mempolicy(MPOL_F_ADDR) on its pages.
 #include <numa.h>
 #include <numaif.h>
+#include <sched.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -166,6 +168,94 @@ TEST_F(NumaPolicyTest, LocalAllocatesOnTheTouchingCpusNode) {
     EXPECT_TRUE(local) << "mode " << p.mode << " with " << p.nodes.size() << " node(s)";
   }
 }
+
+// The prefault threads place the pages by the policy before anyone else touches them: the pages are
+// resident right after Create (mincore, which touches nothing) and sit where the policy says, with base
+// pages and with transparent huge pages.
+class PrefaultPlacementTest : public ::testing::TestWithParam<HugePages> {
+ protected:
+  void SetUp() override {
+    if (numa_available() < 0) GTEST_SKIP() << "libnuma: NUMA is not available on this system";
+  }
+
+  std::unique_ptr<PinnedArena> Create(NumaPolicy policy, int node) {
+    PinnedArenaOptions options;
+    options.capacity_bytes = kBytes;
+    options.numa = policy;
+    options.numa_node = node;
+    options.huge_pages = GetParam();
+    options.prefault_threads = 4;
+    options.name = std::string(NumaPolicyName(policy)) + " prefault";
+    absl::StatusOr<std::unique_ptr<PinnedArena>> arena = PinnedArena::Create(&device_, options);
+    EXPECT_TRUE(arena.ok()) << arena.status();
+    if (!arena.ok()) return nullptr;
+    EXPECT_GE((*arena)->setup().prefault_threads, 2);
+    return *std::move(arena);
+  }
+
+  // Every MiB of the arena: resident already, and on one of `nodes`. Returns the nodes seen.
+  std::set<int> CheckPlaced(const PinnedArena& arena, const std::set<int>& nodes) {
+    std::set<int> seen;
+    char* base = static_cast<char*>(arena.base());
+    for (size_t off = 0; off < arena.capacity(); off += size_t{1} << 20) {
+      unsigned char resident = 0;
+      EXPECT_EQ(mincore(base + off, PageSize(), &resident), 0) << std::strerror(errno);
+      EXPECT_EQ(resident & 1, 1) << "page at offset " << off << " was not prefaulted";
+      const int node = NodeOf(base + off);
+      EXPECT_EQ(nodes.count(node), 1u) << "page at offset " << off << " on node " << node;
+      seen.insert(node);
+    }
+    return seen;
+  }
+
+  static constexpr size_t kBytes = size_t{16} << 20;
+  FakeDevice device_;
+};
+
+TEST_P(PrefaultPlacementTest, Interleave) {
+  std::unique_ptr<PinnedArena> arena = Create(NumaPolicy::kInterleave, -1);
+  ASSERT_NE(arena, nullptr);
+  SKIP_IF_REFUSED(arena);
+  EXPECT_EQ(PolicyAt(arena->base()).mode, MPOL_INTERLEAVE);
+  // 16 MiB interleaved in pages of at most 2 MiB reaches every node (of up to 8).
+  const std::set<int> seen = CheckPlaced(*arena, AllowedNodes());
+  if (AllowedNodes().size() <= 8) {
+    EXPECT_EQ(seen, AllowedNodes());
+  }
+}
+
+TEST_P(PrefaultPlacementTest, BindAndPreferred) {
+  for (NumaPolicy policy : {NumaPolicy::kBind, NumaPolicy::kPreferred}) {
+    for (int node : AllowedNodes()) {
+      SCOPED_TRACE(::testing::Message() << NumaPolicyName(policy) << " node " << node);
+      std::unique_ptr<PinnedArena> arena = Create(policy, node);
+      ASSERT_NE(arena, nullptr);
+      SKIP_IF_REFUSED(arena);
+      EXPECT_EQ(PolicyAt(arena->base()).mode,
+                policy == NumaPolicy::kBind ? MPOL_BIND : MPOL_PREFERRED);
+      CheckPlaced(*arena, {node});
+    }
+  }
+}
+
+TEST_P(PrefaultPlacementTest, LocalMeansTheCreatingThreadsNode) {
+  // Keep this thread on its node while the arena is created (restored below).
+  const int cpu = sched_getcpu();
+  ASSERT_GE(cpu, 0);
+  const int node = numa_node_of_cpu(cpu);
+  ASSERT_EQ(numa_run_on_node(node), 0) << std::strerror(errno);
+  std::unique_ptr<PinnedArena> arena = Create(NumaPolicy::kLocal, -1);
+  numa_run_on_node_mask(numa_all_nodes_ptr);
+  ASSERT_NE(arena, nullptr);
+  SKIP_IF_REFUSED(arena);
+  CheckPlaced(*arena, {node});
+}
+
+INSTANTIATE_TEST_SUITE_P(Pages, PrefaultPlacementTest,
+                         ::testing::Values(HugePages::kOff, HugePages::kTransparent),
+                         [](const ::testing::TestParamInfo<HugePages>& param) {
+                           return std::string(HugePagesName(param.param));
+                         });
 
 TEST_F(NumaPolicyTest, NodeCountMatchesLibnuma) {
   EXPECT_EQ(NumaNodeCount(), numa_num_configured_nodes());

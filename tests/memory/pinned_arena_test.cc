@@ -3,12 +3,15 @@
 #include "memory/pinned_arena.h"
 
 #include <numa.h>
+#include <sys/mman.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <iterator>
+#include <latch>
 #include <map>
 #include <memory>
 #include <random>
@@ -19,7 +22,6 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
-#include "absl/synchronization/barrier.h"
 #include "gtest/gtest.h"
 #include "memory/fake_device.h"
 
@@ -115,7 +117,9 @@ TEST(PinnedArenaTest, CreateRejectsBadOptions) {
 
 TEST(PinnedArenaTest, MmapFailureSaysSo) {
   FakeDevice device;
+  PinnedBudget unlimited(PinnedBudget::kUnlimited, "unlimited");
   PinnedArenaOptions options;
+  options.budget = &unlimited;  // so that the mmap, not the budget, is what refuses
   options.name = "huge";
   options.numa = NumaPolicy::kLocal;
   options.capacity_bytes = size_t{1} << 62;  // more address space than any machine has
@@ -124,25 +128,81 @@ TEST(PinnedArenaTest, MmapFailureSaysSo) {
   EXPECT_TRUE(Contains(s, "mmap")) << s;
   EXPECT_TRUE(Contains(s, "'huge'")) << s;
   EXPECT_EQ(device.host_registrations(), 0u);
+  EXPECT_EQ(unlimited.stats().reserved_bytes, 0u);  // given back
+  EXPECT_EQ(unlimited.stats().live_reservations, 0u);
 }
 
-TEST(PinnedArenaTest, RegistrationFailureNamesMemlockLimit) {
+// Lowers RLIMIT_MEMLOCK's soft limit for the scope (lowering is always allowed; the old soft limit is
+// at most the hard one, so restoring it is allowed too).
+class ScopedMemlockLimit final {
+ public:
+  explicit ScopedMemlockLimit(rlim_t soft) {
+    ok_ = getrlimit(RLIMIT_MEMLOCK, &saved_) == 0;
+    rlimit lowered = saved_;
+    lowered.rlim_cur = soft;
+    ok_ = ok_ && (saved_.rlim_cur == RLIM_INFINITY || soft <= saved_.rlim_cur) &&
+          setrlimit(RLIMIT_MEMLOCK, &lowered) == 0;
+  }
+  ~ScopedMemlockLimit() {
+    if (ok_) setrlimit(RLIMIT_MEMLOCK, &saved_);
+  }
+  bool ok() const { return ok_; }
+
+ private:
+  rlimit saved_{};
+  bool ok_ = false;
+};
+
+TEST(PinnedArenaTest, RegistrationFailureBelowTheMemlockLimitSaysSoAndHowToRaiseIt) {
   FakeDevice device;
-  device.FailNextRegistration(absl::ResourceExhaustedError("cudaHostRegister: out of memory"));
+  PinnedBudget budget(PinnedBudget::kUnlimited, "test");
   PinnedArenaOptions options;
   options.name = "master";
   options.numa = NumaPolicy::kLocal;
   options.capacity_bytes = 1 << 20;
-  absl::Status s = PinnedArena::Create(&device, options).status();
-  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
-  EXPECT_TRUE(Contains(s, "'master'")) << s;
-  EXPECT_TRUE(Contains(s, "cudaHostRegister: out of memory")) << s;  // the cause
-  EXPECT_TRUE(Contains(s, "RLIMIT_MEMLOCK soft")) << s;
-  EXPECT_TRUE(Contains(s, "ulimit -l")) << s;
-  EXPECT_TRUE(Contains(s, "limits.conf")) << s;
+  options.budget = &budget;
+  const PinnedHostCounters before = GetPinnedHostCounters();
+  {
+    ScopedMemlockLimit limit(64 << 10);  // 64 KiB: below the 1 MiB arena
+    ASSERT_TRUE(limit.ok()) << "cannot lower RLIMIT_MEMLOCK";
+    device.FailNextRegistration(absl::ResourceExhaustedError("cudaHostRegister: out of memory"));
+    absl::Status s = PinnedArena::Create(&device, options).status();
+    EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
+    EXPECT_TRUE(Contains(s, "'master'")) << s;
+    EXPECT_TRUE(Contains(s, "cudaHostRegister: out of memory")) << s;  // the cause
+    EXPECT_TRUE(Contains(s, "memlock limit is the likely cause")) << s;
+    EXPECT_TRUE(Contains(s, "RLIMIT_MEMLOCK soft 65536 bytes")) << s;
+    EXPECT_TRUE(Contains(s, "ulimit -l")) << s;
+    EXPECT_TRUE(Contains(s, "limits.conf")) << s;
+  }
   EXPECT_TRUE(device.registered().empty());
+  EXPECT_EQ(budget.stats().reserved_bytes, 0u);  // nothing stays reserved
+  // One mmap and one registration attempt were made and counted.
+  const PinnedHostCounters after = GetPinnedHostCounters();
+  EXPECT_EQ(after.register_calls - before.register_calls, 1u);
+  EXPECT_GE(after.mmap_calls - before.mmap_calls, 1u);
+  EXPECT_EQ(after.arenas_live, before.arenas_live);
   // The next attempt works.
   EXPECT_TRUE(PinnedArena::Create(&device, options).ok());
+}
+
+TEST(PinnedArenaTest, RegistrationFailureAboveTheMemlockLimitBlamesTheDevice) {
+  FakeDevice device;
+  PinnedArenaOptions options;
+  options.name = "master";
+  options.numa = NumaPolicy::kLocal;
+  options.capacity_bytes = 64 << 10;
+  rlimit rl{};
+  ASSERT_EQ(getrlimit(RLIMIT_MEMLOCK, &rl), 0);
+  if (rl.rlim_cur != RLIM_INFINITY && rl.rlim_cur < (rlim_t{1} << 20)) {
+    GTEST_SKIP() << "RLIMIT_MEMLOCK is " << rl.rlim_cur << ": too low to rule it out";
+  }
+  device.FailNextRegistration(absl::InternalError("cudaHostRegister: driver says no"));
+  absl::Status s = PinnedArena::Create(&device, options).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInternal) << s;
+  EXPECT_TRUE(Contains(s, "driver says no")) << s;
+  EXPECT_TRUE(Contains(s, "memlock limit is not what stopped it")) << s;
+  EXPECT_TRUE(Contains(s, "RLIMIT_MEMLOCK soft")) << s;
 }
 
 TEST(PinnedArenaTest, EverySpanIsAlignedAndInside) {
@@ -370,7 +430,7 @@ TEST(PinnedArenaTest, ConcurrentAllocationsNeverOverlap) {
   std::vector<std::vector<HostSpan>> kept(kThreads);
   std::vector<int> corrupted(kThreads, 0);
   std::vector<int> failed(kThreads, 0);
-  absl::Barrier* start = new absl::Barrier(kThreads);  // deletes itself after the last Block
+  std::latch start(kThreads);
   std::vector<std::thread> threads;
   for (int t = 0; t < kThreads; ++t) {
     threads.emplace_back([&, t] {
@@ -378,7 +438,7 @@ TEST(PinnedArenaTest, ConcurrentAllocationsNeverOverlap) {
       // Every byte a thread writes says which thread owns it: 1..kThreads.
       const auto tag = static_cast<uint8_t>(t + 1);
       std::vector<HostSpan> mine;
-      if (start->Block()) delete start;
+      start.arrive_and_wait();
       for (int step = 0; step < kSteps; ++step) {
         if (mine.size() < 8 || rng() % 2 == 0) {
           absl::StatusOr<HostSpan> span = arena->Allocate(1 + rng() % 8000);

@@ -62,5 +62,20 @@ TEST_F(CudaTransferTest, AfterEventIsHonoured) {
   transfer_testing::AfterEventHonoured(*device_, 1 << 20, rng_);
 }
 
+TEST_F(CudaTransferTest, ContiguousRegionsBecomeOneCopy) {
+  SCOPED_TRACE(::testing::Message() << "seed " << seed_);
+  transfer_testing::ContiguousRegionsMerge(*device_, 1 << 20, rng_);
+}
+
+TEST_F(CudaTransferTest, BothDirectionsRunAtOnceOnTheirOwnStreams) {
+  SCOPED_TRACE(::testing::Message() << "seed " << seed_);
+  transfer_testing::BothDirectionsAtOnce(*device_, 1 << 20, rng_);
+}
+
+TEST_F(CudaTransferTest, NothingIsAllocatedOrRegisteredAfterWarmUp) {
+  SCOPED_TRACE(::testing::Message() << "seed " << seed_);
+  transfer_testing::NothingAllocatedAfterWarmUp(*device_, rng_);
+}
+
 }  // namespace
 }  // namespace ferry

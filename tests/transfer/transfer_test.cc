@@ -87,6 +87,42 @@ TEST_F(HostTransferTest, AfterEventIsHonoured) {
   transfer_testing::AfterEventHonoured(*device_, 4096, rng_);
 }
 
+TEST_F(HostTransferTest, ContiguousRegionsBecomeOneCopy) {
+  SCOPED_TRACE(::testing::Message() << "seed " << seed_);
+  transfer_testing::ContiguousRegionsMerge(*device_, 4096, rng_);
+}
+
+TEST_F(HostTransferTest, BothDirectionsRunAtOnceOnTheirOwnStreams) {
+  SCOPED_TRACE(::testing::Message() << "seed " << seed_);
+  transfer_testing::BothDirectionsAtOnce(*device_, 4096, rng_);
+}
+
+TEST_F(HostTransferTest, NothingIsAllocatedOrRegisteredAfterWarmUp) {
+  SCOPED_TRACE(::testing::Message() << "seed " << seed_);
+  transfer_testing::NothingAllocatedAfterWarmUp(*device_, rng_);
+}
+
+TEST_F(HostTransferTest, StatsCountSubmissionsChunksAndBytes) {
+  std::unique_ptr<Transfer> transfer = MakeTransfer(*device_, 1000);
+  ASSERT_NE(transfer, nullptr);
+  absl::StatusOr<DeviceBuffer> dev = device_->Allocate(2500);
+  absl::StatusOr<PinnedBlock> host = PinnedBlock::Allocate(*arena_, 2500);
+  ASSERT_TRUE(dev.ok() && host.ok());
+  FillRandom(host->data(), 2500, rng_);
+  const CopyRegion up{dev->data(), host->data(), 2500};
+  const CopyRegion down{host->data(), dev->data(), 1200};
+  ASSERT_TRUE((*transfer->HostToDevice(absl::MakeConstSpan(&up, 1)))->Wait().ok());
+  ASSERT_TRUE((*transfer->DeviceToHost(absl::MakeConstSpan(&down, 1)))->Wait().ok());
+  ASSERT_TRUE(transfer->DeviceToHost({}).ok());  // enqueues nothing: not a submission
+  const TransferStats st = transfer->stats();
+  EXPECT_EQ(st.submissions, 2u);
+  EXPECT_EQ(st.chunks, 3u + 2u);
+  EXPECT_EQ(st.copies, 5u);
+  EXPECT_EQ(st.h2d_bytes, 2500u);
+  EXPECT_EQ(st.d2h_bytes, 1200u);
+  EXPECT_EQ(st.events_created, 3u);  // the first batch's events were reused by the second
+}
+
 TEST_F(HostTransferTest, ConsumerStreamWaitsForTheWholeBatch) {
   constexpr size_t kChunk = 1024;
   constexpr size_t kTotal = 3 * kChunk + 5;

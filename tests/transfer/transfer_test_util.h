@@ -3,6 +3,7 @@
 #ifndef FERRY_TESTS_TRANSFER_TRANSFER_TEST_UTIL_H_
 #define FERRY_TESTS_TRANSFER_TRANSFER_TEST_UTIL_H_
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <mutex>
@@ -114,6 +115,71 @@ class GatedDevice final : public Device {
   const void* const gate_src_;
   Gate* const gate_;
   std::atomic<int> gated_copies_{0};
+};
+
+// A Device that forwards everything to `inner` and counts the calls that create or register
+// something (memory, streams, events, registrations) and the copies. Safe for concurrent use.
+class CountingDevice final : public Device {
+ public:
+  explicit CountingDevice(Device* inner) : inner_(inner) {}
+
+  // The calls that allocate, free, create or register anything.
+  uint64_t resource_calls() const { return resource_calls_.load(); }
+  uint64_t copies() const { return copies_.load(); }
+
+  Backend backend() const override { return inner_->backend(); }
+  std::string name() const override { return "counting " + inner_->name(); }
+  absl::StatusOr<size_t> FreeMemory() override { return inner_->FreeMemory(); }
+  absl::StatusOr<DeviceBuffer> Allocate(size_t bytes) override {
+    ++resource_calls_;
+    return inner_->Allocate(bytes);  // the buffer frees through `inner` (not counted: no hot path)
+  }
+  void Free(void* data) override {
+    ++resource_calls_;
+    inner_->Free(data);
+  }
+  absl::StatusOr<std::unique_ptr<Stream>> CreateStream() override {
+    ++resource_calls_;
+    return inner_->CreateStream();
+  }
+  absl::StatusOr<std::unique_ptr<Event>> CreateEvent() override {
+    ++resource_calls_;
+    return inner_->CreateEvent();
+  }
+  absl::StatusOr<std::unique_ptr<Stream>> WrapStream(void* native) override {
+    ++resource_calls_;
+    return inner_->WrapStream(native);
+  }
+  absl::Status CopyAsync(void* dst, const void* src, size_t bytes, CopyKind kind,
+                         Stream& stream) override {
+    ++copies_;
+    return inner_->CopyAsync(dst, src, bytes, kind, stream);
+  }
+  absl::Status MemsetAsync(void* dst, uint8_t value, size_t bytes, Stream& stream) override {
+    return inner_->MemsetAsync(dst, value, bytes, stream);
+  }
+  absl::Status RegisterHost(void* data, size_t bytes) override {
+    ++resource_calls_;
+    return inner_->RegisterHost(data, bytes);
+  }
+  absl::Status UnregisterHost(void* data) override {
+    ++resource_calls_;
+    return inner_->UnregisterHost(data);
+  }
+  uint64_t host_registrations() const override { return inner_->host_registrations(); }
+  absl::Status LaunchAdam(absl::Span<const AdamTensorArgs> tensors,
+                          absl::Span<const AdamScalars> scalars, Stream& stream) override {
+    return inner_->LaunchAdam(tensors, scalars, stream);
+  }
+  absl::Status LaunchConvert(void* dst, DType dst_dtype, const void* src, DType src_dtype,
+                             int64_t numel, Stream& stream) override {
+    return inner_->LaunchConvert(dst, dst_dtype, src, src_dtype, numel, stream);
+  }
+
+ private:
+  Device* const inner_;
+  std::atomic<uint64_t> resource_calls_{0};
+  std::atomic<uint64_t> copies_{0};
 };
 
 inline void FillRandom(void* data, size_t bytes, std::mt19937_64& rng) {
@@ -359,6 +425,213 @@ inline void AfterEventHonoured(Device& device, size_t chunk_bytes, std::mt19937_
     FERRY_TEST_ASSERT_OK(device.Copy(back.data(), dev->data(), total, CopyKind::kDeviceToHost));
     EXPECT_EQ(std::memcmp(back.data(), old_data->data(), total), 0);
   }
+  transfer->reset();
+}
+
+// Neighbouring regions that are contiguous on both sides become one copy per chunk; regions that are
+// not stay separate copies. Data round-trips bit-exactly either way.
+inline void ContiguousRegionsMerge(Device& inner, size_t chunk_bytes, std::mt19937_64& rng) {
+  CountingDevice device(&inner);
+  const std::vector<size_t> sizes = {100, 1, chunk_bytes, 3 * chunk_bytes + 7, 50, chunk_bytes / 2};
+  std::vector<size_t> offsets;
+  size_t total = 0;
+  for (size_t size : sizes) {
+    offsets.push_back(total);
+    total += size;
+  }
+  PinnedArenaOptions options;
+  options.capacity_bytes = 3 * total + 4096;
+  options.numa = NumaPolicy::kLocal;
+  options.name = "merge";
+  absl::StatusOr<std::unique_ptr<PinnedArena>> arena = PinnedArena::Create(&device, options);
+  ASSERT_TRUE(arena.ok()) << arena.status();
+  absl::StatusOr<std::unique_ptr<Transfer>> transfer =
+      Transfer::Create(&device, TransferOptions{.chunk_bytes = chunk_bytes});
+  ASSERT_TRUE(transfer.ok()) << transfer.status();
+  absl::StatusOr<DeviceBuffer> dev = device.Allocate(total);
+  ASSERT_TRUE(dev.ok()) << dev.status();
+  {
+    absl::StatusOr<PinnedBlock> src = PinnedBlock::Allocate(**arena, total);
+    absl::StatusOr<PinnedBlock> dst = PinnedBlock::Allocate(**arena, total);
+    ASSERT_TRUE(src.ok() && dst.ok());
+    FillRandom(src->data(), total, rng);
+    std::memset(dst->data(), kHostSentinel, total);
+
+    std::vector<CopyRegion> up, down;
+    for (size_t i = 0; i < sizes.size(); ++i) {
+      up.push_back({dev->as<char>() + offsets[i], src->as<char>() + offsets[i], sizes[i]});
+      down.push_back({dst->as<char>() + offsets[i], dev->as<char>() + offsets[i], sizes[i]});
+    }
+    const uint64_t copies0 = device.copies();
+    absl::StatusOr<std::unique_ptr<TransferBatch>> h2d = (*transfer)->HostToDevice(up);
+    ASSERT_TRUE(h2d.ok()) << h2d.status();
+    FERRY_TEST_ASSERT_OK((*h2d)->Wait());
+    const size_t chunks = (total + chunk_bytes - 1) / chunk_bytes;
+    ASSERT_EQ((*h2d)->num_chunks(), chunks);
+    EXPECT_EQ(device.copies() - copies0, chunks) << "contiguous regions: one copy per chunk";
+    const uint64_t copies1 = device.copies();
+    absl::StatusOr<std::unique_ptr<TransferBatch>> d2h = (*transfer)->DeviceToHost(down);
+    ASSERT_TRUE(d2h.ok()) << d2h.status();
+    FERRY_TEST_ASSERT_OK((*d2h)->Wait());
+    EXPECT_EQ(device.copies() - copies1, chunks);
+    EXPECT_EQ((*transfer)->stats().copies, 2 * chunks);
+    EXPECT_EQ((*transfer)->stats().chunks, 2 * chunks);
+    ASSERT_EQ(std::memcmp(dst->data(), src->data(), total), 0);
+
+    // The same regions with the device side in reverse order: no two neighbours are contiguous
+    // there, so every piece is its own copy.
+    std::vector<CopyRegion> scattered;
+    size_t dev_at = total;
+    for (size_t i = 0; i < sizes.size(); ++i) {
+      dev_at -= sizes[i];
+      scattered.push_back({dev->as<char>() + dev_at, src->as<char>() + offsets[i], sizes[i]});
+    }
+    const uint64_t copies2 = device.copies();
+    absl::StatusOr<std::unique_ptr<TransferBatch>> h2d2 = (*transfer)->HostToDevice(scattered);
+    ASSERT_TRUE(h2d2.ok()) << h2d2.status();
+    FERRY_TEST_ASSERT_OK((*h2d2)->Wait());
+    size_t pieces = 0;
+    for (size_t k = 0; k < (*h2d2)->num_chunks(); ++k) pieces += (*h2d2)->chunk(k).pieces.size();
+    EXPECT_GT(pieces, chunks);
+    EXPECT_EQ(device.copies() - copies2, pieces);
+    std::vector<uint8_t> back(total);
+    FERRY_TEST_ASSERT_OK(device.Copy(back.data(), dev->data(), total, CopyKind::kDeviceToHost));
+    dev_at = total;
+    for (size_t i = 0; i < sizes.size(); ++i) {
+      dev_at -= sizes[i];
+      ASSERT_EQ(std::memcmp(back.data() + dev_at, src->as<char>() + offsets[i], sizes[i]), 0)
+          << "region " << i;
+    }
+  }
+  transfer->reset();
+}
+
+// Both directions at once, each on its own stream: with the D2H stream held, an H2D submission still
+// completes; the D2H completes once released. Both deliver their data.
+inline void BothDirectionsAtOnce(Device& device, size_t chunk_bytes, std::mt19937_64& rng) {
+  const size_t total = 5 * chunk_bytes + 3;
+  PinnedArenaOptions options;
+  options.capacity_bytes = 4 * total + 4096;
+  options.numa = NumaPolicy::kLocal;
+  options.name = "both";
+  absl::StatusOr<std::unique_ptr<PinnedArena>> arena = PinnedArena::Create(&device, options);
+  ASSERT_TRUE(arena.ok()) << arena.status();
+  absl::StatusOr<std::unique_ptr<Transfer>> transfer =
+      Transfer::Create(&device, TransferOptions{.chunk_bytes = chunk_bytes});
+  ASSERT_TRUE(transfer.ok()) << transfer.status();
+  absl::StatusOr<DeviceBuffer> dev_a = device.Allocate(total);
+  absl::StatusOr<DeviceBuffer> dev_b = device.Allocate(total);
+  ASSERT_TRUE(dev_a.ok() && dev_b.ok());
+  {
+    absl::StatusOr<PinnedBlock> a_expected = PinnedBlock::Allocate(**arena, total);
+    absl::StatusOr<PinnedBlock> a_got = PinnedBlock::Allocate(**arena, total);
+    absl::StatusOr<PinnedBlock> b_src = PinnedBlock::Allocate(**arena, total);
+    ASSERT_TRUE(a_expected.ok() && a_got.ok() && b_src.ok());
+    FillRandom(a_expected->data(), total, rng);
+    FillRandom(b_src->data(), total, rng);
+    std::memset(a_got->data(), kHostSentinel, total);
+    FERRY_TEST_ASSERT_OK(
+        device.Copy(dev_a->data(), a_expected->data(), total, CopyKind::kHostToDevice));
+
+    Gate gate;
+    absl::Cleanup open_gate = [&gate] { gate.Open(); };
+    FERRY_TEST_ASSERT_OK(gate.Hold((*transfer)->d2h_stream()));
+    const CopyRegion down{a_got->data(), dev_a->data(), total};
+    const CopyRegion up{dev_b->data(), b_src->data(), total};
+    absl::StatusOr<std::unique_ptr<TransferBatch>> d2h =
+        (*transfer)->DeviceToHost(absl::MakeConstSpan(&down, 1));
+    absl::StatusOr<std::unique_ptr<TransferBatch>> h2d =
+        (*transfer)->HostToDevice(absl::MakeConstSpan(&up, 1));
+    ASSERT_TRUE(d2h.ok() && h2d.ok());
+    // The upload is not queued behind the held download (a generous bound, only to fail rather
+    // than hang if it were).
+    EXPECT_TRUE(CompletesWithin(**h2d, (*h2d)->num_chunks() - 1, absl::Seconds(60)))
+        << "the H2D waited for the held D2H stream";
+    EXPECT_FALSE(*(*d2h)->ChunkDone(0));
+    gate.Open();
+    FERRY_TEST_ASSERT_OK((*d2h)->Wait());
+    FERRY_TEST_ASSERT_OK((*h2d)->Wait());
+    EXPECT_EQ(std::memcmp(a_got->data(), a_expected->data(), total), 0);
+    std::vector<uint8_t> back(total);
+    FERRY_TEST_ASSERT_OK(device.Copy(back.data(), dev_b->data(), total, CopyKind::kDeviceToHost));
+    EXPECT_EQ(std::memcmp(back.data(), b_src->data(), total), 0);
+  }
+  transfer->reset();
+}
+
+// After warm-up, cycles of arena allocations and releases and of D2H + H2D submissions at once (many
+// small regions each) make no call that allocates, frees, creates or registers anything: not on the
+// device (memory, streams, events, host registrations), not in the memory layer (mmap, RegisterHost),
+// not in the Transfer's event pool. Every cycle's data is checked.
+inline void NothingAllocatedAfterWarmUp(Device& inner, std::mt19937_64& rng) {
+  constexpr size_t kChunk = 16 << 10;
+  constexpr size_t kMax = 256 << 10;  // bytes per direction per cycle, at most
+  constexpr int kCycles = 200;
+  CountingDevice device(&inner);
+  PinnedArenaOptions options;
+  options.capacity_bytes = 4 * kMax;
+  options.numa = NumaPolicy::kLocal;
+  options.name = "steady state";
+  absl::StatusOr<std::unique_ptr<PinnedArena>> arena = PinnedArena::Create(&device, options);
+  ASSERT_TRUE(arena.ok()) << arena.status();
+  absl::StatusOr<std::unique_ptr<Transfer>> transfer =
+      Transfer::Create(&device, TransferOptions{.chunk_bytes = kChunk});
+  ASSERT_TRUE(transfer.ok()) << transfer.status();
+  absl::StatusOr<DeviceBuffer> dev_a = device.Allocate(kMax);
+  absl::StatusOr<DeviceBuffer> dev_b = device.Allocate(kMax);
+  ASSERT_TRUE(dev_a.ok() && dev_b.ok());
+  std::vector<uint8_t> a_data(kMax);
+  FillRandom(a_data.data(), kMax, rng);
+  FERRY_TEST_ASSERT_OK(device.Copy(dev_a->data(), a_data.data(), kMax, CopyKind::kHostToDevice));
+
+  uint64_t resource_calls = 0, pinned_calls = 0, registrations = 0, events = 0;
+  std::vector<CopyRegion> down, up;
+  std::vector<uint8_t> back(kMax);
+  for (int cycle = 0; cycle < kCycles; ++cycle) {
+    // The first cycle is the largest (it warms the event pool); later ones are random.
+    const size_t bytes = cycle == 0 ? kMax : 1 + rng() % kMax;
+    absl::StatusOr<PinnedBlock> host_a = PinnedBlock::Allocate(**arena, bytes);
+    absl::StatusOr<PinnedBlock> host_b = PinnedBlock::Allocate(**arena, bytes, 4096);
+    ASSERT_TRUE(host_a.ok() && host_b.ok()) << "cycle " << cycle;
+    FillRandom(host_b->data(), bytes, rng);
+    std::memset(host_a->data(), kHostSentinel, bytes);
+    // Cut both directions into random small regions (contiguous: they also merge).
+    down.clear();
+    up.clear();
+    for (size_t at = 0; at < bytes;) {
+      const size_t n = std::min(bytes - at, 1 + static_cast<size_t>(rng() % 5000));
+      down.push_back({host_a->as<char>() + at, dev_a->as<char>() + at, n});
+      up.push_back({dev_b->as<char>() + at, host_b->as<char>() + at, n});
+      at += n;
+    }
+    absl::StatusOr<std::unique_ptr<TransferBatch>> d2h = (*transfer)->DeviceToHost(down);
+    absl::StatusOr<std::unique_ptr<TransferBatch>> h2d = (*transfer)->HostToDevice(up);
+    ASSERT_TRUE(d2h.ok()) << d2h.status();
+    ASSERT_TRUE(h2d.ok()) << h2d.status();
+    FERRY_TEST_ASSERT_OK((*d2h)->Wait());
+    FERRY_TEST_ASSERT_OK((*h2d)->Wait());
+    ASSERT_EQ(std::memcmp(host_a->data(), a_data.data(), bytes), 0) << "cycle " << cycle;
+    if (cycle == 0) {  // warm: from here on nothing may be created
+      resource_calls = device.resource_calls();
+      pinned_calls = GetPinnedHostCounters().calls();
+      registrations = inner.host_registrations();
+      events = (*transfer)->stats().events_created;
+    }
+    if (cycle % 50 == 49) {  // the uploads landed (read back outside the counted window's rules)
+      const uint64_t before = device.resource_calls();
+      FERRY_TEST_ASSERT_OK(device.Copy(back.data(), dev_b->data(), bytes, CopyKind::kDeviceToHost));
+      ASSERT_EQ(std::memcmp(back.data(), host_b->data(), bytes), 0) << "cycle " << cycle;
+      resource_calls += device.resource_calls() - before;  // Device::Copy wraps a stream: not ours
+    }
+  }
+  EXPECT_EQ(device.resource_calls(), resource_calls)
+      << "device memory, streams, events or registrations were created after warm-up";
+  EXPECT_EQ(GetPinnedHostCounters().calls(), pinned_calls) << "mmap or RegisterHost after warm-up";
+  EXPECT_EQ(inner.host_registrations(), registrations);
+  EXPECT_EQ((*transfer)->stats().events_created, events) << "chunk events created after warm-up";
+  EXPECT_EQ((*arena)->stats().host_calls, 2u);
+  EXPECT_EQ((*transfer)->stats().submissions, 2u * kCycles);
+  EXPECT_EQ((*arena)->stats().in_use_bytes, 0u);
   transfer->reset();
 }
 

@@ -1,259 +1,223 @@
 #include "memory/pinned_arena.h"
 
-#include <numa.h>
-#include <numaif.h>
-#include <sched.h>
 #include <sys/mman.h>
 #include <sys/resource.h>
-#include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
+#include <chrono>
 #include <cstdint>
+#include <cstring>
+#include <fstream>
 #include <limits>
 #include <string>
 #include <utility>
+#include <vector>
 
-#include "absl/strings/ascii.h"
+#include "absl/cleanup/cleanup.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
 #include "base/errors.h"
 #include "base/logging.h"
 #include "ferry/status.h"
+#include "memory/format.h"
 
 namespace ferry {
 namespace {
 
+using memory_internal::FormatBytes;
+
 bool IsPowerOfTwo(size_t x) { return x != 0 && (x & (x - 1)) == 0; }
 
-std::string FormatBytes(size_t bytes) {
-  constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
-  constexpr double kMiB = 1024.0 * 1024.0;
-  if (bytes >= (size_t{1} << 30)) return absl::StrFormat("%zu bytes (%.2f GiB)", bytes, bytes / kGiB);
-  if (bytes >= (size_t{1} << 20)) return absl::StrFormat("%zu bytes (%.2f MiB)", bytes, bytes / kMiB);
-  return absl::StrFormat("%zu bytes", bytes);
+double Seconds(std::chrono::steady_clock::time_point since) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - since).count();
+}
+
+// Process-wide pin/register/host-alloc counters (GetPinnedHostCounters).
+struct Counters {
+  std::atomic<uint64_t> mmap_calls{0};
+  std::atomic<uint64_t> register_calls{0};
+  std::atomic<uint64_t> unregister_calls{0};
+  std::atomic<uint64_t> arenas_created{0};
+  std::atomic<uint64_t> arenas_live{0};
+};
+
+Counters& GlobalCounters() {
+  static Counters* const counters = new Counters();
+  return *counters;
 }
 
 std::string FormatLimit(rlim_t limit) {
   return limit == RLIM_INFINITY ? std::string("unlimited") : FormatBytes(static_cast<size_t>(limit));
 }
 
-// A libnuma node mask freed on scope exit.
-class NodeMask final {
- public:
-  NodeMask() : mask_(numa_allocate_nodemask()) {}
-  ~NodeMask() {
-    if (mask_ != nullptr) numa_bitmask_free(mask_);
+// Bytes this process has locked already (VmLck in /proc/self/status), or 0 when unknown.
+size_t LockedBytes() {
+  std::ifstream in("/proc/self/status");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (!absl::StartsWith(line, "VmLck:")) continue;
+    std::vector<absl::string_view> parts = absl::StrSplit(line, ' ', absl::SkipEmpty());
+    uint64_t kib = 0;
+    if (parts.size() >= 2 && absl::SimpleAtoi(parts[1], &kib)) return static_cast<size_t>(kib) * 1024;
   }
-  NodeMask(const NodeMask&) = delete;
-  NodeMask& operator=(const NodeMask&) = delete;
-  bitmask* get() const { return mask_; }
-
- private:
-  bitmask* mask_;
-};
-
-std::string AllowedNodes() {
-  std::string out;
-  const int max_node = numa_max_node();
-  for (int n = 0; n <= max_node; ++n) {
-    if (numa_bitmask_isbitset(numa_all_nodes_ptr, static_cast<unsigned>(n))) {
-      absl::StrAppend(&out, out.empty() ? "" : ",", n);
-    }
-  }
-  return out.empty() ? std::string("none") : out;
+  return 0;
 }
 
-// The node for kBind / kPreferred: `requested`, or the calling CPU's node for -1.
-absl::StatusOr<int> ResolveNode(int requested, const std::string& arena) {
-  int node = requested;
-  if (node == -1) {
-    const int cpu = sched_getcpu();
-    if (cpu < 0) return PosixError(absl::StrCat("arena '", arena, "': sched_getcpu"), errno);
-    node = numa_node_of_cpu(cpu);
-    if (node < 0) {
-      return PosixError(absl::StrCat("arena '", arena, "': numa_node_of_cpu(", cpu, ")"), errno);
-    }
-  }
-  if (node < 0 || node > numa_max_node() ||
-      !numa_bitmask_isbitset(numa_all_nodes_ptr, static_cast<unsigned>(node))) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("arena '", arena, "': numa_node ", requested,
-                     " is not a node this process may allocate on (allowed nodes: ", AllowedNodes(),
-                     "; -1 means the node of the calling CPU)"));
-  }
-  return node;
-}
-
-// Applies `options.numa` to [addr, addr + bytes), which no one has touched yet. Returns whether the
-// policy is in force (false: refused by the kernel where that cannot matter; see PinnedArena::Create).
-absl::StatusOr<bool> ApplyNumaPolicy(void* addr, size_t bytes, const PinnedArenaOptions& options) {
-  const std::string policy_name(NumaPolicyName(options.numa));
-  if (numa_available() < 0) {
-    FERRY_LOG(WARNING) << "arena '" << options.name << "': NUMA is not available on this system; "
-                       << "policy " << policy_name << " not applied";
-    return false;
-  }
-  NodeMask mask;
-  if (mask.get() == nullptr) return absl::ResourceExhaustedError("numa_allocate_nodemask failed");
-  int mode = MPOL_DEFAULT;
-  std::string what;
-  switch (options.numa) {
-    case NumaPolicy::kInterleave:
-      mode = MPOL_INTERLEAVE;
-      copy_bitmask_to_bitmask(numa_all_nodes_ptr, mask.get());
-      what = absl::StrCat("MPOL_INTERLEAVE over nodes ", AllowedNodes());
-      break;
-    case NumaPolicy::kBind:
-    case NumaPolicy::kPreferred: {
-      FERRY_ASSIGN_OR_RETURN(const int node, ResolveNode(options.numa_node, options.name));
-      mode = options.numa == NumaPolicy::kBind ? MPOL_BIND : MPOL_PREFERRED;
-      numa_bitmask_setbit(mask.get(), static_cast<unsigned>(node));
-      what = absl::StrCat(options.numa == NumaPolicy::kBind ? "MPOL_BIND" : "MPOL_PREFERRED",
-                          " to node ", node);
-      break;
-    }
-    case NumaPolicy::kLocal:
-      mode = MPOL_LOCAL;
-      what = "MPOL_LOCAL";
-      break;
-  }
-  const bool has_mask = options.numa != NumaPolicy::kLocal;
-  // mbind's maxnode counts one past the last bit the kernel reads (libnuma passes size + 1 too).
-  long rc = mbind(addr, bytes, mode, has_mask ? mask.get()->maskp : nullptr,
-                  has_mask ? mask.get()->size + 1 : 0, 0);
-  if (rc != 0 && errno == EINVAL && options.numa == NumaPolicy::kLocal) {
-    // Kernels before 3.8 lack MPOL_LOCAL; MPOL_PREFERRED with an empty mask means the same.
-    rc = mbind(addr, bytes, MPOL_PREFERRED, nullptr, 0, 0);
-  }
-  if (rc == 0) return true;
-  const int err = errno;
-  const std::string context = absl::StrCat("arena '", options.name, "': mbind(", what, ") over ",
-                                           FormatBytes(bytes), " (numa policy ", policy_name, ")");
-  const bool refused = err == EPERM || err == ENOSYS;
-  if (refused && (options.numa == NumaPolicy::kLocal || NumaNodeCount() == 1)) {
-    FERRY_LOG(WARNING) << context << " was refused (" << PosixError("mbind", err).message()
-                       << "); going on without it: placement cannot matter on " << NumaNodeCount()
-                       << " node(s) with this policy";
-    return false;
-  }
-  absl::Status status = PosixError(context, err);
-  if (refused) {
-    return absl::Status(status.code(),
-                        absl::StrCat(status.message(),
-                                     ". The kernel refused the NUMA policy: containers need "
-                                     "CAP_SYS_NICE for mbind (Docker's default seccomp profile "
-                                     "blocks it), or choose numa policy 'local'"));
-  }
-  return status;
-}
-
-// The registration error, with the locked-memory limit that usually explains it.
+// The registration error, saying whether the locked-memory limit is what stopped it.
 absl::Status RegistrationError(const absl::Status& cause, const Device& device, size_t bytes,
                                const std::string& arena) {
-  std::string limits = "RLIMIT_MEMLOCK unknown";
-  bool over = false;
+  const std::string head =
+      absl::StrCat("arena '", arena, "': registering (page-locking) ", FormatBytes(bytes),
+                   " with device ", device.name(), " failed: ", cause.message(), ". ");
   rlimit rl{};
-  if (getrlimit(RLIMIT_MEMLOCK, &rl) == 0) {
-    limits = absl::StrCat("RLIMIT_MEMLOCK soft ", FormatLimit(rl.rlim_cur), ", hard ",
-                          FormatLimit(rl.rlim_max));
-    over = rl.rlim_cur != RLIM_INFINITY && static_cast<rlim_t>(bytes) > rl.rlim_cur;
+  if (getrlimit(RLIMIT_MEMLOCK, &rl) != 0) {
+    return absl::Status(cause.code(), absl::StrCat(head, "RLIMIT_MEMLOCK unknown (getrlimit: ",
+                                                   std::strerror(errno), ")"));
+  }
+  const std::string limits = absl::StrCat("RLIMIT_MEMLOCK soft ", FormatLimit(rl.rlim_cur),
+                                          ", hard ", FormatLimit(rl.rlim_max));
+  const size_t locked = LockedBytes();
+  const bool over = rl.rlim_cur != RLIM_INFINITY &&
+                    static_cast<rlim_t>(bytes) + static_cast<rlim_t>(locked) > rl.rlim_cur;
+  if (over) {
+    return absl::Status(
+        cause.code(),
+        absl::StrCat(head, "The memlock limit is the likely cause: ", limits, ", with ",
+                     FormatBytes(locked), " already locked, is below the ", FormatBytes(bytes),
+                     " this arena needs. Raise it with `ulimit -l unlimited` in the launching "
+                     "shell, a `memlock` line in /etc/security/limits.conf, LimitMEMLOCK= for "
+                     "systemd services or `--ulimit memlock=-1` for containers, or use a smaller "
+                     "arena"));
   }
   return absl::Status(
       cause.code(),
-      absl::StrCat("arena '", arena, "': registering (page-locking) ", FormatBytes(bytes),
-                   " with device ", device.name(), " failed: ", cause.message(), ". ", limits,
-                   over ? " (smaller than the arena)" : "",
-                   "; raise it with `ulimit -l unlimited` in the launching shell, a `memlock` line "
-                   "in /etc/security/limits.conf, LimitMEMLOCK= for systemd services or "
-                   "`--ulimit memlock=-1` for containers, or use a smaller arena"));
+      absl::StrCat(head, "The memlock limit is not what stopped it (", limits,
+                   ", enough for this arena): the device refused the registration (out of host "
+                   "memory, or a driver limit); free host memory or use a smaller arena (the limit "
+                   "would be raised with `ulimit -l` or /etc/security/limits.conf)"));
 }
 
 }  // namespace
 
-absl::StatusOr<NumaPolicy> ParseNumaPolicy(std::string_view text) {
-  const std::string lower = absl::AsciiStrToLower(std::string(text));
-  if (lower == "interleave") return NumaPolicy::kInterleave;
-  if (lower == "bind") return NumaPolicy::kBind;
-  if (lower == "preferred") return NumaPolicy::kPreferred;
-  if (lower == "local") return NumaPolicy::kLocal;
-  return absl::InvalidArgumentError(absl::StrCat(
-      "unknown NUMA policy '", std::string(text), "'; expected one of interleave, bind, preferred, local"));
-}
-
-std::string_view NumaPolicyName(NumaPolicy policy) {
-  switch (policy) {
-    case NumaPolicy::kInterleave: return "interleave";
-    case NumaPolicy::kBind: return "bind";
-    case NumaPolicy::kPreferred: return "preferred";
-    case NumaPolicy::kLocal: return "local";
-  }
-  return "unknown";
-}
-
-int NumaNodeCount() {
-  if (numa_available() < 0) return 1;
-  const int n = numa_num_configured_nodes();
-  return n < 1 ? 1 : n;
+PinnedHostCounters GetPinnedHostCounters() {
+  const Counters& c = GlobalCounters();
+  return PinnedHostCounters{.mmap_calls = c.mmap_calls.load(),
+                            .register_calls = c.register_calls.load(),
+                            .unregister_calls = c.unregister_calls.load(),
+                            .arenas_created = c.arenas_created.load(),
+                            .arenas_live = c.arenas_live.load()};
 }
 
 absl::StatusOr<std::unique_ptr<PinnedArena>> PinnedArena::Create(
     Device* device, const PinnedArenaOptions& options) {
+  const std::string& name = options.name;
   if (device == nullptr) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("arena '", options.name, "': device is null"));
+    return absl::InvalidArgumentError(absl::StrCat("arena '", name, "': device is null"));
   }
   if (options.capacity_bytes == 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("arena '", options.name, "': capacity_bytes is 0"));
+    return absl::InvalidArgumentError(absl::StrCat("arena '", name, "': capacity_bytes is 0"));
   }
   if (!IsPowerOfTwo(options.alignment)) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "arena '", options.name, "': alignment ", options.alignment, " is not a power of two"));
+        "arena '", name, "': alignment ", options.alignment, " is not a power of two"));
   }
-  const long page_size_or_error = sysconf(_SC_PAGESIZE);
-  const size_t page = page_size_or_error > 0 ? static_cast<size_t>(page_size_or_error) : 4096;
-  if (options.capacity_bytes > std::numeric_limits<size_t>::max() - page) {
-    return absl::InvalidArgumentError(absl::StrCat("arena '", options.name, "': capacity_bytes ",
+  if (options.prefault_threads < -1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("arena '", name, "': prefault_threads ", options.prefault_threads,
+                     "; expected -1 (automatic), 0 (none) or a thread count"));
+  }
+  // Room for rounding up to any page size, including a 1 GiB hugetlb page.
+  if (options.capacity_bytes > std::numeric_limits<size_t>::max() / 2) {
+    return absl::InvalidArgumentError(absl::StrCat("arena '", name, "': capacity_bytes ",
                                                    options.capacity_bytes, " is too large"));
   }
-  const size_t capacity = (options.capacity_bytes + page - 1) / page * page;
+  PinnedBudget* budget = options.budget != nullptr ? options.budget : &PinnedBudget::Process();
+  Counters& counters = GlobalCounters();
+  ArenaSetup setup;
+  auto start = std::chrono::steady_clock::now();
 
-  void* base = mmap(nullptr, capacity, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (base == MAP_FAILED) {
-    const int err = errno;
-    absl::Status status =
-        PosixError(absl::StrCat("arena '", options.name, "': mmap of ", FormatBytes(capacity)), err);
-    if (err == ENOMEM) {
-      return absl::Status(status.code(),
-                          absl::StrCat(status.message(),
-                                       ": not enough memory or address space (check free memory, "
-                                       "vm.overcommit_memory and `ulimit -v`)"));
+  // 1. The budget, for the size the region will have.
+  const int bind_node = options.numa != NumaPolicy::kBind ? -1
+                        : options.numa_node >= 0   ? options.numa_node
+                                                   : memory_internal::CallingThreadNode();
+  const PageKind planned =
+      memory_internal::ChoosePageKind(options.huge_pages, options.capacity_bytes, bind_node,
+                                      &setup.pages_note);
+  size_t budgeted = memory_internal::RegionBytes(options.capacity_bytes, planned);
+  FERRY_RETURN_IF_ERROR(budget->Reserve(budgeted, absl::StrCat("arena '", name, "'")));
+  absl::Cleanup give_back = [&] { budget->Release(budgeted); };
+
+  // 2. The region.
+  int mmap_calls = 0;
+  absl::StatusOr<memory_internal::HostRegion> region =
+      memory_internal::ReserveHostRegion(options.capacity_bytes, planned,
+                                         options.huge_pages == HugePages::kAuto, name, &mmap_calls);
+  counters.mmap_calls.fetch_add(static_cast<uint64_t>(mmap_calls));
+  setup.host_calls += static_cast<uint64_t>(mmap_calls);
+  if (!region.ok()) return region.status();
+  if (region->bytes() != budgeted) {  // a hugetlb fallback: smaller
+    budget->Release(budgeted);
+    budgeted = region->bytes();
+    if (absl::Status s = budget->Reserve(budgeted, absl::StrCat("arena '", name, "'")); !s.ok()) {
+      budgeted = 0;
+      std::move(give_back).Cancel();
+      return s;
     }
-    return status;
   }
-  auto unmap = [&] { munmap(base, capacity); };
+  setup.pages = region->kind();
+  if (!region->note().empty()) {
+    setup.pages_note = setup.pages_note.empty()
+                           ? region->note()
+                           : absl::StrCat(setup.pages_note, "; ", region->note());
+  }
+  const size_t capacity = region->bytes();
 
-  absl::StatusOr<bool> numa_applied = ApplyNumaPolicy(base, capacity, options);
-  if (!numa_applied.ok()) {
-    unmap();
-    return numa_applied.status();
+  // 3. NUMA placement, before any page is touched.
+  FERRY_ASSIGN_OR_RETURN(const memory_internal::NumaPlacement placement,
+                         memory_internal::ApplyNumaPolicy(region->base(), capacity, options.numa,
+                                                          options.numa_node, name));
+  setup.numa_applied = placement.applied;
+  setup.reserve_seconds = Seconds(start);
+
+  // 4. Fault the pages in, in parallel, where the policy puts them.
+  start = std::chrono::steady_clock::now();
+  const int threads = options.prefault_threads >= 0
+                          ? options.prefault_threads
+                          : memory_internal::AutoPrefaultThreads(capacity, placement.toucher_nodes);
+  FERRY_ASSIGN_OR_RETURN(setup.prefault_threads,
+                         memory_internal::PrefaultRegion(region->base(), capacity, region->kind(),
+                                                         threads, placement.toucher_nodes, name));
+  setup.prefault_seconds = Seconds(start);
+
+  // 5. One registration.
+  start = std::chrono::steady_clock::now();
+  counters.register_calls.fetch_add(1);
+  ++setup.host_calls;
+  if (absl::Status s = device->RegisterHost(region->base(), capacity); !s.ok()) {
+    return RegistrationError(s, *device, capacity, name);
   }
-  if (absl::Status s = device->RegisterHost(base, capacity); !s.ok()) {
-    unmap();
-    return RegistrationError(s, *device, capacity, options.name);
-  }
+  setup.register_seconds = Seconds(start);
+
+  std::move(give_back).Cancel();
+  counters.arenas_created.fetch_add(1);
+  counters.arenas_live.fetch_add(1);
   return std::unique_ptr<PinnedArena>(
-      new PinnedArena(device, options, base, capacity, *numa_applied));
+      new PinnedArena(device, budget, options, region->release(), capacity, std::move(setup)));
 }
 
-PinnedArena::PinnedArena(Device* device, const PinnedArenaOptions& options, void* base,
-                         size_t capacity, bool numa_applied)
+PinnedArena::PinnedArena(Device* device, PinnedBudget* budget, const PinnedArenaOptions& options,
+                         void* base, size_t capacity, ArenaSetup setup)
     : device_(device),
+      budget_(budget),
       options_(options),
       base_(base),
       capacity_(capacity),
-      numa_applied_(numa_applied),
+      setup_(std::move(setup)),
       ranges_(reinterpret_cast<uintptr_t>(base), capacity, PinnedArena::kGranule) {}
 
 PinnedArena::~PinnedArena() {
@@ -265,12 +229,15 @@ PinnedArena::~PinnedArena() {
                        << FormatBytes(ranges_.in_use_bytes()) << "); they dangle now";
     }
   }
+  GlobalCounters().unregister_calls.fetch_add(1);
   if (absl::Status s = device_->UnregisterHost(base_); !s.ok()) {
     FERRY_LOG(ERROR) << "arena '" << options_.name << "': UnregisterHost failed: " << s;
   }
   if (munmap(base_, capacity_) != 0) {
     FERRY_LOG(ERROR) << PosixError(absl::StrCat("arena '", options_.name, "': munmap"), errno);
   }
+  budget_->Release(capacity_);
+  GlobalCounters().arenas_live.fetch_sub(1);
 }
 
 absl::StatusOr<HostSpan> PinnedArena::Allocate(size_t bytes, size_t alignment) {
@@ -286,6 +253,7 @@ absl::StatusOr<HostSpan> PinnedArena::Allocate(size_t bytes, size_t alignment) {
   std::lock_guard<std::mutex> lock(mu_);
   const std::optional<size_t> offset = ranges_.Allocate(bytes, alignment);
   if (!offset.has_value()) {
+    ++failed_allocations_;
     return absl::ResourceExhaustedError(absl::StrCat(
         "arena '", options_.name, "': cannot allocate ", FormatBytes(bytes), " (alignment ",
         alignment, "): ", FormatBytes(ranges_.free_bytes()), " free in ",
@@ -330,8 +298,11 @@ ArenaStats PinnedArena::stats() const {
                     .in_use_bytes = ranges_.in_use_bytes(),
                     .peak_bytes = peak_bytes_,
                     .registrations = 1,
+                    .host_calls = setup_.host_calls,
                     .allocations = allocations_,
-                    .releases = releases_};
+                    .releases = releases_,
+                    .failed_allocations = failed_allocations_,
+                    .live_spans = ranges_.num_allocations()};
 }
 
 absl::StatusOr<PinnedBlock> PinnedBlock::Allocate(PinnedArena& arena, size_t bytes,

@@ -1,48 +1,44 @@
 // The memory layer: pinned host memory for offloaded master weights, optimizer state and staging.
 //
-// A PinnedArena reserves one region, places it by a NUMA policy before any page is touched, registers
-// it with the device once, and hands out sub-allocations (HostSpan) that are released explicitly.
-// Allocate and Release are bookkeeping only: no mmap, no pinning, no registration on the hot path.
+// A PinnedArena takes its size from a PinnedBudget, reserves one region (huge pages where the host
+// offers them), places it by a NUMA policy before any page is touched, faults its pages in with
+// threads placed by that policy, registers it with the device once, and hands out sub-allocations
+// (HostSpan) that are released explicitly. Allocate and Release are bookkeeping only: no mmap, no
+// pinning, no registration on the hot path (GetPinnedHostCounters() counts every such call).
 #ifndef FERRY_MEMORY_PINNED_ARENA_H_
 #define FERRY_MEMORY_PINNED_ARENA_H_
 
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
-#include <string_view>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include <mutex>
 #include "device/device.h"
+#include "memory/host_region.h"
+#include "memory/numa.h"
+#include "memory/pinned_budget.h"
 #include "memory/range_allocator.h"
 
 namespace ferry {
 
-// Where the arena's pages are placed (libnuma / mbind semantics).
-enum class NumaPolicy : uint8_t {
-  kInterleave,  // pages spread round-robin over every node this process may allocate on (default)
-  kBind,        // pages only on one node; allocation fails rather than spill elsewhere
-  kPreferred,   // pages on one node while it has memory, elsewhere after that
-  kLocal,       // pages on the node of the CPU that first touches them
-};
-
-// "interleave", "bind", "preferred" or "local" (ASCII case ignored); InvalidArgument otherwise.
-absl::StatusOr<NumaPolicy> ParseNumaPolicy(std::string_view text);
-// The name ParseNumaPolicy accepts for `policy`.
-std::string_view NumaPolicyName(NumaPolicy policy);
-
-// Number of NUMA nodes with memory on this machine; 1 when libnuma says NUMA is unavailable.
-int NumaNodeCount();
-
 struct PinnedArenaOptions {
-  size_t capacity_bytes = 0;  // rounded up to whole pages
+  size_t capacity_bytes = 0;  // rounded up to whole pages (hugetlb pages when it gets them)
   NumaPolicy numa = NumaPolicy::kInterleave;
   int numa_node = -1;      // for kBind / kPreferred; -1 = the node of the calling CPU
   size_t alignment = 256;  // default alignment of every span; a power of two
   std::string name = "arena";  // appears in every error message and log line
+  HugePages huge_pages = HugePages::kAuto;
+  // Threads that fault the region's pages in (placed by the NUMA policy) before it is registered:
+  // -1 = automatic (one per 64 MiB, at most the CPUs of the policy's nodes and 32); 0 = none (the
+  // device's registration then faults them in, on one thread); n = n threads.
+  int prefault_threads = -1;
+  // The budget the region is taken from; nullptr = PinnedBudget::Process(). REQUIRES: it outlives the
+  // arena.
+  PinnedBudget* budget = nullptr;
 };
 
 // A borrowed piece of an arena. Valid until released (or until the arena is destroyed).
@@ -63,9 +59,43 @@ struct ArenaStats {
   size_t in_use_bytes = 0;    // held by live spans, including rounding to the arena's granule
   size_t peak_bytes = 0;      // highest in_use_bytes so far
   uint64_t registrations = 0; // RegisterHost calls this arena made (1 for its lifetime)
+  // Pin/register/host-alloc calls this arena made (mmap and RegisterHost, failed attempts included).
+  // All are made by Create: the count never grows after it, whatever Allocate and Release do.
+  uint64_t host_calls = 0;
   uint64_t allocations = 0;   // successful Allocate calls
   uint64_t releases = 0;      // successful Release calls
+  uint64_t failed_allocations = 0;  // Allocate calls refused for lack of room
+  uint64_t live_spans = 0;
 };
+
+// How an arena's region was set up: fixed by Create.
+struct ArenaSetup {
+  PageKind pages = PageKind::kBase;
+  std::string pages_note;     // why the pages differ from what options.huge_pages asked ("" if not)
+  bool numa_applied = false;  // see PinnedArena::numa_applied()
+  int prefault_threads = 0;   // threads that faulted the pages in; 0: left to the registration
+  double reserve_seconds = 0;   // budget, mmap, madvise and mbind
+  double prefault_seconds = 0;  // faulting every page in
+  double register_seconds = 0;  // Device::RegisterHost
+  uint64_t host_calls = 0;      // as ArenaStats::host_calls
+
+  double total_seconds() const { return reserve_seconds + prefault_seconds + register_seconds; }
+};
+
+// Process-wide counts of the calls that reserve or pin host memory, made by every arena so far. Arenas
+// make them only in Create (and unregister in their destructor), so these stay flat once a process has
+// created its arenas, across any number of allocations, releases, steps, offloads and reloads.
+struct PinnedHostCounters {
+  uint64_t mmap_calls = 0;        // host-alloc calls: region reservations, failed ones included
+  uint64_t register_calls = 0;    // Device::RegisterHost calls by arenas, failed ones included
+  uint64_t unregister_calls = 0;  // Device::UnregisterHost calls by arenas
+  uint64_t arenas_created = 0;
+  uint64_t arenas_live = 0;
+
+  // The pin/register/host-alloc calls.
+  uint64_t calls() const { return mmap_calls + register_calls; }
+};
+PinnedHostCounters GetPinnedHostCounters();
 
 // PinnedArena: safe for concurrent use (Allocate, Release and stats from any thread).
 class PinnedArena final {
@@ -74,18 +104,25 @@ class PinnedArena final {
   // the page-aligned base), so in_use_bytes counts requests rounded up to it.
   static constexpr size_t kGranule = 64;
 
-  // Reserves one region of options.capacity_bytes (rounded up to pages) with an anonymous mmap, applies
-  // the NUMA policy with mbind before any page is touched, then registers the region with `device`
-  // once (Device::RegisterHost). Errors say which step and which limit stopped it (mmap, mbind, or
-  // registration with the RLIMIT_MEMLOCK numbers and how to raise them); nothing is left mapped or
-  // registered on failure. When the kernel refuses mbind (no NUMA support, or a container without
-  // CAP_SYS_NICE) the arena is still created if placement cannot matter (one node, or kLocal), with a
-  // warning and numa_applied() == false; otherwise that is an error.
-  // REQUIRES: `device` is not null and outlives the arena.
+  // Creates the arena, in this order:
+  //   1. takes the region's size from options.budget (ResourceExhausted naming the budget, its limit
+  //      and what holds it, and how to raise it);
+  //   2. reserves the region with mmap: hugetlb or transparent huge pages per options.huge_pages
+  //      (setup().pages says what it got and pages_note why);
+  //   3. applies the NUMA policy with mbind before any page is touched;
+  //   4. faults every page in with options.prefault_threads threads placed on the policy's nodes;
+  //   5. registers the region with `device` once (Device::RegisterHost).
+  // Errors say which step and which limit stopped it; a failed registration says whether the
+  // RLIMIT_MEMLOCK limit was below what the arena needs, and how to raise it. Nothing is left
+  // mapped, registered or reserved on failure. When the kernel refuses mbind (no NUMA support, or a
+  // container without CAP_SYS_NICE) the arena is still created if placement cannot matter (one node,
+  // or kLocal), with a warning and numa_applied() == false; otherwise that is an error.
+  // REQUIRES: `device` is not null and outlives the arena; so does options.budget.
   static absl::StatusOr<std::unique_ptr<PinnedArena>> Create(Device* device,
                                                              const PinnedArenaOptions& options);
 
-  // Unregisters and unmaps the region. Logs an error when spans are still allocated (they dangle).
+  // Unregisters and unmaps the region and gives its size back to the budget. Logs an error when spans
+  // are still allocated (they dangle).
   ~PinnedArena();
 
   PinnedArena(const PinnedArena&) = delete;
@@ -103,30 +140,35 @@ class PinnedArena final {
   absl::Status Release(const HostSpan& span);
 
   ArenaStats stats() const;
+  // How the region was set up (pages, prefault, timings). Fixed at Create.
+  const ArenaSetup& setup() const { return setup_; }
 
   void* base() const { return base_; }
   size_t capacity() const { return capacity_; }
   NumaPolicy numa_policy() const { return options_.numa; }
   // False when the kernel refused the NUMA policy and the arena went on without it (see Create).
-  bool numa_applied() const { return numa_applied_; }
+  bool numa_applied() const { return setup_.numa_applied; }
   const std::string& name() const { return options_.name; }
   Device* device() const { return device_; }
+  PinnedBudget& budget() const { return *budget_; }
 
  private:
-  PinnedArena(Device* device, const PinnedArenaOptions& options, void* base, size_t capacity,
-              bool numa_applied);
+  PinnedArena(Device* device, PinnedBudget* budget, const PinnedArenaOptions& options, void* base,
+              size_t capacity, ArenaSetup setup);
 
   Device* const device_;
+  PinnedBudget* const budget_;
   const PinnedArenaOptions options_;
   void* const base_;
   const size_t capacity_;
-  const bool numa_applied_;
+  const ArenaSetup setup_;
 
   mutable std::mutex mu_;  // std::mutex: TSan sees it (Debian's Abseil is not TSan-built)
   RangeAllocator ranges_ ABSL_GUARDED_BY(mu_);
   size_t peak_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t allocations_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t releases_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t failed_allocations_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 // PinnedBlock: a span that releases itself. Move-only; one thread at a time.

@@ -4,9 +4,10 @@
 #include <string>
 #include <utility>
 
+#include <mutex>
+
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
-#include <mutex>
 #include "base/logging.h"
 #include "ferry/status.h"
 
@@ -192,6 +193,15 @@ Transfer::~Transfer() {
 
 uint64_t Transfer::events_created() const { return pool_->created(); }
 
+TransferStats Transfer::stats() const {
+  return TransferStats{.submissions = submissions_.load(std::memory_order_relaxed),
+                       .chunks = chunks_.load(std::memory_order_relaxed),
+                       .copies = copies_.load(std::memory_order_relaxed),
+                       .d2h_bytes = d2h_bytes_.load(std::memory_order_relaxed),
+                       .h2d_bytes = h2d_bytes_.load(std::memory_order_relaxed),
+                       .events_created = pool_->created()};
+}
+
 absl::StatusOr<std::unique_ptr<TransferBatch>> Transfer::DeviceToHost(
     absl::Span<const CopyRegion> regions, Event* after) {
   return Submit(CopyKind::kDeviceToHost, regions, after);
@@ -233,24 +243,45 @@ absl::StatusOr<std::unique_ptr<TransferBatch>> Transfer::Submit(
   if (after != nullptr) {
     if (absl::Status s = stream.WaitFor(*after); !s.ok()) return fail(s, "waiting for `after`");
   }
+  uint64_t copies = 0;
   for (size_t k = 0; k < batch->num_chunks(); ++k) {
-    const ChunkPlan& plan = batch->chunk(k);
-    for (const ChunkPiece& piece : plan.pieces) {
-      const CopyRegion& region = regions[piece.region];
-      absl::Status s =
-          device_->CopyAsync(static_cast<char*>(region.dst) + piece.offset,
-                             static_cast<const char*>(region.src) + piece.offset, piece.bytes,
-                             kind, stream);
-      if (!s.ok()) {
-        return fail(s, absl::StrCat("chunk ", k, " of ", batch->num_chunks(), " (region ",
-                                    piece.region, ", bytes [", piece.offset, ", ",
-                                    piece.offset + piece.bytes, "))"));
+    const std::vector<ChunkPiece>& pieces = batch->chunk(k).pieces;
+    for (size_t i = 0; i < pieces.size();) {
+      // One copy for a run of pieces that are contiguous in both source and destination.
+      const ChunkPiece& first = pieces[i];
+      char* dst = static_cast<char*>(regions[first.region].dst) + first.offset;
+      const char* src = static_cast<const char*>(regions[first.region].src) + first.offset;
+      size_t bytes = first.bytes;
+      size_t j = i + 1;
+      for (; j < pieces.size(); ++j) {
+        const CopyRegion& next = regions[pieces[j].region];
+        if (static_cast<char*>(next.dst) + pieces[j].offset != dst + bytes ||
+            static_cast<const char*>(next.src) + pieces[j].offset != src + bytes) {
+          break;
+        }
+        bytes += pieces[j].bytes;
       }
+      if (absl::Status s = device_->CopyAsync(dst, src, bytes, kind, stream); !s.ok()) {
+        return fail(s, absl::StrCat("chunk ", k, " of ", batch->num_chunks(), " (region ",
+                                    first.region, ", bytes [", first.offset, ", ",
+                                    first.offset + first.bytes, ")",
+                                    j - i > 1 ? absl::StrCat(" and ", j - i - 1,
+                                                             " contiguous region(s) after it")
+                                              : "",
+                                    ")"));
+      }
+      ++copies;
+      i = j;
     }
     if (absl::Status s = stream.Record(batch->chunk_event(k)); !s.ok()) {
       return fail(s, absl::StrCat("recording the event of chunk ", k));
     }
   }
+  submissions_.fetch_add(1, std::memory_order_relaxed);
+  chunks_.fetch_add(batch->num_chunks(), std::memory_order_relaxed);
+  copies_.fetch_add(copies, std::memory_order_relaxed);
+  (kind == CopyKind::kDeviceToHost ? d2h_bytes_ : h2d_bytes_)
+      .fetch_add(batch->bytes(), std::memory_order_relaxed);
   return batch;
 }
 

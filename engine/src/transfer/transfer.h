@@ -2,11 +2,16 @@
 //
 // A submission (DeviceToHost / HostToDevice) is a list of copy regions. Their concatenation is cut into
 // chunks of TransferOptions::chunk_bytes; the copies go chunk by chunk onto a dedicated stream (one for
-// D2H, one for H2D) and an event is recorded after each chunk, so a consumer can start on chunk 0
-// while the later chunks are still in flight.
+// D2H, one for H2D, so both directions run at once) and an event is recorded after each chunk, so a
+// consumer can start on chunk 0 while the later chunks are still in flight. Many small regions share
+// a chunk, and neighbouring regions that are contiguous on both sides become one copy.
+// After warm-up a submission creates no stream, event, device or pinned memory and registers
+// nothing: events come from a pool that batches return to (the batch's own bookkeeping, its regions
+// and chunk plan, is ordinary heap memory).
 #ifndef FERRY_TRANSFER_TRANSFER_H_
 #define FERRY_TRANSFER_TRANSFER_H_
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -49,7 +54,19 @@ struct ChunkPlan {
 std::vector<ChunkPlan> PlanChunks(absl::Span<const CopyRegion> regions, size_t chunk_bytes);
 
 struct TransferOptions {
+  // Bytes per chunk: one event each. Larger chunks cost fewer copies and events; smaller ones let a
+  // consumer start sooner. `ferry bench transfer` measures the rate for a sweep of sizes (--sweep).
   size_t chunk_bytes = size_t{8} << 20;
+};
+
+// Counts since the Transfer was created.
+struct TransferStats {
+  uint64_t submissions = 0;  // DeviceToHost + HostToDevice calls that enqueued something
+  uint64_t chunks = 0;
+  uint64_t copies = 0;       // Device::CopyAsync calls (contiguous neighbours merged)
+  uint64_t d2h_bytes = 0;
+  uint64_t h2d_bytes = 0;
+  uint64_t events_created = 0;  // flat once the pool is warm
 };
 
 namespace transfer_internal {
@@ -140,6 +157,8 @@ class Transfer final {
   Device* device() const { return device_; }
   // Events created so far; stays flat once the pool is warm (batches return their events).
   uint64_t events_created() const;
+  // Safe to call from any thread.
+  TransferStats stats() const;
 
  private:
   Transfer(Device* device, const TransferOptions& options, std::unique_ptr<Stream> d2h,
@@ -153,6 +172,11 @@ class Transfer final {
   std::unique_ptr<Stream> d2h_;
   std::unique_ptr<Stream> h2d_;
   std::shared_ptr<transfer_internal::EventPool> pool_;
+  std::atomic<uint64_t> submissions_{0};
+  std::atomic<uint64_t> chunks_{0};
+  std::atomic<uint64_t> copies_{0};
+  std::atomic<uint64_t> d2h_bytes_{0};
+  std::atomic<uint64_t> h2d_bytes_{0};
 };
 
 }  // namespace ferry
