@@ -501,5 +501,34 @@ return {
   for (size_t i = 0; i < a.size(); ++i) EXPECT_EQ(a.Param(i), b.Param(i)) << i;
   ASSERT_OK(moving->VerifyMasters());
 }
+
+// No pinning, registration or host allocation of pinned memory on the hot path: after warm-up
+// (Finalize, a first step, save and load) the counters stay flat across steps, saves and loads.
+TEST_F(EngineTest, NoPinningAfterWarmUp) {
+  Model m(device_.get(), kSizes, 91);
+  auto e = MakeEngine(Policies() + "offload_fraction.lua", {{"fraction", "0.5"}}, 4096);
+  ASSERT_OK(m.Register(*e, 4));
+  ASSERT_OK(e->Finalize());
+  m.SetGrads(1);
+  ASSERT_OK(e->Step());
+  absl::StatusOr<std::string> dir = e->SaveCheckpoint(tmp_.path() + "/warm", 1);
+  ASSERT_TRUE(dir.ok()) << dir.status();
+  ASSERT_OK(e->LoadCheckpoint(*dir));
+  const EngineStats warm = e->Stats();
+  EXPECT_GT(warm.pinned_host_calls, 0u);
+  for (int s = 2; s <= 30; ++s) {
+    m.SetGrads(s);
+    ASSERT_OK(e->Step());
+    if (s % 10 == 0) {
+      absl::StatusOr<std::string> d = e->SaveCheckpoint(tmp_.path() + "/warm", s);
+      ASSERT_TRUE(d.ok()) << d.status();
+      ASSERT_OK(e->LoadCheckpoint(*d));
+    }
+  }
+  const EngineStats after = e->Stats();
+  EXPECT_EQ(after.pinned_host_calls, warm.pinned_host_calls);
+  EXPECT_EQ(after.host_registrations, warm.host_registrations);
+  EXPECT_EQ(after.step, 30);
+}
 }  // namespace
 }  // namespace ferry

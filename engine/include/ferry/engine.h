@@ -79,7 +79,10 @@ struct GroupPlacement {
 
 struct EngineStats {
   int64_t step = 0;                 // optimizer steps taken
-  uint64_t host_registrations = 0;  // pin/register calls so far (should not grow after Finalize)
+  uint64_t host_registrations = 0;  // Device::RegisterHost calls on this engine's device so far
+  // Pin/register/host-alloc calls of the whole process's pinned arenas (mmap + register). Flat after
+  // warm-up (Finalize, the first checkpoint save) across any number of steps, saves and loads.
+  uint64_t pinned_host_calls = 0;
   size_t pinned_bytes = 0;          // pinned host memory reserved
   size_t gpu_state_bytes = 0;       // device memory held for GPU groups' fp32 state
 };

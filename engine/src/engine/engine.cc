@@ -691,6 +691,7 @@ std::vector<GroupPlacement> EngineImpl::Placement() const {
 EngineStats EngineImpl::Stats() const {
   EngineStats s;
   s.host_registrations = device_->host_registrations();
+  s.pinned_host_calls = GetPinnedHostCounters().calls();
   if (optimizer_ != nullptr) {
     s.step = optimizer_->num_groups() > 0 ? optimizer_->group_step(0) : 0;
     s.pinned_bytes = optimizer_->pinned_bytes();
