@@ -493,8 +493,12 @@ return {
       ASSERT_OK(st);
     }
     ASSERT_OK(still->Step());
-    if (s == 3) EXPECT_TRUE(offloaded("g0") && offloaded("g2") && !offloaded("g1"));
-    if (s == 6) EXPECT_TRUE(!offloaded("g0") && offloaded("g2"));
+    if (s == 3) {
+      EXPECT_TRUE(offloaded("g0") && offloaded("g2") && !offloaded("g1"));
+    }
+    if (s == 6) {
+      EXPECT_TRUE(!offloaded("g0") && offloaded("g2"));
+    }
   }
   ASSERT_OK(moving->Synchronize());
   ASSERT_OK(still->Synchronize());
