@@ -60,7 +60,7 @@ struct EngineOptions {
   OptimizerOptions optimizer;
   std::string device;                             // "", "host" or "cuda" (see FERRY_DEVICE)
   int device_ordinal = 0;
-  size_t transfer_chunk_bytes = 8 << 20;          // chunk size of the offload pipeline
+  size_t transfer_chunk_bytes = size_t{32} << 20;  // chunk of the offload pipeline (ferry bench transfer)
   size_t cpu_threads = 0;                         // CPU Adam threads; 0 = all CPUs of this process
   std::string numa;                               // "", "interleave", "bind", "preferred", "local"
 };
