@@ -2,8 +2,12 @@
 //  - MakeAdamScalars: every field is the float nearest the double formula;
 //  - AdamUpdate, one step: within a first-order rounding-error bound computed alongside;
 //  - AdamUpdate, 1,000 steps: within a stated relative-error bound of the textbook Adam / AdamW
-//    recursion run in double, for both modes, with and without bias correction.
+//    recursion run in double, for both modes, with and without bias correction;
+//  - the values a kernel reads at run time (AdamApplyRuntime) give the same bits as MakeAdamScalars,
+//    and AdamGradMultiplier is the correctly rounded unscale-and-clip factor.
 #include "base/adam_math.h"
+
+#include <cstring>
 
 #include <algorithm>
 #include <cmath>
@@ -89,6 +93,66 @@ TEST(AdamScalars, MatchDoubleFormulas) {
   }
   // The default multiplier is 1.
   EXPECT_EQ(MakeAdamScalars(AdamHyper{}, 1).grad_multiplier, 1.0f);
+}
+
+// A kernel that reads lr and the completed step count from memory rebuilds the scalars made at enqueue
+// time for another lr and step: the result must be MakeAdamScalars' bits for the new values.
+TEST(AdamScalars, RuntimeValuesGiveTheSameBits) {
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE(absl::StrFormat("seed %u", seed));
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<double> unit(0.0, 1.0);
+  for (int trial = 0; trial < 2000; ++trial) {
+    AdamHyper h;
+    h.lr = static_cast<float>(LogUniform(rng, 1e-6, 1e-1));
+    h.beta1 = static_cast<float>(0.5 + 0.49 * unit(rng));
+    h.beta2 = static_cast<float>(0.9 + 0.0999 * unit(rng));
+    h.weight_decay = static_cast<float>(0.3 * unit(rng));
+    h.mode = trial % 2 ? AdamMode::kAdamL2 : AdamMode::kAdamW;
+    h.bias_correction = trial % 4 < 2;
+    const int64_t step = 1 + static_cast<int64_t>(LogUniform(rng, 1.0, 1e7));
+    const float lr = static_cast<float>(LogUniform(rng, 1e-6, 1e-1));
+    const float multiplier = static_cast<float>(LogUniform(rng, 1e-4, 1e2));
+    AdamScalars enqueued = MakeAdamScalars(h, 1 + static_cast<int64_t>(unit(rng) * 100));
+    const int64_t completed = step - 1;
+    AdamApplyRuntime(enqueued, &lr, &completed, &multiplier);
+    AdamHyper at_run = h;
+    at_run.lr = lr;
+    const AdamScalars want = MakeAdamScalars(at_run, step, multiplier);
+    ASSERT_EQ(std::memcmp(&enqueued, &want, sizeof(AdamScalars)), 0) << "trial " << trial;
+  }
+  // Null pointers keep the enqueued values.
+  const AdamScalars made = MakeAdamScalars(AdamHyper{}, 7, 0.5);
+  AdamScalars same = made;
+  AdamApplyRuntime(same, nullptr, nullptr, nullptr);
+  EXPECT_EQ(std::memcmp(&same, &made, sizeof(AdamScalars)), 0);
+}
+
+// AdamGradMultiplier: 1 / scale, times min(1, max_norm / (sqrt(sum_sq) / scale + 1e-6)) when
+// max_norm > 0, correctly rounded to float (checked in long double: the double computation's own
+// error, a few 2^-53, can move the float only at a rounding tie, which random inputs do not hit).
+TEST(AdamGradMultiplier, UnscalesAndClips) {
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE(absl::StrFormat("seed %u", seed));
+  std::mt19937_64 rng(seed);
+  for (int trial = 0; trial < 100000; ++trial) {
+    const float scale = trial % 3 == 0 ? std::ldexp(1.0f, static_cast<int>(rng() % 32))
+                                       : static_cast<float>(LogUniform(rng, 1e-3, 1e6));
+    const double sum_sq = LogUniform(rng, 1e-20, 1e20);
+    const float max_norm = trial % 5 == 0 ? 0.0f : static_cast<float>(LogUniform(rng, 1e-3, 1e3));
+    long double want = 1.0L / scale;
+    if (max_norm > 0) {
+      const long double clip = max_norm / (std::sqrt(static_cast<long double>(sum_sq)) / scale + 1e-6L);
+      if (clip < 1) want = clip / scale;
+    }
+    const float got = AdamGradMultiplier(scale, sum_sq, max_norm);
+    ASSERT_LE(std::fabs(static_cast<long double>(got) - want), 0x1p-24L * want)
+        << "scale " << scale << " sum_sq " << sum_sq << " max_norm " << max_norm;
+  }
+  // Exact cases: a power-of-two scale without clipping, and a clip that does not bite.
+  EXPECT_EQ(AdamGradMultiplier(1024.0f, 123.0, 0.0f), 1.0f / 1024.0f);
+  EXPECT_EQ(AdamGradMultiplier(1.0f, 4.0, 100.0f), 1.0f);
+  EXPECT_EQ(AdamGradMultiplier(1.0f, 4.0, 1.0f), static_cast<float>(1.0 / (2.0 + 1e-6)));
 }
 
 // ---- one step ---------------------------------------------------------------------------------------

@@ -1,5 +1,13 @@
 #ifndef FERRY_TESTS_DEVICE_ADAM_REFERENCE_H_
 #define FERRY_TESTS_DEVICE_ADAM_REFERENCE_H_
+// Checks shared by the host-backend, CUDA and CPU Adam tests:
+//   - CanonicalSumOfSquares: the gradient check's sum written out from its definition in
+//     base/adam_element.h, independently of the library's helpers;
+//   - CheckGradStatsAgainstCanonical: LaunchGradStats equals it bit for bit, slot by slot;
+//   - CheckAdamRuntimeInputs: LaunchAdamWith's device-resident inputs give the same bits as LaunchAdam
+//     with the scalars made on the host, and a NaN/Inf gradient skips the whole step;
+//   - CheckLaunchAdamAgainstFloat64, described next.
+//
 // LaunchAdam against a float64 reference: every grad dtype x param dtype, AdamW and
 // Adam-L2, bias correction on and off, tensors of lengths 1, 7, 333 and 1234 in one launch, fresh
 // random gradients every step, 1,000 steps.
@@ -20,6 +28,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <random>
 #include <string>
@@ -57,7 +66,7 @@ struct TestTensor {
 };
 
 // One element of the reference in double, the same formula as base/adam_math.h.
-void RefUpdate(const AdamHyper& h, double grad_multiplier, int64_t step, double& p, double& m, double& v,
+inline void RefUpdate(const AdamHyper& h, double grad_multiplier, int64_t step, double& p, double& m, double& v,
                double g) {
   const double b1 = h.beta1, b2 = h.beta2, lr = h.lr, wd = h.weight_decay, eps = h.eps;
   g *= grad_multiplier;
@@ -261,6 +270,334 @@ inline void CheckLaunchAdamAgainstFloat64(Device& device) {
   }
   std::printf("worst error / bound: master %.3g, exp_avg %.3g, exp_avg_sq %.3g\n", worst_p, worst_m,
               worst_v);
+}
+
+// ---- the gradient check ------------------------------------------------------------------------------
+
+struct RefGrad {
+  const void* grad;  // host memory
+  int64_t numel;
+  DType dtype;
+};
+
+// The canonical sum of squares from its definition (base/adam_element.h); `slots`, when given, receives
+// the 1,024 slot values.
+inline double CanonicalSumOfSquares(const std::vector<RefGrad>& grads,
+                                    std::vector<double>* slots_out = nullptr) {
+  struct Chunk {
+    const RefGrad* g;
+    int64_t begin, len;
+  };
+  std::vector<Chunk> chunks;
+  for (const RefGrad& g : grads) {
+    for (int64_t b = 0; b < g.numel; b += 4096)
+      chunks.push_back({&g, b, std::min<int64_t>(4096, g.numel - b)});
+  }
+  const int64_t c = static_cast<int64_t>(chunks.size());
+  std::vector<double> slots(1024);
+  for (int64_t s = 0; s < 1024; ++s) {
+    std::vector<double> lanes(256, 0.0);
+    for (int64_t ci = s * c / 1024; ci < (s + 1) * c / 1024; ++ci) {
+      const Chunk& ch = chunks[static_cast<size_t>(ci)];
+      for (int64_t t = 0; t < 256; ++t) {
+        for (int64_t k = 0; k < 4; ++k) {
+          for (int64_t j = 0; j < 4; ++j) {
+            const int64_t e = 1024 * k + 4 * t + j;
+            if (e >= ch.len) continue;
+            const double x = LoadAsF32(ch.g->grad, ch.g->dtype, static_cast<size_t>(ch.begin + e));
+            lanes[static_cast<size_t>(t)] += x * x;
+          }
+        }
+      }
+    }
+    for (size_t stride = 128; stride >= 1; stride /= 2) {
+      for (size_t i = 0; i < stride; ++i) lanes[i] += lanes[i + stride];
+    }
+    slots[static_cast<size_t>(s)] = lanes[0];
+  }
+  if (slots_out != nullptr) *slots_out = slots;
+  for (size_t stride = 512; stride >= 1; stride /= 2) {
+    for (size_t i = 0; i < stride; ++i) slots[i] += slots[i + stride];
+  }
+  return slots[0];
+}
+
+inline bool SameBits(double a, double b) { return std::memcmp(&a, &b, sizeof(double)) == 0; }
+
+// LaunchGradStats on `device` equals the canonical definition bit for bit: the result and every slot.
+// Two data sets: (1) many tensors (more than one kernel-parameter upload of the table on CUDA) of mixed
+// dtypes, lengths and alignments, random values over 40 binades; (2) chunks in which only one lane's
+// elements are non-zero, so each slot is one lane's sum and a wrong order inside a lane shows in the
+// slots (in a full sum, a lane's last-place difference usually vanishes in the later additions). Then
+// NaN and Inf anywhere set found_inf, and an empty list gives zero.
+inline void CheckGradStatsAgainstCanonical(Device& device) {
+  absl::StatusOr<std::unique_ptr<Stream>> stream_or = device.CreateStream();
+  ASSERT_TRUE(stream_or.ok());
+  Stream& stream = **stream_or;
+  std::mt19937_64 rng(std::random_device{}());
+  std::uniform_real_distribution<double> unit(0.0, 1.0);
+  const DType kTypes[] = {DType::kF32, DType::kBF16, DType::kF16};
+  for (int data_set = 0; data_set < 2; ++data_set) {
+    std::vector<int64_t> lengths;
+    if (data_set == 0) {
+      for (int k = 0; k < 1900; ++k)
+        lengths.push_back(k % 50 == 7 ? 0 : 1 + static_cast<int64_t>(rng() % 300));
+      for (int64_t n : {4096, 4097, 12288, 1 << 20, (1 << 21) + 3}) lengths.push_back(n);
+    } else {
+      lengths = {4096 * 700 + 5, 4096 * 900};
+    }
+    std::vector<std::vector<uint8_t>> host(lengths.size());
+    std::vector<DeviceBuffer> buffers;
+    std::vector<GradTensorArgs> args;
+    std::vector<RefGrad> ref;
+    for (size_t k = 0; k < lengths.size(); ++k) {
+      const DType dt = kTypes[k % 3];
+      const size_t n = static_cast<size_t>(lengths[k]);
+      const size_t skew = k % 4 == 1 ? 1 : 0;  // a few start off their vector alignment
+      host[k].assign((n + skew) * DTypeSize(dt), 0);
+      for (size_t i = 0; i < n; ++i) {
+        float x = 0.0f;
+        if (data_set == 0) {
+          // 40 binades (30 for f16, whose range ends at 65504).
+          const double binades = dt == DType::kF16 ? 30.0 : 40.0;
+          x = static_cast<float>((unit(rng) - 0.5) * std::exp2(binades * unit(rng) - 20.0));
+        } else {
+          const size_t chunk = i / 4096, e = i % 4096, lane = (e % 1024) / 4;
+          if (lane == (chunk * 37 + k) % 256)
+            x = static_cast<float>((unit(rng) - 0.5) * std::exp2(30.0 * unit(rng) - 15.0));
+        }
+        StoreFromF32(host[k].data() + skew * DTypeSize(dt), dt, i, x);
+      }
+      absl::StatusOr<DeviceBuffer> b = device.Allocate(std::max<size_t>(host[k].size(), 1));
+      ASSERT_TRUE(b.ok()) << b.status();
+      if (!host[k].empty()) {
+        FERRY_TEST_ASSERT_OK(device.Copy(b->data(), host[k].data(), host[k].size(), CopyKind::kHostToDevice));
+      }
+      const uint8_t* dev = b->as<uint8_t>() + skew * DTypeSize(dt);
+      args.push_back(GradTensorArgs{dev, lengths[k], dt});
+      ref.push_back(RefGrad{host[k].data() + skew * DTypeSize(dt), lengths[k], dt});
+      buffers.push_back(*std::move(b));
+    }
+    std::vector<double> want_slots;
+    const double want = CanonicalSumOfSquares(ref, &want_slots);
+    const size_t ws_bytes = GradStatsWorkspaceBytes(args.size());
+    absl::StatusOr<DeviceBuffer> ws = device.Allocate(ws_bytes);
+    ASSERT_TRUE(ws.ok()) << ws.status();
+    FERRY_TEST_ASSERT_OK(device.LaunchGradStats(args, ws->data(), ws_bytes, stream));
+    FERRY_TEST_ASSERT_OK(stream.Synchronize());
+    GradStats got{};
+    std::vector<double> slots(1024);
+    FERRY_TEST_ASSERT_OK(device.Copy(&got, ws->data(), sizeof(got), CopyKind::kDeviceToHost));
+    FERRY_TEST_ASSERT_OK(device.Copy(slots.data(), ws->as<uint8_t>() + kGradStatsResultBytes, 8 * 1024,
+                                     CopyKind::kDeviceToHost));
+    for (size_t s = 0; s < 1024; ++s) {
+      ASSERT_TRUE(SameBits(slots[s], want_slots[s]))
+          << "data set " << data_set << " slot " << s << ": " << slots[s] << " vs " << want_slots[s];
+    }
+    EXPECT_TRUE(SameBits(got.sum_sq, want)) << got.sum_sq << " vs " << want;
+    EXPECT_EQ(got.found_inf, 0u);
+    EXPECT_GT(want, 0.0);
+    if (data_set == 0) {
+      // NaN / Inf in a short tensor, a long one, and the last element of all.
+      const size_t victims[] = {3, lengths.size() - 2, lengths.size() - 1};
+      const float bad[] = {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(),
+                           -std::numeric_limits<float>::infinity()};
+      for (int v = 0; v < 3; ++v) {
+        const GradTensorArgs& a = args[victims[v]];
+        const size_t at = static_cast<size_t>(v == 2 ? a.numel - 1 : a.numel / 2);
+        uint8_t bytes[4];
+        StoreFromF32(bytes, a.dtype, 0, bad[v]);
+        uint8_t saved[4];
+        void* where = const_cast<uint8_t*>(static_cast<const uint8_t*>(a.grad)) + at * DTypeSize(a.dtype);
+        FERRY_TEST_ASSERT_OK(device.Copy(saved, where, DTypeSize(a.dtype), CopyKind::kDeviceToHost));
+        FERRY_TEST_ASSERT_OK(device.Copy(where, bytes, DTypeSize(a.dtype), CopyKind::kHostToDevice));
+        FERRY_TEST_ASSERT_OK(device.LaunchGradStats(args, ws->data(), ws_bytes, stream));
+        FERRY_TEST_ASSERT_OK(stream.Synchronize());
+        FERRY_TEST_ASSERT_OK(device.Copy(&got, ws->data(), sizeof(got), CopyKind::kDeviceToHost));
+        EXPECT_EQ(got.found_inf, 1u) << "bad value " << bad[v] << " in tensor " << victims[v];
+        FERRY_TEST_ASSERT_OK(device.Copy(where, saved, DTypeSize(a.dtype), CopyKind::kHostToDevice));
+      }
+      FERRY_TEST_ASSERT_OK(device.LaunchGradStats({}, ws->data(), ws_bytes, stream));
+      FERRY_TEST_ASSERT_OK(stream.Synchronize());
+      FERRY_TEST_ASSERT_OK(device.Copy(&got, ws->data(), sizeof(got), CopyKind::kDeviceToHost));
+      EXPECT_EQ(got.sum_sq, 0.0);
+      EXPECT_EQ(got.found_inf, 0u);
+    }
+  }
+}
+
+// ---- LaunchAdamWith's runtime inputs ---------------------------------------------------------------
+
+// Two copies of the same tensors step side by side on `device` for 60 steps: copy A through
+// LaunchAdamWith with every runtime input in device memory (scalars made once, at step 1 with another
+// lr; per-group lr and step counts, the loss scale, the gradient check and clipping read when the
+// kernel runs); copy B through LaunchAdam with scalars made on the host from the same values (the
+// multiplier from the check read back). They must stay bit-identical. Steps 10 and 37 carry a NaN or
+// Inf gradient: A must change nothing (state, params and step counts), and B is not stepped.
+inline void CheckAdamRuntimeInputs(Device& device) {
+  absl::StatusOr<std::unique_ptr<Stream>> stream_or = device.CreateStream();
+  ASSERT_TRUE(stream_or.ok());
+  Stream& stream = **stream_or;
+  std::mt19937_64 rng(std::random_device{}());
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<AdamHyper> groups(3);
+  groups[0] = {.lr = 1.0f,
+               .beta1 = 0.9f,
+               .beta2 = 0.999f,
+               .eps = 1e-8f,
+               .weight_decay = 0.01f,
+               .mode = AdamMode::kAdamW,
+               .bias_correction = true};
+  groups[1] = {.lr = 1.0f,
+               .beta1 = 0.8f,
+               .beta2 = 0.99f,
+               .eps = 1e-6f,
+               .weight_decay = 0.1f,
+               .mode = AdamMode::kAdamL2,
+               .bias_correction = true};
+  groups[2] = {.lr = 1.0f,
+               .beta1 = 0.9f,
+               .beta2 = 0.95f,
+               .eps = 1e-8f,
+               .weight_decay = 0.0f,
+               .mode = AdamMode::kAdamW,
+               .bias_correction = false};
+  const DType kTypes[] = {DType::kF32, DType::kBF16, DType::kF16};
+  struct Twin {
+    int64_t n;
+    DType gt, pt;
+    size_t group;
+    DeviceBuffer state[2], param[2], grad;  // state: master | m | v
+  };
+  std::vector<Twin> twins;
+  auto alloc = [&device](size_t bytes) {
+    absl::StatusOr<DeviceBuffer> b = device.Allocate(bytes);
+    EXPECT_TRUE(b.ok()) << b.status();
+    return b.ok() ? *std::move(b) : DeviceBuffer();
+  };
+  for (int k = 0; k < 9; ++k) {
+    Twin t;
+    t.n = k == 0 ? 1 : 1 + static_cast<int64_t>(rng() % 20000);
+    t.gt = kTypes[k % 3];
+    t.pt = kTypes[(k / 3) % 3];
+    t.group = static_cast<size_t>(k) % groups.size();
+    std::vector<float> init(3 * static_cast<size_t>(t.n), 0.0f);
+    for (int64_t i = 0; i < t.n; ++i) init[static_cast<size_t>(i)] = normal(rng);
+    for (int c = 0; c < 2; ++c) {
+      t.state[c] = alloc(init.size() * 4);
+      t.param[c] = alloc(static_cast<size_t>(t.n) * DTypeSize(t.pt));
+      FERRY_TEST_ASSERT_OK(
+          device.Copy(t.state[c].data(), init.data(), init.size() * 4, CopyKind::kHostToDevice));
+    }
+    t.grad = alloc(static_cast<size_t>(t.n) * DTypeSize(t.gt));
+    twins.push_back(std::move(t));
+  }
+  std::vector<AdamTensorArgs> args[2];
+  std::vector<GradTensorArgs> grads;
+  for (Twin& t : twins) {
+    for (int c = 0; c < 2; ++c) {
+      AdamTensorArgs a;
+      a.master = t.state[c].as<float>();
+      a.exp_avg = a.master + t.n;
+      a.exp_avg_sq = a.master + 2 * t.n;
+      a.grad = t.grad.data();
+      a.param = t.param[c].data();
+      a.numel = t.n;
+      a.grad_dtype = t.gt;
+      a.param_dtype = t.pt;
+      a.scalars_index = static_cast<uint32_t>(t.group);
+      args[c].push_back(a);
+    }
+    grads.push_back(GradTensorArgs{t.grad.data(), t.n, t.gt});
+  }
+  // Runtime inputs in device memory: [lr x3 | scale | pad] floats, steps, the workspace.
+  DeviceBuffer lr_scale = alloc(8 * 4);
+  DeviceBuffer steps = alloc(3 * 8);
+  const size_t ws_bytes = GradStatsWorkspaceBytes(grads.size());
+  DeviceBuffer ws = alloc(ws_bytes);
+  const std::vector<int64_t> zero_steps(3, 0);
+  FERRY_TEST_ASSERT_OK(device.Copy(steps.data(), zero_steps.data(), 24, CopyKind::kHostToDevice));
+  std::vector<AdamScalars> made_once;
+  for (const AdamHyper& h : groups) made_once.push_back(MakeAdamScalars(h, 1, 7.0));
+  AdamRuntimeArgs runtime;
+  runtime.grad_stats = GradStatsResult(ws.data());
+  runtime.max_grad_norm = 5.0f;
+  runtime.lr = lr_scale.as<float>();
+  runtime.grad_scale = lr_scale.as<float>() + 3;
+  runtime.step = steps.as<int64_t>();
+
+  const float kScale = 1000.0f;
+  int64_t host_steps = 0;
+  std::vector<uint8_t> before_skip;
+  auto snapshot = [&](int c) {
+    std::vector<uint8_t> out;
+    for (Twin& t : twins) {
+      std::vector<uint8_t> b(t.state[c].bytes() + t.param[c].bytes());
+      EXPECT_TRUE(device.Copy(b.data(), t.state[c].data(), t.state[c].bytes(), CopyKind::kDeviceToHost).ok());
+      EXPECT_TRUE(device
+                      .Copy(b.data() + t.state[c].bytes(), t.param[c].data(), t.param[c].bytes(),
+                            CopyKind::kDeviceToHost)
+                      .ok());
+      out.insert(out.end(), b.begin(), b.end());
+    }
+    return out;
+  };
+  bool clipped = false;
+  for (int step = 1; step <= 60; ++step) {
+    const bool bad = step == 10 || step == 37;
+    for (size_t k = 0; k < twins.size(); ++k) {
+      Twin& t = twins[k];
+      std::vector<uint8_t> g(static_cast<size_t>(t.n) * DTypeSize(t.gt));
+      // Large gradients early (clipping bites), small later.
+      const float magnitude = (step < 20 ? 0.5f : 0.005f) * kScale;
+      for (size_t i = 0; i < static_cast<size_t>(t.n); ++i)
+        StoreFromF32(g.data(), t.gt, i, normal(rng) * magnitude);
+      if (bad && k == 4)
+        StoreFromF32(g.data(), t.gt, static_cast<size_t>(t.n) / 2, step == 10 ? NAN : INFINITY);
+      FERRY_TEST_ASSERT_OK(device.Copy(t.grad.data(), g.data(), g.size(), CopyKind::kHostToDevice));
+    }
+    float lr_host[8] = {};
+    for (int g = 0; g < 3; ++g)
+      lr_host[g] = 1e-3f * static_cast<float>(g + 1) * (1.0f + 0.01f * static_cast<float>(step));
+    lr_host[3] = kScale;
+    FERRY_TEST_ASSERT_OK(device.Copy(lr_scale.data(), lr_host, sizeof(lr_host), CopyKind::kHostToDevice));
+    if (bad) before_skip = snapshot(0);
+    // A: everything on the device, nothing read back between the check and the update.
+    FERRY_TEST_ASSERT_OK(device.LaunchGradStats(grads, ws.data(), ws_bytes, stream));
+    FERRY_TEST_ASSERT_OK(device.LaunchAdamWith(args[0], made_once, runtime, stream));
+    FERRY_TEST_ASSERT_OK(stream.Synchronize());
+    // B: the host reads the check and makes the scalars.
+    GradStats stats{};
+    FERRY_TEST_ASSERT_OK(device.Copy(&stats, ws.data(), sizeof(stats), CopyKind::kDeviceToHost));
+    ASSERT_EQ(stats.found_inf, bad ? 1u : 0u) << "step " << step;
+    if (bad) {
+      EXPECT_EQ(snapshot(0), before_skip) << "step " << step << " was not skipped";
+    } else {
+      ++host_steps;
+      const float multiplier = AdamGradMultiplier(kScale, stats.sum_sq, runtime.max_grad_norm);
+      if (multiplier < 1.0f / kScale) clipped = true;
+      std::vector<AdamScalars> scalars;
+      for (int g = 0; g < 3; ++g) {
+        AdamHyper h = groups[static_cast<size_t>(g)];
+        h.lr = lr_host[g];
+        scalars.push_back(MakeAdamScalars(h, host_steps, multiplier));
+      }
+      FERRY_TEST_ASSERT_OK(device.LaunchAdam(args[1], scalars, stream));
+      FERRY_TEST_ASSERT_OK(stream.Synchronize());
+    }
+    int64_t steps_now[3];
+    FERRY_TEST_ASSERT_OK(device.Copy(steps_now, steps.data(), 24, CopyKind::kDeviceToHost));
+    for (int g = 0; g < 3; ++g) ASSERT_EQ(steps_now[g], host_steps) << "step counter of group " << g;
+  }
+  EXPECT_TRUE(clipped) << "the clip never bit: the test does not cover it";
+  const std::vector<uint8_t> a = snapshot(0), b = snapshot(1);
+  ASSERT_EQ(a.size(), b.size());
+  size_t first_diff = a.size();
+  for (size_t i = 0; i < a.size() && first_diff == a.size(); ++i) {
+    if (a[i] != b[i]) first_diff = i;
+  }
+  EXPECT_EQ(first_diff, a.size()) << "runtime-input launch differs from host-made scalars at byte "
+                                  << first_diff;
 }
 
 }  // namespace ferry

@@ -1,7 +1,8 @@
 // Tests of the CUDA backend: copies, streams, events, registration and errors on a real GPU, and the
 // kernels against the host backend bit for bit (LaunchAdam over 100 steps with every dtype pair and
-// mode, hundreds of odd-sized tensors plus one of more than 2^20 elements; LaunchConvert over every
-// 16-bit pattern and NaN/Inf/subnormal float32s). Skips when the build has no CUDA backend or no CUDA
+// mode, hundreds of odd-sized tensors plus one of more than 2^20 elements; LaunchAdamWith's runtime
+// inputs at every alignment; LaunchGradStats slot by slot; LaunchConvert over every 16-bit pattern and
+// NaN/Inf/subnormal float32s). Skips when the build has no CUDA backend or no CUDA
 // device is present.
 #include <cmath>
 #include <cstdint>
@@ -456,5 +457,147 @@ TEST_F(CudaDeviceTest, LaunchConvertEqualsHostBitForBit) {
 // The CUDA kernel against the float64 reference over 1,000 steps (the same check and bounds as the host
 // backend's HostAdamTest).
 TEST_F(CudaDeviceTest, LaunchAdamMatchesFloat64ReferenceOver1000Steps) { CheckLaunchAdamAgainstFloat64(*cuda_); }
+
+// LaunchAdamWith reading lr, step counts, the loss scale and the gradient check from device memory
+// equals LaunchAdam with host-made scalars, and a NaN/Inf gradient skips the whole step.
+TEST_F(CudaDeviceTest, LaunchAdamWithRuntimeInputsEqualsHostMadeScalars) { CheckAdamRuntimeInputs(*cuda_); }
+
+// The gradient check's kernels follow the canonical order: result and slots bit for bit.
+TEST_F(CudaDeviceTest, LaunchGradStatsFollowsTheCanonicalOrder) { CheckGradStatsAgainstCanonical(*cuda_); }
+
+// CUDA equals the host backend bit for bit with runtime inputs, for tensors whose arrays start at every
+// offset modulo the 16-byte vectors: all arrays in phase (vector path with a head of 0..3 elements) and
+// out of phase (element path).
+TEST_F(CudaDeviceTest, LaunchAdamWithEqualsHostAtAnyAlignment) {
+  std::mt19937_64 rng(std::random_device{}());
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  const DType kTypes[] = {DType::kF32, DType::kBF16, DType::kF16};
+  struct Arrays {
+    DeviceBuffer master, m, v, grad, param;
+  };
+  struct Tensor {
+    int64_t n;
+    DType gt, pt;
+    int offsets[5];  // elements, per array: master, m, v, grad, param
+    Arrays on[2];    // [0] host, [1] cuda
+  };
+  Device* devices[2] = {host_.get(), cuda_.get()};
+  std::unique_ptr<Stream> streams[2] = {NewStream(*host_), NewStream(*cuda_)};
+  std::vector<Tensor> tensors;
+  for (int k = 0; k < 72; ++k) {
+    Tensor t;
+    t.n = k % 9 == 0 ? 1 + k / 9 : 1 + static_cast<int64_t>(rng() % 30000);
+    t.gt = kTypes[k % 3];
+    t.pt = kTypes[(k / 3) % 3];
+    // Offsets of master, m, v, grad, param: all in phase (k % 8 < 4); the state in phase but the grad
+    // (k % 8 == 4) or the param (5) out of it; the state itself out of phase (6); anything (7).
+    const int phase = k % 4;
+    for (int a = 0; a < 5; ++a) t.offsets[a] = phase;
+    if (k % 8 == 4) t.offsets[3] = (phase + 1 + static_cast<int>(rng() % 3)) % 4;
+    if (k % 8 == 5) t.offsets[4] = (phase + 1 + static_cast<int>(rng() % 3)) % 4;
+    if (k % 8 == 6) t.offsets[1] = (phase + 2) % 4;
+    if (k % 8 == 7) {
+      for (int a = 0; a < 5; ++a) t.offsets[a] = static_cast<int>(rng() % 4);
+    }
+    tensors.push_back(std::move(t));
+  }
+  std::vector<AdamTensorArgs> args[2];
+  std::vector<GradTensorArgs> grads[2];
+  for (Tensor& t : tensors) {
+    const size_t n = static_cast<size_t>(t.n);
+    std::vector<float> init(n + 4), m(n + 4), v(n + 4);
+    for (size_t i = 0; i < n + 4; ++i) {
+      init[i] = normal(rng);
+      m[i] = 0.01f * normal(rng);
+      v[i] = 1e-4f * std::abs(normal(rng));
+    }
+    for (int d = 0; d < 2; ++d) {
+      Arrays& a = t.on[d];
+      a.master = Upload(*devices[d], init.data(), 4 * (n + 4));
+      a.m = Upload(*devices[d], m.data(), 4 * (n + 4));
+      a.v = Upload(*devices[d], v.data(), 4 * (n + 4));
+      a.grad = Alloc(*devices[d], DTypeSize(t.gt) * (n + 4));
+      const std::vector<uint8_t> zeros(DTypeSize(t.pt) * (n + 4), 0);  // the bytes around the param too
+      a.param = Upload(*devices[d], zeros.data(), zeros.size());
+      AdamTensorArgs x;
+      x.master = a.master.as<float>() + t.offsets[0];
+      x.exp_avg = a.m.as<float>() + t.offsets[1];
+      x.exp_avg_sq = a.v.as<float>() + t.offsets[2];
+      x.grad = a.grad.as<uint8_t>() + DTypeSize(t.gt) * static_cast<size_t>(t.offsets[3]);
+      x.param = a.param.as<uint8_t>() + DTypeSize(t.pt) * static_cast<size_t>(t.offsets[4]);
+      x.numel = t.n;
+      x.grad_dtype = t.gt;
+      x.param_dtype = t.pt;
+      x.scalars_index = static_cast<uint32_t>(args[d].size() % 3);
+      args[d].push_back(x);
+      grads[d].push_back(GradTensorArgs{x.grad, t.n, t.gt});
+    }
+  }
+  std::vector<AdamScalars> scalars;
+  for (int j = 0; j < 3; ++j) {
+    AdamHyper h;
+    h.lr = 1.0f;
+    h.weight_decay = 0.02f * static_cast<float>(j);
+    h.mode = j == 1 ? AdamMode::kAdamL2 : AdamMode::kAdamW;
+    h.bias_correction = j != 2;
+    scalars.push_back(MakeAdamScalars(h, 1));
+  }
+  DeviceBuffer inputs[2], steps[2], ws[2];
+  const size_t ws_bytes = GradStatsWorkspaceBytes(tensors.size());
+  AdamRuntimeArgs runtime[2];
+  for (int d = 0; d < 2; ++d) {
+    inputs[d] = Alloc(*devices[d], 16);
+    steps[d] = Alloc(*devices[d], 24);
+    ws[d] = Alloc(*devices[d], ws_bytes);
+    const int64_t zero[3] = {0, 0, 0};
+    FERRY_TEST_ASSERT_OK(devices[d]->Copy(steps[d].data(), zero, 24, CopyKind::kHostToDevice));
+    runtime[d].grad_stats = GradStatsResult(ws[d].data());
+    runtime[d].max_grad_norm = 20.0f;
+    runtime[d].lr = inputs[d].as<float>();
+    runtime[d].grad_scale = inputs[d].as<float>() + 3;
+    runtime[d].step = steps[d].as<int64_t>();
+  }
+  for (int step = 1; step <= 20; ++step) {
+    const float values[4] = {1e-3f, 2e-3f * static_cast<float>(step), 5e-4f, 512.0f};
+    std::vector<std::vector<uint8_t>> g(tensors.size());
+    for (size_t k = 0; k < tensors.size(); ++k) {
+      const Tensor& t = tensors[k];
+      g[k].resize(DTypeSize(t.gt) * static_cast<size_t>(t.n));
+      for (size_t i = 0; i < static_cast<size_t>(t.n); ++i)
+        StoreFromF32(g[k].data(), t.gt, i, 64.0f * normal(rng));
+    }
+    for (int d = 0; d < 2; ++d) {
+      FERRY_TEST_ASSERT_OK(devices[d]->Copy(inputs[d].data(), values, 16, CopyKind::kHostToDevice));
+      for (size_t k = 0; k < tensors.size(); ++k) {
+        FERRY_TEST_ASSERT_OK(devices[d]->Copy(const_cast<void*>(grads[d][k].grad), g[k].data(), g[k].size(),
+                                              CopyKind::kHostToDevice));
+      }
+      FERRY_TEST_ASSERT_OK(devices[d]->LaunchGradStats(grads[d], ws[d].data(), ws_bytes, *streams[d]));
+      FERRY_TEST_ASSERT_OK(devices[d]->LaunchAdamWith(args[d], scalars, runtime[d], *streams[d]));
+      FERRY_TEST_ASSERT_OK(streams[d]->Synchronize());
+    }
+  }
+  GradStats stats[2];
+  for (int d = 0; d < 2; ++d) {
+    FERRY_TEST_ASSERT_OK(
+        devices[d]->Copy(&stats[d], ws[d].data(), sizeof(GradStats), CopyKind::kDeviceToHost));
+  }
+  EXPECT_EQ(std::memcmp(&stats[0], &stats[1], sizeof(GradStats)), 0);
+  for (size_t k = 0; k < tensors.size(); ++k) {
+    const Tensor& t = tensors[k];
+    const std::string where = absl::StrCat("tensor ", k, " (n ", t.n, ", offsets ", t.offsets[0],
+                                           t.offsets[1], t.offsets[2], t.offsets[3], t.offsets[4], ")");
+    auto same = [&](const DeviceBuffer Arrays::*field, size_t bytes, const char* name) {
+      const std::vector<uint8_t> h = Download(*host_, (t.on[0].*field).data(), bytes);
+      const std::vector<uint8_t> c = Download(*cuda_, (t.on[1].*field).data(), bytes);
+      EXPECT_EQ(h, c) << where << " " << name;
+    };
+    const size_t n = static_cast<size_t>(t.n) + 4;
+    same(&Arrays::master, 4 * n, "master");
+    same(&Arrays::m, 4 * n, "exp_avg");
+    same(&Arrays::v, 4 * n, "exp_avg_sq");
+    same(&Arrays::param, DTypeSize(t.pt) * n, "param");
+  }
+}
 }  // namespace
 }  // namespace ferry

@@ -107,6 +107,63 @@ struct AdamTensorArgs {
   uint32_t scalars_index = 0;  // index into the launch's `scalars`
 };
 
+// Per-step inputs of Device::LaunchAdamWith that the kernel reads from device memory when it runs,
+// rather than values fixed at enqueue time, so one captured CUDA graph serves every step. Every pointer
+// is device memory and may be null (then the launch's AdamScalars are used as they are). When
+// grad_scale is set or max_grad_norm > 0, every tensor's gradient multiplier becomes
+// AdamGradMultiplier(*grad_scale or 1, grad_stats->sum_sq, max_grad_norm) (base/adam_math.h),
+// replacing AdamScalars::grad_multiplier: the rule CpuAdam::Step follows too.
+struct AdamRuntimeArgs {
+  // This step's gradient check (GradStatsResult of a LaunchGradStats workspace, enqueued before on the
+  // same stream, over the gradients of every group of the step). When found_inf is set the launch
+  // changes nothing (no master, moment, param or step count): the step is skipped, and found_inf, read
+  // back by the caller, is the report.
+  const GradStats* grad_stats = nullptr;
+  // With grad_stats: clip the unscaled gradients to this global L2 norm. 0: no clipping.
+  float max_grad_norm = 0.0f;
+  // The loss scale the gradients carry (they are divided by it). REQUIRES: *grad_scale > 0, finite.
+  const float* grad_scale = nullptr;
+  // [scalars.size()] learning rate of each scalar set, replacing AdamScalars::lr.
+  const float* lr = nullptr;
+  // [scalars.size()] steps completed by each scalar set: the update is step *step + 1 (its bias
+  // corrections replace the AdamScalars'), and after the update the launch increments every entry,
+  // unless the step was skipped.
+  int64_t* step = nullptr;
+
+  bool empty() const {
+    return grad_stats == nullptr && max_grad_norm == 0.0f && grad_scale == nullptr && lr == nullptr &&
+           step == nullptr;
+  }
+};
+
+// One gradient tensor of LaunchGradStats. Device memory, aligned to its element size.
+struct GradTensorArgs {
+  const void* grad = nullptr;
+  int64_t numel = 0;
+  DType dtype = DType::kF32;
+};
+
+// LaunchGradStats' device workspace: the GradStats result first (read it there, or pass
+// GradStatsResult(workspace) to LaunchAdamWith), then scratch. Its size for `num_tensors` tensors.
+inline constexpr size_t kGradStatsResultBytes = 64;
+inline constexpr size_t kGradStatsSlotBytes = 8 * 1024;  // one double per slot (base/adam_element.h)
+inline constexpr size_t kGradStatsTensorBytes = 32;
+inline constexpr size_t GradStatsWorkspaceBytes(size_t num_tensors) {
+  return kGradStatsResultBytes + kGradStatsSlotBytes + kGradStatsTensorBytes * num_tensors;
+}
+inline const GradStats* GradStatsResult(const void* workspace) {
+  return static_cast<const GradStats*>(workspace);
+}
+
+// The checks both backends make before enqueueing LaunchAdamWith's runtime inputs: pointers aligned,
+// max_grad_norm finite and >= 0 and only with grad_stats. Errors name the field.
+absl::Status ValidateAdamRuntimeArgs(const AdamRuntimeArgs& runtime);
+// The checks both backends make before enqueueing LaunchGradStats: numel >= 0, valid dtypes, non-empty
+// grads non-null and aligned, the workspace non-null, 8-byte aligned and at least
+// GradStatsWorkspaceBytes(grads.size()) bytes. Errors name the tensor's index.
+absl::Status ValidateGradStatsArgs(absl::Span<const GradTensorArgs> grads, const void* workspace,
+                                   size_t workspace_bytes);
+
 // The checks both backends make before enqueueing LaunchAdam: every scalars_index in range, numel >= 0,
 // master/exp_avg/exp_avg_sq/grad non-null and aligned to their element size when numel > 0 (param may
 // be null), valid dtypes and modes. Errors name the tensor's index in `tensors`.
@@ -165,6 +222,22 @@ class Device {
   // One fused launch updates every tensor: master, m, v in place and param = master rounded.
   virtual absl::Status LaunchAdam(absl::Span<const AdamTensorArgs> tensors,
                                   absl::Span<const AdamScalars> scalars, Stream& stream) = 0;
+  // LaunchAdam with per-step inputs read from device memory when the kernel runs (AdamRuntimeArgs):
+  // the step's gradient check (a skip when it found NaN or Inf), loss-scale unscaling, global-norm
+  // clipping, and device-resident learning rates and step counts. Graph-capturable on CUDA: nothing is
+  // allocated and nothing waits for the device. Bit-identical to CpuAdam on the same inputs.
+  // The default implementation serves backends without it: with empty `runtime` it is LaunchAdam,
+  // otherwise Unimplemented.
+  virtual absl::Status LaunchAdamWith(absl::Span<const AdamTensorArgs> tensors,
+                                      absl::Span<const AdamScalars> scalars, const AdamRuntimeArgs& runtime,
+                                      Stream& stream);
+  // The gradient check over `grads`: writes GradStats (the sum of squares in base/adam_element.h's
+  // canonical order, so the same bits as CpuAdam::ComputeGradStats, and found_inf) at the start of
+  // `workspace` (device memory of GradStatsWorkspaceBytes(grads.size()) bytes, 8-byte aligned, owned by
+  // the caller and untouched by others until the launch completed). Graph-capturable on CUDA. Default
+  // implementation: Unimplemented.
+  virtual absl::Status LaunchGradStats(absl::Span<const GradTensorArgs> grads, void* workspace,
+                                       size_t workspace_bytes, Stream& stream);
   // dst[i] = src[i] converted from `src_dtype` to `dst_dtype` (round to nearest even), device memory.
   virtual absl::Status LaunchConvert(void* dst, DType dst_dtype, const void* src, DType src_dtype,
                                      int64_t numel, Stream& stream) = 0;

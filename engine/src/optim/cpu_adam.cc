@@ -1,47 +1,345 @@
 #include "optim/cpu_adam.h"
 
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <string>
 #include <vector>
 
+#if defined(__x86_64__)
+#include <xmmintrin.h>
+#endif
+
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "base/absl_compat.h"
 #include "base/adam_element.h"
+#include "ferry/status.h"
+#include "optim/cpu_adam_kernels.h"
 
 namespace ferry {
 
-CpuAdam::CpuAdam(ThreadPool* pool, int64_t block_elements)
-    : pool_(pool), block_elements_(block_elements > 0 ? block_elements : (1 << 16)) {}
+namespace cpu_adam_internal {
 
-void CpuAdam::StepSerial(const CpuAdamTensor& t, int64_t begin, int64_t end) {
-  const AdamScalars s = *t.scalars;
+void AdamRangeScalar(const CpuAdamTensor& t, const AdamScalars& s, int64_t begin, int64_t end) {
   for (int64_t i = begin; i < end; ++i) {
-    const size_t k = static_cast<size_t>(i);
-    AdamStepElement(s, t.master, t.exp_avg, t.exp_avg_sq, t.grad, t.grad_dtype, t.param, t.param_dtype, k);
+    AdamStepElement(s, t.master, t.exp_avg, t.exp_avg_sq, t.grad, t.grad_dtype, t.param, t.param_dtype,
+                    static_cast<size_t>(i));
   }
 }
 
+void GradChunkScalar(const void* chunk, DType dtype, double* lanes) {
+  GradStatsAddChunk(chunk, dtype, 0, kGradStatsChunk, lanes);
+}
+
+}  // namespace cpu_adam_internal
+
+namespace {
+
+using cpu_adam_internal::AdamRangeFn;
+using cpu_adam_internal::GradChunkFn;
+
+// Tasks per participating thread: a few, so a thread slowed by something else does not hold up the
+// step (tasks are claimed as threads become free).
+constexpr int64_t kTasksPerThread = 4;
+
+// The floating-point environment the kernels need, for the lifetime of the guard: round to nearest,
+// all exceptions masked, no flush-to-zero, no denormals-are-zero (a trainer may have set FTZ/DAZ on its
+// threads; the SIMD conversions and arithmetic would then differ from the scalar path and the GPU).
+class ScopedDefaultFloatEnv {
+ public:
+#if defined(__x86_64__)
+  ScopedDefaultFloatEnv() : saved_(_mm_getcsr()) { _mm_setcsr(kDefaultMxcsr); }
+  ~ScopedDefaultFloatEnv() { _mm_setcsr(saved_); }
+
+ private:
+  static constexpr unsigned kDefaultMxcsr = 0x1F80;  // all exceptions masked, nearest, no FTZ/DAZ
+  unsigned saved_;
+#else
+  ScopedDefaultFloatEnv() = default;
+#endif
+};
+
+bool ValidDType(DType t) { return t == DType::kF32 || t == DType::kBF16 || t == DType::kF16; }
+
+absl::Status CheckPointer(const void* p, size_t alignment, size_t index, absl::string_view what,
+                          absl::string_view op) {
+  if (p == nullptr)
+    return absl::InvalidArgumentError(absl::StrCat(op, ": tensor ", index, " has a null ", what));
+  if (reinterpret_cast<uintptr_t>(p) % alignment != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(op, ": tensor ", index, " ", what, " (", absl::Hex(reinterpret_cast<uintptr_t>(p)),
+                     ") is not aligned to its element size of ", alignment, " bytes"));
+  }
+  return absl::OkStatus();
+}
+
+AdamRangeFn RangeFn(CpuAdamIsa isa) {
+  switch (isa) {
+#if defined(__x86_64__)
+    case CpuAdamIsa::kAvx2: return &cpu_adam_internal::AdamRangeAvx2;
+    case CpuAdamIsa::kAvx512: return &cpu_adam_internal::AdamRangeAvx512;
+    case CpuAdamIsa::kAvx512Bf16: return &cpu_adam_internal::AdamRangeAvx512Bf16;
+#endif
+    default: return &cpu_adam_internal::AdamRangeScalar;
+  }
+}
+
+GradChunkFn ChunkFn(CpuAdamIsa isa) {
+  switch (isa) {
+#if defined(__x86_64__)
+    case CpuAdamIsa::kAvx2: return &cpu_adam_internal::GradChunkAvx2;
+    case CpuAdamIsa::kAvx512:
+    case CpuAdamIsa::kAvx512Bf16: return &cpu_adam_internal::GradChunkAvx512;
+#endif
+    default: return &cpu_adam_internal::GradChunkScalar;
+  }
+}
+
+// The ISA to use for `requested` (kAuto: FERRY_CPU_ADAM, else the best), or why it cannot be used.
+absl::StatusOr<CpuAdamIsa> ResolveIsa(CpuAdamIsa requested) {
+  std::string source = "CpuAdamOptions::isa";
+  if (requested == CpuAdamIsa::kAuto) {
+    const char* env = std::getenv("FERRY_CPU_ADAM");
+    if (env == nullptr || *env == '\0') return BestCpuAdamIsa();
+    absl::StatusOr<CpuAdamIsa> parsed = ParseCpuAdamIsa(env);
+    if (!parsed.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("FERRY_CPU_ADAM: ", parsed.status().message()));
+    }
+    if (*parsed == CpuAdamIsa::kAuto) return BestCpuAdamIsa();
+    requested = *parsed;
+    source = "FERRY_CPU_ADAM";
+  }
+  if (!CpuSupportsAdamIsa(requested)) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        source, "=", ToAbsl(CpuAdamIsaName(requested)),
+        " but this CPU does not support it (best: ", ToAbsl(CpuAdamIsaName(BestCpuAdamIsa())), ")"));
+  }
+  return requested;
+}
+
+}  // namespace
+
+std::string_view CpuAdamIsaName(CpuAdamIsa isa) {
+  switch (isa) {
+    case CpuAdamIsa::kAuto: return "auto";
+    case CpuAdamIsa::kScalar: return "scalar";
+    case CpuAdamIsa::kAvx2: return "avx2";
+    case CpuAdamIsa::kAvx512: return "avx512";
+    case CpuAdamIsa::kAvx512Bf16: return "avx512bf16";
+  }
+  return "invalid";
+}
+
+absl::StatusOr<CpuAdamIsa> ParseCpuAdamIsa(std::string_view name) {
+  const std::string n = absl::AsciiStrToLower(ToAbsl(name));
+  for (CpuAdamIsa isa : {CpuAdamIsa::kAuto, CpuAdamIsa::kScalar, CpuAdamIsa::kAvx2, CpuAdamIsa::kAvx512,
+                         CpuAdamIsa::kAvx512Bf16}) {
+    if (n == CpuAdamIsaName(isa)) return isa;
+  }
+  return absl::InvalidArgumentError(absl::StrCat("unknown CPU Adam implementation '", ToAbsl(name),
+                                                 "' (expected auto, scalar, avx2, avx512 or avx512bf16)"));
+}
+
+bool CpuSupportsAdamIsa(CpuAdamIsa isa) {
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  const bool avx2 =
+      __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  switch (isa) {
+    case CpuAdamIsa::kAuto:
+    case CpuAdamIsa::kScalar: return true;
+    case CpuAdamIsa::kAvx2: return avx2;
+    case CpuAdamIsa::kAvx512: return avx512;
+    case CpuAdamIsa::kAvx512Bf16: return avx512 && __builtin_cpu_supports("avx512bf16");
+  }
+  return false;
+#else
+  return isa == CpuAdamIsa::kAuto || isa == CpuAdamIsa::kScalar;
+#endif
+}
+
+CpuAdamIsa BestCpuAdamIsa() {
+  for (CpuAdamIsa isa : {CpuAdamIsa::kAvx512Bf16, CpuAdamIsa::kAvx512, CpuAdamIsa::kAvx2}) {
+    if (CpuSupportsAdamIsa(isa)) return isa;
+  }
+  return CpuAdamIsa::kScalar;
+}
+
+CpuAdam::CpuAdam(ThreadPool* pool, int64_t block_elements)
+    : CpuAdam(pool, CpuAdamOptions{.isa = CpuAdamIsa::kAuto, .block_elements = block_elements}) {}
+
+CpuAdam::CpuAdam(ThreadPool* pool, const CpuAdamOptions& options)
+    : pool_(pool), block_elements_(options.block_elements > 0 ? options.block_elements : (1 << 16)) {
+  absl::StatusOr<CpuAdamIsa> isa = ResolveIsa(options.isa);
+  if (isa.ok()) {
+    isa_ = *isa;
+  } else {
+    init_status_ = isa.status();
+  }
+}
+
+void CpuAdam::StepSerial(const CpuAdamTensor& t, int64_t begin, int64_t end) {
+  cpu_adam_internal::AdamRangeScalar(t, *t.scalars, begin, end);
+}
+
 absl::Status CpuAdam::Step(absl::Span<const CpuAdamTensor> tensors) {
-  struct Block {
-    size_t tensor;
-    int64_t begin;
-    int64_t end;
-  };
-  std::vector<Block> blocks;
+  return Step(tensors, CpuAdamStepOptions{}).status();
+}
+
+absl::StatusOr<CpuAdamStepResult> CpuAdam::Step(absl::Span<const CpuAdamTensor> tensors,
+                                                const CpuAdamStepOptions& options) {
+  FERRY_RETURN_IF_ERROR(init_status_);
   for (size_t i = 0; i < tensors.size(); ++i) {
     const CpuAdamTensor& t = tensors[i];
-    if (t.numel < 0) return absl::InvalidArgumentError(absl::StrCat("CpuAdam: tensor ", i, " has negative length"));
-    if (t.numel == 0) continue;
-    if (t.master == nullptr || t.exp_avg == nullptr || t.exp_avg_sq == nullptr || t.grad == nullptr ||
-        t.scalars == nullptr) {
-      return absl::InvalidArgumentError(absl::StrCat("CpuAdam: tensor ", i, " has a null pointer"));
+    if (t.numel < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("CpuAdam::Step: tensor ", i, " has negative length ", t.numel));
     }
-    for (int64_t b = 0; b < t.numel; b += block_elements_) {
-      blocks.push_back(Block{i, b, std::min(t.numel, b + block_elements_)});
+    if (!ValidDType(t.grad_dtype) || !ValidDType(t.param_dtype)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("CpuAdam::Step: tensor ", i, " has an invalid dtype (grad ",
+                       static_cast<int>(t.grad_dtype), ", param ", static_cast<int>(t.param_dtype), ")"));
+    }
+    if (t.numel == 0) continue;
+    if (t.scalars == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat("CpuAdam::Step: tensor ", i, " has a null scalars"));
+    }
+    if (t.scalars->mode != AdamMode::kAdamW && t.scalars->mode != AdamMode::kAdamL2) {
+      return absl::InvalidArgumentError(absl::StrCat("CpuAdam::Step: tensor ", i, " has an invalid mode ",
+                                                     static_cast<int>(t.scalars->mode)));
+    }
+    FERRY_RETURN_IF_ERROR(CheckPointer(t.master, 4, i, "master", "CpuAdam::Step"));
+    FERRY_RETURN_IF_ERROR(CheckPointer(t.exp_avg, 4, i, "exp_avg", "CpuAdam::Step"));
+    FERRY_RETURN_IF_ERROR(CheckPointer(t.exp_avg_sq, 4, i, "exp_avg_sq", "CpuAdam::Step"));
+    FERRY_RETURN_IF_ERROR(CheckPointer(t.grad, DTypeSize(t.grad_dtype), i, "grad", "CpuAdam::Step"));
+    if (t.param != nullptr) {
+      FERRY_RETURN_IF_ERROR(CheckPointer(t.param, DTypeSize(t.param_dtype), i, "param", "CpuAdam::Step"));
     }
   }
-  pool_->ParallelFor(blocks.size(), [&](size_t k) {
-    const Block& b = blocks[k];
-    StepSerial(tensors[b.tensor], b.begin, b.end);
+  if (!(options.grad_scale >= 0.0f) || !(options.grad_scale <= 3.4028234663852886e38f)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "CpuAdam::Step: grad_scale must be finite and > 0 (or 0 for none), got ", options.grad_scale));
+  }
+  if (!(options.max_grad_norm >= 0.0f)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("CpuAdam::Step: max_grad_norm must be >= 0, got ", options.max_grad_norm));
+  }
+  if (options.max_grad_norm > 0.0f && options.grad_stats == nullptr && !options.check_grads) {
+    return absl::InvalidArgumentError(
+        "CpuAdam::Step: max_grad_norm needs the gradient check (grad_stats or check_grads)");
+  }
+
+  CpuAdamStepResult result;
+  const GradStats* stats = options.grad_stats;
+  if (stats == nullptr && options.check_grads) {
+    std::vector<CpuGradTensor> grads;
+    grads.reserve(tensors.size());
+    for (const CpuAdamTensor& t : tensors) grads.push_back(CpuGradTensor{t.grad, t.numel, t.grad_dtype});
+    FERRY_ASSIGN_OR_RETURN(result.grad_stats, ComputeGradStats(grads));
+    stats = &result.grad_stats;
+  } else if (stats != nullptr) {
+    result.grad_stats = *stats;
+  }
+  if (stats != nullptr && stats->found_inf != 0) {
+    result.skipped = true;
+    return result;
+  }
+
+  std::vector<AdamScalars> scalars(tensors.size());
+  const bool set_multiplier = options.grad_scale > 0.0f || options.max_grad_norm > 0.0f;
+  const float multiplier =
+      set_multiplier ? AdamGradMultiplier(options.grad_scale > 0.0f ? options.grad_scale : 1.0f,
+                                          stats != nullptr ? stats->sum_sq : 0.0, options.max_grad_norm)
+                     : 1.0f;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    if (tensors[i].numel == 0) continue;
+    scalars[i] = *tensors[i].scalars;
+    if (set_multiplier) scalars[i].grad_multiplier = multiplier;
+  }
+  FERRY_RETURN_IF_ERROR(Run(tensors, scalars));
+  return result;
+}
+
+absl::Status CpuAdam::Run(absl::Span<const CpuAdamTensor> tensors, absl::Span<const AdamScalars> scalars) {
+  // Work is the tensors' elements laid end to end, cut into equal contiguous ranges: each thread walks
+  // memory sequentially, and a range covers several tensors when they are small.
+  std::vector<int64_t> ends(tensors.size());  // running end of each tensor in the joined range
+  int64_t total = 0;
+  for (size_t i = 0; i < tensors.size(); ++i) ends[i] = total += tensors[i].numel;
+  if (total == 0) return absl::OkStatus();
+  const int64_t participants = static_cast<int64_t>(pool_->num_threads()) + 1;
+  const int64_t num_tasks = std::max<int64_t>(
+      1, std::min((total + block_elements_ - 1) / block_elements_, kTasksPerThread * participants));
+  const AdamRangeFn range_fn = RangeFn(isa_);
+  pool_->ParallelFor(static_cast<size_t>(num_tasks), [&](size_t task) {
+    const ScopedDefaultFloatEnv float_env;
+    const int64_t lo = total * static_cast<int64_t>(task) / num_tasks;
+    const int64_t hi = total * (static_cast<int64_t>(task) + 1) / num_tasks;
+    size_t i = static_cast<size_t>(std::upper_bound(ends.begin(), ends.end(), lo) - ends.begin());
+    for (int64_t at = lo; at < hi && i < tensors.size(); ++i) {
+      const int64_t start = ends[i] - tensors[i].numel;
+      const int64_t stop = std::min(ends[i], hi);
+      if (stop > at) range_fn(tensors[i], scalars[i], at - start, stop - start);
+      at = stop;
+    }
   });
   return absl::OkStatus();
+}
+
+absl::StatusOr<GradStats> CpuAdam::ComputeGradStats(absl::Span<const CpuGradTensor> grads) {
+  FERRY_RETURN_IF_ERROR(init_status_);
+  std::vector<const void*> ptrs;
+  std::vector<DType> dtypes;
+  std::vector<int64_t> numel, first_chunk;
+  int64_t chunks = 0;
+  for (size_t i = 0; i < grads.size(); ++i) {
+    const CpuGradTensor& g = grads[i];
+    if (g.numel < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("CpuAdam::ComputeGradStats: tensor ", i, " has negative length ", g.numel));
+    }
+    if (!ValidDType(g.dtype)) {
+      return absl::InvalidArgumentError(absl::StrCat("CpuAdam::ComputeGradStats: tensor ", i,
+                                                     " has an invalid dtype ", static_cast<int>(g.dtype)));
+    }
+    if (g.numel == 0) continue;
+    FERRY_RETURN_IF_ERROR(CheckPointer(g.grad, DTypeSize(g.dtype), i, "grad", "CpuAdam::ComputeGradStats"));
+    ptrs.push_back(g.grad);
+    dtypes.push_back(g.dtype);
+    numel.push_back(g.numel);
+    first_chunk.push_back(chunks);
+    chunks += GradStatsChunks(g.numel);
+  }
+  std::vector<double> slots(kGradStatsSlots, 0.0);
+  if (chunks > 0) {
+    const GradChunkFn chunk_fn = ChunkFn(isa_);
+    // Slots are independent; a task takes a contiguous run of them (a contiguous stretch of memory).
+    const int64_t participants = static_cast<int64_t>(pool_->num_threads()) + 1;
+    const int64_t num_tasks =
+        std::min<int64_t>(std::min<int64_t>(kGradStatsSlots, chunks), kTasksPerThread * participants);
+    pool_->ParallelFor(static_cast<size_t>(num_tasks), [&](size_t task) {
+      const ScopedDefaultFloatEnv float_env;
+      const int first = static_cast<int>(kGradStatsSlots * static_cast<int64_t>(task) / num_tasks);
+      const int last = static_cast<int>(kGradStatsSlots * (static_cast<int64_t>(task) + 1) / num_tasks);
+      for (int slot = first; slot < last; ++slot) {
+        slots[static_cast<size_t>(slot)] =
+            GradStatsSlotValue(first_chunk.data(), numel.data(), numel.size(), chunks, slot,
+                               [&](size_t tensor, int64_t begin, int64_t len, double* lanes) {
+                                 if (len == kGradStatsChunk) {
+                                   const char* base = static_cast<const char*>(ptrs[tensor]);
+                                   chunk_fn(base + static_cast<size_t>(begin) * DTypeSize(dtypes[tensor]),
+                                            dtypes[tensor], lanes);
+                                 } else {
+                                   GradStatsAddChunk(ptrs[tensor], dtypes[tensor], begin, len, lanes);
+                                 }
+                               });
+      }
+    });
+  }
+  return GradStatsOfSum(GradStatsTree(slots.data(), kGradStatsSlots));
 }
 
 }  // namespace ferry

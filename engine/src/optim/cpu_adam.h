@@ -1,10 +1,25 @@
-// Adam / AdamW on the CPU, over base/adam_math.h's element update.
+// Adam / AdamW on the CPU, over base/adam_math.h's element update, and the CPU's gradient check.
+//
+// Three implementations of the element loop, chosen at run time by the CPU's features: AVX-512 (with
+// AVX512-BF16 conversions where present), AVX2 + FMA + F16C, and scalar. All produce bit-identical
+// results: the SIMD paths compile the same generic update (base/adam_update.inc) for their vectors, and
+// their dtype conversions equal ferry/dtype.h's bit for bit (NaN, subnormals and overflow included).
+// Work is split into contiguous ranges handed to the thread pool; each element's update is independent,
+// so the result does not depend on the split or the thread count. The gradient check sums in the
+// canonical order of base/adam_element.h, so it too is the same bits on every path and thread count,
+// and equal to Device::LaunchGradStats on any backend.
+//
+// The SIMD paths round exactly like the scalar one only under the default floating-point environment;
+// each worker sets it (round to nearest, no flush-to-zero, no denormals-are-zero) for the duration of
+// its work and restores the caller's afterwards.
 #ifndef FERRY_OPTIM_CPU_ADAM_H_
 #define FERRY_OPTIM_CPU_ADAM_H_
 
 #include <cstdint>
+#include <string_view>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "base/adam_math.h"
 #include "base/thread_pool.h"
@@ -12,7 +27,8 @@
 
 namespace ferry {
 
-// One contiguous range of a tensor to update. All pointers are host memory.
+// One contiguous range of a tensor to update. All pointers are host memory, aligned to their element
+// size.
 struct CpuAdamTensor {
   float* master = nullptr;
   float* exp_avg = nullptr;
@@ -25,23 +41,96 @@ struct CpuAdamTensor {
   const AdamScalars* scalars = nullptr;  // this tensor's per-step scalars
 };
 
-// CpuAdam updates many tensors on a thread pool. Work is split into fixed blocks of elements, so the
-// result does not depend on the number of threads (each element's update is independent anyway).
-// One thread at a time per object; the pool may be shared.
+// One gradient tensor of a gradient check. Host memory, aligned to its element size.
+struct CpuGradTensor {
+  const void* grad = nullptr;
+  int64_t numel = 0;
+  DType dtype = DType::kF32;
+};
+
+// The implementations of the element loop.
+enum class CpuAdamIsa : uint8_t {
+  kAuto = 0,       // FERRY_CPU_ADAM when set, else the best this CPU supports
+  kScalar = 1,     // plain C++ (the reference)
+  kAvx2 = 2,       // AVX2 + FMA + F16C
+  kAvx512 = 3,     // AVX-512 F/BW/VL/DQ; bf16 conversions in integer arithmetic
+  kAvx512Bf16 = 4  // kAvx512 with AVX512-BF16's hardware fp32 -> bf16 conversion
+};
+// "auto", "scalar", "avx2", "avx512", "avx512bf16".
+std::string_view CpuAdamIsaName(CpuAdamIsa isa);
+// Parses the names above (the values of FERRY_CPU_ADAM).
+absl::StatusOr<CpuAdamIsa> ParseCpuAdamIsa(std::string_view name);
+// True when this CPU can run `isa` (kAuto and kScalar: always).
+bool CpuSupportsAdamIsa(CpuAdamIsa isa);
+// The fastest implementation this CPU supports.
+CpuAdamIsa BestCpuAdamIsa();
+
+struct CpuAdamOptions {
+  // kAuto: the environment variable FERRY_CPU_ADAM (scalar|avx2|avx512|avx512bf16|auto) when set,
+  // else the best this CPU supports. Anything else forces that implementation (tests, benchmarks).
+  CpuAdamIsa isa = CpuAdamIsa::kAuto;
+  // The smallest range handed to one thread (elements).
+  int64_t block_elements = 1 << 16;
+};
+
+// Per-step inputs of Step beyond the tensors' AdamScalars (all optional).
+struct CpuAdamStepOptions {
+  // The gradient check of this step (from ComputeGradStats, or Device::LaunchGradStats copied to host
+  // memory), covering every group of the step. When found_inf is set, Step changes nothing and
+  // reports the skip.
+  const GradStats* grad_stats = nullptr;
+  // With no grad_stats: run ComputeGradStats over the tensors' own gradients first.
+  bool check_grads = false;
+  // The loss scale the gradients carry (> 0), or 0 for none.
+  float grad_scale = 0.0f;
+  // Clip the unscaled gradients to this global L2 norm (needs grad_stats or check_grads); 0: no clip.
+  float max_grad_norm = 0.0f;
+  // When grad_scale > 0 or max_grad_norm > 0, every tensor's gradient multiplier is replaced by
+  // AdamGradMultiplier(grad_scale or 1, sum_sq, max_grad_norm) (the same rule as
+  // Device::LaunchAdamWith, so both give the same bits).
+};
+
+struct CpuAdamStepResult {
+  bool skipped = false;    // a NaN or Inf gradient was found: nothing was changed
+  GradStats grad_stats{};  // the gradient check used (zero when none)
+};
+
+// CpuAdam updates many tensors on a thread pool. One thread at a time per object; the pool may be
+// shared (but not called from one of its own tasks).
 class CpuAdam final {
  public:
   // REQUIRES: `pool` outlives this object.
   explicit CpuAdam(ThreadPool* pool, int64_t block_elements = 1 << 16);
+  CpuAdam(ThreadPool* pool, const CpuAdamOptions& options);
 
-  // Updates every tensor in place. Errors (nothing changed): a null pointer or a negative length.
+  // The implementation in use. When the one asked for (options or FERRY_CPU_ADAM) is unknown or not
+  // supported by this CPU, init_status() says so, every call fails with it, and isa() is kScalar.
+  CpuAdamIsa isa() const { return isa_; }
+  const absl::Status& init_status() const { return init_status_; }
+
+  // Updates every tensor in place. Errors (nothing changed): a null or misaligned pointer, a negative
+  // length.
   absl::Status Step(absl::Span<const CpuAdamTensor> tensors);
+  // The same with the step's gradient check, unscaling and clipping (see CpuAdamStepOptions).
+  // Errors (nothing changed): as above, and options out of range (grad_scale < 0, max_grad_norm < 0,
+  // clipping without a gradient check).
+  absl::StatusOr<CpuAdamStepResult> Step(absl::Span<const CpuAdamTensor> tensors,
+                                         const CpuAdamStepOptions& options);
 
-  // The same update on the calling thread only (for tests and tiny tensors).
+  // The gradient check over `grads` (the sum of squares in the canonical order, and whether any
+  // element is NaN or Inf). Errors: a null or misaligned pointer, a negative length.
+  absl::StatusOr<GradStats> ComputeGradStats(absl::Span<const CpuGradTensor> grads);
+
+  // The scalar update of elements [begin, end) of `t` on the calling thread (the reference path).
   static void StepSerial(const CpuAdamTensor& t, int64_t begin, int64_t end);
 
  private:
+  absl::Status Run(absl::Span<const CpuAdamTensor> tensors, absl::Span<const AdamScalars> scalars);
+
   ThreadPool* pool_;
   int64_t block_elements_;
+  CpuAdamIsa isa_ = CpuAdamIsa::kScalar;
+  absl::Status init_status_;
 };
 
 }  // namespace ferry

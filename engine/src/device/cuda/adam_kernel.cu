@@ -1,13 +1,103 @@
-// The fused multi-tensor Adam kernel. The element update is base/adam_math.h's AdamUpdate, the same
-// function the host backend and the CPU kernels call; the build compiles this file with --fmad=false,
-// and sqrtf and division are IEEE-rounded by default, so the results equal the host's bit for bit.
+// The fused multi-tensor Adam kernel and the gradient check. The element update is base/adam_math.h's
+// AdamUpdate, the same function the host backend and the CPU kernels run (the CPU SIMD paths compile
+// its generic template for vectors); the build compiles this file with --fmad=false, and sqrtf and
+// division are IEEE-rounded by default, so the results equal the host's bit for bit. The gradient check
+// follows base/adam_element.h's canonical order, so its sum is the CPU's bit for bit too.
+#include <cstdint>
+
 #include "base/adam_element.h"
+#include "base/adam_math.h"
 #include "device/cuda/kernels.h"
+#include "ferry/dtype.h"
 
 namespace ferry::cuda_kernels {
 namespace {
 
+// Elements e .. e+3 as floats: one 16-byte load for f32, one 8-byte load for the 16-bit types.
+// REQUIRES: the 4 elements aligned accordingly.
+__device__ __forceinline__ void Load4(const void* base, DType t, int64_t e, float out[4]) {
+  if (t == DType::kF32) {
+    const float4 x = *reinterpret_cast<const float4*>(static_cast<const float*>(base) + e);
+    out[0] = x.x;
+    out[1] = x.y;
+    out[2] = x.z;
+    out[3] = x.w;
+    return;
+  }
+  const uint2 x = *reinterpret_cast<const uint2*>(static_cast<const uint16_t*>(base) + e);
+  const uint16_t h[4] = {static_cast<uint16_t>(x.x & 0xffffu), static_cast<uint16_t>(x.x >> 16),
+                         static_cast<uint16_t>(x.y & 0xffffu), static_cast<uint16_t>(x.y >> 16)};
+  for (int j = 0; j < 4; ++j) out[j] = t == DType::kBF16 ? BF16ToF32(h[j]) : F16ToF32(h[j]);
+}
+
+// Elements e .. e+3 rounded to `t` (StoreFromF32's conversions), one 16- or 8-byte store.
+__device__ __forceinline__ void Store4(void* base, DType t, int64_t e, const float v[4]) {
+  if (t == DType::kF32) {
+    *reinterpret_cast<float4*>(static_cast<float*>(base) + e) = make_float4(v[0], v[1], v[2], v[3]);
+    return;
+  }
+  uint32_t h[4];
+  for (int j = 0; j < 4; ++j) h[j] = t == DType::kBF16 ? F32ToBF16(v[j]) : F32ToF16(v[j]);
+  *reinterpret_cast<uint2*>(static_cast<uint16_t*>(base) + e) =
+      make_uint2(h[0] | (h[1] << 16), h[2] | (h[3] << 16));
+}
+
+__device__ __forceinline__ void Element(const AdamScalars& s, const AdamTensorDesc& t, int64_t i) {
+  AdamStepElement(s, t.master, t.exp_avg, t.exp_avg_sq, t.grad, t.grad_dtype, t.param, t.param_dtype,
+                  static_cast<size_t>(i));
+}
+
+// Elements e .. e+3: the fp32 state through 16-byte loads and stores, grad and param too when aligned.
+// REQUIRES: e - vec_head is a multiple of 4.
+__device__ __forceinline__ void Group4(const AdamScalars& s, const AdamTensorDesc& t, int64_t e) {
+  float4 p = *reinterpret_cast<const float4*>(t.master + e);
+  float4 m = *reinterpret_cast<const float4*>(t.exp_avg + e);
+  float4 v = *reinterpret_cast<const float4*>(t.exp_avg_sq + e);
+  float g[4];
+  if (t.grad_vec != 0) {
+    Load4(t.grad, t.grad_dtype, e, g);
+  } else {
+    for (int j = 0; j < 4; ++j) g[j] = LoadAsF32(t.grad, t.grad_dtype, static_cast<size_t>(e + j));
+  }
+  AdamUpdate(s, p.x, m.x, v.x, g[0]);
+  AdamUpdate(s, p.y, m.y, v.y, g[1]);
+  AdamUpdate(s, p.z, m.z, v.z, g[2]);
+  AdamUpdate(s, p.w, m.w, v.w, g[3]);
+  *reinterpret_cast<float4*>(t.master + e) = p;
+  *reinterpret_cast<float4*>(t.exp_avg + e) = m;
+  *reinterpret_cast<float4*>(t.exp_avg_sq + e) = v;
+  if (t.param != nullptr) {
+    const float out[4] = {p.x, p.y, p.z, p.w};
+    if (t.param_vec != 0) {
+      Store4(t.param, t.param_dtype, e, out);
+    } else {
+      for (int j = 0; j < 4; ++j) StoreFromF32(t.param, t.param_dtype, static_cast<size_t>(e + j), out[j]);
+    }
+  }
+}
+
 __global__ void __launch_bounds__(kAdamThreads) AdamKernel(const AdamLaunchParams p) {
+  // A gradient check that found NaN or Inf skips the whole step: nothing is written.
+  if (p.grad_stats != nullptr && p.grad_stats->found_inf != 0) return;
+  // The scalar sets with the values read now (learning rates, step counts, the gradient multiplier),
+  // once per block.
+  __shared__ AdamScalars scalars[kAdamMaxScalars];
+  if (static_cast<int>(threadIdx.x) < p.num_scalars) {
+    AdamScalars s = p.scalars[threadIdx.x];
+    const bool set_multiplier = p.grad_scale != nullptr || p.max_grad_norm > 0.0f;
+    float multiplier = 1.0f;
+    if (set_multiplier) {
+      multiplier = AdamGradMultiplier(p.grad_scale != nullptr ? *p.grad_scale : 1.0f,
+                                      p.grad_stats != nullptr ? p.grad_stats->sum_sq : 0.0, p.max_grad_norm);
+    }
+    const uint32_t global = p.scalars_global[threadIdx.x];
+    AdamApplyRuntime(s, p.lr != nullptr ? p.lr + global : nullptr,
+                     p.step != nullptr ? p.step + global : nullptr, set_multiplier ? &multiplier : nullptr);
+    scalars[threadIdx.x] = s;
+  }
+  __syncthreads();
+
+  const int64_t tid = threadIdx.x;
   for (int64_t chunk = blockIdx.x; chunk < p.total_chunks; chunk += gridDim.x) {
     // The tensor owning `chunk`: the last one whose first_chunk <= chunk.
     int lo = 0;
@@ -21,20 +111,136 @@ __global__ void __launch_bounds__(kAdamThreads) AdamKernel(const AdamLaunchParam
       }
     }
     const AdamTensorDesc& t = p.tensors[lo];
-    const AdamScalars& s = p.scalars[t.scalars_index];
+    const AdamScalars& s = scalars[t.scalars_index];
     const int64_t begin = (chunk - t.first_chunk) * kAdamChunkElems;
     const int64_t end = begin + kAdamChunkElems < t.numel ? begin + kAdamChunkElems : t.numel;
-    for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) {
-      const size_t k = static_cast<size_t>(i);
-      AdamStepElement(s, t.master, t.exp_avg, t.exp_avg_sq, t.grad, t.grad_dtype, t.param, t.param_dtype, k);
+    if (t.vec_head != kAdamNoVector) {
+      // Chunks start at multiples of 4 elements, so each has the same head.
+      const int64_t first_group = begin + t.vec_head < end ? begin + t.vec_head : end;
+      if (begin + tid < first_group) Element(s, t, begin + tid);
+      const int64_t groups = (end - first_group) / 4;
+      for (int64_t q = tid; q < groups; q += blockDim.x) Group4(s, t, first_group + 4 * q);
+      const int64_t tail = first_group + 4 * groups;
+      if (tail + tid < end) Element(s, t, tail + tid);
+    } else {
+      for (int64_t i = begin + tid; i < end; i += blockDim.x) Element(s, t, i);
     }
   }
+}
+
+__global__ void AdamAdvanceStepsKernel(int64_t* steps, int n, const GradStats* grad_stats) {
+  if (grad_stats != nullptr && grad_stats->found_inf != 0) return;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) steps[i] += 1;
+}
+
+// ---- the gradient check ----
+
+__global__ void GradStatsUploadKernel(const GradStatsUpload u, GradStatsDesc* table) {
+  for (int i = threadIdx.x; i < u.count; i += blockDim.x) table[u.first + i] = u.tensors[i];
+}
+
+constexpr int kGradStatsThreads = kGradStatsLanes;  // a thread per lane
+
+// A block per slot at a time; thread t is lane t (base/adam_element.h).
+__global__ void __launch_bounds__(kGradStatsThreads)
+    GradStatsSlotsKernel(const GradStatsDesc* table, int32_t num_tensors, int64_t total_chunks,
+                         double* slots) {
+  __shared__ double lanes[kGradStatsLanes];
+  const int t = threadIdx.x;
+  for (int slot = blockIdx.x; slot < kGradStatsSlots; slot += gridDim.x) {
+    double lane = 0.0;
+    const int64_t first = GradStatsSlotBegin(slot, total_chunks);
+    const int64_t last = GradStatsSlotBegin(slot + 1, total_chunks);
+    if (first < last) {
+      int lo = 0;
+      int hi = num_tensors - 1;
+      while (lo < hi) {
+        const int mid = (lo + hi + 1) / 2;
+        if (table[mid].first_chunk <= first) {
+          lo = mid;
+        } else {
+          hi = mid - 1;
+        }
+      }
+      int tensor = lo;
+      for (int64_t c = first; c < last; ++c) {
+        while (c >= table[tensor].first_chunk + GradStatsChunks(table[tensor].numel)) ++tensor;
+        const GradStatsDesc d = table[tensor];
+        const DType dtype = static_cast<DType>(d.dtype);
+        const int64_t e0 = (c - d.first_chunk) * kGradStatsChunk;
+        const int64_t len = d.numel - e0 < kGradStatsChunk ? d.numel - e0 : kGradStatsChunk;
+        for (int k = 0; k < 4; ++k) {
+          const int64_t e = 1024 * k + 4 * t;
+          if (d.vector != 0 && e + 4 <= len) {
+            float x[4];
+            Load4(d.grad, dtype, e0 + e, x);
+            for (int j = 0; j < 4; ++j) lane += GradSquare(x[j]);
+          } else {
+            for (int j = 0; j < 4; ++j) {
+              if (e + j < len) lane += GradSquare(LoadAsF32(d.grad, dtype, static_cast<size_t>(e0 + e + j)));
+            }
+          }
+        }
+      }
+    }
+    lanes[t] = lane;
+    __syncthreads();
+    for (int stride = kGradStatsLanes / 2; stride >= 1; stride /= 2) {
+      if (t < stride) lanes[t] += lanes[t + stride];
+      __syncthreads();
+    }
+    if (t == 0) slots[slot] = lanes[0];
+    __syncthreads();  // `lanes` is reused by the next slot
+  }
+}
+
+__global__ void __launch_bounds__(kGradStatsThreads)
+    GradStatsFinishKernel(const double* slots, GradStats* result) {
+  __shared__ double values[kGradStatsSlots];
+  for (int i = threadIdx.x; i < kGradStatsSlots; i += blockDim.x) values[i] = slots[i];
+  __syncthreads();
+  for (int stride = kGradStatsSlots / 2; stride >= 1; stride /= 2) {
+    for (int i = threadIdx.x; i < stride; i += blockDim.x) values[i] += values[i + stride];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) *result = GradStatsOfSum(values[0]);
 }
 
 }  // namespace
 
 cudaError_t LaunchAdamKernel(const AdamLaunchParams& params, int grid, cudaStream_t stream) {
   AdamKernel<<<grid, kAdamThreads, 0, stream>>>(params);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchAdamAdvanceSteps(int64_t* steps, int n, const GradStats* grad_stats, cudaStream_t stream) {
+  AdamAdvanceStepsKernel<<<1, 256, 0, stream>>>(steps, n, grad_stats);
+  return cudaGetLastError();
+}
+
+int AdamKernelBlocksPerSm() {
+  static const int blocks_per_sm = [] {
+    int blocks = 0;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, AdamKernel, kAdamThreads, 0) != cudaSuccess) {
+      (void)cudaGetLastError();  // an estimate only: fall back to what 2048 threads per SM allow
+      return 2048 / kAdamThreads;
+    }
+    return blocks > 0 ? blocks : 1;
+  }();
+  return blocks_per_sm;
+}
+
+cudaError_t LaunchGradStatsUpload(const GradStatsUpload& upload, GradStatsDesc* table, cudaStream_t stream) {
+  GradStatsUploadKernel<<<1, 256, 0, stream>>>(upload, table);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchGradStatsKernels(const GradStatsDesc* table, int32_t num_tensors, int64_t total_chunks,
+                                   double* slots, GradStats* result, int grid, cudaStream_t stream) {
+  GradStatsSlotsKernel<<<grid, kGradStatsThreads, 0, stream>>>(table, num_tensors, total_chunks, slots);
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+  GradStatsFinishKernel<<<1, kGradStatsThreads, 0, stream>>>(slots, result);
   return cudaGetLastError();
 }
 

@@ -288,7 +288,15 @@ class CudaDevice final : public Device {
   uint64_t host_registrations() const override { return registrations_.load(std::memory_order_relaxed); }
 
   absl::Status LaunchAdam(absl::Span<const AdamTensorArgs> tensors,
-                          absl::Span<const AdamScalars> scalars, Stream& stream) override;
+                          absl::Span<const AdamScalars> scalars, Stream& stream) override {
+    return EnqueueAdam(tensors, scalars, AdamRuntimeArgs{}, stream);
+  }
+  absl::Status LaunchAdamWith(absl::Span<const AdamTensorArgs> tensors, absl::Span<const AdamScalars> scalars,
+                              const AdamRuntimeArgs& runtime, Stream& stream) override {
+    return EnqueueAdam(tensors, scalars, runtime, stream);
+  }
+  absl::Status LaunchGradStats(absl::Span<const GradTensorArgs> grads, void* workspace, size_t workspace_bytes,
+                               Stream& stream) override;
 
   absl::Status LaunchConvert(void* dst, DType dst_dtype, const void* src, DType src_dtype, int64_t numel,
                              Stream& stream) override {
@@ -316,37 +324,74 @@ class CudaDevice final : public Device {
   }
 
  private:
+  // LaunchAdam and LaunchAdamWith: the fused kernel in as few launches as the parameter space allows,
+  // then (with runtime step counts) the step advance.
+  absl::Status EnqueueAdam(absl::Span<const AdamTensorArgs> tensors, absl::Span<const AdamScalars> scalars,
+                           const AdamRuntimeArgs& runtime, Stream& stream);
+
   const int ordinal_;
   const std::string name_;
   const int sm_count_;
   std::atomic<uint64_t> registrations_{0};
 };
 
-absl::Status CudaDevice::LaunchAdam(absl::Span<const AdamTensorArgs> tensors,
-                                    absl::Span<const AdamScalars> scalars, Stream& stream) {
+// The element index, modulo 4, from which an array's groups of 4 elements start vector-aligned (16
+// bytes of fp32, 8 bytes of a 16-bit type); -1 when the array is not even element-aligned.
+int VectorPhase(const void* p, size_t element_bytes) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+  if (a % element_bytes != 0) return -1;
+  return static_cast<int>((4 - (a % (4 * element_bytes)) / element_bytes) % 4);
+}
+
+// How the kernel accesses `t`: groups of 4 through vector loads from element `vec_head` of each chunk
+// when master, exp_avg and exp_avg_sq agree on where groups start (kAdamNoVector otherwise); grad and
+// param in vectors too when they agree with them.
+void SetVectorAccess(const AdamTensorArgs& t, cuda_kernels::AdamTensorDesc& d) {
+  const int head = VectorPhase(t.master, 4);
+  d.vec_head = cuda_kernels::kAdamNoVector;
+  d.grad_vec = 0;
+  d.param_vec = 0;
+  if (head < 0 || VectorPhase(t.exp_avg, 4) != head || VectorPhase(t.exp_avg_sq, 4) != head) return;
+  d.vec_head = static_cast<uint8_t>(head);
+  d.grad_vec = VectorPhase(t.grad, DTypeSize(t.grad_dtype)) == head ? 1 : 0;
+  d.param_vec = t.param != nullptr && VectorPhase(t.param, DTypeSize(t.param_dtype)) == head ? 1 : 0;
+}
+
+absl::Status CudaDevice::EnqueueAdam(absl::Span<const AdamTensorArgs> tensors,
+                                     absl::Span<const AdamScalars> scalars, const AdamRuntimeArgs& runtime,
+                                     Stream& stream) {
   FERRY_ASSIGN_OR_RETURN(CudaStream * s, AsCudaStream(stream, "LaunchAdam"));
   FERRY_RETURN_IF_ERROR(ValidateAdamArgs(tensors, scalars));
+  FERRY_RETURN_IF_ERROR(ValidateAdamRuntimeArgs(runtime));
+  if (runtime.step != nullptr && scalars.size() > static_cast<size_t>(INT32_MAX)) {
+    return absl::InvalidArgumentError(absl::StrCat("LaunchAdam: ", scalars.size(), " scalar sets"));
+  }
   FERRY_CUDA_ENTER_DEVICE(ordinal_);
   // One launch per batch of up to kAdamMaxTensors tensors using up to kAdamMaxScalars scalar sets
-  // (almost always a single launch). The batch's scalar sets are renumbered locally.
+  // (almost always a single launch). The batch's scalar sets are renumbered locally; the runtime
+  // inputs stay indexed by the caller's numbering (scalars_global).
   auto params = std::make_unique<cuda_kernels::AdamLaunchParams>();
-  const int max_grid = std::max(1, sm_count_ * (2048 / cuda_kernels::kAdamThreads));
+  params->grad_stats = runtime.grad_stats;
+  params->grad_scale = runtime.grad_scale;
+  params->lr = runtime.lr;
+  params->step = runtime.step;
+  params->max_grad_norm = runtime.max_grad_norm;
+  const int max_grid = std::max(1, sm_count_ * cuda_kernels::AdamKernelBlocksPerSm());
   size_t next = 0;
   int batch = 0;
   while (next < tensors.size()) {
     const size_t batch_begin = next;
     int num_tensors = 0;
     int num_scalars = 0;
-    uint32_t global_scalars[cuda_kernels::kAdamMaxScalars];
     int64_t chunks = 0;
     for (; next < tensors.size() && num_tensors < cuda_kernels::kAdamMaxTensors; ++next) {
       const AdamTensorArgs& t = tensors[next];
       if (t.numel == 0) continue;
       int local = 0;
-      while (local < num_scalars && global_scalars[local] != t.scalars_index) ++local;
+      while (local < num_scalars && params->scalars_global[local] != t.scalars_index) ++local;
       if (local == num_scalars) {
         if (num_scalars == cuda_kernels::kAdamMaxScalars) break;  // next batch
-        global_scalars[num_scalars] = t.scalars_index;
+        params->scalars_global[num_scalars] = t.scalars_index;
         params->scalars[num_scalars] = scalars[t.scalars_index];
         ++num_scalars;
       }
@@ -361,10 +406,12 @@ absl::Status CudaDevice::LaunchAdam(absl::Span<const AdamTensorArgs> tensors,
       d.grad_dtype = t.grad_dtype;
       d.param_dtype = t.param_dtype;
       d.scalars_index = static_cast<uint16_t>(local);
+      SetVectorAccess(t, d);
       chunks += (t.numel + cuda_kernels::kAdamChunkElems - 1) / cuda_kernels::kAdamChunkElems;
     }
     if (num_tensors == 0) continue;  // only empty tensors in this stretch
     params->num_tensors = num_tensors;
+    params->num_scalars = num_scalars;
     params->total_chunks = chunks;
     const int grid = static_cast<int>(std::min<int64_t>(chunks, max_grid));
     FERRY_RETURN_IF_ERROR(CheckNoPendingError("LaunchAdam"));
@@ -373,6 +420,63 @@ absl::Status CudaDevice::LaunchAdam(absl::Span<const AdamTensorArgs> tensors,
                                             next - 1, ", ", chunks, " chunks, grid ", grid, ")"));
     ++batch;
   }
+  if (runtime.step != nullptr && !scalars.empty()) {
+    FERRY_RETURN_IF_ERROR(CheckNoPendingError("LaunchAdam step advance"));
+    FERRY_CUDA_RETURN_IF_ERROR(
+        cuda_kernels::LaunchAdamAdvanceSteps(runtime.step, static_cast<int>(scalars.size()),
+                                             runtime.grad_stats, s->stream()),
+        "LaunchAdam step advance");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CudaDevice::LaunchGradStats(absl::Span<const GradTensorArgs> grads, void* workspace,
+                                         size_t workspace_bytes, Stream& stream) {
+  FERRY_ASSIGN_OR_RETURN(CudaStream * s, AsCudaStream(stream, "LaunchGradStats"));
+  FERRY_RETURN_IF_ERROR(ValidateGradStatsArgs(grads, workspace, workspace_bytes));
+  if (grads.size() > static_cast<size_t>(INT32_MAX)) {
+    return absl::InvalidArgumentError(absl::StrCat("LaunchGradStats: ", grads.size(), " tensors"));
+  }
+  FERRY_CUDA_ENTER_DEVICE(ordinal_);
+  char* ws = static_cast<char*>(workspace);
+  auto* result = reinterpret_cast<GradStats*>(ws);
+  auto* slots = reinterpret_cast<double*>(ws + kGradStatsResultBytes);
+  auto* table =
+      reinterpret_cast<cuda_kernels::GradStatsDesc*>(ws + kGradStatsResultBytes + kGradStatsSlotBytes);
+  // The table of non-empty tensors goes to the workspace through kernel parameters, a batch at a time.
+  auto upload = std::make_unique<cuda_kernels::GradStatsUpload>();
+  upload->count = 0;
+  upload->first = 0;
+  int32_t entries = 0;
+  int64_t chunks = 0;
+  auto flush = [&]() -> absl::Status {
+    if (upload->count == 0) return absl::OkStatus();
+    FERRY_RETURN_IF_ERROR(CheckNoPendingError("LaunchGradStats"));
+    FERRY_CUDA_RETURN_IF_ERROR(cuda_kernels::LaunchGradStatsUpload(*upload, table, s->stream()),
+                               absl::StrCat("LaunchGradStats table upload of entries ", upload->first, ".. ",
+                                            upload->first + upload->count - 1));
+    upload->first += upload->count;
+    upload->count = 0;
+    return absl::OkStatus();
+  };
+  for (const GradTensorArgs& g : grads) {
+    if (g.numel == 0) continue;
+    cuda_kernels::GradStatsDesc& d = upload->tensors[upload->count++];
+    d.grad = g.grad;
+    d.numel = g.numel;
+    d.first_chunk = chunks;
+    d.dtype = static_cast<int32_t>(g.dtype);
+    d.vector = reinterpret_cast<uintptr_t>(g.grad) % (4 * DTypeSize(g.dtype)) == 0 ? 1 : 0;
+    chunks += GradStatsChunks(g.numel);
+    ++entries;
+    if (upload->count == cuda_kernels::kGradStatsUploadTensors) FERRY_RETURN_IF_ERROR(flush());
+  }
+  FERRY_RETURN_IF_ERROR(flush());
+  const int grid = std::max(1, std::min(kGradStatsSlots, sm_count_ * 8));
+  FERRY_RETURN_IF_ERROR(CheckNoPendingError("LaunchGradStats"));
+  FERRY_CUDA_RETURN_IF_ERROR(
+      cuda_kernels::LaunchGradStatsKernels(table, entries, chunks, slots, result, grid, s->stream()),
+      absl::StrCat("LaunchGradStats (", entries, " tensors, ", chunks, " chunks, grid ", grid, ")"));
   return absl::OkStatus();
 }
 

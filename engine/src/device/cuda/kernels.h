@@ -8,6 +8,7 @@
 
 #include <cstdint>
 
+#include "base/adam_element.h"
 #include "base/adam_math.h"
 #include "ferry/dtype.h"
 
@@ -16,15 +17,20 @@ namespace ferry::cuda_kernels {
 // Fused multi-tensor Adam. Every tensor is cut into chunks of kAdamChunkElems elements (its last chunk
 // may be shorter); the chunks of all tensors of a launch are numbered consecutively, tensor by tensor.
 // A block of kAdamThreads threads takes chunks blockIdx.x, blockIdx.x + gridDim.x, ..., finds each
-// chunk's tensor by binary search over first_chunk, and updates its elements with coalesced accesses.
-// So a thousand one-element tensors take a chunk (a block iteration) each, and one 2^30-element tensor
-// spreads over every block of the grid; the grid is sized to fill the GPU once (see cuda_device.cc).
+// chunk's tensor by binary search over first_chunk, and updates its elements with coalesced accesses:
+// groups of 4 elements through 16-byte loads and stores of the fp32 arrays (8 bytes for 16-bit grads
+// and params) when the tensor's pointers allow, one element at a time otherwise. So a thousand
+// one-element tensors take a chunk (a block iteration) each, and one 2^30-element tensor spreads over
+// every block of the grid; the grid is sized to fill the GPU once (see cuda_device.cc). Indices are
+// 64-bit throughout.
 inline constexpr int kAdamThreads = 256;
-inline constexpr int64_t kAdamChunkElems = 4096;  // 16 elements per thread per chunk
+inline constexpr int64_t kAdamChunkElems = 4096;  // 4 groups of 4 elements per thread per chunk
 // Descriptors travel as kernel parameters (captured at launch, nothing to keep alive or free), which
 // bounds one launch to this many tensors and scalar sets; LaunchAdam splits longer lists.
 inline constexpr int kAdamMaxTensors = 320;
 inline constexpr int kAdamMaxScalars = 16;
+// AdamTensorDesc::vec_head when the tensor's pointers do not share one alignment phase: elementwise only.
+inline constexpr uint8_t kAdamNoVector = 0xFF;
 
 struct AdamTensorDesc {
   float* master;
@@ -37,11 +43,28 @@ struct AdamTensorDesc {
   DType grad_dtype;
   DType param_dtype;
   uint16_t scalars_index;  // into AdamLaunchParams::scalars
+  // Elements 0 .. vec_head-1 of each chunk go one by one; from vec_head on, every group of 4 elements
+  // starts 16-byte aligned in master, exp_avg and exp_avg_sq (0..3), or kAdamNoVector when those three
+  // disagree.
+  uint8_t vec_head;
+  // Whether grad / param groups start aligned too (16 bytes for f32, 8 for 16-bit), so they take one
+  // vector access per group; otherwise their 4 elements are accessed one by one.
+  uint8_t grad_vec;
+  uint8_t param_vec;
 };
+static_assert(sizeof(AdamTensorDesc) == 64, "AdamTensorDesc grew");
 
 struct AdamLaunchParams {
   AdamTensorDesc tensors[kAdamMaxTensors];
   AdamScalars scalars[kAdamMaxScalars];
+  uint32_t scalars_global[kAdamMaxScalars];  // each local set's index in the caller's list
+  // AdamRuntimeArgs (device memory; null when absent).
+  const GradStats* grad_stats;
+  const float* grad_scale;
+  const float* lr;      // indexed by scalars_global
+  const int64_t* step;  // indexed by scalars_global
+  float max_grad_norm;
+  int32_t num_scalars;   // >= 1
   int64_t total_chunks;  // chunks of all tensors
   int32_t num_tensors;   // >= 1
 };
@@ -50,6 +73,36 @@ static_assert(sizeof(AdamLaunchParams) <= 32000, "AdamLaunchParams exceeds the k
 
 // Launches one fused Adam kernel over `params` with `grid` blocks on `stream`.
 cudaError_t LaunchAdamKernel(const AdamLaunchParams& params, int grid, cudaStream_t stream);
+// After the Adam kernels of a launch: steps[i] += 1 for i < n, unless grad_stats (may be null) reports
+// NaN or Inf.
+cudaError_t LaunchAdamAdvanceSteps(int64_t* steps, int n, const GradStats* grad_stats, cudaStream_t stream);
+// Resident blocks of the Adam kernel per multiprocessor (occupancy, asked once per process), for sizing
+// its grid; >= 1.
+int AdamKernelBlocksPerSm();
+
+// The gradient check, in base/adam_element.h's canonical order. The tensor table lives in the caller's
+// workspace (any number of tensors); it gets there through kernel parameters, kGradStatsUploadTensors
+// at a time, so nothing on the host must outlive the launch. Then one kernel computes the slots (a
+// block per slot at a time, a thread per lane) and one block reduces them into the result.
+struct GradStatsDesc {
+  const void* grad;
+  int64_t numel;        // > 0
+  int64_t first_chunk;  // in the canonical chunk numbering
+  int32_t dtype;        // DType
+  int32_t vector;       // 1: 4-element groups may use 16-byte (f32) / 8-byte (16-bit) loads
+};
+static_assert(sizeof(GradStatsDesc) == 32, "GradStatsDesc must match kGradStatsTensorBytes");
+inline constexpr int kGradStatsUploadTensors = 900;
+struct GradStatsUpload {
+  GradStatsDesc tensors[kGradStatsUploadTensors];
+  int32_t count;
+  int32_t first;  // index of tensors[0] in the table
+};
+static_assert(sizeof(GradStatsUpload) <= 32000, "GradStatsUpload exceeds the kernel parameter space");
+cudaError_t LaunchGradStatsUpload(const GradStatsUpload& upload, GradStatsDesc* table, cudaStream_t stream);
+// Slots over `table` (num_tensors >= 0 entries, total_chunks chunks) into `slots`, then the result.
+cudaError_t LaunchGradStatsKernels(const GradStatsDesc* table, int32_t num_tensors, int64_t total_chunks,
+                                   double* slots, GradStats* result, int grid, cudaStream_t stream);
 
 // dst[i] = src[i] converted (LoadAsF32 / StoreFromF32), grid-stride with 64-bit indices.
 inline constexpr int kConvertThreads = 256;

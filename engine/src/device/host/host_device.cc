@@ -397,6 +397,30 @@ void AdamTensorOnHost(const AdamTensorArgs& t, const AdamScalars& s) {
   }
 }
 
+// LaunchGradStats on the host: the canonical sum of base/adam_element.h, serially.
+GradStats GradStatsOnHost(const std::vector<GradTensorArgs>& grads, double* slots) {
+  std::vector<int64_t> first_chunk, numel;
+  std::vector<const GradTensorArgs*> live;
+  int64_t chunks = 0;
+  for (const GradTensorArgs& g : grads) {
+    if (g.numel == 0) continue;
+    live.push_back(&g);
+    numel.push_back(g.numel);
+    first_chunk.push_back(chunks);
+    chunks += GradStatsChunks(g.numel);
+  }
+  for (int slot = 0; slot < kGradStatsSlots; ++slot) {
+    slots[slot] = chunks == 0 ? 0.0
+                              : GradStatsSlotValue(first_chunk.data(), numel.data(), numel.size(), chunks, slot,
+                                                   [&](size_t t, int64_t begin, int64_t len, double* lanes) {
+                                                     GradStatsAddChunk(live[t]->grad, live[t]->dtype, begin,
+                                                                       len, lanes);
+                                                   });
+  }
+  std::vector<double> tree(slots, slots + kGradStatsSlots);
+  return GradStatsOfSum(GradStatsTree(tree.data(), kGradStatsSlots));
+}
+
 absl::StatusOr<size_t> AvailableHostMemory() {
   std::ifstream meminfo("/proc/meminfo");
   std::string line;
@@ -537,29 +561,31 @@ class HostDevice final : public Device {
 
   absl::Status LaunchAdam(absl::Span<const AdamTensorArgs> tensors,
                           absl::Span<const AdamScalars> scalars, Stream& stream) override {
-    FERRY_ASSIGN_OR_RETURN(HostStreamBase * s, AsHostStream(stream, "LaunchAdam"));
-    FERRY_RETURN_IF_ERROR(ValidateAdamArgs(tensors, scalars));
-    if (tensors.empty()) return absl::OkStatus();
+    return EnqueueAdam(tensors, scalars, AdamRuntimeArgs{}, stream);
+  }
+
+  absl::Status LaunchAdamWith(absl::Span<const AdamTensorArgs> tensors, absl::Span<const AdamScalars> scalars,
+                              const AdamRuntimeArgs& runtime, Stream& stream) override {
+    return EnqueueAdam(tensors, scalars, runtime, stream);
+  }
+
+  absl::Status LaunchGradStats(absl::Span<const GradTensorArgs> grads, void* workspace,
+                               size_t workspace_bytes, Stream& stream) override {
+    FERRY_ASSIGN_OR_RETURN(HostStreamBase * s, AsHostStream(stream, "LaunchGradStats"));
+    FERRY_RETURN_IF_ERROR(ValidateGradStatsArgs(grads, workspace, workspace_bytes));
     return s->Submit([allocations = allocations_,
-                      tensor_args = std::vector<AdamTensorArgs>(tensors.begin(), tensors.end()),
-                      scalar_args = std::vector<AdamScalars>(scalars.begin(), scalars.end())] {
-      // Like a kernel touching memory past an allocation: the whole launch fails, nothing is written.
-      for (size_t i = 0; i < tensor_args.size(); ++i) {
-        const AdamTensorArgs& t = tensor_args[i];
-        const size_t n = static_cast<size_t>(t.numel);
-        const std::string what = absl::StrCat("LaunchAdam tensor ", i);
-        FERRY_RETURN_IF_ERROR(allocations->CheckRange(t.master, 4 * n, absl::StrCat(what, " master")));
-        FERRY_RETURN_IF_ERROR(allocations->CheckRange(t.exp_avg, 4 * n, absl::StrCat(what, " exp_avg")));
-        FERRY_RETURN_IF_ERROR(
-            allocations->CheckRange(t.exp_avg_sq, 4 * n, absl::StrCat(what, " exp_avg_sq")));
-        FERRY_RETURN_IF_ERROR(
-            allocations->CheckRange(t.grad, DTypeSize(t.grad_dtype) * n, absl::StrCat(what, " grad")));
-        if (t.param != nullptr) {
-          FERRY_RETURN_IF_ERROR(allocations->CheckRange(t.param, DTypeSize(t.param_dtype) * n,
-                                                        absl::StrCat(what, " param")));
-        }
+                      grad_args = std::vector<GradTensorArgs>(grads.begin(), grads.end()), workspace] {
+      for (size_t i = 0; i < grad_args.size(); ++i) {
+        const GradTensorArgs& g = grad_args[i];
+        FERRY_RETURN_IF_ERROR(allocations->CheckRange(g.grad,
+                                                      DTypeSize(g.dtype) * static_cast<size_t>(g.numel),
+                                                      absl::StrCat("LaunchGradStats tensor ", i, " grad")));
       }
-      for (const AdamTensorArgs& t : tensor_args) AdamTensorOnHost(t, scalar_args[t.scalars_index]);
+      FERRY_RETURN_IF_ERROR(allocations->CheckRange(workspace, GradStatsWorkspaceBytes(grad_args.size()),
+                                                    "LaunchGradStats workspace"));
+      double* slots = reinterpret_cast<double*>(static_cast<char*>(workspace) + kGradStatsResultBytes);
+      const GradStats result = GradStatsOnHost(grad_args, slots);
+      std::memcpy(workspace, &result, sizeof(result));
       return absl::OkStatus();
     });
   }
@@ -583,6 +609,69 @@ class HostDevice final : public Device {
   }
 
  private:
+  // LaunchAdam and LaunchAdamWith: one op that checks every range, reads the runtime inputs, and
+  // updates every tensor (or nothing, when the gradient check found NaN or Inf).
+  absl::Status EnqueueAdam(absl::Span<const AdamTensorArgs> tensors, absl::Span<const AdamScalars> scalars,
+                           const AdamRuntimeArgs& runtime, Stream& stream) {
+    FERRY_ASSIGN_OR_RETURN(HostStreamBase * s, AsHostStream(stream, "LaunchAdam"));
+    FERRY_RETURN_IF_ERROR(ValidateAdamArgs(tensors, scalars));
+    FERRY_RETURN_IF_ERROR(ValidateAdamRuntimeArgs(runtime));
+    if (tensors.empty() && runtime.step == nullptr) return absl::OkStatus();
+    return s->Submit([allocations = allocations_,
+                      tensor_args = std::vector<AdamTensorArgs>(tensors.begin(), tensors.end()),
+                      scalar_args = std::vector<AdamScalars>(scalars.begin(), scalars.end()), runtime] {
+      // Like a kernel touching memory past an allocation: the whole launch fails, nothing is written.
+      for (size_t i = 0; i < tensor_args.size(); ++i) {
+        const AdamTensorArgs& t = tensor_args[i];
+        const size_t n = static_cast<size_t>(t.numel);
+        const std::string what = absl::StrCat("LaunchAdam tensor ", i);
+        FERRY_RETURN_IF_ERROR(allocations->CheckRange(t.master, 4 * n, absl::StrCat(what, " master")));
+        FERRY_RETURN_IF_ERROR(allocations->CheckRange(t.exp_avg, 4 * n, absl::StrCat(what, " exp_avg")));
+        FERRY_RETURN_IF_ERROR(
+            allocations->CheckRange(t.exp_avg_sq, 4 * n, absl::StrCat(what, " exp_avg_sq")));
+        FERRY_RETURN_IF_ERROR(
+            allocations->CheckRange(t.grad, DTypeSize(t.grad_dtype) * n, absl::StrCat(what, " grad")));
+        if (t.param != nullptr) {
+          FERRY_RETURN_IF_ERROR(
+              allocations->CheckRange(t.param, DTypeSize(t.param_dtype) * n, absl::StrCat(what, " param")));
+        }
+      }
+      const size_t sets = scalar_args.size();
+      if (runtime.grad_stats != nullptr) {
+        FERRY_RETURN_IF_ERROR(
+            allocations->CheckRange(runtime.grad_stats, sizeof(GradStats), "LaunchAdam grad_stats"));
+      }
+      if (runtime.grad_scale != nullptr) {
+        FERRY_RETURN_IF_ERROR(allocations->CheckRange(runtime.grad_scale, 4, "LaunchAdam grad_scale"));
+      }
+      if (runtime.lr != nullptr)
+        FERRY_RETURN_IF_ERROR(allocations->CheckRange(runtime.lr, 4 * sets, "LaunchAdam lr"));
+      if (runtime.step != nullptr) {
+        FERRY_RETURN_IF_ERROR(allocations->CheckRange(runtime.step, 8 * sets, "LaunchAdam step"));
+      }
+      if (runtime.grad_stats != nullptr && runtime.grad_stats->found_inf != 0)
+        return absl::OkStatus();  // skipped
+      const bool set_multiplier = runtime.grad_scale != nullptr || runtime.max_grad_norm > 0.0f;
+      const float multiplier =
+          set_multiplier
+              ? AdamGradMultiplier(runtime.grad_scale != nullptr ? *runtime.grad_scale : 1.0f,
+                                   runtime.grad_stats != nullptr ? runtime.grad_stats->sum_sq : 0.0,
+                                   runtime.max_grad_norm)
+              : 1.0f;
+      std::vector<AdamScalars> resolved = scalar_args;
+      for (size_t i = 0; i < sets; ++i) {
+        AdamApplyRuntime(resolved[i], runtime.lr != nullptr ? runtime.lr + i : nullptr,
+                         runtime.step != nullptr ? runtime.step + i : nullptr,
+                         set_multiplier ? &multiplier : nullptr);
+      }
+      for (const AdamTensorArgs& t : tensor_args) AdamTensorOnHost(t, resolved[t.scalars_index]);
+      if (runtime.step != nullptr) {
+        for (size_t i = 0; i < sets; ++i) ++runtime.step[i];
+      }
+      return absl::OkStatus();
+    });
+  }
+
   std::shared_ptr<AllocationTable> allocations_;
   std::shared_ptr<StreamRegistry> registry_;
   mutable std::mutex registered_mu_;

@@ -1,0 +1,262 @@
+// CpuAdam's AVX2 + FMA + F16C element loops, 8 elements per vector; partial vectors at the ends go to
+// the scalar loop (which computes the same bits).
+//
+// Only the code between the target pragmas is built for AVX2, and all of it has internal linkage, so no
+// inline function shared with the rest of the program is ever compiled for an ISA the CPU may lack. The
+// update itself is base/adam_update.inc's template compiled for F32x8.
+#include "optim/cpu_adam_kernels.h"
+
+#if defined(__x86_64__)
+
+// GCC 12's AVX-512 intrinsics make their "undefined" vectors by self-initialisation, which its own
+// -Wuninitialized then reports where they are inlined (GCC bug 105593, fixed in GCC 13).
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#include <immintrin.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "base/adam_element.h"
+#include "base/adam_math.h"
+#include "ferry/dtype.h"
+
+namespace ferry::cpu_adam_internal {
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+
+namespace {
+
+// ---- the vector type of the generic update ----
+
+// In a namespace of their own, so the update is called qualified (simd::AdamUpdateGeneric): ADL
+// through AdamCoeffs would also find ferry::AdamUpdateGeneric, the float one's template.
+namespace simd {
+
+struct F32x8 {
+  __m256 v;
+};
+inline F32x8 AdamMul(F32x8 a, F32x8 b) { return {_mm256_mul_ps(a.v, b.v)}; }
+inline F32x8 AdamFma(F32x8 a, F32x8 b, F32x8 c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
+inline F32x8 AdamSqrt(F32x8 a) { return {_mm256_sqrt_ps(a.v)}; }
+inline F32x8 AdamDiv(F32x8 a, F32x8 b) { return {_mm256_div_ps(a.v, b.v)}; }
+
+#include "base/adam_update.inc"
+
+}  // namespace simd
+
+using simd::F32x8;
+
+AdamCoeffs<F32x8> Broadcast(const AdamScalars& s) {
+  const AdamCoeffs<float> f = AdamCoeffsOf(s);
+  AdamCoeffs<F32x8> c;
+  c.grad_multiplier.v = _mm256_set1_ps(f.grad_multiplier);
+  c.weight_decay.v = _mm256_set1_ps(f.weight_decay);
+  c.beta1.v = _mm256_set1_ps(f.beta1);
+  c.one_minus_beta1.v = _mm256_set1_ps(f.one_minus_beta1);
+  c.beta2.v = _mm256_set1_ps(f.beta2);
+  c.one_minus_beta2.v = _mm256_set1_ps(f.one_minus_beta2);
+  c.inv_bias_correction1.v = _mm256_set1_ps(f.inv_bias_correction1);
+  c.inv_sqrt_bias_correction2.v = _mm256_set1_ps(f.inv_sqrt_bias_correction2);
+  c.eps.v = _mm256_set1_ps(f.eps);
+  c.neg_lr.v = _mm256_set1_ps(f.neg_lr);
+  return c;
+}
+
+// ---- dtype conversions, equal to ferry/dtype.h bit for bit ----
+
+constexpr int kNoParam = -1;  // template argument: no param output
+constexpr int kF32 = static_cast<int>(DType::kF32);
+constexpr int kBF16 = static_cast<int>(DType::kBF16);
+
+inline __m256 Bf16x8ToF32(__m128i h) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+template <int G>
+inline __m256 LoadGrad(const void* grad, int64_t i) {
+  if constexpr (G == kF32) {
+    return _mm256_loadu_ps(static_cast<const float*>(grad) + i);
+  } else {
+    const __m128i h =
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(grad) + i));
+    if constexpr (G == kBF16) {
+      return Bf16x8ToF32(h);
+    } else {
+      return _mm256_cvtph_ps(h);  // exact for every binary16 value
+    }
+  }
+}
+
+// F32ToBF16 in integer arithmetic: NaN -> quiet NaN with the sign and top payload; otherwise round to
+// nearest even on the top 16 bits (overflow carries into the exponent: infinity).
+inline __m128i Bf16Software(__m256 x) {
+  const __m256i u = _mm256_castps_si256(x);
+  const __m256i abs = _mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff));
+  const __m256i nan = _mm256_cmpgt_epi32(abs, _mm256_set1_epi32(0x7f800000));
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i rounded =
+      _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+  const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+  const __m256i r = _mm256_blendv_epi8(rounded, quiet, nan);
+  // Every value fits 16 bits, so the saturating pack only narrows.
+  return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+
+template <int P>
+inline __m128i To16(__m256 p) {
+  if constexpr (P == kBF16) {
+    return Bf16Software(p);
+  } else {
+    // F16C rounding per the immediate (nearest even), independent of MXCSR's rounding mode; subnormal
+    // inputs are honoured because the caller runs with DAZ off.
+    return _mm256_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  }
+}
+
+// kStream REQUIRES param + i aligned to 32 (f32) or 16 (16-bit) bytes.
+template <int P, bool kStream>
+inline void StoreParam(void* param, int64_t i, __m256 p) {
+  if constexpr (P == kF32) {
+    float* dst = static_cast<float*>(param) + i;
+    if constexpr (kStream) {
+      _mm256_stream_ps(dst, p);
+    } else {
+      _mm256_storeu_ps(dst, p);
+    }
+  } else {
+    __m128i* dst = reinterpret_cast<__m128i*>(static_cast<uint16_t*>(param) + i);
+    if constexpr (kStream) {
+      _mm_stream_si128(dst, To16<P>(p));
+    } else {
+      _mm_storeu_si128(dst, To16<P>(p));
+    }
+  }
+}
+
+// ---- the update loop ----
+
+template <AdamMode M, int G, int P, bool kStream>
+inline void Block(const AdamCoeffs<F32x8>& c, const CpuAdamTensor& t, int64_t i) {
+  F32x8 p{_mm256_loadu_ps(t.master + i)};
+  F32x8 m{_mm256_loadu_ps(t.exp_avg + i)};
+  F32x8 v{_mm256_loadu_ps(t.exp_avg_sq + i)};
+  const F32x8 g{LoadGrad<G>(t.grad, i)};
+  simd::AdamUpdateGeneric<M>(c, p, m, v, g);
+  _mm256_storeu_ps(t.master + i, p.v);
+  _mm256_storeu_ps(t.exp_avg + i, m.v);
+  _mm256_storeu_ps(t.exp_avg_sq + i, v.v);
+  if constexpr (P != kNoParam) StoreParam<P, kStream>(t.param, i, p.v);
+}
+
+template <AdamMode M, int G, int P>
+void Range(const CpuAdamTensor& t, const AdamScalars& s, int64_t begin, int64_t end) {
+  const AdamCoeffs<F32x8> c = Broadcast(s);
+  int64_t i = begin;
+  if constexpr (P != kNoParam) {
+    // The param is only written: streaming stores skip reading its lines first (2-4 bytes per element
+    // of memory traffic). They need aligned lines: the elements before the param's next 64-byte
+    // boundary go through the scalar loop.
+    constexpr int64_t kSize = P == kF32 ? 4 : 2;
+    const uintptr_t addr = reinterpret_cast<uintptr_t>(t.param) + static_cast<uintptr_t>(i * kSize);
+    int64_t head = static_cast<int64_t>((64 - addr % 64) % 64) / kSize;
+    if (head > end - i) head = end - i;
+    AdamRangeScalar(t, s, i, i + head);
+    i += head;
+  }
+  constexpr bool kStream = P != kNoParam;
+  for (; i + 8 <= end; i += 8) Block<M, G, P, kStream>(c, t, i);
+  if constexpr (P != kNoParam) _mm_sfence();  // streaming stores are visible before the task ends
+  AdamRangeScalar(t, s, i, end);
+}
+
+template <AdamMode M, int G>
+AdamRangeFn SelectParam(const CpuAdamTensor& t) {
+  if (t.param == nullptr) return &Range<M, G, kNoParam>;
+  switch (t.param_dtype) {
+    case DType::kF32: return &Range<M, G, kF32>;
+    case DType::kBF16: return &Range<M, G, kBF16>;
+    case DType::kF16: break;
+  }
+  return &Range<M, G, static_cast<int>(DType::kF16)>;
+}
+
+template <AdamMode M>
+AdamRangeFn SelectGrad(const CpuAdamTensor& t) {
+  switch (t.grad_dtype) {
+    case DType::kF32: return SelectParam<M, kF32>(t);
+    case DType::kBF16: return SelectParam<M, kBF16>(t);
+    case DType::kF16: break;
+  }
+  return SelectParam<M, static_cast<int>(DType::kF16)>(t);
+}
+
+AdamRangeFn Select(const CpuAdamTensor& t, const AdamScalars& s) {
+  return s.mode == AdamMode::kAdamL2 ? SelectGrad<AdamMode::kAdamL2>(t) : SelectGrad<AdamMode::kAdamW>(t);
+}
+
+// ---- the gradient check ----
+
+// Four consecutive elements at `e` as floats.
+template <int G>
+inline __m128 Load4(const void* chunk, int64_t e) {
+  if constexpr (G == kF32) {
+    return _mm_loadu_ps(static_cast<const float*>(chunk) + e);
+  } else {
+    const __m128i h =
+        _mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(chunk) + e));
+    if constexpr (G == kBF16) {
+      return _mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(h), 16));
+    } else {
+      return _mm_cvtph_ps(h);
+    }
+  }
+}
+
+// Lanes 4 g .. 4 g + 3 are one vector of doubles. Lane 4 g + l adds elements 1024 k + 16 g + 4 l + j:
+// the 16 floats at 1024 k + 16 g are a 4 x 4 matrix (row l = lane 4 g + l), and its transpose's row j
+// holds element j of each lane. k outer, then j: the canonical order of each lane.
+template <int G>
+void GradChunk(const void* chunk, double* lanes) {
+  for (int k = 0; k < 4; ++k) {
+    for (int g = 0; g < kGradStatsLanes / 4; ++g) {
+      const int64_t e = 1024 * k + 16 * g;
+      __m128 r0 = Load4<G>(chunk, e);
+      __m128 r1 = Load4<G>(chunk, e + 4);
+      __m128 r2 = Load4<G>(chunk, e + 8);
+      __m128 r3 = Load4<G>(chunk, e + 12);
+      _MM_TRANSPOSE4_PS(r0, r1, r2, r3);
+      __m256d acc = _mm256_loadu_pd(lanes + 4 * g);
+      const __m128 rows[4] = {r0, r1, r2, r3};
+      for (int j = 0; j < 4; ++j) {
+        const __m256d x = _mm256_cvtps_pd(rows[j]);
+        acc = _mm256_add_pd(acc, _mm256_mul_pd(x, x));
+      }
+      _mm256_storeu_pd(lanes + 4 * g, acc);
+    }
+  }
+}
+
+}  // namespace
+
+#pragma GCC pop_options
+
+void AdamRangeAvx2(const CpuAdamTensor& t, const AdamScalars& s, int64_t begin, int64_t end) {
+  Select(t, s)(t, s, begin, end);
+}
+
+void GradChunkAvx2(const void* chunk, DType dtype, double* lanes) {
+  switch (dtype) {
+    case DType::kF32: GradChunk<kF32>(chunk, lanes); return;
+    case DType::kBF16: GradChunk<kBF16>(chunk, lanes); return;
+    case DType::kF16: GradChunk<static_cast<int>(DType::kF16)>(chunk, lanes); return;
+  }
+}
+
+}  // namespace ferry::cpu_adam_internal
+
+#pragma GCC diagnostic pop
+
+#endif  // defined(__x86_64__)

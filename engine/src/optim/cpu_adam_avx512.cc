@@ -1,0 +1,287 @@
+// CpuAdam's AVX-512 element loops (F, BW, VL, DQ; the bf16 variant adds AVX512-BF16), 16 elements
+// per vector, masked loads and stores for partial vectors.
+//
+// Only the code between the target pragmas is built for AVX-512, and all of it has internal linkage,
+// so no inline function shared with the rest of the program is ever compiled for an ISA the CPU may
+// lack. The update itself is base/adam_update.inc's template compiled for F32x16.
+#include "optim/cpu_adam_kernels.h"
+
+#if defined(__x86_64__)
+
+// GCC 12's AVX-512 intrinsics make their "undefined" vectors by self-initialisation, which its own
+// -Wuninitialized then reports where they are inlined (GCC bug 105593, fixed in GCC 13).
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#include <immintrin.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "base/adam_element.h"
+#include "base/adam_math.h"
+#include "ferry/dtype.h"
+
+namespace ferry::cpu_adam_internal {
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
+
+namespace {
+
+// ---- the vector type of the generic update ----
+
+// In a namespace of their own, so the update is called qualified (simd::AdamUpdateGeneric): ADL
+// through AdamCoeffs would also find ferry::AdamUpdateGeneric, the float one's template.
+namespace simd {
+
+struct F32x16 {
+  __m512 v;
+};
+inline F32x16 AdamMul(F32x16 a, F32x16 b) { return {_mm512_mul_ps(a.v, b.v)}; }
+inline F32x16 AdamFma(F32x16 a, F32x16 b, F32x16 c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+inline F32x16 AdamSqrt(F32x16 a) { return {_mm512_sqrt_ps(a.v)}; }
+inline F32x16 AdamDiv(F32x16 a, F32x16 b) { return {_mm512_div_ps(a.v, b.v)}; }
+
+#include "base/adam_update.inc"
+
+}  // namespace simd
+
+using simd::F32x16;
+
+AdamCoeffs<F32x16> Broadcast(const AdamScalars& s) {
+  const AdamCoeffs<float> f = AdamCoeffsOf(s);
+  AdamCoeffs<F32x16> c;
+  c.grad_multiplier.v = _mm512_set1_ps(f.grad_multiplier);
+  c.weight_decay.v = _mm512_set1_ps(f.weight_decay);
+  c.beta1.v = _mm512_set1_ps(f.beta1);
+  c.one_minus_beta1.v = _mm512_set1_ps(f.one_minus_beta1);
+  c.beta2.v = _mm512_set1_ps(f.beta2);
+  c.one_minus_beta2.v = _mm512_set1_ps(f.one_minus_beta2);
+  c.inv_bias_correction1.v = _mm512_set1_ps(f.inv_bias_correction1);
+  c.inv_sqrt_bias_correction2.v = _mm512_set1_ps(f.inv_sqrt_bias_correction2);
+  c.eps.v = _mm512_set1_ps(f.eps);
+  c.neg_lr.v = _mm512_set1_ps(f.neg_lr);
+  return c;
+}
+
+// ---- dtype conversions, equal to ferry/dtype.h bit for bit ----
+
+constexpr int kNoParam = -1;  // template argument: no param output
+constexpr int kF32 = static_cast<int>(DType::kF32);
+constexpr int kBF16 = static_cast<int>(DType::kBF16);
+
+inline __mmask16 FirstLanes(int64_t n) {
+  return n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1u);
+}
+
+// Elements i .. i+15 of `grad` (lanes outside `k` read nothing and are zero).
+template <int G>
+inline __m512 LoadGrad(const void* grad, int64_t i, __mmask16 k) {
+  if constexpr (G == kF32) {
+    return _mm512_maskz_loadu_ps(k, static_cast<const float*>(grad) + i);
+  } else {
+    const __m256i h = _mm256_maskz_loadu_epi16(k, static_cast<const uint16_t*>(grad) + i);
+    if constexpr (G == kBF16) {
+      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    } else {
+      return _mm512_cvtph_ps(h);  // exact for every binary16 value
+    }
+  }
+}
+
+// F32ToBF16 in integer arithmetic: NaN -> quiet NaN with the sign and top payload; otherwise round to
+// nearest even on the top 16 bits (overflow carries into the exponent: infinity).
+inline __m256i Bf16Software(__m512 x) {
+  const __m512i u = _mm512_castps_si512(x);
+  const __m512i abs = _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff));
+  const __mmask16 nan = _mm512_cmpgt_epi32_mask(abs, _mm512_set1_epi32(0x7f800000));
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i rounded =
+      _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+  const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+  return _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, rounded, quiet));
+}
+
+// VCVTNEPS2BF16 rounds to nearest even and quiets NaN exactly as F32ToBF16 does, but treats subnormal
+// inputs as zero; lanes holding one (rare) take the integer conversion instead.
+inline __m256i Bf16Hardware(__m512 x) {
+  __m256i r = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x));
+  const __m512i abs = _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(0x7fffffff));
+  const __mmask16 subnormal =
+      _mm512_mask_cmplt_epi32_mask(_mm512_test_epi32_mask(abs, abs), abs, _mm512_set1_epi32(0x00800000));
+  if (subnormal != 0) r = _mm256_mask_blend_epi16(subnormal, r, Bf16Software(x));
+  return r;
+}
+
+template <int P, bool kHwBf16>
+inline __m256i To16(__m512 p) {
+  if constexpr (P == kBF16) {
+    if constexpr (kHwBf16) {
+      return Bf16Hardware(p);
+    } else {
+      return Bf16Software(p);
+    }
+  } else {
+    // F16C rounding per the immediate (nearest even), independent of MXCSR's rounding mode; subnormal
+    // inputs are honoured because the caller runs with DAZ off.
+    return _mm512_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  }
+}
+
+template <int P, bool kHwBf16>
+inline void StoreParamMasked(void* param, int64_t i, __m512 p, __mmask16 k) {
+  if constexpr (P == kF32) {
+    _mm512_mask_storeu_ps(static_cast<float*>(param) + i, k, p);
+  } else {
+    _mm256_mask_storeu_epi16(static_cast<uint16_t*>(param) + i, k, To16<P, kHwBf16>(p));
+  }
+}
+
+// REQUIRES: param + i aligned to the store's 64 (f32) or 32 (16-bit) bytes.
+template <int P, bool kHwBf16>
+inline void StoreParamStreaming(void* param, int64_t i, __m512 p) {
+  if constexpr (P == kF32) {
+    _mm512_stream_ps(static_cast<float*>(param) + i, p);
+  } else {
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(param) + i), To16<P, kHwBf16>(p));
+  }
+}
+
+// ---- the update loop ----
+
+template <AdamMode M, int G, int P, bool kHwBf16, bool kStream>
+inline void Block(const AdamCoeffs<F32x16>& c, const CpuAdamTensor& t, int64_t i, __mmask16 k) {
+  F32x16 p{_mm512_maskz_loadu_ps(k, t.master + i)};
+  F32x16 m{_mm512_maskz_loadu_ps(k, t.exp_avg + i)};
+  F32x16 v{_mm512_maskz_loadu_ps(k, t.exp_avg_sq + i)};
+  const F32x16 g{LoadGrad<G>(t.grad, i, k)};
+  simd::AdamUpdateGeneric<M>(c, p, m, v, g);
+  _mm512_mask_storeu_ps(t.master + i, k, p.v);
+  _mm512_mask_storeu_ps(t.exp_avg + i, k, m.v);
+  _mm512_mask_storeu_ps(t.exp_avg_sq + i, k, v.v);
+  if constexpr (P != kNoParam) {
+    if constexpr (kStream) {
+      StoreParamStreaming<P, kHwBf16>(t.param, i, p.v);
+    } else {
+      StoreParamMasked<P, kHwBf16>(t.param, i, p.v, k);
+    }
+  }
+}
+
+template <AdamMode M, int G, int P, bool kHwBf16>
+void Range(const CpuAdamTensor& t, const AdamScalars& s, int64_t begin, int64_t end) {
+  const AdamCoeffs<F32x16> c = Broadcast(s);
+  int64_t i = begin;
+  if constexpr (P != kNoParam) {
+    // The param is only written: streaming stores skip reading its lines first (2-4 bytes per element
+    // of memory traffic). They need aligned lines, so the elements up to the param's next 64-byte
+    // boundary take ordinary masked stores.
+    constexpr int64_t kSize = P == kF32 ? 4 : 2;
+    const uintptr_t addr = reinterpret_cast<uintptr_t>(t.param) + static_cast<uintptr_t>(i * kSize);
+    int64_t head = static_cast<int64_t>((64 - addr % 64) % 64) / kSize;
+    if (head > end - i) head = end - i;
+    while (head > 0) {
+      const int64_t n = head < 16 ? head : 16;
+      Block<M, G, P, kHwBf16, false>(c, t, i, FirstLanes(n));
+      i += n;
+      head -= n;
+    }
+  }
+  for (; i + 16 <= end; i += 16) Block<M, G, P, kHwBf16, true>(c, t, i, static_cast<__mmask16>(0xFFFF));
+  if (i < end) Block<M, G, P, kHwBf16, false>(c, t, i, FirstLanes(end - i));
+  if constexpr (P != kNoParam) _mm_sfence();  // streaming stores are visible before the task ends
+}
+
+template <AdamMode M, int G, bool kHwBf16>
+AdamRangeFn SelectParam(const CpuAdamTensor& t) {
+  if (t.param == nullptr) return &Range<M, G, kNoParam, kHwBf16>;
+  switch (t.param_dtype) {
+    case DType::kF32: return &Range<M, G, kF32, kHwBf16>;
+    case DType::kBF16: return &Range<M, G, kBF16, kHwBf16>;
+    case DType::kF16: break;
+  }
+  return &Range<M, G, static_cast<int>(DType::kF16), kHwBf16>;
+}
+
+template <AdamMode M, bool kHwBf16>
+AdamRangeFn SelectGrad(const CpuAdamTensor& t) {
+  switch (t.grad_dtype) {
+    case DType::kF32: return SelectParam<M, kF32, kHwBf16>(t);
+    case DType::kBF16: return SelectParam<M, kBF16, kHwBf16>(t);
+    case DType::kF16: break;
+  }
+  return SelectParam<M, static_cast<int>(DType::kF16), kHwBf16>(t);
+}
+
+template <bool kHwBf16>
+AdamRangeFn Select(const CpuAdamTensor& t, const AdamScalars& s) {
+  return s.mode == AdamMode::kAdamL2 ? SelectGrad<AdamMode::kAdamL2, kHwBf16>(t)
+                                     : SelectGrad<AdamMode::kAdamW, kHwBf16>(t);
+}
+
+// ---- the gradient check ----
+
+// Elements e .. e+15 of a full chunk.
+template <int G>
+inline __m512 Load16(const void* chunk, int64_t e) {
+  if constexpr (G == kF32) {
+    return _mm512_loadu_ps(static_cast<const float*>(chunk) + e);
+  } else {
+    const __m256i h =
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(chunk) + e));
+    if constexpr (G == kBF16) {
+      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    } else {
+      return _mm512_cvtph_ps(h);
+    }
+  }
+}
+
+// Lanes 8 g .. 8 g + 7 are one vector of doubles. Lane 8 g + l adds elements 1024 k + 32 g + 4 l + j:
+// for fixed k and j these are lanes' elements 4 l + j of the 32 consecutive floats at 1024 k + 32 g,
+// gathered by one two-source permute. k outer, then j: the canonical order of each lane.
+template <int G>
+void GradChunk(const void* chunk, double* lanes) {
+  const __m512i stride4 = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 0, 0, 0, 0, 0, 0, 0);
+  for (int k = 0; k < 4; ++k) {
+    for (int g = 0; g < kGradStatsLanes / 8; ++g) {
+      const int64_t e = 1024 * k + 32 * g;
+      const __m512 a = Load16<G>(chunk, e);
+      const __m512 b = Load16<G>(chunk, e + 16);
+      __m512d acc = _mm512_loadu_pd(lanes + 8 * g);
+      for (int j = 0; j < 4; ++j) {
+        const __m512 picked = _mm512_permutex2var_ps(a, _mm512_add_epi32(stride4, _mm512_set1_epi32(j)), b);
+        const __m512d x = _mm512_cvtps_pd(_mm512_castps512_ps256(picked));
+        acc = _mm512_add_pd(acc, _mm512_mul_pd(x, x));
+      }
+      _mm512_storeu_pd(lanes + 8 * g, acc);
+    }
+  }
+}
+
+}  // namespace
+
+#pragma GCC pop_options
+
+void AdamRangeAvx512(const CpuAdamTensor& t, const AdamScalars& s, int64_t begin, int64_t end) {
+  Select<false>(t, s)(t, s, begin, end);
+}
+
+void AdamRangeAvx512Bf16(const CpuAdamTensor& t, const AdamScalars& s, int64_t begin, int64_t end) {
+  Select<true>(t, s)(t, s, begin, end);
+}
+
+void GradChunkAvx512(const void* chunk, DType dtype, double* lanes) {
+  switch (dtype) {
+    case DType::kF32: GradChunk<kF32>(chunk, lanes); return;
+    case DType::kBF16: GradChunk<kBF16>(chunk, lanes); return;
+    case DType::kF16: GradChunk<static_cast<int>(DType::kF16)>(chunk, lanes); return;
+  }
+}
+
+}  // namespace ferry::cpu_adam_internal
+
+#pragma GCC diagnostic pop
+
+#endif  // defined(__x86_64__)
