@@ -239,60 +239,77 @@ absl::Status HybridOptimizer::StepCpuGroups(float lr, Event& grads_ready) {
   for (size_t k = 0; k < std::min(depth, num_chunks); ++k) {
     FERRY_ASSIGN_OR_RETURN(down[k], SubmitGradChunk(k, grads_ready));
   }
+  // A batch done without blocking: its events complete in stream order, so its last chunk tells.
+  auto done = [](TransferBatch* batch) {
+    if (batch == nullptr) return false;
+    if (batch->num_chunks() == 0) return true;
+    absl::StatusOr<bool> d = batch->ChunkDone(batch->num_chunks() - 1);
+    return d.ok() && *d;
+  };
   std::vector<CpuAdamTensor> work;
-  std::vector<CopyRegion> regions;
+  std::vector<std::vector<CopyRegion>> regions(depth);
   absl::Status status;
-  for (size_t k = 0; k < num_chunks && status.ok(); ++k) {
+  size_t k = 0;
+  while (k < num_chunks && status.ok()) {
     status = down[k]->Wait();
+    if (status.ok() && k >= depth) status = up[k - depth]->Wait();  // its param slot is rewritten now
     if (!status.ok()) break;
-    if (k >= depth) {
-      status = up[k - depth]->Wait();  // its param slot is about to be rewritten
-      if (!status.ok()) break;
+    // Every further chunk that has already landed (and whose param slot is free) joins this round, so
+    // CPU Adam runs as few parallel sections as the copies allow.
+    size_t end = k + 1;
+    while (end < num_chunks && end < k + depth && done(down[end].get()) &&
+           (end < depth || done(up[end - depth].get()))) {
+      ++end;
     }
-    const char* grad_slot = grad_slots_[k % depth].as<char>();
-    char* param_slot = param_slots_[k % depth].as<char>();
     work.clear();
-    regions.clear();
-    size_t grad_at = 0, param_at = 0;
-    for (const ChunkPiece& piece : grad_chunks_[k].pieces) {
-      const size_t p = cpu_params_[piece.region];
-      const OptimParam& op = params_[p];
-      const size_t gsize = DTypeSize(op.grad_dtype), psize = DTypeSize(op.dtype);
-      FERRY_CHECK(piece.offset % gsize == 0 && piece.bytes % gsize == 0) << "chunk piece off element boundary";
-      const size_t e0 = piece.offset / gsize;
-      const size_t n = piece.bytes / gsize;
-      CpuAdamTensor t;
-      t.master = StatePtr(p, StateKind::kMaster) + e0;
-      t.exp_avg = StatePtr(p, StateKind::kExpAvg) + e0;
-      t.exp_avg_sq = StatePtr(p, StateKind::kExpAvgSq) + e0;
-      t.grad = grad_slot + grad_at;
-      t.param = param_slot + param_at;
-      t.numel = static_cast<int64_t>(n);
-      t.grad_dtype = op.grad_dtype;
-      t.param_dtype = op.dtype;
-      t.scalars = &scalars[op.group];
-      work.push_back(t);
-      regions.push_back(CopyRegion{static_cast<char*>(op.param) + e0 * psize, param_slot + param_at, n * psize});
-      grad_at += piece.bytes;
-      param_at += n * psize;
+    for (size_t j = k; j < end; ++j) {
+      const char* grad_slot = grad_slots_[j % depth].as<char>();
+      char* param_slot = param_slots_[j % depth].as<char>();
+      std::vector<CopyRegion>& up_regions = regions[j - k];
+      up_regions.clear();
+      size_t grad_at = 0, param_at = 0;
+      for (const ChunkPiece& piece : grad_chunks_[j].pieces) {
+        const size_t p = cpu_params_[piece.region];
+        const OptimParam& op = params_[p];
+        const size_t gsize = DTypeSize(op.grad_dtype), psize = DTypeSize(op.dtype);
+        FERRY_CHECK(piece.offset % gsize == 0 && piece.bytes % gsize == 0) << "chunk piece off element boundary";
+        const size_t e0 = piece.offset / gsize;
+        const size_t n = piece.bytes / gsize;
+        CpuAdamTensor t;
+        t.master = StatePtr(p, StateKind::kMaster) + e0;
+        t.exp_avg = StatePtr(p, StateKind::kExpAvg) + e0;
+        t.exp_avg_sq = StatePtr(p, StateKind::kExpAvgSq) + e0;
+        t.grad = grad_slot + grad_at;
+        t.param = param_slot + param_at;
+        t.numel = static_cast<int64_t>(n);
+        t.grad_dtype = op.grad_dtype;
+        t.param_dtype = op.dtype;
+        t.scalars = &scalars[op.group];
+        work.push_back(t);
+        up_regions.push_back(CopyRegion{static_cast<char*>(op.param) + e0 * psize, param_slot + param_at, n * psize});
+        grad_at += piece.bytes;
+        param_at += n * psize;
+      }
     }
     status = cpu_adam_.Step(work);
-    if (!status.ok()) break;
-    // The trainer's stream may still read the params until the grads are ready: the upload waits.
-    absl::StatusOr<std::unique_ptr<TransferBatch>> upload = transfer_->HostToDevice(regions, &grads_ready);
-    if (!upload.ok()) {
-      status = upload.status();
-      break;
-    }
-    up[k] = *std::move(upload);
-    if (k + depth < num_chunks) {
-      absl::StatusOr<std::unique_ptr<TransferBatch>> next = SubmitGradChunk(k + depth, grads_ready);
-      if (!next.ok()) {
-        status = next.status();
+    for (size_t j = k; j < end && status.ok(); ++j) {
+      // The trainer's stream may still read the params until the grads are ready: the upload waits.
+      absl::StatusOr<std::unique_ptr<TransferBatch>> upload = transfer_->HostToDevice(regions[j - k], &grads_ready);
+      if (!upload.ok()) {
+        status = upload.status();
         break;
       }
-      down[k + depth] = *std::move(next);
+      up[j] = *std::move(upload);
+      if (j + depth < num_chunks) {
+        absl::StatusOr<std::unique_ptr<TransferBatch>> next = SubmitGradChunk(j + depth, grads_ready);
+        if (!next.ok()) {
+          status = next.status();
+          break;
+        }
+        down[j + depth] = *std::move(next);
+      }
     }
+    k = end;
   }
   // Everything submitted stays alive until it completed (WaitPending at the next call).
   for (auto& batch : down) {
