@@ -29,7 +29,7 @@ struct Options {
   int64_t params = 1'000'000'000;
   int tensors = 200;
   int steps = 5;
-  size_t chunk_bytes = size_t{32} << 20;
+  size_t chunk_bytes = size_t{8} << 20;
 };
 
 struct Tensors {

@@ -40,7 +40,7 @@ struct OptimGroup {
 
 struct HybridOptions {
   AdamHyper hyper;
-  size_t chunk_bytes = size_t{32} << 20;  // bytes of grads per pipeline chunk
+  size_t chunk_bytes = size_t{8} << 20;  // bytes of grads per pipeline chunk (see EngineOptions)
   size_t pipeline_depth = 4;     // staging slots: chunks in flight between D2H, CPU Adam and H2D
   NumaPolicy numa = NumaPolicy::kInterleave;
   int numa_node = -1;
