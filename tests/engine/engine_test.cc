@@ -5,6 +5,7 @@
 
 #include <unistd.h>
 
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -89,6 +90,24 @@ class Model {
       for (auto& v : g) v = F32ToBF16(normal(rng));
       ASSERT_TRUE(device_->Copy(grads_[i].data(), g.data(), g.size() * 2, CopyKind::kHostToDevice).ok());
     }
+  }
+  void PoisonGrad(size_t i, uint16_t value) {
+    std::vector<uint16_t> g(static_cast<size_t>(sizes_[i]));
+    ASSERT_TRUE(device_->Copy(g.data(), grads_[i].data(), g.size() * 2, CopyKind::kDeviceToHost).ok());
+    g[g.size() / 2] = value;
+    ASSERT_TRUE(device_->Copy(grads_[i].data(), g.data(), g.size() * 2, CopyKind::kHostToDevice).ok());
+  }
+  void ScaleGrads(float factor) {
+    for (size_t i = 0; i < sizes_.size(); ++i) {
+      std::vector<uint16_t> g = Grad(i);
+      for (auto& v : g) v = F32ToBF16(BF16ToF32(v) * factor);
+      ASSERT_TRUE(device_->Copy(grads_[i].data(), g.data(), g.size() * 2, CopyKind::kHostToDevice).ok());
+    }
+  }
+  std::vector<uint16_t> Grad(size_t i) const {
+    std::vector<uint16_t> h(static_cast<size_t>(sizes_[i]));
+    EXPECT_TRUE(device_->Copy(h.data(), grads_[i].data(), h.size() * 2, CopyKind::kDeviceToHost).ok());
+    return h;
   }
   std::vector<uint16_t> Param(size_t i) const {
     std::vector<uint16_t> h(static_cast<size_t>(sizes_[i]));
@@ -533,6 +552,124 @@ TEST_F(EngineTest, NoPinningAfterWarmUp) {
   EXPECT_EQ(after.pinned_host_calls, warm.pinned_host_calls);
   EXPECT_EQ(after.host_registrations, warm.host_registrations);
   EXPECT_EQ(after.step, 30);
+}
+
+// A NaN or Inf in any grad (of a CPU group or a GPU group) skips the step for every group: params,
+// masters and moments unchanged, the skip reported; the run then continues exactly as one that never
+// saw the bad step.
+TEST_F(EngineTest, FoundInfSkipsTheWholeStep) {
+  Model a(device_.get(), kSizes, 101), b(device_.get(), kSizes, 101);
+  auto e = MakeEngine(Policies() + "offload_fraction.lua", {{"fraction", "0.5"}}, 4096);
+  auto ref = MakeEngine(Policies() + "offload_fraction.lua", {{"fraction", "0.5"}}, 4096);
+  ASSERT_OK(a.Register(*e, 4));
+  ASSERT_OK(b.Register(*ref, 4));
+  ASSERT_OK(e->Finalize());
+  ASSERT_OK(ref->Finalize());
+  for (int s = 0; s < 3; ++s) {
+    a.SetGrads(s);
+    b.SetGrads(s);
+    ASSERT_OK(e->Step());
+    ASSERT_OK(ref->Step());
+  }
+  std::vector<bool> offloaded;
+  for (const GroupPlacement& g : e->Placement()) offloaded.push_back(g.offloaded);
+  // Tensor 0 is in group g0, tensor 2 in g2: one of them is offloaded and the other is not.
+  ASSERT_NE(offloaded[0], offloaded[2]);
+  for (size_t bad : {size_t{0}, size_t{2}}) {
+    for (uint16_t poison : {uint16_t{0x7fc0}, uint16_t{0xff80}}) {  // NaN, -Inf
+      SCOPED_TRACE(absl::StrCat("bad tensor ", bad, " value ", poison));
+      std::vector<std::vector<uint16_t>> before;
+      for (size_t i = 0; i < a.size(); ++i) before.push_back(a.Param(i));
+      a.SetGrads(77);
+      a.PoisonGrad(bad, poison);
+      ASSERT_OK(e->Step());
+      EXPECT_TRUE(e->Stats().last_step_skipped);
+      ASSERT_OK(e->Synchronize());
+      for (size_t i = 0; i < a.size(); ++i) EXPECT_EQ(a.Param(i), before[i]) << i;
+      ASSERT_OK(e->VerifyMasters());
+    }
+  }
+  EXPECT_EQ(e->Stats().skipped_steps, 4);
+  EXPECT_EQ(e->Stats().step, 3);
+  for (int s = 3; s < 6; ++s) {
+    a.SetGrads(s);
+    b.SetGrads(s);
+    ASSERT_OK(e->Step());
+    EXPECT_FALSE(e->Stats().last_step_skipped);
+    ASSERT_OK(ref->Step());
+  }
+  ASSERT_OK(e->Synchronize());
+  ASSERT_OK(ref->Synchronize());
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_EQ(a.Param(i), b.Param(i)) << i;
+}
+
+// The global grad norm equals a float64 reference over every group; a power-of-two loss scale on
+// scaled grads gives exactly the unscaled run; clipping scales every group's grads by
+// min(1, max_norm / (norm + 1e-6)) before the update (checked against a float64 first step).
+TEST_F(EngineTest, LossScaleAndGlobalNormClipping) {
+  auto make = [&](const std::string& policy) {
+    EngineOptions o;
+    o.policy_path = Policies() + policy;
+    o.policy_args = {{"fraction", "0.5"}};
+    o.optimizer.lr = 0.5f;
+    o.optimizer.eps = 1.0f;  // makes the first step sensitive to the grads' scale
+    o.device = std::string(BackendName(device_->backend()));
+    o.transfer_chunk_bytes = 4096;
+    absl::StatusOr<std::unique_ptr<Engine>> e = Engine::Create(o);
+    EXPECT_TRUE(e.ok()) << e.status();
+    return *std::move(e);
+  };
+  Model plain(device_.get(), kSizes, 111), scaled(device_.get(), kSizes, 111), clipped(device_.get(), kSizes, 111);
+  auto e_plain = make("offload_fraction.lua"), e_scaled = make("offload_fraction.lua"), e_clip = make("offload_fraction.lua");
+  ASSERT_OK(plain.Register(*e_plain, 4));
+  ASSERT_OK(scaled.Register(*e_scaled, 4));
+  ASSERT_OK(clipped.Register(*e_clip, 4));
+  ASSERT_OK(e_plain->Finalize());
+  ASSERT_OK(e_scaled->Finalize());
+  ASSERT_OK(e_clip->Finalize());
+  const std::vector<std::vector<uint16_t>> p0 = [&] {
+    std::vector<std::vector<uint16_t>> v;
+    for (size_t i = 0; i < plain.size(); ++i) v.push_back(plain.Param(i));
+    return v;
+  }();
+  plain.SetGrads(5);
+  clipped.SetGrads(5);
+  scaled.SetGrads(5);
+  scaled.ScaleGrads(1024.0f);  // exact in bf16
+  double sum_sq = 0;
+  std::vector<std::vector<uint16_t>> grads;
+  for (size_t i = 0; i < plain.size(); ++i) {
+    grads.push_back(plain.Grad(i));
+    for (uint16_t g : grads.back()) sum_sq += static_cast<double>(BF16ToF32(g)) * BF16ToF32(g);
+  }
+  const double norm = std::sqrt(sum_sq);
+  ASSERT_OK(e_plain->Step());
+  EXPECT_NEAR(e_plain->Stats().last_grad_norm, norm, 1e-9 * norm);
+  ASSERT_OK(e_scaled->Step({.loss_scale = 1024.0f}));
+  EXPECT_NEAR(e_scaled->Stats().last_grad_norm, norm, 1e-9 * norm);
+  const float max_norm = static_cast<float>(norm / 8);
+  ASSERT_OK(e_clip->Step({.max_grad_norm = max_norm}));
+  ASSERT_OK(e_plain->Synchronize());
+  ASSERT_OK(e_scaled->Synchronize());
+  ASSERT_OK(e_clip->Synchronize());
+  const double coef = std::min(1.0, static_cast<double>(max_norm) / (norm + 1e-6));
+  size_t differs = 0;
+  for (size_t i = 0; i < plain.size(); ++i) {
+    EXPECT_EQ(scaled.Param(i), plain.Param(i)) << i;
+    const std::vector<uint16_t> got = clipped.Param(i), unclipped = plain.Param(i);
+    for (size_t k = 0; k < got.size(); ++k) {
+      // Step 1 of Adam with bias correction: m_hat = g', v_hat = g'^2, update = g' / (|g'| + eps).
+      const double g = coef * BF16ToF32(grads[i][k]);
+      const double p = BF16ToF32(p0[i][k]);
+      const double want = p - 0.5 * g / (std::fabs(g) + 1.0);
+      EXPECT_NEAR(BF16ToF32(got[k]), want, std::fabs(want) * (1.0 / 128) + 1e-6) << i << "[" << k << "]";
+      differs += got[k] != unclipped[k];
+    }
+  }
+  EXPECT_GT(differs, 1000u);  // clipping changed the result
+  // Bad inputs are refused before anything runs.
+  EXPECT_EQ(e_plain->Step({.loss_scale = 0.0f}).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(e_plain->Step({.max_grad_norm = 1.0f, .check_finite = false}).code(), absl::StatusCode::kInvalidArgument);
 }
 }  // namespace
 }  // namespace ferry

@@ -69,6 +69,14 @@ struct EngineOptions {
 
 struct StepOptions {
   std::optional<float> lr;  // this step's learning rate; default OptimizerOptions::lr
+  // Mixed precision: the grads carry this loss scale and are divided by it (> 0, finite).
+  float loss_scale = 1.0f;
+  // > 0: clip the global L2 norm of the unscaled grads of every group to this, computed across all
+  // groups (CPU and GPU) before any group is updated.
+  float max_grad_norm = 0.0f;
+  // Check every grad for NaN/Inf first; when one is found the step is skipped for every group and
+  // reported (EngineStats::last_step_skipped), never applied. Needed by loss_scale and max_grad_norm.
+  bool check_finite = true;
 };
 
 // Where a group's optimizer state lives after Finalize.
@@ -85,6 +93,9 @@ struct EngineStats {
   // Pin/register/host-alloc calls of the whole process's pinned arenas (mmap + register). Flat after
   // warm-up (Finalize, the first checkpoint save) across any number of steps, saves and loads.
   uint64_t pinned_host_calls = 0;
+  int64_t skipped_steps = 0;        // steps skipped because a grad was NaN/Inf
+  bool last_step_skipped = false;
+  double last_grad_norm = 0.0;      // global L2 norm of the unscaled grads at the last checked step
   size_t pinned_bytes = 0;          // pinned host memory reserved
   size_t gpu_state_bytes = 0;       // device memory held for GPU groups' fp32 state
 };

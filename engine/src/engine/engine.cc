@@ -157,6 +157,9 @@ class EngineImpl final : public Engine {
   std::vector<DType> group_dtype_;
   std::vector<bool> offloaded_;
   std::unique_ptr<HybridOptimizer> optimizer_;
+  int64_t skipped_steps_ = 0;
+  bool last_step_skipped_ = false;
+  double last_grad_norm_ = 0.0;
   // Checkpoints (SaveCheckpoint/LoadCheckpoint). Declared last, so destroyed first: the writer
   // waits for its save in flight and joins its threads before the staging it reads is freed.
   std::vector<TensorRecord> ckpt_structure_;  // what ckpt_staging_ is laid out for (data unset)
@@ -300,7 +303,12 @@ absl::Status EngineImpl::Step(const StepOptions& options, void* stream) {
   FERRY_ASSIGN_OR_RETURN(std::unique_ptr<Stream> trainer, device_->WrapStream(stream));
   const float lr = options.lr.value_or(options_.optimizer.lr);
   const double start = absl::ToDoubleSeconds(absl::Now() - absl::UnixEpoch());
-  FERRY_RETURN_IF_ERROR(optimizer_->Step(lr, *trainer));
+  HybridStepParams params{.lr = lr, .loss_scale = options.loss_scale, .max_grad_norm = options.max_grad_norm,
+                          .check_finite = options.check_finite};
+  FERRY_ASSIGN_OR_RETURN(HybridStepResult result, optimizer_->Step(params, *trainer));
+  last_step_skipped_ = result.skipped;
+  last_grad_norm_ = result.grad_norm;
+  if (result.skipped) ++skipped_steps_;
   if (policy_ == nullptr || !policy_->has_hook("on_step")) return absl::OkStatus();
   return RunOnStep(absl::ToDoubleSeconds(absl::Now() - absl::UnixEpoch()) - start);
 }
@@ -692,6 +700,9 @@ EngineStats EngineImpl::Stats() const {
   EngineStats s;
   s.host_registrations = device_->host_registrations();
   s.pinned_host_calls = GetPinnedHostCounters().calls();
+  s.skipped_steps = skipped_steps_;
+  s.last_step_skipped = last_step_skipped_;
+  s.last_grad_norm = last_grad_norm_;
   if (optimizer_ != nullptr) {
     s.step = optimizer_->num_groups() > 0 ? optimizer_->group_step(0) : 0;
     s.pinned_bytes = optimizer_->pinned_bytes();

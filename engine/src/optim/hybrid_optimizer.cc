@@ -1,6 +1,7 @@
 #include "optim/hybrid_optimizer.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <utility>
 
@@ -92,6 +93,9 @@ absl::Status HybridOptimizer::Init(std::vector<OptimParam> params, std::vector<O
   FERRY_ASSIGN_OR_RETURN(work_stream_, device_->CreateStream());
   FERRY_ASSIGN_OR_RETURN(grads_ready_, device_->CreateEvent());
   FERRY_ASSIGN_OR_RETURN(step_done_, device_->CreateEvent());
+  FERRY_ASSIGN_OR_RETURN(stats_ready_, device_->CreateEvent());
+  for (const OptimParam& op : params_) grad_tensors_.push_back(GradTensorArgs{op.grad, op.numel, op.grad_dtype});
+  FERRY_ASSIGN_OR_RETURN(grad_stats_workspace_, device_->Allocate(GradStatsWorkspaceBytes(grad_tensors_.size())));
   if (!cpu_params_.empty()) {
     const size_t chunk_bytes = options_.chunk_bytes / 4 * 4;  // whole elements of any dtype
     const size_t depth = std::max<size_t>(options_.pipeline_depth, 2);
@@ -167,18 +171,44 @@ absl::Status HybridOptimizer::Synchronize() {
   return s;
 }
 
-absl::Status HybridOptimizer::Step(float lr, Stream& trainer) {
+absl::StatusOr<HybridStepResult> HybridOptimizer::Step(const HybridStepParams& params, Stream& trainer) {
+  if (!(params.loss_scale > 0.0f) || !std::isfinite(params.loss_scale)) {
+    return absl::InvalidArgumentError(absl::StrCat("Step: loss_scale must be positive and finite, got ", params.loss_scale));
+  }
+  if (!(params.max_grad_norm >= 0.0f) || !std::isfinite(params.max_grad_norm)) {
+    return absl::InvalidArgumentError(absl::StrCat("Step: max_grad_norm must be >= 0 and finite, got ", params.max_grad_norm));
+  }
+  if (!params.check_finite && params.max_grad_norm > 0.0f) {
+    return absl::InvalidArgumentError("Step: max_grad_norm needs check_finite (the norm comes from the gradient check)");
+  }
   FERRY_RETURN_IF_ERROR(WaitPending());  // the previous step's staging is free again
+  HybridStepResult result;
+  double multiplier = 1.0 / static_cast<double>(params.loss_scale);
+  if (params.check_finite) {
+    // Every grad of every group is checked (and its norm taken) before any group is updated.
+    FERRY_RETURN_IF_ERROR(device_->LaunchGradStats(grad_tensors_, grad_stats_workspace_.data(),
+                                                   grad_stats_workspace_.bytes(), trainer));
+    FERRY_RETURN_IF_ERROR(device_->CopyAsync(&grad_stats_, GradStatsResult(grad_stats_workspace_.data()),
+                                             sizeof(GradStats), CopyKind::kDeviceToHost, trainer));
+    FERRY_RETURN_IF_ERROR(trainer.Record(*stats_ready_));
+    FERRY_RETURN_IF_ERROR(stats_ready_->Synchronize());
+    if (grad_stats_.found_inf != 0) {
+      result.skipped = true;
+      return result;  // nothing enqueued that changes state; step counts unchanged
+    }
+    result.grad_norm = std::sqrt(grad_stats_.sum_sq) / static_cast<double>(params.loss_scale);
+    multiplier = AdamGradMultiplier(params.loss_scale, grad_stats_.sum_sq, params.max_grad_norm);
+  }
   FERRY_RETURN_IF_ERROR(trainer.Record(*grads_ready_));
-  FERRY_RETURN_IF_ERROR(StepGpuGroups(lr, trainer));
-  FERRY_RETURN_IF_ERROR(StepCpuGroups(lr, *grads_ready_));
+  FERRY_RETURN_IF_ERROR(StepGpuGroups(params.lr, multiplier, trainer));
+  FERRY_RETURN_IF_ERROR(StepCpuGroups(params.lr, multiplier, *grads_ready_));
   if (!pending_.empty()) FERRY_RETURN_IF_ERROR(pending_.back()->MakeStreamWait(trainer));
   FERRY_RETURN_IF_ERROR(trainer.Record(*step_done_));
   for (Group& g : groups_) ++g.step;
-  return absl::OkStatus();
+  return result;
 }
 
-absl::Status HybridOptimizer::StepGpuGroups(float lr, Stream& trainer) {
+absl::Status HybridOptimizer::StepGpuGroups(float lr, double grad_multiplier, Stream& trainer) {
   std::vector<AdamScalars> scalars;
   std::vector<AdamTensorArgs> tensors;
   std::vector<uint32_t> group_scalars(groups_.size(), 0);
@@ -188,7 +218,7 @@ absl::Status HybridOptimizer::StepGpuGroups(float lr, Stream& trainer) {
     AdamHyper h = options_.hyper;
     h.lr = lr;
     group_scalars[gi] = static_cast<uint32_t>(scalars.size());
-    scalars.push_back(MakeAdamScalars(h, g.step + 1));
+    scalars.push_back(MakeAdamScalars(h, g.step + 1, grad_multiplier));
     for (size_t p : g.params) {
       const OptimParam& op = params_[p];
       AdamTensorArgs t;
@@ -225,13 +255,13 @@ absl::StatusOr<std::unique_ptr<TransferBatch>> HybridOptimizer::SubmitGradChunk(
 // Chunk k's grads land in grad slot k % depth; CPU Adam writes its new params into param slot k % depth,
 // which the H2D of chunk k reads. A grad slot is refilled once CPU Adam has read it; a param slot is
 // rewritten only after the H2D that read it completed.
-absl::Status HybridOptimizer::StepCpuGroups(float lr, Event& grads_ready) {
+absl::Status HybridOptimizer::StepCpuGroups(float lr, double grad_multiplier, Event& grads_ready) {
   if (cpu_params_.empty()) return absl::OkStatus();
   std::vector<AdamScalars> scalars(groups_.size());
   for (size_t gi = 0; gi < groups_.size(); ++gi) {
     AdamHyper h = options_.hyper;
     h.lr = lr;
-    scalars[gi] = MakeAdamScalars(h, groups_[gi].step + 1);
+    scalars[gi] = MakeAdamScalars(h, groups_[gi].step + 1, grad_multiplier);
   }
   const size_t num_chunks = grad_chunks_.size();
   const size_t depth = grad_slots_.size();

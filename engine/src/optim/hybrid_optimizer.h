@@ -46,6 +46,19 @@ struct HybridOptions {
   int numa_node = -1;
 };
 
+// The inputs of one step besides the grads.
+struct HybridStepParams {
+  float lr = 1e-3f;
+  float loss_scale = 1.0f;    // grads are divided by it
+  float max_grad_norm = 0.0f; // > 0: global-norm clipping across every group
+  bool check_finite = true;   // NaN/Inf in any grad skips the whole step
+};
+
+struct HybridStepResult {
+  bool skipped = false;      // a grad was NaN/Inf: nothing was updated
+  double grad_norm = 0.0;    // global L2 norm of the unscaled grads (when checked)
+};
+
 // Which per-parameter tensor of the optimizer state.
 enum class StateKind : uint8_t { kMaster, kExpAvg, kExpAvgSq };
 
@@ -64,7 +77,8 @@ class HybridOptimizer final {
 
   // One step of every group, ordered after the work already on `trainer` (the grads), with `trainer`
   // made to wait for the new params. `lr` overrides the configured learning rate for this step.
-  absl::Status Step(float lr, Stream& trainer);
+  absl::StatusOr<HybridStepResult> Step(const HybridStepParams& params, Stream& trainer);
+  absl::Status Step(float lr, Stream& trainer) { return Step(HybridStepParams{.lr = lr}, trainer).status(); }
 
   // Waits for every copy and kernel the optimizer has enqueued.
   absl::Status Synchronize();
@@ -108,8 +122,8 @@ class HybridOptimizer final {
 
   HybridOptimizer(Device* device, ThreadPool* pool, HybridOptions options);
   absl::Status Init(std::vector<OptimParam> params, std::vector<OptimGroup> groups);
-  absl::Status StepGpuGroups(float lr, Stream& trainer);
-  absl::Status StepCpuGroups(float lr, Event& grads_ready);
+  absl::Status StepGpuGroups(float lr, double grad_multiplier, Stream& trainer);
+  absl::Status StepCpuGroups(float lr, double grad_multiplier, Event& grads_ready);
   absl::Status WaitPending();
   // Pointer of param `p`'s `kind` state (host memory for offloaded groups, device memory otherwise).
   float* StatePtr(size_t p, StateKind kind) const;
@@ -137,7 +151,11 @@ class HybridOptimizer final {
   std::unique_ptr<Transfer> transfer_;
   std::unique_ptr<Stream> work_stream_;  // state init/copies of GPU groups
   std::unique_ptr<Event> grads_ready_;
-  std::unique_ptr<Event> step_done_;     // recorded on the trainer stream at the end of each Step
+  std::unique_ptr<Event> step_done_;
+  std::unique_ptr<Event> stats_ready_;       // the gradient check's result has reached grad_stats_
+  DeviceBuffer grad_stats_workspace_;        // LaunchGradStats' device workspace
+  std::vector<GradTensorArgs> grad_tensors_; // every param's grad, in param order
+  GradStats grad_stats_{};                   // host copy of the last check     // recorded on the trainer stream at the end of each Step
   std::vector<std::unique_ptr<TransferBatch>> pending_;  // the last step's copies, until finished
 };
 
