@@ -63,7 +63,9 @@ void Fail(const absl::Status& s) {
 }
 
 struct AlignedBuffer {
-  explicit AlignedBuffer(size_t n) : data(static_cast<char*>(std::aligned_alloc(4096, n))), size(n) {}
+  // aligned_alloc requires a size that is a multiple of the alignment.
+  explicit AlignedBuffer(size_t n)
+      : data(static_cast<char*>(std::aligned_alloc(4096, (n + 4095) / 4096 * 4096))), size(n) {}
   ~AlignedBuffer() { std::free(data); }
   AlignedBuffer(const AlignedBuffer&) = delete;
   AlignedBuffer& operator=(const AlignedBuffer&) = delete;

@@ -177,7 +177,11 @@ absl::StatusOr<std::unique_ptr<PinnedArena>> PinnedArena::Create(
   }
   const size_t capacity = region->bytes();
 
-  // 3. NUMA placement, before any page is touched.
+  // 3. NUMA placement, before any page is touched. libnuma fills its per-node CPU masks lazily and
+  // without locking, so arenas are placed and prefaulted one at a time in a process (the placement
+  // below fills the masks of every node the prefault threads will use before they start).
+  static std::mutex* const numa_mu = new std::mutex;
+  std::unique_lock<std::mutex> numa_lock(*numa_mu);
   FERRY_ASSIGN_OR_RETURN(const memory_internal::NumaPlacement placement,
                          memory_internal::ApplyNumaPolicy(region->base(), capacity, options.numa,
                                                           options.numa_node, name));
@@ -193,6 +197,7 @@ absl::StatusOr<std::unique_ptr<PinnedArena>> PinnedArena::Create(
                          memory_internal::PrefaultRegion(region->base(), capacity, region->kind(),
                                                          threads, placement.toucher_nodes, name));
   setup.prefault_seconds = Seconds(start);
+  numa_lock.unlock();
 
   // 5. One registration.
   start = std::chrono::steady_clock::now();
