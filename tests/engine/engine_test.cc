@@ -671,5 +671,65 @@ TEST_F(EngineTest, LossScaleAndGlobalNormClipping) {
   EXPECT_EQ(e_plain->Step({.loss_scale = 0.0f}).code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(e_plain->Step({.max_grad_norm = 1.0f, .check_finite = false}).code(), absl::StatusCode::kInvalidArgument);
 }
+
+// The stale-master scenario through a model-only checkpoint: loaded by a policy that does not sync,
+// VerifyMasters reports the stale masters; loaded by sync_after_load, the next step starts from the
+// loaded weights (equal to a fresh engine built on them and stepped once).
+TEST_F(EngineTest, ModelOnlyLoadWithAndWithoutSync) {
+  Model src(device_.get(), kSizes, 121);
+  const std::string model_only = tmp_.Write("model_only.lua", R"(
+return {
+  place = function(groups, ctx) local out = {} for _, g in ipairs(groups) do out[g.name] = "cpu" end return out end,
+  checkpoint = function(info, ctx) return { skip = { "optimizer", "master" } } end,
+})");
+  auto writer = MakeEngine(model_only);
+  ASSERT_OK(src.Register(*writer, 4));
+  ASSERT_OK(writer->Finalize());
+  for (int s = 0; s < 3; ++s) {
+    src.SetGrads(s);
+    ASSERT_OK(writer->Step());
+  }
+  absl::StatusOr<std::string> dir = writer->SaveCheckpoint(tmp_.path() + "/model_only", 3);
+  ASSERT_TRUE(dir.ok()) << dir.status();
+  const std::string no_sync = tmp_.Write("no_sync.lua", R"(
+return {
+  place = function(groups, ctx) local out = {} for _, g in ipairs(groups) do out[g.name] = "cpu" end return out end,
+  after_load = function(event, ctx) return { sync = "none", reset_optimizer = true } end,
+})");
+  {
+    Model m(device_.get(), kSizes, 122);
+    auto e = MakeEngine(no_sync);
+    ASSERT_OK(m.Register(*e, 4));
+    ASSERT_OK(e->Finalize());
+    m.SetGrads(9);
+    ASSERT_OK(e->Step());
+    ASSERT_OK(e->LoadCheckpoint(*dir));
+    absl::Status s = e->VerifyMasters();
+    EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+    EXPECT_THAT(std::string(s.message()), HasSubstr("stale master"));
+  }
+  Model m(device_.get(), kSizes, 123);
+  auto e = MakeEngine(Policies() + "sync_after_load.lua", {{"fraction", "1"}});
+  ASSERT_OK(m.Register(*e, 4));
+  ASSERT_OK(e->Finalize());
+  m.SetGrads(9);
+  ASSERT_OK(e->Step());
+  ASSERT_OK(e->LoadCheckpoint(*dir));
+  ASSERT_OK(e->VerifyMasters());
+  for (size_t i = 0; i < m.size(); ++i) EXPECT_EQ(m.Param(i), src.Param(i)) << i;
+  // One step from the loaded weights equals one step of a fresh engine on them.
+  Model fresh_model(device_.get(), kSizes, 124);
+  for (size_t i = 0; i < m.size(); ++i) fresh_model.SetParam(i, src.Param(i));
+  auto fresh = MakeEngine(Policies() + "sync_after_load.lua", {{"fraction", "1"}});
+  ASSERT_OK(fresh_model.Register(*fresh, 4));
+  ASSERT_OK(fresh->Finalize());
+  m.SetGrads(10);
+  fresh_model.SetGrads(10);
+  ASSERT_OK(e->Step());
+  ASSERT_OK(fresh->Step());
+  ASSERT_OK(e->Synchronize());
+  ASSERT_OK(fresh->Synchronize());
+  for (size_t i = 0; i < m.size(); ++i) EXPECT_EQ(m.Param(i), fresh_model.Param(i)) << i;
+}
 }  // namespace
 }  // namespace ferry
