@@ -428,16 +428,19 @@ absl::StatusOr<std::string> EngineImpl::SaveCheckpoint(const std::string& root, 
     ckpt_staging_ = *std::move(staging);
     ckpt_structure_ = tensors;
   }
+  // One snapshot of everything: device-resident tensors copied down on one stream while the pool
+  // copies the offloaded state; the trainer is blocked only for the longer of the two.
+  std::vector<HybridOptimizer::SnapshotItem> items(tensors.size());
   for (size_t k = 0; k < tensors.size(); ++k) {
     char* dst = ckpt_staging_->data() + ckpt_offsets_[k];
     const Source& src = sources[k];
-    if (src.kind < 0) {
-      FERRY_RETURN_IF_ERROR(optimizer_->ReadParam(src.param, dst));
-    } else {
-      FERRY_RETURN_IF_ERROR(optimizer_->ReadState(src.param, kStateKinds[src.kind].first, reinterpret_cast<float*>(dst)));
-    }
+    items[k].param = src.param;
+    items[k].is_param = src.kind < 0;
+    if (src.kind >= 0) items[k].kind = kStateKinds[src.kind].first;
+    items[k].dst = dst;
     tensors[k].data = dst;
   }
+  FERRY_RETURN_IF_ERROR(optimizer_->Snapshot(items));
   std::map<std::string, std::string> metadata;
   metadata["ferry.version"] = "1";
   metadata["ferry.world_size"] = "1";

@@ -460,6 +460,41 @@ absl::Status HybridOptimizer::WriteState(size_t param, StateKind kind, const flo
   return work_stream_->Synchronize();
 }
 
+absl::Status HybridOptimizer::Snapshot(absl::Span<const SnapshotItem> items) {
+  FERRY_RETURN_IF_ERROR(Synchronize());
+  struct Piece {
+    char* dst;
+    const char* src;
+    size_t bytes;
+  };
+  std::vector<Piece> host_pieces;
+  constexpr size_t kPiece = size_t{16} << 20;
+  for (const SnapshotItem& item : items) {
+    if (item.param >= params_.size() || item.dst == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat("Snapshot: bad item for param ", item.param));
+    }
+    const OptimParam& op = params_[item.param];
+    if (item.is_param) {
+      FERRY_RETURN_IF_ERROR(device_->CopyAsync(item.dst, op.param, static_cast<size_t>(op.numel) * DTypeSize(op.dtype),
+                                               CopyKind::kDeviceToHost, *work_stream_));
+      continue;
+    }
+    const size_t bytes = static_cast<size_t>(op.numel) * sizeof(float);
+    const char* src = reinterpret_cast<const char*>(StatePtr(item.param, item.kind));
+    if (!groups_[op.group].offloaded) {
+      FERRY_RETURN_IF_ERROR(device_->CopyAsync(item.dst, src, bytes, CopyKind::kDeviceToHost, *work_stream_));
+      continue;
+    }
+    for (size_t at = 0; at < bytes; at += kPiece) {
+      host_pieces.push_back(Piece{static_cast<char*>(item.dst) + at, src + at, std::min(kPiece, bytes - at)});
+    }
+  }
+  pool_->ParallelFor(host_pieces.size(), [&](size_t k) {
+    std::memcpy(host_pieces[k].dst, host_pieces[k].src, host_pieces[k].bytes);
+  });
+  return work_stream_->Synchronize();
+}
+
 absl::Status HybridOptimizer::ReadParam(size_t param, void* host) {
   FERRY_RETURN_IF_ERROR(Synchronize());
   const OptimParam& op = params_[param];

@@ -96,6 +96,18 @@ class HybridOptimizer final {
   absl::Status ReadState(size_t param, StateKind kind, float* host);
   absl::Status WriteState(size_t param, StateKind kind, const float* host);
   absl::Status ReadParam(size_t param, void* host);
+
+  // One tensor of a snapshot: param `param`'s state `kind`, or (with `is_param`) the param itself.
+  struct SnapshotItem {
+    size_t param = 0;
+    bool is_param = false;
+    StateKind kind = StateKind::kMaster;
+    void* dst = nullptr;  // host memory (pinned for full speed) of the tensor's size
+  };
+  // Copies every item at once: device-resident tensors through one stream of D2H copies while the
+  // host-resident (offloaded) state is copied by the thread pool, then waits for both. Equivalent to
+  // ReadParam/ReadState per item, without a synchronization per tensor.
+  absl::Status Snapshot(absl::Span<const SnapshotItem> items);
   absl::Status WriteParam(size_t param, const void* host);
 
   int64_t group_step(size_t group) const { return groups_[group].step; }
