@@ -185,7 +185,9 @@ struct TensorEntry {
 
 class ReadOnlyFile;
 
-// Reads one checkpoint directory. One thread at a time. The files stay open while the reader lives.
+// Reads one checkpoint directory. Open() on one thread; afterwards the const readers (ReadTensor,
+// ReadRange, VerifyAll) are safe for concurrent use (positional reads, no shared state). The files stay
+// open while the reader lives.
 class CheckpointReader final {
  public:
   // `path` is a checkpoint directory (holding manifest.json) or a root, in which case the directory

@@ -538,6 +538,13 @@ absl::Status EngineImpl::LoadCheckpointFrom(const std::string& path) {
   std::vector<Loaded> loaded(params_.size());
   std::vector<bool> group_loaded(group_names_.size(), false);
   std::vector<bool> group_masters(group_names_.size(), true), group_optimizer(group_names_.size(), true);
+  // Every tensor is checked first; the reads (each verified by its checksum) then run in parallel.
+  struct ReadJob {
+    std::string name;
+    void* dst;
+    size_t bytes;
+  };
+  std::vector<ReadJob> jobs;
   for (size_t i = 0; i < params_.size(); ++i) {
     const ParamRecord& p = params_[i];
     const TensorEntry* e = reader->Find(p.spec.name);
@@ -552,7 +559,7 @@ absl::Status EngineImpl::LoadCheckpointFrom(const std::string& path) {
     }
     Loaded& l = loaded[i];
     l.param.resize(e->bytes);
-    FERRY_RETURN_IF_ERROR(reader->ReadTensor(p.spec.name, l.param.data(), l.param.size()));
+    jobs.push_back(ReadJob{p.spec.name, l.param.data(), l.param.size()});
     l.has_param = true;
     group_loaded[p.group] = true;
     for (int k = 0; k < 3; ++k) {
@@ -569,9 +576,16 @@ absl::Status EngineImpl::LoadCheckpointFrom(const std::string& path) {
                                                        absl::StrJoin(p.spec.shape, ","), "]"));
       }
       l.state[k].resize(static_cast<size_t>(p.numel));
-      FERRY_RETURN_IF_ERROR(reader->ReadTensor(name, l.state[k].data(), l.state[k].size() * sizeof(float)));
+      jobs.push_back(ReadJob{name, l.state[k].data(), l.state[k].size() * sizeof(float)});
       l.has_state[k] = true;
     }
+  }
+  {
+    std::vector<absl::Status> results(jobs.size());
+    pool_.ParallelFor(jobs.size(), [&](size_t j) {
+      results[j] = reader->ReadTensor(jobs[j].name, jobs[j].dst, jobs[j].bytes);
+    });
+    for (const absl::Status& r : results) FERRY_RETURN_IF_ERROR(r);  // the first failing tensor, in order
   }
   std::vector<int64_t> steps(group_names_.size(), 0);
   LoadEvent event;
