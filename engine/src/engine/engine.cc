@@ -384,6 +384,11 @@ absl::StatusOr<std::string> EngineImpl::SaveCheckpoint(const std::string& root, 
   std::vector<SkipRecord> skipped;
   if (plan.skip_optimizer) skipped.push_back({"optimizer", absl::StrCat("policy ", PolicyName())});
   if (plan.skip_master) skipped.push_back({"master", absl::StrCat("policy ", PolicyName())});
+  bool any_f32 = false;
+  for (const ParamRecord& p : params_) any_f32 = any_f32 || p.spec.dtype == DType::kF32;
+  if (any_f32 && !plan.skip_master) {
+    skipped.push_back({"master of f32 params", "identical to the param (the param is stored once)"});
+  }
   for (const std::string& g : skip_groups) skipped.push_back({absl::StrCat("group:", g), absl::StrCat("policy ", PolicyName())});
 
   // What to save, then a snapshot of it in the cached staging (re-laid out when the structure
@@ -405,6 +410,8 @@ absl::StatusOr<std::string> EngineImpl::SaveCheckpoint(const std::string& root, 
     for (int k = 0; k < 3; ++k) {
       const bool is_master = kStateKinds[k].first == StateKind::kMaster;
       if ((is_master && plan.skip_master) || (!is_master && plan.skip_optimizer)) continue;
+      // An fp32 param is its master, bit for bit (the param is the master rounded to f32): written once.
+      if (is_master && p.spec.dtype == DType::kF32) continue;
       tensors.push_back(TensorRecord{StateTensorName(p.spec.name, kStateKinds[k].second), DType::kF32, p.spec.shape,
                                      nullptr, static_cast<size_t>(p.numel) * sizeof(float), kStateKinds[k].second,
                                      group});
@@ -534,7 +541,11 @@ absl::Status EngineImpl::LoadCheckpointFrom(const std::string& path) {
     std::vector<float> state[3];
     bool has_param = false;
     bool has_state[3] = {false, false, false};
+    bool master_from_param = false;
   };
+  // Checkpoints store the master of an fp32 param only as the param itself (see SaveCheckpoint).
+  bool masters_aliased = false;
+  for (const SkipRecord& r : reader->skipped()) masters_aliased = masters_aliased || r.what == "master of f32 params";
   std::vector<Loaded> loaded(params_.size());
   std::vector<bool> group_loaded(group_names_.size(), false);
   std::vector<bool> group_masters(group_names_.size(), true), group_optimizer(group_names_.size(), true);
@@ -565,6 +576,10 @@ absl::Status EngineImpl::LoadCheckpointFrom(const std::string& path) {
     for (int k = 0; k < 3; ++k) {
       const std::string name = StateTensorName(p.spec.name, kStateKinds[k].second);
       const TensorEntry* s = reader->Find(name);
+      if (s == nullptr && k == 0 && p.spec.dtype == DType::kF32 && masters_aliased) {
+        l.master_from_param = true;  // filled from the param once it is read
+        continue;
+      }
       if (s == nullptr) {
         if (k == 0) group_masters[p.group] = false;
         else group_optimizer[p.group] = false;
@@ -586,6 +601,12 @@ absl::Status EngineImpl::LoadCheckpointFrom(const std::string& path) {
       results[j] = reader->ReadTensor(jobs[j].name, jobs[j].dst, jobs[j].bytes);
     });
     for (const absl::Status& r : results) FERRY_RETURN_IF_ERROR(r);  // the first failing tensor, in order
+  }
+  for (Loaded& l : loaded) {
+    if (!l.master_from_param) continue;
+    l.state[0].resize(l.param.size() / sizeof(float));
+    std::memcpy(l.state[0].data(), l.param.data(), l.param.size());
+    l.has_state[0] = true;
   }
   std::vector<int64_t> steps(group_names_.size(), 0);
   LoadEvent event;
