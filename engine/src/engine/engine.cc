@@ -638,15 +638,17 @@ absl::Status EngineImpl::LoadCheckpointFrom(const std::string& path) {
   FERRY_ASSIGN_OR_RETURN(std::vector<size_t> sync_groups, GroupIndices(sync.sync_groups));
   if (sync.sync_groups.empty()) sync_groups.clear();  // empty list means "none" here, not "all"
 
-  // Phase 2: apply.
+  // Phase 2: apply, in one pass.
+  std::vector<HybridOptimizer::SnapshotItem> restore;
   for (size_t i = 0; i < params_.size(); ++i) {
-    const Loaded& l = loaded[i];
+    Loaded& l = loaded[i];
     if (!l.has_param) continue;
-    FERRY_RETURN_IF_ERROR(optimizer_->WriteParam(i, l.param.data()));
+    restore.push_back({.param = i, .is_param = true, .dst = l.param.data()});
     for (int k = 0; k < 3; ++k) {
-      if (l.has_state[k]) FERRY_RETURN_IF_ERROR(optimizer_->WriteState(i, kStateKinds[k].first, l.state[k].data()));
+      if (l.has_state[k]) restore.push_back({.param = i, .kind = kStateKinds[k].first, .dst = l.state[k].data()});
     }
   }
+  FERRY_RETURN_IF_ERROR(optimizer_->Restore(restore));
   std::vector<size_t> reset;
   for (size_t g = 0; g < group_names_.size(); ++g) {
     if (!group_loaded[g]) continue;

@@ -460,7 +460,7 @@ absl::Status HybridOptimizer::WriteState(size_t param, StateKind kind, const flo
   return work_stream_->Synchronize();
 }
 
-absl::Status HybridOptimizer::Snapshot(absl::Span<const SnapshotItem> items) {
+absl::Status HybridOptimizer::CopyItems(absl::Span<const SnapshotItem> items, bool to_host) {
   FERRY_RETURN_IF_ERROR(Synchronize());
   struct Piece {
     char* dst;
@@ -471,22 +471,35 @@ absl::Status HybridOptimizer::Snapshot(absl::Span<const SnapshotItem> items) {
   constexpr size_t kPiece = size_t{16} << 20;
   for (const SnapshotItem& item : items) {
     if (item.param >= params_.size() || item.dst == nullptr) {
-      return absl::InvalidArgumentError(absl::StrCat("Snapshot: bad item for param ", item.param));
+      FERRY_RETURN_IF_ERROR(work_stream_->Synchronize());  // nothing enqueued may outlive the caller's buffers
+      return absl::InvalidArgumentError(absl::StrCat(to_host ? "Snapshot" : "Restore", ": bad item for param ", item.param));
     }
     const OptimParam& op = params_[item.param];
     if (item.is_param) {
-      FERRY_RETURN_IF_ERROR(device_->CopyAsync(item.dst, op.param, static_cast<size_t>(op.numel) * DTypeSize(op.dtype),
-                                               CopyKind::kDeviceToHost, *work_stream_));
+      const size_t pbytes = static_cast<size_t>(op.numel) * DTypeSize(op.dtype);
+      absl::Status st = to_host ? device_->CopyAsync(item.dst, op.param, pbytes, CopyKind::kDeviceToHost, *work_stream_)
+                                : device_->CopyAsync(op.param, item.dst, pbytes, CopyKind::kHostToDevice, *work_stream_);
+      if (!st.ok()) {
+        (void)work_stream_->Synchronize();  // nothing enqueued may outlive the caller's buffers
+        return st;
+      }
       continue;
     }
     const size_t bytes = static_cast<size_t>(op.numel) * sizeof(float);
-    const char* src = reinterpret_cast<const char*>(StatePtr(item.param, item.kind));
+    char* state = reinterpret_cast<char*>(StatePtr(item.param, item.kind));
+    char* host = static_cast<char*>(item.dst);
     if (!groups_[op.group].offloaded) {
-      FERRY_RETURN_IF_ERROR(device_->CopyAsync(item.dst, src, bytes, CopyKind::kDeviceToHost, *work_stream_));
+      absl::Status st = to_host ? device_->CopyAsync(host, state, bytes, CopyKind::kDeviceToHost, *work_stream_)
+                                : device_->CopyAsync(state, host, bytes, CopyKind::kHostToDevice, *work_stream_);
+      if (!st.ok()) {
+        (void)work_stream_->Synchronize();
+        return st;
+      }
       continue;
     }
     for (size_t at = 0; at < bytes; at += kPiece) {
-      host_pieces.push_back(Piece{static_cast<char*>(item.dst) + at, src + at, std::min(kPiece, bytes - at)});
+      const size_t len = std::min(kPiece, bytes - at);
+      host_pieces.push_back(to_host ? Piece{host + at, state + at, len} : Piece{state + at, host + at, len});
     }
   }
   pool_->ParallelFor(host_pieces.size(), [&](size_t k) {
@@ -494,6 +507,10 @@ absl::Status HybridOptimizer::Snapshot(absl::Span<const SnapshotItem> items) {
   });
   return work_stream_->Synchronize();
 }
+
+absl::Status HybridOptimizer::Snapshot(absl::Span<const SnapshotItem> items) { return CopyItems(items, true); }
+
+absl::Status HybridOptimizer::Restore(absl::Span<const SnapshotItem> items) { return CopyItems(items, false); }
 
 absl::Status HybridOptimizer::ReadParam(size_t param, void* host) {
   FERRY_RETURN_IF_ERROR(Synchronize());

@@ -108,6 +108,10 @@ class HybridOptimizer final {
   // host-resident (offloaded) state is copied by the thread pool, then waits for both. Equivalent to
   // ReadParam/ReadState per item, without a synchronization per tensor.
   absl::Status Snapshot(absl::Span<const SnapshotItem> items);
+  // The inverse: writes every item's host data (`dst` is read) into the param or state, device copies
+  // on one stream while the pool writes the offloaded state. Equivalent to WriteParam/WriteState per
+  // item, without a synchronization per tensor.
+  absl::Status Restore(absl::Span<const SnapshotItem> items);
   absl::Status WriteParam(size_t param, const void* host);
 
   int64_t group_step(size_t group) const { return groups_[group].step; }
@@ -140,6 +144,8 @@ class HybridOptimizer final {
   // Pointer of param `p`'s `kind` state (host memory for offloaded groups, device memory otherwise).
   float* StatePtr(size_t p, StateKind kind) const;
   absl::Status SyncParamsFromModel(const std::vector<size_t>& params);
+  // Snapshot (to_host) or Restore: device copies on work_stream_, offloaded state by the pool.
+  absl::Status CopyItems(absl::Span<const SnapshotItem> items, bool to_host);
   // Enqueues the D2H copy of grad chunk k into its ring slot.
   absl::StatusOr<std::unique_ptr<TransferBatch>> SubmitGradChunk(size_t k, Event& grads_ready);
 
