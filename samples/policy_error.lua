@@ -19,67 +19,15 @@ local dir = tmp .. ".policies"
 local made = os.execute("mkdir -p '" .. dir .. "'")
 assert(made == 0 or made == true, "cannot create " .. dir)
 
-local seed = 5
-local function rand()  -- uniform in [-1, 1)
-  seed = (seed * 1103515245 + 12345) % 2147483648
-  return seed / 1073741824 - 1
-end
-
-local xs, ys = {}, {}
-for i = 1, SAMPLES do
-  local x, y = {}, 1.0
-  for j = 1, FEATURES do x[j] = rand(); y = y + x[j] / j end
-  xs[i], ys[i] = x, y
-end
+local regression = dofile(ferry.script_dir .. "/lib/linear_regression.lua")
+local problem = regression.new{ ferry = ferry, features = FEATURES, groups = GROUPS, samples = SAMPLES, seed = 5,
+                                weight = function(j) return 1 / j end, intercept = 1.0 }
 
 local function build()
-  seed = 17
-  local engine = ferry.engine{ policy = policies .. "offload_fraction.lua", args = { fraction = 0.5 },
-                               lr = 0.02 }
-  local model = { w = {}, gw = {}, engine = engine }
-  local per = FEATURES / GROUPS
-  for g = 1, GROUPS do
-    local w, gw = ferry.tensor("bf16", per), ferry.tensor("bf16", per)
-    local init = {}
-    for j = 1, per do init[j] = 0.1 * rand() end
-    w:upload(init)
-    engine:add_param{ name = "layer" .. (g - 1) .. ".weight", group = "layer" .. (g - 1),
-                      shape = { per }, param = w, grad = gw }
-    model.w[g], model.gw[g] = w, gw
-  end
-  engine:finalize()
-  return model
+  return problem:build({ policy = policies .. "offload_fraction.lua", args = { fraction = 0.5 }, lr = 0.02 }, 17)
 end
-
-local function forward_backward(model)
-  local per = FEATURES / GROUPS
-  local w = {}
-  for g = 1, GROUPS do
-    local part = model.w[g]:download()
-    for j = 1, per do w[(g - 1) * per + j] = part[j] end
-  end
-  local gw, loss = {}, 0
-  for j = 1, FEATURES do gw[j] = 0 end
-  for i = 1, SAMPLES do
-    local pred = 0
-    for j = 1, FEATURES do pred = pred + xs[i][j] * w[j] end
-    local err = pred - ys[i]
-    loss = loss + err * err
-    for j = 1, FEATURES do gw[j] = gw[j] + 2 * err * xs[i][j] / SAMPLES end
-  end
-  for g = 1, GROUPS do
-    local part = {}
-    for j = 1, per do part[j] = gw[(g - 1) * per + j] end
-    model.gw[g]:upload(part)
-  end
-  return loss / SAMPLES
-end
-
-local function snapshot(model)
-  local parts = {}
-  for g = 1, GROUPS do parts[g] = model.w[g]:raw() end
-  return table.concat(parts)
-end
+local function forward_backward(model) return problem:forward_backward(model) end
+local function snapshot(model) return problem:snapshot(model) end
 
 local function placement(model)
   local cells = {}

@@ -20,78 +20,20 @@ if not root then
   root = tmp .. ".ckpt"
 end
 
--- A small deterministic generator, so every run sees the same data.
-local seed = 12345
-local function rand()  -- uniform in [-1, 1)
-  seed = (seed * 1103515245 + 12345) % 2147483648
-  return seed / 1073741824 - 1
-end
+-- The data: a known answer (w_j = sin j, b = 0.5) on inputs from a small deterministic generator, so
+-- every run sees the same data. samples/lib/linear_regression.lua holds the model's tensors and its
+-- forward and backward pass (on the host, in double precision).
+local regression = dofile(ferry.script_dir .. "/lib/linear_regression.lua")
+local true_b = 0.5
+local problem = regression.new{ ferry = ferry, features = FEATURES, groups = GROUPS, samples = SAMPLES, seed = 12345,
+                                weight = math.sin, intercept = true_b, bias = true }
 
-local true_w, true_b = {}, 0.5
-for j = 1, FEATURES do true_w[j] = math.sin(j) end
-local xs, ys = {}, {}
-for i = 1, SAMPLES do
-  local x, y = {}, true_b
-  for j = 1, FEATURES do x[j] = rand(); y = y + x[j] * true_w[j] end
-  xs[i], ys[i] = x, y
-end
-
--- Builds the model's device tensors and an engine over them.
+-- The model's device tensors and an engine over them, initialised from `init_seed`.
 local function build(init_seed)
-  seed = init_seed
-  local engine = ferry.engine{ policy = policy, args = { fraction = 0.5 }, lr = 0.05, weight_decay = 0.0 }
-  local model = { w = {}, gw = {}, b = nil, gb = nil, engine = engine }
-  local per = FEATURES / GROUPS
-  for g = 1, GROUPS do
-    local w, gw = ferry.tensor("bf16", per), ferry.tensor("bf16", per)
-    local init = {}
-    for j = 1, per do init[j] = 0.1 * rand() end
-    w:upload(init)
-    engine:add_param{ name = "layer" .. (g - 1) .. ".weight", group = "layer" .. (g - 1), shape = { per },
-                      dtype = "bf16", param = w, grad = gw }
-    model.w[g], model.gw[g] = w, gw
-  end
-  model.b, model.gb = ferry.tensor("bf16", 1), ferry.tensor("bf16", 1)
-  engine:add_param{ name = "head.bias", group = "head", shape = { 1 }, param = model.b, grad = model.gb }
-  engine:finalize()
-  return model
+  return problem:build({ policy = policy, args = { fraction = 0.5 }, lr = 0.05, weight_decay = 0.0 }, init_seed)
 end
-
--- Forward and backward on the host in double precision: returns the loss and uploads the grads.
-local function forward_backward(model)
-  local per = FEATURES / GROUPS
-  local w = {}
-  for g = 1, GROUPS do
-    local part = model.w[g]:download()
-    for j = 1, per do w[(g - 1) * per + j] = part[j] end
-  end
-  local b = model.b:download()[1]
-  local gw, gb, loss = {}, 0, 0
-  for j = 1, FEATURES do gw[j] = 0 end
-  for i = 1, SAMPLES do
-    local x = xs[i]
-    local pred = b
-    for j = 1, FEATURES do pred = pred + x[j] * w[j] end
-    local err = pred - ys[i]
-    loss = loss + err * err
-    for j = 1, FEATURES do gw[j] = gw[j] + 2 * err * x[j] / SAMPLES end
-    gb = gb + 2 * err / SAMPLES
-  end
-  for g = 1, GROUPS do
-    local part = {}
-    for j = 1, per do part[j] = gw[(g - 1) * per + j] end
-    model.gw[g]:upload(part)
-  end
-  model.gb:upload({ gb })
-  return loss / SAMPLES
-end
-
-local function snapshot(model)
-  local parts = {}
-  for g = 1, GROUPS do parts[g] = model.w[g]:raw() end
-  parts[#parts + 1] = model.b:raw()
-  return table.concat(parts)
-end
+local function forward_backward(model) return problem:forward_backward(model) end
+local function snapshot(model) return problem:snapshot(model) end
 
 print(("ferry %s on %s"):format(ferry.version, ferry.device_name()))
 local model = build(777)
@@ -134,5 +76,5 @@ end
 print(("resume from step %d: the %d following steps are bit-identical to the uninterrupted run"):format(
   SAVE_AT, STEPS - SAVE_AT))
 print(("loss %.6f -> %.6f; w[1] = %.4f (true %.4f), b = %.4f (true %.4f)"):format(first_loss, last_loss,
-  model.w[1]:download()[1], true_w[1], model.b:download()[1], true_b))
+  model.w[1]:download()[1], math.sin(1), model.b:download()[1], true_b))
 if own_root then os.execute("rm -rf '" .. root .. "'") end
