@@ -140,11 +140,15 @@ class Engine {
   // Saves params, fp32 masters and moments as <root>/step-<step>/ (the policy's checkpoint() hook may
   // skip parts and chooses async and keep_last), atomically. Returns the checkpoint directory.
   // Every save first waits for the previous asynchronous save; if that one failed, its error is
-  // returned here and nothing new is saved. The state is snapshotted into host staging buffers that
-  // are kept across saves while the set of saved tensors is unchanged (reallocated when it
-  // changes; every save copies fresh values). Synchronous saves return once committed. With the
-  // policy's `async = true` the call returns once the snapshot is taken (Step may run at once) and
-  // writer threads write and commit in the background: the returned directory exists only once
+  // returned here and nothing new is saved. Device-resident tensors (params, state of GPU groups)
+  // are copied into a pinned staging buffer kept across saves (grown when needed; every save copies
+  // fresh values); offloaded state is written straight from pinned host memory, never copied.
+  // Synchronous saves return once committed. With the policy's `async = true` the call returns at
+  // once and writer threads write and commit in the background: the device copies are ordered
+  // after the last Step on the device, and the next Step is ordered after them on the device (the
+  // host does not wait); the next Step's CPU update of an offloaded param waits until the writer
+  // has written that param's state. Code of the trainer that writes registered params itself
+  // (outside Step) must call Synchronize() first. The returned directory exists only once
   // WaitCheckpoint returns OK (or PollCheckpoint returns OK).
   virtual absl::StatusOr<std::string> SaveCheckpoint(const std::string& root, int64_t step) = 0;
 

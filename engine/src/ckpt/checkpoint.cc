@@ -492,15 +492,31 @@ absl::StatusOr<RankChunks> WriteRankFile(const std::string& tmp_dir,
   out.rank = rank;
   out.chunks.resize(plan.pieces.size());
   std::vector<absl::Status> status(plan.pieces.size());
-  auto write_one = [&](size_t k) {
+  // The pieces in the order their bytes are to be read (TensorRecord::write_order), each written at
+  // its place in the file.
+  std::vector<size_t> order(plan.pieces.size());
+  for (size_t k = 0; k < order.size(); ++k) order[k] = k;
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+    return tensors[plan.pieces[a].tensor].write_order < tensors[plan.pieces[b].tensor].write_order;
+  });
+  auto write_one = [&](size_t i) {
+    const size_t k = order[i];
     const ShardPiece& p = plan.pieces[k];
     const uint64_t file_offset = plan.header.size() + plan.entries[k].begin;
+    if (options.before_write) {
+      absl::Status ready = options.before_write(p.tensor);
+      if (!ready.ok()) {
+        status[k] = Annotate(ready, absl::StrCat(" (before writing tensor '", tensors[p.tensor].name, "')"));
+        return;
+      }
+    }
     absl::StatusOr<uint64_t> checksum =
         WritePiece(file, tensors[p.tensor], p, file_offset, options.fsync);
     if (!checksum.ok()) {
       status[k] = checksum.status();
       return;
     }
+    if (options.after_write) options.after_write(p.tensor, p.global_offset, p.length);
     out.chunks[k] = {p.tensor,
                      ManifestChunk{.rank = rank,
                                    .file = file_name,

@@ -26,6 +26,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -52,6 +53,9 @@ struct TensorRecord {
   size_t bytes = 0;  // must equal the product of shape times DTypeSize(dtype)
   std::string kind;  // "model", "master", "exp_avg", "exp_avg_sq": recorded in the manifest
   std::string group;
+  // The order in which the tensors' bytes are read and written, lowest first (ties in file order):
+  // only the order of the I/O, never the layout of the files.
+  int64_t write_order = 0;
 };
 
 struct CheckpointWriteOptions {
@@ -64,6 +68,13 @@ struct CheckpointWriteOptions {
   // Chunks of a rank file are written in parallel on this pool (borrowed; null: the calling thread
   // only). REQUIRES: the write does not run inside a task of this pool.
   ThreadPool* pool = nullptr;
+  // Called (on the writing thread) before the first byte of a piece of tensor `tensor` (an index
+  // into the tensors written) is read; an error fails the save. Lets the caller hand over data that
+  // is still being produced (a copy in flight). May be called from several threads at once.
+  std::function<absl::Status(size_t tensor)> before_write;
+  // Called once bytes [offset, offset + length) of tensor `tensor` have been written and are never
+  // read again by this save. May be called from several threads at once.
+  std::function<void(size_t tensor, uint64_t offset, uint64_t length)> after_write;
 };
 
 // "step-00000100": the directory name of checkpoint `step` under its root.

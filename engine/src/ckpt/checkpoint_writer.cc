@@ -46,6 +46,7 @@ void CheckpointWriter::Loop() {
     absl::StatusOr<std::string> dir =
         WriteShardedCheckpoint(job.root, job.step, job.tensors, job.world_size, job.skipped,
                                job.metadata, job.options);
+    if (job.on_finished) job.on_finished();
     lock.lock();
     if (dir.ok()) {
       last_committed_ = *std::move(dir);
@@ -72,6 +73,7 @@ absl::StatusOr<std::string> CheckpointWriter::Write(const CheckpointJob& job) {
   options.pool = &io_pool_;
   absl::StatusOr<std::string> dir = WriteShardedCheckpoint(
       job.root, job.step, job.tensors, job.world_size, job.skipped, job.metadata, options);
+  if (job.on_finished) job.on_finished();
   if (dir.ok()) {
     std::lock_guard<std::mutex> lock(mu_);
     last_committed_ = *dir;

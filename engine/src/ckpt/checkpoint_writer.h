@@ -7,6 +7,7 @@
 
 #include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -32,6 +33,9 @@ struct CheckpointJob {
   std::vector<SkipRecord> skipped;
   std::map<std::string, std::string> metadata;
   CheckpointWriteOptions options;  // `pool` is replaced by the writer's own I/O pool
+  // Called once the save has finished, whatever its outcome, before Wait or Poll report it (on the
+  // thread that wrote it): the tensors' bytes are no longer read.
+  std::function<void()> on_finished;
 };
 
 // One thread at a time (the trainer's): the background work is internal. The destructor waits for

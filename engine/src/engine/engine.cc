@@ -26,6 +26,7 @@
 #include "ferry/status.h"
 #include "memory/pinned_arena.h"
 #include "optim/hybrid_optimizer.h"
+#include "optim/state_fence.h"
 #include "policy/policy.h"
 
 namespace ferry {
@@ -49,7 +50,7 @@ class CheckpointStaging final {
     if (data == nullptr) {
       return absl::ResourceExhaustedError(absl::StrCat("checkpoint staging: cannot allocate ", rounded, " bytes"));
     }
-    std::unique_ptr<CheckpointStaging> s(new CheckpointStaging(device, static_cast<char*>(data)));
+    std::unique_ptr<CheckpointStaging> s(new CheckpointStaging(device, static_cast<char*>(data), rounded));
     if (device->backend() == Backend::kCuda) {
       FERRY_RETURN_IF_ERROR(device->RegisterHost(data, rounded));
       s->registered_ = true;
@@ -66,26 +67,21 @@ class CheckpointStaging final {
   CheckpointStaging(const CheckpointStaging&) = delete;
   CheckpointStaging& operator=(const CheckpointStaging&) = delete;
   char* data() const { return data_; }
+  size_t bytes() const { return bytes_; }
 
  private:
-  CheckpointStaging(Device* device, char* data) : device_(device), data_(data) {}
+  CheckpointStaging(Device* device, char* data, size_t bytes) : device_(device), data_(data), bytes_(bytes) {}
   Device* device_;
   char* data_;
+  size_t bytes_;
   bool registered_ = false;
 };
 
-// Whether two lists of tensors to save have the same structure (names, kinds, groups, dtypes,
-// shapes), ignoring where their bytes are.
-bool SameStructure(const std::vector<TensorRecord>& a, const std::vector<TensorRecord>& b) {
-  if (a.size() != b.size()) return false;
-  for (size_t i = 0; i < a.size(); ++i) {
-    if (a[i].name != b[i].name || a[i].kind != b[i].kind || a[i].group != b[i].group ||
-        a[i].dtype != b[i].dtype || a[i].shape != b[i].shape || a[i].bytes != b[i].bytes) {
-      return false;
-    }
-  }
-  return true;
-}
+// Where the bytes of each tensor of a save come from (shared with the writer's callbacks).
+struct SaveSources {
+  std::vector<bool> staged;   // copied into the staging (device-resident), else read in place
+  std::vector<size_t> param;  // the param each tensor belongs to
+};
 
 struct ParamRecord {
   ParamSpec spec;
@@ -102,6 +98,7 @@ class EngineImpl final : public Engine {
         pool_(options_.cpu_threads > 0 ? options_.cpu_threads : ThreadPool::DefaultThreads()) {}
 
   ~EngineImpl() override {
+    if (ckpt_writer_ != nullptr) ckpt_writer_->WaitIdle();  // it may read the optimizer's state in place
     optimizer_.reset();  // releases its arena and device state before the device goes away
   }
 
@@ -143,6 +140,8 @@ class EngineImpl final : public Engine {
   absl::StatusOr<PolicyContext> Context();
   absl::StatusOr<std::vector<size_t>> GroupIndices(const std::vector<std::string>& names) const;
   std::string PolicyName() const { return policy_ == nullptr ? "(default policy)" : policy_->path(); }
+  // ckpt_staging_, grown to at least `bytes`. REQUIRES: no save in flight.
+  absl::StatusOr<char*> EnsureStaging(size_t bytes);
   // LoadCheckpoint of one checkpoint: reads and verifies everything, then applies.
   absl::Status LoadCheckpointFrom(const std::string& path);
 
@@ -162,8 +161,9 @@ class EngineImpl final : public Engine {
   double last_grad_norm_ = 0.0;
   // Checkpoints (SaveCheckpoint/LoadCheckpoint). Declared last, so destroyed first: the writer
   // waits for its save in flight and joins its threads before the staging it reads is freed.
-  std::vector<TensorRecord> ckpt_structure_;  // what ckpt_staging_ is laid out for (data unset)
-  std::vector<size_t> ckpt_offsets_;          // byte offset of each of them in ckpt_staging_
+  // Pinned host memory that device-resident tensors are staged in for saves and loads; kept (and
+  // grown when needed) across them. Each save lays it out afresh and copies every staged tensor, so
+  // a changed structure never writes stale bytes.
   std::unique_ptr<CheckpointStaging> ckpt_staging_;
   std::unique_ptr<CheckpointWriter> ckpt_writer_;
 };
@@ -391,9 +391,12 @@ absl::StatusOr<std::string> EngineImpl::SaveCheckpoint(const std::string& root, 
   }
   for (const std::string& g : skip_groups) skipped.push_back({absl::StrCat("group:", g), absl::StrCat("policy ", PolicyName())});
 
-  // What to save, then a snapshot of it in the cached staging (re-laid out when the structure
-  // changed). State already in host memory is copied too in this version (a later one writes
-  // straight from the arena and makes the next Step wait only for the chunks it modifies).
+  // What to save. Device-resident tensors (every param, and the state of GPU groups) are copied
+  // into the cached pinned staging on the device's work stream, ordered after the last step; the
+  // trainer does not wait for the copies (the next Step is ordered after them on the device).
+  // Offloaded state is not copied at all: it is written straight from the pinned arena, and until
+  // the writer has written a param's state the next Step waits before updating that param
+  // (StateFence), so the trainer waits only for the chunks it is about to modify.
   struct Source {
     size_t param;
     int kind;  // -1: the param itself, else an index into kStateKinds
@@ -418,36 +421,42 @@ absl::StatusOr<std::string> EngineImpl::SaveCheckpoint(const std::string& root, 
       sources.push_back({i, k});
     }
   }
-  if (ckpt_staging_ == nullptr || !SameStructure(tensors, ckpt_structure_)) {
-    ckpt_staging_.reset();
-    ckpt_offsets_.clear();
-    size_t total = 0;
-    for (const TensorRecord& t : tensors) {
-      ckpt_offsets_.push_back(total);
-      total += (t.bytes + 63) / 64 * 64;
-    }
-    absl::StatusOr<std::unique_ptr<CheckpointStaging>> staging = CheckpointStaging::Create(device_.get(), total);
-    if (!staging.ok()) {
-      ckpt_offsets_.clear();
-      ckpt_structure_.clear();
-      return staging.status();
-    }
-    ckpt_staging_ = *std::move(staging);
-    ckpt_structure_ = tensors;
-  }
-  // One snapshot of everything: device-resident tensors copied down on one stream while the pool
-  // copies the offloaded state; the trainer is blocked only for the longer of the two.
-  std::vector<HybridOptimizer::SnapshotItem> items(tensors.size());
+  // Where each tensor's bytes come from: staged (device-resident) or in place (offloaded state).
+  auto ckpt = std::make_shared<SaveSources>();
+  ckpt->staged.assign(tensors.size(), false);
+  ckpt->param.resize(tensors.size());
+  std::vector<uint64_t> held(params_.size(), 0);
+  std::vector<size_t> staged_offset(tensors.size(), 0);
+  size_t staged_bytes = 0;
   for (size_t k = 0; k < tensors.size(); ++k) {
-    char* dst = ckpt_staging_->data() + ckpt_offsets_[k];
     const Source& src = sources[k];
-    items[k].param = src.param;
-    items[k].is_param = src.kind < 0;
-    if (src.kind >= 0) items[k].kind = kStateKinds[src.kind].first;
-    items[k].dst = dst;
-    tensors[k].data = dst;
+    ckpt->param[k] = src.param;
+    const bool in_place = src.kind >= 0 && offloaded_[params_[src.param].group];
+    if (in_place) {
+      tensors[k].data = optimizer_->offloaded_state(src.param, kStateKinds[src.kind].first);
+      held[src.param] += tensors[k].bytes;
+      tensors[k].write_order = static_cast<int64_t>(src.param);  // the order the next Step updates them
+    } else {
+      ckpt->staged[k] = true;
+      staged_offset[k] = staged_bytes;
+      staged_bytes += (tensors[k].bytes + 63) / 64 * 64;
+      // Written after the offloaded state, by when the copies have long landed.
+      tensors[k].write_order = static_cast<int64_t>(params_.size() + src.param);
+    }
   }
-  FERRY_RETURN_IF_ERROR(optimizer_->Snapshot(items));
+  FERRY_ASSIGN_OR_RETURN(char* staging, EnsureStaging(staged_bytes));
+  std::vector<HybridOptimizer::SnapshotItem> items;
+  for (size_t k = 0; k < tensors.size(); ++k) {
+    if (!ckpt->staged[k]) continue;
+    const Source& src = sources[k];
+    HybridOptimizer::SnapshotItem item;
+    item.param = src.param;
+    item.is_param = src.kind < 0;
+    if (src.kind >= 0) item.kind = kStateKinds[src.kind].first;
+    item.dst = staging + staged_offset[k];
+    tensors[k].data = item.dst;
+    items.push_back(item);
+  }
   std::map<std::string, std::string> metadata;
   metadata["ferry.version"] = "1";
   metadata["ferry.world_size"] = "1";
@@ -466,10 +475,39 @@ absl::StatusOr<std::string> EngineImpl::SaveCheckpoint(const std::string& root, 
   job.skipped = std::move(skipped);
   job.metadata = std::move(metadata);
   job.options.keep_last = plan.keep_last;
+  HybridOptimizer* optimizer = optimizer_.get();
+  job.options.before_write = [ckpt, optimizer](size_t tensor) -> absl::Status {
+    return ckpt->staged[tensor] ? optimizer->WaitSnapshot() : absl::OkStatus();
+  };
   if (ckpt_writer_ == nullptr) ckpt_writer_ = std::make_unique<CheckpointWriter>();
-  if (!plan.async) return ckpt_writer_->Write(job);
-  FERRY_RETURN_IF_ERROR(ckpt_writer_->Start(std::move(job)));
+  FERRY_RETURN_IF_ERROR(optimizer_->SnapshotDeviceAsync(items));
+  if (!plan.async) {
+    // The trainer is blocked for the whole save: nothing changes the offloaded state meanwhile.
+    absl::StatusOr<std::string> dir = ckpt_writer_->Write(job);
+    absl::Status landed = optimizer_->WaitSnapshot();  // the staging is never left with copies in flight
+    if (dir.ok() && !landed.ok()) return landed;
+    return dir;
+  }
+  auto fence = std::make_shared<StateFence>(std::move(held));
+  job.options.after_write = [ckpt, fence](size_t tensor, uint64_t, uint64_t length) {
+    if (!ckpt->staged[tensor]) fence->Release(ckpt->param[tensor], length);
+  };
+  job.on_finished = [fence] { fence->ReleaseAll(); };
+  optimizer_->set_state_fence(fence);
+  absl::Status started = ckpt_writer_->Start(std::move(job));
+  if (!started.ok()) {
+    fence->ReleaseAll();
+    (void)optimizer_->WaitSnapshot();
+    return started;
+  }
   return JoinPath(root, CheckpointDirName(step));
+}
+
+absl::StatusOr<char*> EngineImpl::EnsureStaging(size_t bytes) {
+  if (ckpt_staging_ != nullptr && ckpt_staging_->bytes() >= bytes) return ckpt_staging_->data();
+  ckpt_staging_.reset();  // freed before the larger one is allocated
+  FERRY_ASSIGN_OR_RETURN(ckpt_staging_, CheckpointStaging::Create(device_.get(), bytes));
+  return ckpt_staging_->data();
 }
 
 absl::Status EngineImpl::WaitCheckpoint() {
@@ -687,7 +725,9 @@ absl::Status EngineImpl::MoveTo(const ferry::Placement& placement) {
   }
   if (changed) {
     // Build the new placement beside the old one, copy every group's state and step count across
-    // exactly, then swap: on any error the old optimizer stays in force.
+    // exactly, then swap: on any error the old optimizer stays in force. A save in flight may read
+    // the old optimizer's state in place: it finishes first.
+    if (ckpt_writer_ != nullptr) ckpt_writer_->WaitIdle();
     FERRY_RETURN_IF_ERROR(optimizer_->Synchronize());
     std::vector<bool> offloaded;
     FERRY_ASSIGN_OR_RETURN(std::unique_ptr<HybridOptimizer> moved, BuildOptimizer(placement, &offloaded));

@@ -30,6 +30,7 @@ HybridOptimizer::HybridOptimizer(Device* device, ThreadPool* pool, HybridOptions
     : device_(device), pool_(pool), options_(std::move(options)), cpu_adam_(pool) {}
 
 HybridOptimizer::~HybridOptimizer() {
+  WaitForStateReaders();  // a checkpoint may still read the offloaded state in place
   absl::Status s = Synchronize();
   if (!s.ok()) FERRY_LOG(ERROR) << "HybridOptimizer: pending work failed at destruction: " << s;
   if (arena_ != nullptr) {
@@ -94,6 +95,7 @@ absl::Status HybridOptimizer::Init(std::vector<OptimParam> params, std::vector<O
   FERRY_ASSIGN_OR_RETURN(grads_ready_, device_->CreateEvent());
   FERRY_ASSIGN_OR_RETURN(step_done_, device_->CreateEvent());
   FERRY_ASSIGN_OR_RETURN(stats_ready_, device_->CreateEvent());
+  FERRY_ASSIGN_OR_RETURN(snapshot_done_, device_->CreateEvent());
   for (const OptimParam& op : params_) grad_tensors_.push_back(GradTensorArgs{op.grad, op.numel, op.grad_dtype});
   FERRY_ASSIGN_OR_RETURN(grad_stats_workspace_, device_->Allocate(GradStatsWorkspaceBytes(grad_tensors_.size())));
   if (!cpu_params_.empty()) {
@@ -182,6 +184,12 @@ absl::StatusOr<HybridStepResult> HybridOptimizer::Step(const HybridStepParams& p
     return absl::InvalidArgumentError("Step: max_grad_norm needs check_finite (the norm comes from the gradient check)");
   }
   FERRY_RETURN_IF_ERROR(WaitPending());  // the previous step's staging is free again
+  if (snapshot_pending_) {
+    // A checkpoint's copies of the device-resident tensors go first (ordered on the device; the
+    // host does not wait).
+    FERRY_RETURN_IF_ERROR(trainer.WaitFor(*snapshot_done_));
+    snapshot_pending_ = false;
+  }
   HybridStepResult result;
   double multiplier = 1.0 / static_cast<double>(params.loss_scale);
   if (params.check_finite) {
@@ -321,6 +329,12 @@ absl::Status HybridOptimizer::StepCpuGroups(float lr, double grad_multiplier, Ev
         param_at += n * psize;
       }
     }
+    if (fence_ != nullptr && !fence_->all_released()) {
+      // A checkpoint still reads some offloaded state in place: wait for the params of these chunks.
+      for (size_t j = k; j < end; ++j) {
+        for (const ChunkPiece& piece : grad_chunks_[j].pieces) fence_->WaitReleased(cpu_params_[piece.region]);
+      }
+    }
     status = cpu_adam_.Step(work);
     for (size_t j = k; j < end && status.ok(); ++j) {
       // The trainer's stream may still read the params until the grads are ready: the upload waits.
@@ -352,6 +366,7 @@ absl::Status HybridOptimizer::StepCpuGroups(float lr, double grad_multiplier, Ev
 }
 
 absl::Status HybridOptimizer::SyncParamsFromModel(const std::vector<size_t>& params) {
+  WaitForStateReaders();
   FERRY_RETURN_IF_ERROR(Synchronize());
   FERRY_RETURN_IF_ERROR(work_stream_->WaitFor(*step_done_));
   std::vector<size_t> host_params;
@@ -449,6 +464,7 @@ absl::Status HybridOptimizer::ReadState(size_t param, StateKind kind, float* hos
 }
 
 absl::Status HybridOptimizer::WriteState(size_t param, StateKind kind, const float* host) {
+  WaitForStateReaders();
   FERRY_RETURN_IF_ERROR(Synchronize());
   const OptimParam& op = params_[param];
   const size_t bytes = static_cast<size_t>(op.numel) * sizeof(float);
@@ -461,6 +477,7 @@ absl::Status HybridOptimizer::WriteState(size_t param, StateKind kind, const flo
 }
 
 absl::Status HybridOptimizer::CopyItems(absl::Span<const SnapshotItem> items, bool to_host) {
+  if (!to_host) WaitForStateReaders();
   FERRY_RETURN_IF_ERROR(Synchronize());
   struct Piece {
     char* dst;
@@ -511,6 +528,42 @@ absl::Status HybridOptimizer::CopyItems(absl::Span<const SnapshotItem> items, bo
 absl::Status HybridOptimizer::Snapshot(absl::Span<const SnapshotItem> items) { return CopyItems(items, true); }
 
 absl::Status HybridOptimizer::Restore(absl::Span<const SnapshotItem> items) { return CopyItems(items, false); }
+
+absl::Status HybridOptimizer::SnapshotDeviceAsync(absl::Span<const SnapshotItem> items) {
+  // Validate everything first: nothing is enqueued for a bad request.
+  for (const SnapshotItem& item : items) {
+    if (item.param >= params_.size() || item.dst == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat("SnapshotDeviceAsync: bad item for param ", item.param));
+    }
+    if (!item.is_param && groups_[params_[item.param].group].offloaded) {
+      return absl::InvalidArgumentError(absl::StrCat("SnapshotDeviceAsync: the state of param '",
+                                                     params_[item.param].name,
+                                                     "' is offloaded; it is read in place, not copied"));
+    }
+  }
+  // After the last step's work on the trainer's stream (its kernels, and its uploads of the
+  // offloaded groups' params, which the trainer's stream waited for).
+  FERRY_RETURN_IF_ERROR(work_stream_->WaitFor(*step_done_));
+  for (const SnapshotItem& item : items) {
+    const OptimParam& op = params_[item.param];
+    absl::Status st =
+        item.is_param
+            ? device_->CopyAsync(item.dst, op.param, static_cast<size_t>(op.numel) * DTypeSize(op.dtype),
+                                 CopyKind::kDeviceToHost, *work_stream_)
+            : device_->CopyAsync(item.dst, StatePtr(item.param, item.kind),
+                                 static_cast<size_t>(op.numel) * sizeof(float), CopyKind::kDeviceToHost,
+                                 *work_stream_);
+    if (!st.ok()) {
+      (void)work_stream_->Synchronize();  // nothing enqueued may outlive the caller's buffers
+      return st;
+    }
+  }
+  FERRY_RETURN_IF_ERROR(work_stream_->Record(*snapshot_done_));
+  snapshot_pending_ = true;
+  return absl::OkStatus();
+}
+
+absl::Status HybridOptimizer::WaitSnapshot() { return snapshot_done_->Synchronize(); }
 
 absl::Status HybridOptimizer::ReadParam(size_t param, void* host) {
   FERRY_RETURN_IF_ERROR(Synchronize());

@@ -17,6 +17,7 @@
 #include "ferry/dtype.h"
 #include "memory/pinned_arena.h"
 #include "optim/cpu_adam.h"
+#include "optim/state_fence.h"
 #include "shard/layout.h"
 #include "transfer/transfer.h"
 
@@ -114,6 +115,29 @@ class HybridOptimizer final {
   absl::Status Restore(absl::Span<const SnapshotItem> items);
   absl::Status WriteParam(size_t param, const void* host);
 
+  // The snapshot of a background checkpoint, without blocking: enqueues the D2H copies of the
+  // device-resident `items` (params, and the state of GPU groups) on the optimizer's work stream,
+  // after the last Step's work, and returns. Every later change of those tensors is ordered after
+  // the copies on the device (the next Step makes the trainer's stream wait for them; the other
+  // writers use the work stream), so the trainer never waits for them on the host. Offloaded state
+  // is refused (InvalidArgument): a checkpoint reads it in place under a StateFence instead.
+  // REQUIRES: each `dst` stays valid until WaitSnapshot returned.
+  absl::Status SnapshotDeviceAsync(absl::Span<const SnapshotItem> items);
+  // Blocks until the copies of the last SnapshotDeviceAsync have landed. Safe to call from any
+  // thread, concurrently with the trainer's calls (but not with SnapshotDeviceAsync itself).
+  absl::Status WaitSnapshot();
+  // Offloaded state a checkpoint reads in place: until `fence` releases a param, the optimizer does
+  // not change its state (Step waits for the params of each chunk before updating it; every other
+  // call that writes offloaded state, and the destructor, wait for the whole fence). Replaces an
+  // earlier fence; null removes it.
+  void set_state_fence(std::shared_ptr<StateFence> fence) { fence_ = std::move(fence); }
+
+  // Host memory of param `param`'s `kind` state when its group is offloaded (valid while this
+  // optimizer lives), else nullptr. Read it only while no Step or write of the state runs (or under
+  // a StateFence).
+  const float* offloaded_state(size_t param, StateKind kind) const {
+    return groups_[params_[param].group].offloaded ? StatePtr(param, kind) : nullptr;
+  }
   int64_t group_step(size_t group) const { return groups_[group].step; }
   void set_group_step(size_t group, int64_t step) { groups_[group].step = step; }
   const std::vector<OptimParam>& params() const { return params_; }
@@ -141,6 +165,10 @@ class HybridOptimizer final {
   absl::Status StepGpuGroups(float lr, double grad_multiplier, Stream& trainer);
   absl::Status StepCpuGroups(float lr, double grad_multiplier, Event& grads_ready);
   absl::Status WaitPending();
+  // Blocks until the state fence (if any) released everything.
+  void WaitForStateReaders() {
+    if (fence_ != nullptr) fence_->WaitAll();
+  }
   // Pointer of param `p`'s `kind` state (host memory for offloaded groups, device memory otherwise).
   float* StatePtr(size_t p, StateKind kind) const;
   absl::Status SyncParamsFromModel(const std::vector<size_t>& params);
@@ -175,6 +203,9 @@ class HybridOptimizer final {
   std::vector<GradTensorArgs> grad_tensors_; // every param's grad, in param order
   GradStats grad_stats_{};                   // host copy of the last check     // recorded on the trainer stream at the end of each Step
   std::vector<std::unique_ptr<TransferBatch>> pending_;  // the last step's copies, until finished
+  std::unique_ptr<Event> snapshot_done_;     // recorded on work_stream_ after SnapshotDeviceAsync's copies
+  bool snapshot_pending_ = false;            // the next Step must order the trainer after snapshot_done_
+  std::shared_ptr<StateFence> fence_;        // see set_state_fence
 };
 
 }  // namespace ferry
