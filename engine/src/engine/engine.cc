@@ -1,12 +1,16 @@
 // Engine: wires device, memory, transfer, optim, ckpt and policy together behind ferry/engine.h.
 #include "ferry/engine.h"
 
+#include <sys/mman.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <cstdlib>
 #include <cstring>
 #include <map>
 #include <numeric>
 #include <set>
+#include <thread>
 #include <utility>
 
 #include "absl/container/flat_hash_map.h"
@@ -19,6 +23,7 @@
 #include "base/absl_compat.h"
 #include "base/logging.h"
 #include "base/thread_pool.h"
+#include "ckpt/bulk_reader.h"
 #include "ckpt/checkpoint.h"
 #include "ckpt/checkpoint_writer.h"
 #include "ckpt/posix_file.h"
@@ -38,43 +43,54 @@ constexpr std::pair<StateKind, const char*> kStateKinds[] = {
 
 std::string StateTensorName(const std::string& param, const char* kind) { return absl::StrCat(param, ":", kind); }
 
-// Host memory that checkpoint snapshots are copied into, kept across saves while the saved tensors
-// keep their names, dtypes and shapes. Registered with the device (pinned) on the CUDA backend, so
-// device-resident state is copied at the pinned rate. Move-only; one thread at a time.
+// Pinned host memory for checkpoints: device-resident tensors are staged in it for saves, and every
+// tensor of a load is read into it and verified before anything is applied. Kept (grown when
+// needed) across saves and loads. On the CUDA backend it is registered with the device so copies
+// run at the pinned rate; registering a fresh buffer (which faults in and pins every page) runs on
+// a background thread, overlapping the reads of a load, and Ready() waits for it. One thread at a
+// time (besides that internal thread).
 class CheckpointStaging final {
  public:
   static absl::StatusOr<std::unique_ptr<CheckpointStaging>> Create(Device* device, size_t bytes) {
-    constexpr size_t kAlign = 4096;
+    constexpr size_t kAlign = size_t{2} << 20;  // whole huge pages
     const size_t rounded = std::max<size_t>(kAlign, (bytes + kAlign - 1) / kAlign * kAlign);
-    void* data = std::aligned_alloc(kAlign, rounded);
-    if (data == nullptr) {
-      return absl::ResourceExhaustedError(absl::StrCat("checkpoint staging: cannot allocate ", rounded, " bytes"));
+    void* data = ::mmap(nullptr, rounded, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (data == MAP_FAILED) {
+      return absl::ResourceExhaustedError(absl::StrCat("checkpoint staging: cannot map ", rounded, " bytes: ",
+                                                       std::strerror(errno)));
     }
+    (void)::madvise(data, rounded, MADV_HUGEPAGE);  // fewer faults and TLB misses; advisory
     std::unique_ptr<CheckpointStaging> s(new CheckpointStaging(device, static_cast<char*>(data), rounded));
     if (device->backend() == Backend::kCuda) {
-      FERRY_RETURN_IF_ERROR(device->RegisterHost(data, rounded));
-      s->registered_ = true;
+      s->registrar_ = std::thread([raw = s.get()] { raw->register_status_ = raw->device_->RegisterHost(raw->data_, raw->bytes_); });
     }
     return s;
   }
   ~CheckpointStaging() {
-    if (registered_) {
+    if (registrar_.joinable()) registrar_.join();
+    if (device_->backend() == Backend::kCuda && register_status_.ok()) {
       absl::Status st = device_->UnregisterHost(data_);
       if (!st.ok()) FERRY_LOG(ERROR) << "checkpoint staging: " << st;
     }
-    std::free(data_);
+    ::munmap(data_, bytes_);
   }
   CheckpointStaging(const CheckpointStaging&) = delete;
   CheckpointStaging& operator=(const CheckpointStaging&) = delete;
   char* data() const { return data_; }
   size_t bytes() const { return bytes_; }
+  // Blocks until the buffer is registered with the device; the registration's error, if any.
+  absl::Status Ready() {
+    if (registrar_.joinable()) registrar_.join();
+    return register_status_;
+  }
 
  private:
   CheckpointStaging(Device* device, char* data, size_t bytes) : device_(device), data_(data), bytes_(bytes) {}
   Device* device_;
   char* data_;
   size_t bytes_;
-  bool registered_ = false;
+  absl::Status register_status_;  // written by registrar_ until it is joined
+  std::thread registrar_;
 };
 
 // Where the bytes of each tensor of a save come from (shared with the writer's callbacks).
@@ -445,6 +461,7 @@ absl::StatusOr<std::string> EngineImpl::SaveCheckpoint(const std::string& root, 
     }
   }
   FERRY_ASSIGN_OR_RETURN(char* staging, EnsureStaging(staged_bytes));
+  FERRY_RETURN_IF_ERROR(ckpt_staging_->Ready());
   std::vector<HybridOptimizer::SnapshotItem> items;
   for (size_t k = 0; k < tensors.size(); ++k) {
     if (!ckpt->staged[k]) continue;
@@ -574,12 +591,15 @@ absl::Status EngineImpl::LoadCheckpointFrom(const std::string& path) {
                                                      "' matches no registered param; was it saved from another model?"));
     }
   }
+  // Every tensor to load gets a place in the pinned staging: it is read there (all of it, in
+  // parallel, each chunk verified by its checksum) before anything of the engine changes, and
+  // applied from there in one pass.
   struct Loaded {
-    std::vector<char> param;
-    std::vector<float> state[3];
     bool has_param = false;
     bool has_state[3] = {false, false, false};
-    bool master_from_param = false;
+    bool master_from_param = false;  // the master of an fp32 param: the param's bytes
+    size_t param_at = 0;             // offsets into the staging
+    size_t state_at[3] = {0, 0, 0};
   };
   // Checkpoints store the master of an fp32 param only as the param itself (see SaveCheckpoint).
   bool masters_aliased = false;
@@ -587,13 +607,18 @@ absl::Status EngineImpl::LoadCheckpointFrom(const std::string& path) {
   std::vector<Loaded> loaded(params_.size());
   std::vector<bool> group_loaded(group_names_.size(), false);
   std::vector<bool> group_masters(group_names_.size(), true), group_optimizer(group_names_.size(), true);
-  // Every tensor is checked first; the reads (each verified by its checksum) then run in parallel.
   struct ReadJob {
     std::string name;
-    void* dst;
+    size_t at;
     size_t bytes;
   };
   std::vector<ReadJob> jobs;
+  size_t staged_bytes = 0;
+  auto place = [&](const std::string& name, size_t bytes) {
+    jobs.push_back(ReadJob{name, staged_bytes, bytes});
+    staged_bytes += (bytes + 63) / 64 * 64;
+    return jobs.back().at;
+  };
   for (size_t i = 0; i < params_.size(); ++i) {
     const ParamRecord& p = params_[i];
     const TensorEntry* e = reader->Find(p.spec.name);
@@ -607,15 +632,16 @@ absl::Status EngineImpl::LoadCheckpointFrom(const std::string& path) {
           "] but the registered param is ", ToAbsl(DTypeName(p.spec.dtype)), "[", absl::StrJoin(p.spec.shape, ","), "]"));
     }
     Loaded& l = loaded[i];
-    l.param.resize(e->bytes);
-    jobs.push_back(ReadJob{p.spec.name, l.param.data(), l.param.size()});
+    l.param_at = place(p.spec.name, e->bytes);
     l.has_param = true;
     group_loaded[p.group] = true;
     for (int k = 0; k < 3; ++k) {
       const std::string name = StateTensorName(p.spec.name, kStateKinds[k].second);
       const TensorEntry* s = reader->Find(name);
       if (s == nullptr && k == 0 && p.spec.dtype == DType::kF32 && masters_aliased) {
-        l.master_from_param = true;  // filled from the param once it is read
+        l.master_from_param = true;  // restored from the param's bytes
+        l.has_state[0] = true;
+        l.state_at[0] = l.param_at;
         continue;
       }
       if (s == nullptr) {
@@ -628,23 +654,18 @@ absl::Status EngineImpl::LoadCheckpointFrom(const std::string& path) {
                                                        absl::StrJoin(s->shape, ","), "]; expected f32[",
                                                        absl::StrJoin(p.spec.shape, ","), "]"));
       }
-      l.state[k].resize(static_cast<size_t>(p.numel));
-      jobs.push_back(ReadJob{name, l.state[k].data(), l.state[k].size() * sizeof(float)});
+      l.state_at[k] = place(name, static_cast<size_t>(p.numel) * sizeof(float));
       l.has_state[k] = true;
     }
   }
+  FERRY_ASSIGN_OR_RETURN(char* staging, EnsureStaging(staged_bytes));
   {
-    std::vector<absl::Status> results(jobs.size());
-    pool_.ParallelFor(jobs.size(), [&](size_t j) {
-      results[j] = reader->ReadTensor(jobs[j].name, jobs[j].dst, jobs[j].bytes);
-    });
-    for (const absl::Status& r : results) FERRY_RETURN_IF_ERROR(r);  // the first failing tensor, in order
-  }
-  for (Loaded& l : loaded) {
-    if (!l.master_from_param) continue;
-    l.state[0].resize(l.param.size() / sizeof(float));
-    std::memcpy(l.state[0].data(), l.param.data(), l.param.size());
-    l.has_state[0] = true;
+    std::vector<TensorRead> reads;
+    reads.reserve(jobs.size());
+    for (const ReadJob& j : jobs) reads.push_back(TensorRead{j.name, staging + j.at, j.bytes});
+    BulkReadOptions read_options;
+    read_options.pool = &pool_;
+    FERRY_RETURN_IF_ERROR(ReadTensors(*reader, reads, read_options));
   }
   std::vector<int64_t> steps(group_names_.size(), 0);
   LoadEvent event;
@@ -679,13 +700,14 @@ absl::Status EngineImpl::LoadCheckpointFrom(const std::string& path) {
   // Phase 2: apply, in one pass.
   std::vector<HybridOptimizer::SnapshotItem> restore;
   for (size_t i = 0; i < params_.size(); ++i) {
-    Loaded& l = loaded[i];
+    const Loaded& l = loaded[i];
     if (!l.has_param) continue;
-    restore.push_back({.param = i, .is_param = true, .dst = l.param.data()});
+    restore.push_back({.param = i, .is_param = true, .dst = staging + l.param_at});
     for (int k = 0; k < 3; ++k) {
-      if (l.has_state[k]) restore.push_back({.param = i, .kind = kStateKinds[k].first, .dst = l.state[k].data()});
+      if (l.has_state[k]) restore.push_back({.param = i, .kind = kStateKinds[k].first, .dst = staging + l.state_at[k]});
     }
   }
+  FERRY_RETURN_IF_ERROR(ckpt_staging_->Ready());  // registered: the device copies run at the pinned rate
   FERRY_RETURN_IF_ERROR(optimizer_->Restore(restore));
   std::vector<size_t> reset;
   for (size_t g = 0; g < group_names_.size(); ++g) {
