@@ -4,10 +4,15 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <condition_variable>
 #include <cstring>
+#include <mutex>
 #include <optional>
+#include <thread>
 #include <utility>
+#include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/escaping.h"
@@ -225,21 +230,71 @@ Manifest ManifestSkeleton(int64_t step, int world_size, absl::Span<const TensorR
   return m;
 }
 
-// Writes piece `p` of `t` at `file_offset` of `file` in bounded pieces, hashing each right after
-// it is written (while it is still in cache), and returns its checksum.
+// Starts the writeback of ranges of one file as the writers finish them, on a thread of its own:
+// sync_file_range blocks while the disk's queue is full, and the writers, which only copy into the
+// page cache, must not wait for the disk (an asynchronous save releases the memory it reads as soon
+// as its bytes are in the page cache). Advisory: durability comes from the final fsync.
+class WritebackQueue final {
+ public:
+  explicit WritebackQueue(const WritableFile* file) : file_(file), thread_([this] { Loop(); }) {}
+  ~WritebackQueue() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      done_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+  WritebackQueue(const WritebackQueue&) = delete;
+  WritebackQueue& operator=(const WritebackQueue&) = delete;
+
+  void Add(uint64_t offset, uint64_t n) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      ranges_.emplace_back(offset, n);
+    }
+    cv_.notify_one();
+  }
+
+ private:
+  void Loop() {
+    std::unique_lock<std::mutex> lock(mu_);
+    while (true) {
+      cv_.wait(lock, [this] { return done_ || !ranges_.empty(); });
+      if (ranges_.empty()) return;  // done, nothing left
+      std::vector<std::pair<uint64_t, uint64_t>> batch;
+      batch.swap(ranges_);
+      lock.unlock();
+      // A failure shows up in fsync.
+      for (const auto& [offset, n] : batch) (void)file_->StartWriteback(offset, n);
+      lock.lock();
+    }
+  }
+
+  const WritableFile* file_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<std::pair<uint64_t, uint64_t>> ranges_ ABSL_GUARDED_BY(mu_);
+  bool done_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread thread_;  // last: starts after everything above is initialised
+};
+
+// Writes piece `p` of `t` (whose bytes are at `data`) at `file_offset` of `file` in bounded pieces,
+// hashing each right after it is written (while it is still in cache), and returns its checksum. Each piece written is
+// handed to `writeback` (if not null).
 absl::StatusOr<uint64_t> WritePiece(const WritableFile& file, const TensorRecord& t,
-                                    const ShardPiece& p, uint64_t file_offset, bool writeback) {
+                                    const char* data, const ShardPiece& p, uint64_t file_offset,
+                                    WritebackQueue* writeback) {
   FERRY_ASSIGN_OR_RETURN(Xxh3State hash, NewXxh3State());
   ResetXxh3(hash.get());
-  const char* src = static_cast<const char*>(t.data) + p.global_offset;
+  const char* src = data + p.global_offset;
   for (uint64_t done = 0; done < p.length;) {
     const size_t n = static_cast<size_t>(std::min<uint64_t>(kIoChunkBytes, p.length - done));
     absl::Status s = file.WriteAt(file_offset + done, src + done, n);
     if (!s.ok()) return Annotate(s, absl::StrCat(" (writing tensor '", t.name, "')"));
     XXH3_64bits_update(hash.get(), src + done, n);
     // Start the writeback of what was just written, so the final fsync has little left to do.
-    // Advisory only: a failure here shows up in fsync.
-    if (writeback) (void)file.StartWriteback(file_offset + done, n);
+    if (writeback != nullptr) writeback->Add(file_offset + done, n);
     done += n;
   }
   return XXH3_64bits_digest(hash.get());
@@ -499,19 +554,24 @@ absl::StatusOr<RankChunks> WriteRankFile(const std::string& tmp_dir,
   std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
     return tensors[plan.pieces[a].tensor].write_order < tensors[plan.pieces[b].tensor].write_order;
   });
+  std::optional<WritebackQueue> writeback_queue;
+  WritebackQueue* writeback = nullptr;
+  if (options.fsync) writeback = &writeback_queue.emplace(&file);
   auto write_one = [&](size_t i) {
     const size_t k = order[i];
     const ShardPiece& p = plan.pieces[k];
     const uint64_t file_offset = plan.header.size() + plan.entries[k].begin;
+    const char* data = static_cast<const char*>(tensors[p.tensor].data);
     if (options.before_write) {
-      absl::Status ready = options.before_write(p.tensor);
+      absl::StatusOr<const void*> ready = options.before_write(p.tensor);
       if (!ready.ok()) {
-        status[k] = Annotate(ready, absl::StrCat(" (before writing tensor '", tensors[p.tensor].name, "')"));
+        status[k] = Annotate(ready.status(), absl::StrCat(" (before writing tensor '", tensors[p.tensor].name, "')"));
         return;
       }
+      if (*ready != nullptr) data = static_cast<const char*>(*ready);
     }
     absl::StatusOr<uint64_t> checksum =
-        WritePiece(file, tensors[p.tensor], p, file_offset, options.fsync);
+        WritePiece(file, tensors[p.tensor], data, p, file_offset, writeback);
     if (!checksum.ok()) {
       status[k] = checksum.status();
       return;
@@ -530,6 +590,7 @@ absl::StatusOr<RankChunks> WriteRankFile(const std::string& tmp_dir,
   } else {
     for (size_t k = 0; k < plan.pieces.size(); ++k) write_one(k);
   }
+  writeback_queue.reset();  // joins its thread: nothing uses the file besides this one any more
   for (const absl::Status& s : status) FERRY_RETURN_IF_ERROR(s);
   if (options.fsync) FERRY_RETURN_IF_ERROR(file.Sync());
   FERRY_RETURN_IF_ERROR(file.Close());

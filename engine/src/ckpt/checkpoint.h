@@ -68,10 +68,12 @@ struct CheckpointWriteOptions {
   // Chunks of a rank file are written in parallel on this pool (borrowed; null: the calling thread
   // only). REQUIRES: the write does not run inside a task of this pool.
   ThreadPool* pool = nullptr;
-  // Called (on the writing thread) before the first byte of a piece of tensor `tensor` (an index
-  // into the tensors written) is read; an error fails the save. Lets the caller hand over data that
-  // is still being produced (a copy in flight). May be called from several threads at once.
-  std::function<absl::Status(size_t tensor)> before_write;
+  // Called (on a writing thread) before the first byte of each piece of tensor `tensor` (an index
+  // into the tensors written) is read; returns where the tensor's bytes are to be read from (its
+  // whole, global bytes; nullptr: TensorRecord::data) or an error that fails the save. Lets the
+  // caller hand over data still being produced (a copy in flight) or moved aside meanwhile. May be
+  // called from several threads at once.
+  std::function<absl::StatusOr<const void*>(size_t tensor)> before_write;
   // Called once bytes [offset, offset + length) of tensor `tensor` have been written and are never
   // read again by this save. May be called from several threads at once.
   std::function<void(size_t tensor, uint64_t offset, uint64_t length)> after_write;

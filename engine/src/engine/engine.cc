@@ -95,8 +95,8 @@ class CheckpointStaging final {
 
 // Where the bytes of each tensor of a save come from (shared with the writer's callbacks).
 struct SaveSources {
-  std::vector<bool> staged;   // copied into the staging (device-resident), else read in place
-  std::vector<size_t> param;  // the param each tensor belongs to
+  std::vector<bool> staged;    // copied into the staging (device-resident), else read in place
+  std::vector<size_t> region;  // of an in-place tensor: its region of the StateFence
 };
 
 struct ParamRecord {
@@ -438,34 +438,36 @@ absl::StatusOr<std::string> EngineImpl::SaveCheckpoint(const std::string& root, 
     }
   }
   // Where each tensor's bytes come from: staged (device-resident) or in place (offloaded state).
+  // The staging holds the staged tensors and room for a copy of each in-place one, which is used
+  // only if the next Step overtakes the writer (copy-on-write, see StateFence).
   auto ckpt = std::make_shared<SaveSources>();
   ckpt->staged.assign(tensors.size(), false);
-  ckpt->param.resize(tensors.size());
-  std::vector<uint64_t> held(params_.size(), 0);
+  ckpt->region.assign(tensors.size(), 0);
   std::vector<size_t> staged_offset(tensors.size(), 0);
   size_t staged_bytes = 0;
   for (size_t k = 0; k < tensors.size(); ++k) {
     const Source& src = sources[k];
-    ckpt->param[k] = src.param;
     const bool in_place = src.kind >= 0 && offloaded_[params_[src.param].group];
-    if (in_place) {
-      tensors[k].data = optimizer_->offloaded_state(src.param, kStateKinds[src.kind].first);
-      held[src.param] += tensors[k].bytes;
-      tensors[k].write_order = static_cast<int64_t>(src.param);  // the order the next Step updates them
-    } else {
-      ckpt->staged[k] = true;
-      staged_offset[k] = staged_bytes;
-      staged_bytes += (tensors[k].bytes + 63) / 64 * 64;
-      // Written after the offloaded state, by when the copies have long landed.
-      tensors[k].write_order = static_cast<int64_t>(params_.size() + src.param);
-    }
+    ckpt->staged[k] = !in_place;
+    staged_offset[k] = staged_bytes;
+    staged_bytes += (tensors[k].bytes + 63) / 64 * 64;
+    // The offloaded state first, in the order the next Step updates it; the staged tensors after
+    // it, by when their copies have long landed.
+    tensors[k].write_order = static_cast<int64_t>(in_place ? src.param : params_.size() + src.param);
   }
   FERRY_ASSIGN_OR_RETURN(char* staging, EnsureStaging(staged_bytes));
   FERRY_RETURN_IF_ERROR(ckpt_staging_->Ready());
   std::vector<HybridOptimizer::SnapshotItem> items;
+  std::vector<StateFence::Region> regions;
   for (size_t k = 0; k < tensors.size(); ++k) {
-    if (!ckpt->staged[k]) continue;
     const Source& src = sources[k];
+    if (!ckpt->staged[k]) {
+      const char* state = reinterpret_cast<const char*>(optimizer_->offloaded_state(src.param, kStateKinds[src.kind].first));
+      tensors[k].data = state;
+      ckpt->region[k] = regions.size();
+      regions.push_back({.param = src.param, .src = state, .copy = staging + staged_offset[k], .bytes = tensors[k].bytes});
+      continue;
+    }
     HybridOptimizer::SnapshotItem item;
     item.param = src.param;
     item.is_param = src.kind < 0;
@@ -493,10 +495,19 @@ absl::StatusOr<std::string> EngineImpl::SaveCheckpoint(const std::string& root, 
   job.metadata = std::move(metadata);
   job.options.keep_last = plan.keep_last;
   HybridOptimizer* optimizer = optimizer_.get();
-  job.options.before_write = [ckpt, optimizer](size_t tensor) -> absl::Status {
-    return ckpt->staged[tensor] ? optimizer->WaitSnapshot() : absl::OkStatus();
+  auto fence = std::make_shared<StateFence>(std::move(regions), params_.size());
+  const bool async = plan.async;
+  job.options.before_write = [ckpt, optimizer, fence, async](size_t tensor) -> absl::StatusOr<const void*> {
+    if (ckpt->staged[tensor]) {
+      FERRY_RETURN_IF_ERROR(optimizer->WaitSnapshot());
+      return nullptr;
+    }
+    if (!async) return nullptr;  // the trainer is blocked in the save: the state stays as it is
+    return fence->BeginRead(ckpt->region[tensor]);
   };
-  if (ckpt_writer_ == nullptr) ckpt_writer_ = std::make_unique<CheckpointWriter>();
+  // Enough writers that an asynchronous save copies the offloaded state into the page cache quickly
+  // (the next Step waits for the params it updates until then).
+  if (ckpt_writer_ == nullptr) ckpt_writer_ = std::make_unique<CheckpointWriter>(std::min<size_t>(8, ThreadPool::DefaultThreads()));
   FERRY_RETURN_IF_ERROR(optimizer_->SnapshotDeviceAsync(items));
   if (!plan.async) {
     // The trainer is blocked for the whole save: nothing changes the offloaded state meanwhile.
@@ -505,9 +516,8 @@ absl::StatusOr<std::string> EngineImpl::SaveCheckpoint(const std::string& root, 
     if (dir.ok() && !landed.ok()) return landed;
     return dir;
   }
-  auto fence = std::make_shared<StateFence>(std::move(held));
   job.options.after_write = [ckpt, fence](size_t tensor, uint64_t, uint64_t length) {
-    if (!ckpt->staged[tensor]) fence->Release(ckpt->param[tensor], length);
+    if (!ckpt->staged[tensor]) fence->Release(ckpt->region[tensor], length);
   };
   job.on_finished = [fence] { fence->ReleaseAll(); };
   optimizer_->set_state_fence(fence);

@@ -330,10 +330,13 @@ absl::Status HybridOptimizer::StepCpuGroups(float lr, double grad_multiplier, Ev
       }
     }
     if (fence_ != nullptr && !fence_->all_released()) {
-      // A checkpoint still reads some offloaded state in place: wait for the params of these chunks.
+      // A checkpoint still reads some offloaded state in place: the state of these chunks' params is
+      // copied aside for it first (or, being written right now, waited for).
+      std::vector<size_t> touched;
       for (size_t j = k; j < end; ++j) {
-        for (const ChunkPiece& piece : grad_chunks_[j].pieces) fence_->WaitReleased(cpu_params_[piece.region]);
+        for (const ChunkPiece& piece : grad_chunks_[j].pieces) touched.push_back(cpu_params_[piece.region]);
       }
+      fence_->Acquire(touched, pool_);
     }
     status = cpu_adam_.Step(work);
     for (size_t j = k; j < end && status.ok(); ++j) {

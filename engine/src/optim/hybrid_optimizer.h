@@ -126,10 +126,10 @@ class HybridOptimizer final {
   // Blocks until the copies of the last SnapshotDeviceAsync have landed. Safe to call from any
   // thread, concurrently with the trainer's calls (but not with SnapshotDeviceAsync itself).
   absl::Status WaitSnapshot();
-  // Offloaded state a checkpoint reads in place: until `fence` releases a param, the optimizer does
-  // not change its state (Step waits for the params of each chunk before updating it; every other
-  // call that writes offloaded state, and the destructor, wait for the whole fence). Replaces an
-  // earlier fence; null removes it.
+  // Offloaded state a checkpoint reads in place: before Step updates a chunk it acquires the
+  // chunk's params from `fence` (state not yet read is copied aside for the checkpoint; state being
+  // read is waited for); every other call that writes offloaded state, and the destructor, wait for
+  // the whole fence. Replaces an earlier fence; null removes it.
   void set_state_fence(std::shared_ptr<StateFence> fence) { fence_ = std::move(fence); }
 
   // Host memory of param `param`'s `kind` state when its group is offloaded (valid while this
