@@ -98,6 +98,9 @@ struct EngineStats {
   double last_grad_norm = 0.0;      // global L2 norm of the unscaled grads at the last checked step
   size_t pinned_bytes = 0;          // pinned host memory reserved
   size_t gpu_state_bytes = 0;       // device memory held for GPU groups' fp32 state
+  // Offloaded state that steps copied aside because they overtook an asynchronous save's writer
+  // (copy-on-write; the rest was written in place), summed over all saves.
+  uint64_t checkpoint_copied_aside_bytes = 0;
 };
 
 // How LoadCheckpoint treats a checkpoint that fails verification.

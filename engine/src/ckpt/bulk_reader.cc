@@ -35,6 +35,9 @@ constexpr uint64_t kAlign = 4096;
 // Chunks closer than this in a file are read by one system call where the segment allows it, the
 // bytes between them discarded: a short gap costs less than another request.
 constexpr uint64_t kMaxGapBytes = uint64_t{1} << 20;
+// A piece copied by the thread that hashes it is copied and hashed in blocks of this size, so
+// the hash reads bytes still in the core's cache.
+constexpr size_t kFuseBlockBytes = size_t{256} << 10;
 // Linux transfers at most 0x7ffff000 bytes per read; segments stay at or below this.
 constexpr uint64_t kMaxSegmentBytes = uint64_t{1} << 30;
 
@@ -96,7 +99,6 @@ absl::Status OpenFile(FileState& f, bool direct_io) {
 // One chunk of a requested tensor, read as `num_pieces` pieces (one per segment it overlaps) that
 // complete in any order and are hashed in byte order.
 struct ChunkJob {
-  size_t read = 0;  // index into the request
   const TensorEntry* entry = nullptr;
   const ManifestChunk* chunk = nullptr;
   char* dst = nullptr;  // where byte 0 of the chunk goes
@@ -188,8 +190,27 @@ class BulkRead final {
   };
   ReadResult ReadFull(FileState& f, char* buf, uint64_t offset, uint64_t n);
 
+  // Records a failure of piece `piece` of `job`.
   void Fail(ChunkJob& job, size_t piece, absl::Status s);
+  // Piece `piece` of `job` is in its destination: marks it done and, unless another thread is
+  // hashing the chunk, hashes forward over every contiguous done piece.
   void Complete(ChunkJob& job, size_t piece);
+  // Takes the chunk's hashing if `piece` is the next piece it needs and nobody is hashing it.
+  bool ClaimNext(ChunkJob& job, size_t piece);
+  // Copies piece `piece` (n bytes) from `in` to `out`, hashing it block by block while in cache.
+  // Returns whether the caller still holds the hashing (and must call HashForward).
+  // REQUIRES: ClaimNext(job, piece) returned true.
+  bool CopyAndHash(ChunkJob& job, size_t piece, char* out, const char* in, size_t n);
+  // Feeds n bytes to the chunk's hash; `whole`: they are all of the chunk's bytes (no streaming
+  // state needed). Sets *digest when `last`. REQUIRES: the caller holds the chunk's hashing.
+  absl::Status Feed(ChunkJob& job, const char* data, size_t n, bool whole, bool last,
+                    uint64_t* digest);
+  // Records that pieces [0, end) are hashed, with `failure` (or the digest, compared with the
+  // manifest's, once end is the last piece). Returns whether the caller still holds the hashing:
+  // false once the chunk is verified or failed. REQUIRES: the caller holds the chunk's hashing.
+  bool Advance(ChunkJob& job, size_t end, absl::Status failure, uint64_t digest);
+  // Hashes forward from the cursor over every contiguous done piece; gives up the hashing when
+  // none is left. REQUIRES: the caller holds the chunk's hashing.
   void HashForward(ChunkJob& job);
   uint64_t PieceOffset(const ChunkJob& job, size_t k) const {
     return k == job.num_pieces ? job.chunk->length
@@ -217,9 +238,9 @@ BulkRead::ReadResult BulkRead::ReadFull(FileState& f, char* buf, uint64_t offset
         direct = false;
         continue;
       }
-      result.status = PosixError(
-          absl::StrCat("read ", f.path, " at offset ", offset + result.got, direct ? " (O_DIRECT)" : ""),
-          errno);
+      result.status = PosixError(absl::StrCat("read ", f.path, " at offset ", offset + result.got,
+                                              direct ? " (O_DIRECT)" : ""),
+                                 errno);
       break;
     }
     if (r == 0) break;  // end of file
@@ -247,14 +268,31 @@ void BulkRead::RunSegment(const Segment& s) {
   // A piece is good if the read succeeded and covered it (a read that stops at the end of the
   // file is fine as long as it did).
   auto good = [&](const Piece& p) { return r.status.ok() && p.end <= start + r.got; };
-  // Copy everything first and give the buffer back before hashing, which may take a while.
+  // Copy every good piece; a piece that is the next one its chunk needs hashed is hashed as it is
+  // copied, while the bytes are in cache. The rest is marked done (and hashed forward) after the
+  // buffer is given back, since that may take a while.
+  // The chunk whose hashing this thread still holds: only a chunk that goes on past this segment,
+  // so at most one (its piece is the segment's last).
+  ChunkJob* hash_forward = nullptr;
   for (size_t i = s.first_piece; i < s.end_piece; ++i) {
     const Piece& p = pieces_[i];
     if (!good(p)) continue;
-    std::memcpy(p.job->dst + (p.begin - p.job->chunk->file_offset), buf + (p.begin - start),
-                static_cast<size_t>(p.end - p.begin));
+    ChunkJob& job = *p.job;
+    const size_t k = i - job.first_piece;
+    char* out = job.dst + (p.begin - job.chunk->file_offset);
+    const char* in = buf + (p.begin - start);
+    const size_t len = static_cast<size_t>(p.end - p.begin);
+    if (!ClaimNext(job, k)) {
+      std::memcpy(out, in, len);
+      continue;
+    }
+    if (CopyAndHash(job, k, out, in, len)) {
+      if (hash_forward != nullptr) HashForward(*hash_forward);  // not for a valid manifest
+      hash_forward = &job;
+    }
   }
   if (buf != nullptr) bounce_.Release(buf);
+  if (hash_forward != nullptr) HashForward(*hash_forward);
   for (size_t i = s.first_piece; i < s.end_piece; ++i) {
     const Piece& p = pieces_[i];
     ChunkJob& job = *p.job;
@@ -275,6 +313,37 @@ void BulkRead::RunSegment(const Segment& s) {
   }
 }
 
+bool BulkRead::ClaimNext(ChunkJob& job, size_t piece) {
+  std::lock_guard<std::mutex> lock(job.mu);
+  if (job.hashing || !job.status.ok() || job.cursor != piece) return false;
+  job.hashing = true;
+  return true;
+}
+
+bool BulkRead::CopyAndHash(ChunkJob& job, size_t piece, char* out, const char* in, size_t n) {
+  const bool last = piece + 1 == job.num_pieces;
+  absl::Status failure;
+  uint64_t digest = 0;
+  if (piece == 0 && last && n <= kFuseBlockBytes) {  // small and whole: no streaming state
+    std::memcpy(out, in, n);
+    failure = Feed(job, out, n, /*whole=*/true, /*last=*/true, &digest);
+  } else {
+    for (size_t off = 0; off < n;) {
+      const size_t m = std::min(kFuseBlockBytes, n - off);
+      std::memcpy(out + off, in + off, m);
+      if (failure.ok()) {
+        failure = Feed(job, out + off, m, /*whole=*/false, last && off + m == n, &digest);
+      }
+      off += m;
+    }
+  }
+  {
+    std::lock_guard<std::mutex> lock(job.mu);
+    done_[job.first_piece + piece] = 1;
+  }
+  return Advance(job, piece + 1, std::move(failure), digest);
+}
+
 void BulkRead::Fail(ChunkJob& job, size_t piece, absl::Status s) {
   std::lock_guard<std::mutex> lock(job.mu);
   // Of several failures of one chunk, report the one about its earliest piece, whatever the timing.
@@ -287,6 +356,7 @@ void BulkRead::Fail(ChunkJob& job, size_t piece, absl::Status s) {
 void BulkRead::Complete(ChunkJob& job, size_t piece) {
   {
     std::lock_guard<std::mutex> lock(job.mu);
+    if (job.cursor > piece) return;  // already copied and hashed by CopyAndHash
     done_[job.first_piece + piece] = 1;
     if (job.hashing || !job.status.ok()) return;  // the hashing thread will pick it up
     job.hashing = true;
@@ -294,9 +364,53 @@ void BulkRead::Complete(ChunkJob& job, size_t piece) {
   HashForward(job);
 }
 
-// REQUIRES: the caller set job.hashing.
-void BulkRead::HashForward(ChunkJob& job) {
+absl::Status BulkRead::Feed(ChunkJob& job, const char* data, size_t n, bool whole, bool last,
+                            uint64_t* digest) {
+  if (whole) {
+    *digest = XXH3_64bits(data, n);
+    return absl::OkStatus();
+  }
+  if (job.state == nullptr) {
+    job.state.reset(XXH3_createState());
+    if (job.state == nullptr) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "ReadTensors: out of memory for the hash state of tensor '", job.entry->name, "'"));
+    }
+    (void)XXH3_64bits_reset(job.state.get());  // fails only for a null state
+  }
+  (void)XXH3_64bits_update(job.state.get(), data, n);  // fails only for a null state
+  if (last) *digest = XXH3_64bits_digest(job.state.get());
+  return absl::OkStatus();
+}
+
+bool BulkRead::Advance(ChunkJob& job, size_t end, absl::Status failure, uint64_t digest) {
   const ManifestChunk& c = *job.chunk;
+  const bool finished = end == job.num_pieces;
+  if (failure.ok() && finished && digest != c.checksum) {
+    failure = absl::DataLossError(absl::StrCat(
+        "checksum mismatch in ", job.file->path, " for tensor '", job.entry->name, "' (",
+        DescribeChunk(*job.entry, c), "): expected ", FormatChecksum(c.checksum), ", found ",
+        FormatChecksum(digest)));
+  }
+  std::lock_guard<std::mutex> lock(job.mu);
+  job.cursor = end;
+  if (!failure.ok()) {
+    if (job.status.ok() || job.failed_piece > end) {
+      job.status = std::move(failure);
+      job.failed_piece = end;
+    }
+    job.hashing = false;
+    return false;
+  }
+  if (finished) {
+    job.verified = true;
+    job.hashing = false;
+    return false;
+  }
+  return true;
+}
+
+void BulkRead::HashForward(ChunkJob& job) {
   while (true) {
     size_t begin, end;
     {
@@ -304,64 +418,18 @@ void BulkRead::HashForward(ChunkJob& job) {
       begin = job.cursor;
       end = begin;
       while (end < job.num_pieces && done_[job.first_piece + end] != 0) ++end;
-      if (end > begin && job.num_pieces > 1 && end - begin > 0) { /* mutation: pretend everything done is contiguous */
-        size_t d = 0; for (size_t q = 0; q < job.num_pieces; ++q) d += done_[job.first_piece + q];
-        end = std::min(job.num_pieces, std::max(end, begin + (d - begin)));
-      }
       if (begin == end || !job.status.ok()) {
         job.hashing = false;
         return;
       }
     }
     // Pieces [begin, end) are in dst (written by whoever completed them, published by the lock).
-    const char* data = job.dst + PieceOffset(job, begin);
-    const size_t n = static_cast<size_t>(PieceOffset(job, end) - PieceOffset(job, begin));
-    absl::Status failure;
-    bool finished = false;
-    uint64_t found = 0;
-    if (begin == 0 && end == job.num_pieces) {  // all at once: no streaming state needed
-      found = XXH3_64bits(data, n);
-      finished = true;
-    } else {
-      if (job.state == nullptr) {
-        job.state.reset(XXH3_createState());
-        if (job.state == nullptr) {
-          failure = absl::ResourceExhaustedError(
-              absl::StrCat("ReadTensors: out of memory for the hash state of tensor '",
-                           job.entry->name, "'"));
-        } else {
-          (void)XXH3_64bits_reset(job.state.get());  // fails only for a null state
-        }
-      }
-      if (failure.ok()) {
-        (void)XXH3_64bits_update(job.state.get(), data, n);
-        if (end == job.num_pieces) {
-          found = XXH3_64bits_digest(job.state.get());
-          finished = true;
-        }
-      }
-    }
-    if (failure.ok() && finished && found != c.checksum) {
-      failure = absl::DataLossError(absl::StrCat(
-          "checksum mismatch in ", job.file->path, " for tensor '", job.entry->name, "' (",
-          DescribeChunk(*job.entry, c), "): expected ", FormatChecksum(c.checksum), ", found ",
-          FormatChecksum(found)));
-    }
-    std::lock_guard<std::mutex> lock(job.mu);
-    job.cursor = end;
-    if (!failure.ok()) {
-      if (job.status.ok() || job.failed_piece > end) {
-        job.status = std::move(failure);
-        job.failed_piece = end;
-      }
-      job.hashing = false;
-      return;
-    }
-    if (finished) {
-      job.verified = true;
-      job.hashing = false;
-      return;
-    }
+    const uint64_t from = PieceOffset(job, begin);
+    uint64_t digest = 0;
+    absl::Status failure =
+        Feed(job, job.dst + from, static_cast<size_t>(PieceOffset(job, end) - from),
+             begin == 0 && end == job.num_pieces, end == job.num_pieces, &digest);
+    if (!Advance(job, end, std::move(failure), digest)) return;
   }
 }
 
@@ -416,7 +484,6 @@ absl::Status ReadTensors(const CheckpointReader& reader, absl::Span<const Tensor
     for (size_t i = 0; i < reads.size(); ++i) {
       for (const ManifestChunk& c : entries[i]->chunks) {
         ChunkJob& job = jobs[j++];
-        job.read = i;
         job.entry = entries[i];
         job.chunk = &c;
         job.dst = static_cast<char*>(reads[i].dst) + c.global_offset;
@@ -447,8 +514,8 @@ absl::Status ReadTensors(const CheckpointReader& reader, absl::Span<const Tensor
   for (std::unique_ptr<FileState>& f : files) f->open_status = OpenFile(*f, options.direct_io);
 
   // ---- plan: per file, chunks by file offset, cut into segments ----
-  const uint64_t segment_bytes = std::max(
-      kAlign, AlignUp(std::min<uint64_t>(std::max<size_t>(options.segment_bytes, 1), kMaxSegmentBytes)));
+  const uint64_t segment_bytes =
+      AlignUp(std::clamp<uint64_t>(options.segment_bytes, kAlign, kMaxSegmentBytes));
   std::vector<Piece> pieces;
   std::vector<Segment> segments;
   for (size_t f = 0; f < files.size(); ++f) {

@@ -62,12 +62,12 @@ struct BulkReadStats {
 // Errors, detected before any I/O, naming the tensor (and its position in `reads`):
 // NotFound for a name the checkpoint does not have; InvalidArgument for bytes that differ from the
 // tensor's size, a null dst with bytes > 0, or a tensor requested twice.
-// Errors found while reading, the first one in request order (tensor by tensor, each tensor's
-// chunks in order) being returned: DataLoss naming the file and the tensor with the expected and
-// found checksums, or for a short read (a file truncated after Open) the wanted and available
-// offsets; I/O errors from PosixError with the path and tensor; ResourceExhausted if a bounce buffer
-// or hash state cannot be allocated. On error the contents of every dst are unspecified (those of
-// the requests before the failing one may hold data too).
+// Errors found while reading (every segment is read regardless; the first failure in request
+// order, tensor by tensor and each tensor's chunks in order, is returned): DataLoss naming the
+// file and the tensor with the expected and found checksums, or for a short read (a file truncated
+// after Open) the wanted and available offsets; I/O errors from PosixError with the path and
+// tensor; ResourceExhausted if a bounce buffer or hash state cannot be allocated. On error the
+// contents of every dst are unspecified.
 //
 // `stats` (may be null) is filled on success and on errors found while reading (zeroed on errors
 // found before I/O). REQUIRES: each dst points to `bytes` writable bytes, the dsts do not overlap,

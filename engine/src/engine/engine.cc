@@ -181,6 +181,8 @@ class EngineImpl final : public Engine {
   // grown when needed) across them. Each save lays it out afresh and copies every staged tensor, so
   // a changed structure never writes stale bytes.
   std::unique_ptr<CheckpointStaging> ckpt_staging_;
+  std::shared_ptr<StateFence> ckpt_fence_;  // of the last asynchronous save
+  uint64_t ckpt_copied_aside_ = 0;          // copied aside under earlier fences
   std::unique_ptr<CheckpointWriter> ckpt_writer_;
 };
 
@@ -451,9 +453,12 @@ absl::StatusOr<std::string> EngineImpl::SaveCheckpoint(const std::string& root, 
     ckpt->staged[k] = !in_place;
     staged_offset[k] = staged_bytes;
     staged_bytes += (tensors[k].bytes + 63) / 64 * 64;
-    // The offloaded state first, in the order the next Step updates it; the staged tensors after
-    // it, by when their copies have long landed.
-    tensors[k].write_order = static_cast<int64_t>(in_place ? src.param : params_.size() + src.param);
+    // The offloaded state first, in the reverse of the order in which the next Step updates it: a
+    // step that overtakes the writer copies aside what it meets untouched and meets the writer's
+    // regions in flight only once, where the two fronts cross (in the same order it would trail the
+    // writer, waiting at every chunk). The staged tensors after it, by when their copies have
+    // long landed.
+    tensors[k].write_order = static_cast<int64_t>(in_place ? params_.size() - src.param : params_.size() + 1 + src.param);
   }
   FERRY_ASSIGN_OR_RETURN(char* staging, EnsureStaging(staged_bytes));
   FERRY_RETURN_IF_ERROR(ckpt_staging_->Ready());
@@ -520,6 +525,8 @@ absl::StatusOr<std::string> EngineImpl::SaveCheckpoint(const std::string& root, 
     if (!ckpt->staged[tensor]) fence->Release(ckpt->region[tensor], length);
   };
   job.on_finished = [fence] { fence->ReleaseAll(); };
+  if (ckpt_fence_ != nullptr) ckpt_copied_aside_ += ckpt_fence_->copied_bytes();
+  ckpt_fence_ = fence;
   optimizer_->set_state_fence(fence);
   absl::Status started = ckpt_writer_->Start(std::move(job));
   if (!started.ok()) {
@@ -820,6 +827,7 @@ EngineStats EngineImpl::Stats() const {
     s.pinned_bytes = optimizer_->pinned_bytes();
     s.gpu_state_bytes = optimizer_->gpu_state_bytes();
   }
+  s.checkpoint_copied_aside_bytes = ckpt_copied_aside_ + (ckpt_fence_ != nullptr ? ckpt_fence_->copied_bytes() : 0);
   return s;
 }
 

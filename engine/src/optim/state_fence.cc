@@ -112,6 +112,7 @@ void StateFence::Acquire(absl::Span<const size_t> params, ThreadPool* pool) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     for (size_t r : to_copy) {
+      copied_bytes_.fetch_add(regions_[r].bytes, std::memory_order_relaxed);
       state_[r] = State::kCopied;
       MarkFree();
     }

@@ -50,6 +50,8 @@ class StateFence final {
   void WaitAll();
   // Whether every region is free: nothing left to acquire.
   bool all_released() const { return all_released_.load(std::memory_order_acquire); }
+  // Bytes Acquire has copied aside so far.
+  uint64_t copied_bytes() const { return copied_bytes_.load(std::memory_order_relaxed); }
 
  private:
   enum class State : uint8_t { kPending, kCopying, kCopied, kReading, kDone };
@@ -64,6 +66,7 @@ class StateFence final {
   std::vector<uint64_t> released_ ABSL_GUARDED_BY(mu_);  // bytes released per region
   size_t num_busy_ ABSL_GUARDED_BY(mu_) = 0;             // regions not free
   std::atomic<bool> all_released_{false};
+  std::atomic<uint64_t> copied_bytes_{0};
 };
 
 }  // namespace ferry
