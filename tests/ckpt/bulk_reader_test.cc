@@ -104,17 +104,7 @@ class BulkReaderTest : public ::testing::Test {
   // Several dtypes and odd sizes that split mid-tensor for every world size, a scalar, an empty
   // tensor, 1-element tensors, and a tensor larger than the default 8 MiB segment.
   std::vector<TestTensor> Set() {
-    std::vector<TestTensor> v;
-    v.push_back(RandomTensor(rng_, "w0", DType::kBF16, {37, 11}));
-    v.push_back(RandomTensor(rng_, "w0:master", DType::kF32, {37, 11}, "master"));
-    v.push_back(RandomTensor(rng_, "w0:exp_avg", DType::kF32, {37, 11}, "exp_avg"));
-    v.push_back(RandomTensor(rng_, "w1", DType::kF16, {5}, "model", "g1"));
-    v.push_back(RandomTensor(rng_, "w1:master", DType::kF32, {5}, "master", "g1"));
-    v.push_back(RandomTensor(rng_, "scale", DType::kF32, {}, "model", ""));
-    v.push_back(RandomTensor(rng_, "one", DType::kBF16, {1}));
-    v.push_back(RandomTensor(rng_, "empty", DType::kF32, {4, 0}));
-    v.push_back(RandomTensor(rng_, "big", DType::kF32, {2 * 1024 * 1024 + 3}, "master", "g2"));
-    v.push_back(RandomTensor(rng_, "w2", DType::kBF16, {1001}));
+    std::vector<TestTensor> v = MixedTensors(rng_);
     v.push_back(RandomTensor(rng_, "w3", DType::kF16, {3, 7, 5}, "model", "g1"));
     v.push_back(RandomTensor(rng_, "w3:exp_avg_sq", DType::kF32, {3, 7, 5}, "exp_avg_sq", "g1"));
     return v;

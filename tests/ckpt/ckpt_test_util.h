@@ -61,6 +61,24 @@ inline TestTensor RandomTensor(std::mt19937_64& rng, std::string name, DType dty
   return t;
 }
 
+// Kinds of several dtypes, sizes that split mid-tensor for every world size up to 4, a scalar, an
+// empty tensor, 1-element tensors, and a tensor larger than the 8 MiB write pieces and read
+// segments: fresh random values each call.
+inline std::vector<TestTensor> MixedTensors(std::mt19937_64& rng) {
+  std::vector<TestTensor> v;
+  v.push_back(RandomTensor(rng, "w0", DType::kBF16, {37, 11}));
+  v.push_back(RandomTensor(rng, "w0:master", DType::kF32, {37, 11}, "master"));
+  v.push_back(RandomTensor(rng, "w0:exp_avg", DType::kF32, {37, 11}, "exp_avg"));
+  v.push_back(RandomTensor(rng, "w1", DType::kF16, {5}, "model", "g1"));
+  v.push_back(RandomTensor(rng, "w1:master", DType::kF32, {5}, "master", "g1"));
+  v.push_back(RandomTensor(rng, "scale", DType::kF32, {}, "model", ""));
+  v.push_back(RandomTensor(rng, "one", DType::kBF16, {1}));
+  v.push_back(RandomTensor(rng, "empty", DType::kF32, {4, 0}));
+  v.push_back(RandomTensor(rng, "big", DType::kF32, {2 * 1024 * 1024 + 3}, "master", "g2"));
+  v.push_back(RandomTensor(rng, "w2", DType::kBF16, {1001}));
+  return v;
+}
+
 inline std::vector<TensorRecord> Records(const std::vector<TestTensor>& tensors) {
   std::vector<TensorRecord> r;
   for (const TestTensor& t : tensors) {
