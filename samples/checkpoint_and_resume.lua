@@ -77,6 +77,8 @@ resumed.engine:load(full_root)
 local ok, why = resumed.engine:verify_masters()
 assert(ok, why)
 assert(resumed.engine:stats().step == 30, "the optimizer step count was not restored")
+-- Synchronous saves never copy offloaded state aside (only a step overtaking an async save does).
+assert(resumed.engine:stats().checkpoint_copied_aside_bytes == 0)
 train(resumed, 20)
 if snapshot(resumed) ~= uninterrupted then
   error("the run resumed from " .. latest .. " differs from the uninterrupted run")

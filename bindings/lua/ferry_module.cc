@@ -384,7 +384,7 @@ int LEnginePlacement(lua_State* L) {
 int LEngineStats(lua_State* L) {
   Engine* e = CheckEngine(L, 1);
   EngineStats s = e->Stats();
-  lua_createtable(L, 0, 5);
+  lua_createtable(L, 0, 6);
   lua_pushnumber(L, static_cast<lua_Number>(s.step));
   lua_setfield(L, -2, "step");
   lua_pushnumber(L, static_cast<lua_Number>(s.host_registrations));
@@ -393,6 +393,8 @@ int LEngineStats(lua_State* L) {
   lua_setfield(L, -2, "pinned_bytes");
   lua_pushnumber(L, static_cast<lua_Number>(s.gpu_state_bytes));
   lua_setfield(L, -2, "gpu_state_bytes");
+  lua_pushnumber(L, static_cast<lua_Number>(s.checkpoint_copied_aside_bytes));
+  lua_setfield(L, -2, "checkpoint_copied_aside_bytes");
   lua_pushstring(L, e->DeviceName().c_str());
   lua_setfield(L, -2, "device");
   return 1;
