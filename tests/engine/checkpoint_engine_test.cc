@@ -269,6 +269,63 @@ TEST_F(CheckpointEngineTest, AsyncAndSyncSavesAreIdentical) {
   EXPECT_TRUE(ta == tb);
 }
 
+// Calls that change the offloaded state wholesale while an async save still reads it in place (a
+// placement move, a sync from the model, a load) wait for the save: the checkpoint holds the state
+// of its own step, like a synchronous save of a twin engine.
+TEST_F(CheckpointEngineTest, StateChangesDuringAnAsyncSaveWaitForIt) {
+  const std::string all_gpu = tmp_.Write("all_gpu.lua", R"(
+return {
+  place = function(groups, ctx)
+    local out = {}
+    for _, g in ipairs(groups) do out[g.name] = "gpu" end
+    return out
+  end,
+  checkpoint = function(info, ctx) return { async = true } end,
+}
+)");
+  Model m(device_.get(), kSizes, 12);
+  auto e = Trained(m, {{"async", "1"}}, 3, 1300);
+  Model twin_model(device_.get(), kSizes, 12);
+  auto twin = Trained(twin_model, {}, 3, 1300);
+  const std::vector<std::vector<uint16_t>> params = m.Params();
+
+  // A move of every offloaded group to the GPU right after the save.
+  absl::StatusOr<std::string> reference = twin->SaveCheckpoint(tmp_.path() + "/twin", 1);
+  ASSERT_TRUE(reference.ok()) << reference.status();
+  absl::StatusOr<std::string> moved = e->SaveCheckpoint(tmp_.path() + "/moved", 1);
+  ASSERT_TRUE(moved.ok()) << moved.status();
+  ASSERT_OK(e->ReloadPolicy(all_gpu, {}));
+  for (const GroupPlacement& g : e->Placement()) EXPECT_FALSE(g.offloaded) << g.group;
+  ASSERT_OK(e->WaitCheckpoint());
+  EXPECT_TRUE(ReadAll(*moved) == ReadAll(*reference)) << "a move during the save changed what it wrote";
+
+  // A sync from the model (resetting the moments) right after the save; the engine is back on the
+  // mixed placement first.
+  ASSERT_OK(e->ReloadPolicy(policy_, {{"async", "1"}}));
+  absl::StatusOr<std::string> synced = e->SaveCheckpoint(tmp_.path() + "/synced", 2);
+  ASSERT_TRUE(synced.ok()) << synced.status();
+  std::vector<std::string> groups;
+  for (const GroupPlacement& g : e->Placement()) groups.push_back(g.group);
+  ASSERT_OK(e->SyncFromModel(groups, /*reset_optimizer=*/true));
+  ASSERT_OK(e->WaitCheckpoint());
+  absl::StatusOr<std::string> reference2 = twin->SaveCheckpoint(tmp_.path() + "/twin", 2);
+  ASSERT_TRUE(reference2.ok()) << reference2.status();
+  EXPECT_TRUE(ReadAll(*synced) == ReadAll(*reference2)) << "a sync during the save changed what it wrote";
+
+  // A load right after an async save (of another root) waits for it too, then loads. The twin
+  // takes the same sync for the reference.
+  ASSERT_OK(twin->SyncFromModel(groups, /*reset_optimizer=*/true));
+  absl::StatusOr<std::string> reference3 = twin->SaveCheckpoint(tmp_.path() + "/twin", 3);
+  ASSERT_TRUE(reference3.ok()) << reference3.status();
+  absl::StatusOr<std::string> third = e->SaveCheckpoint(tmp_.path() + "/third", 3);
+  ASSERT_TRUE(third.ok()) << third.status();
+  ASSERT_OK(e->LoadCheckpoint(*reference));
+  ASSERT_OK(e->WaitCheckpoint());
+  ASSERT_OK(e->VerifyMasters());
+  for (size_t i = 0; i < m.size(); ++i) EXPECT_EQ(m.Param(i), params[i]) << i;
+  EXPECT_TRUE(ReadAll(*third) == ReadAll(*reference3)) << "the load during the save changed what it wrote";
+}
+
 // A background save that fails reports its error to the trainer: through WaitCheckpoint, or, if the
 // trainer never asked, through the next SaveCheckpoint. The error is delivered once; then saving
 // works again.
