@@ -18,6 +18,7 @@
 #include "ckpt/checkpoint.h"
 #include "device/device.h"
 #include "gmock/gmock.h"
+#include "engine/engine_test_util.h"
 #include "gtest/gtest.h"
 
 namespace ferry {
@@ -25,104 +26,7 @@ namespace {
 
 using ::testing::HasSubstr;
 
-#define ASSERT_OK(expr)                                \
-  do {                                                 \
-    absl::Status s_ = (expr);                          \
-    ASSERT_TRUE(s_.ok()) << #expr << ": " << s_;       \
-  } while (0)
-
-std::string Policies() { return std::string(FERRY_SOURCE_DIR) + "/scripts/policies/"; }
-
-class TempDir {
- public:
-  TempDir() {
-    std::string tmpl = (std::filesystem::temp_directory_path() / "ferry-engine-XXXXXX").string();
-    path_ = mkdtemp(tmpl.data());
-  }
-  ~TempDir() { std::filesystem::remove_all(path_); }
-  const std::string& path() const { return path_; }
-  std::string Write(const std::string& name, const std::string& text) const {
-    std::string p = path_ + "/" + name;
-    std::ofstream(p) << text;
-    return p;
-  }
-
- private:
-  std::string path_;
-};
-
-// A model of a few bf16 tensors in device memory, with grads, and random initial values.
-class Model {
- public:
-  Model(Device* device, std::vector<int64_t> sizes, uint64_t seed) : device_(device), sizes_(std::move(sizes)) {
-    std::mt19937_64 rng(seed);
-    std::normal_distribution<float> normal(0.0f, 1.0f);
-    for (int64_t n : sizes_) {
-      params_.push_back(*device_->Allocate(static_cast<size_t>(n) * 2));
-      grads_.push_back(*device_->Allocate(static_cast<size_t>(n) * 2));
-      std::vector<uint16_t> init(static_cast<size_t>(n));
-      for (auto& v : init) v = F32ToBF16(normal(rng));
-      EXPECT_TRUE(device_->Copy(params_.back().data(), init.data(), init.size() * 2, CopyKind::kHostToDevice).ok());
-    }
-  }
-  size_t size() const { return sizes_.size(); }
-  std::string name(size_t i) const { return absl::StrCat("p", i); }
-  // Registers every tensor; tensor i is in group "g<i % groups>".
-  absl::Status Register(Engine& e, size_t groups) {
-    for (size_t i = 0; i < sizes_.size(); ++i) {
-      ParamSpec spec;
-      spec.name = name(i);
-      spec.group = absl::StrCat("g", i % groups);  // (not "g" + to_string: GCC 12 -Wrestrict false positive)
-      spec.shape = {sizes_[i]};
-      spec.dtype = DType::kBF16;
-      spec.param = params_[i].data();
-      spec.grad = grads_[i].data();
-      absl::Status s = e.AddParam(spec);
-      if (!s.ok()) return s;
-    }
-    return absl::OkStatus();
-  }
-  void SetGrads(uint64_t seed) {
-    std::mt19937_64 rng(seed);
-    std::normal_distribution<float> normal(0.0f, 1.0f);
-    for (size_t i = 0; i < sizes_.size(); ++i) {
-      std::vector<uint16_t> g(static_cast<size_t>(sizes_[i]));
-      for (auto& v : g) v = F32ToBF16(normal(rng));
-      ASSERT_TRUE(device_->Copy(grads_[i].data(), g.data(), g.size() * 2, CopyKind::kHostToDevice).ok());
-    }
-  }
-  void PoisonGrad(size_t i, uint16_t value) {
-    std::vector<uint16_t> g(static_cast<size_t>(sizes_[i]));
-    ASSERT_TRUE(device_->Copy(g.data(), grads_[i].data(), g.size() * 2, CopyKind::kDeviceToHost).ok());
-    g[g.size() / 2] = value;
-    ASSERT_TRUE(device_->Copy(grads_[i].data(), g.data(), g.size() * 2, CopyKind::kHostToDevice).ok());
-  }
-  void ScaleGrads(float factor) {
-    for (size_t i = 0; i < sizes_.size(); ++i) {
-      std::vector<uint16_t> g = Grad(i);
-      for (auto& v : g) v = F32ToBF16(BF16ToF32(v) * factor);
-      ASSERT_TRUE(device_->Copy(grads_[i].data(), g.data(), g.size() * 2, CopyKind::kHostToDevice).ok());
-    }
-  }
-  std::vector<uint16_t> Grad(size_t i) const {
-    std::vector<uint16_t> h(static_cast<size_t>(sizes_[i]));
-    EXPECT_TRUE(device_->Copy(h.data(), grads_[i].data(), h.size() * 2, CopyKind::kDeviceToHost).ok());
-    return h;
-  }
-  std::vector<uint16_t> Param(size_t i) const {
-    std::vector<uint16_t> h(static_cast<size_t>(sizes_[i]));
-    EXPECT_TRUE(device_->Copy(h.data(), params_[i].data(), h.size() * 2, CopyKind::kDeviceToHost).ok());
-    return h;
-  }
-  void SetParam(size_t i, const std::vector<uint16_t>& h) {
-    ASSERT_TRUE(device_->Copy(params_[i].data(), h.data(), h.size() * 2, CopyKind::kHostToDevice).ok());
-  }
-
- private:
-  Device* device_;
-  std::vector<int64_t> sizes_;
-  std::vector<DeviceBuffer> params_, grads_;
-};
+using namespace ::ferry::engine_test;  // NOLINT
 
 class EngineTest : public ::testing::Test {
  protected:
@@ -145,7 +49,7 @@ class EngineTest : public ::testing::Test {
     return e.ok() ? *std::move(e) : nullptr;
   }
   std::unique_ptr<Device> device_;
-  TempDir tmp_;
+  TempDir tmp_{"ferry-engine"};
 };
 
 const std::vector<int64_t> kSizes = {1, 7, 1000, 4099, 65, 3, 20000, 513};

@@ -17,6 +17,7 @@
 #include "device/device.h"
 #include "ferry/engine.h"
 #include "gmock/gmock.h"
+#include "engine/engine_test_util.h"
 #include "gtest/gtest.h"
 
 namespace ferry {
@@ -24,84 +25,7 @@ namespace {
 
 using ::testing::HasSubstr;
 
-#define ASSERT_OK(expr)                          \
-  do {                                           \
-    absl::Status s_ = (expr);                    \
-    ASSERT_TRUE(s_.ok()) << #expr << ": " << s_; \
-  } while (0)
-
-std::string Policies() { return std::string(FERRY_SOURCE_DIR) + "/scripts/policies/"; }
-
-class TempDir {
- public:
-  TempDir() {
-    std::string tmpl = (std::filesystem::temp_directory_path() / "ferry-policy-engine-XXXXXX").string();
-    path_ = mkdtemp(tmpl.data());
-  }
-  ~TempDir() { std::filesystem::remove_all(path_); }
-  const std::string& path() const { return path_; }
-  std::string Write(const std::string& name, const std::string& text) const {
-    const std::string p = path_ + "/" + name;
-    std::ofstream(p, std::ios::binary) << text;
-    return p;
-  }
-
- private:
-  std::string path_;
-};
-
-// bf16 tensors in device memory with random initial values; tensor i is in group "g<i>".
-class Model {
- public:
-  Model(Device* device, std::vector<int64_t> sizes, uint64_t seed) : device_(device), sizes_(std::move(sizes)) {
-    std::mt19937_64 rng(seed);
-    std::normal_distribution<float> normal(0.0f, 1.0f);
-    for (int64_t n : sizes_) {
-      params_.push_back(*device_->Allocate(static_cast<size_t>(n) * 2));
-      grads_.push_back(*device_->Allocate(static_cast<size_t>(n) * 2));
-      std::vector<uint16_t> init(static_cast<size_t>(n));
-      for (auto& v : init) v = F32ToBF16(normal(rng));
-      EXPECT_TRUE(device_->Copy(params_.back().data(), init.data(), init.size() * 2, CopyKind::kHostToDevice).ok());
-    }
-  }
-  absl::Status Register(Engine& e) {
-    for (size_t i = 0; i < sizes_.size(); ++i) {
-      ParamSpec spec;
-      spec.name = absl::StrCat("p", i);
-      spec.group = absl::StrCat("g", i);
-      spec.shape = {sizes_[i]};
-      spec.dtype = DType::kBF16;
-      spec.param = params_[i].data();
-      spec.grad = grads_[i].data();
-      absl::Status s = e.AddParam(spec);
-      if (!s.ok()) return s;
-    }
-    return absl::OkStatus();
-  }
-  void SetGrads(uint64_t seed) {
-    std::mt19937_64 rng(seed);
-    std::normal_distribution<float> normal(0.0f, 1.0f);
-    for (size_t i = 0; i < sizes_.size(); ++i) {
-      std::vector<uint16_t> g(static_cast<size_t>(sizes_[i]));
-      for (auto& v : g) v = F32ToBF16(normal(rng));
-      ASSERT_TRUE(device_->Copy(grads_[i].data(), g.data(), g.size() * 2, CopyKind::kHostToDevice).ok());
-    }
-  }
-  std::vector<std::vector<uint16_t>> Params() const {
-    std::vector<std::vector<uint16_t>> out;
-    for (size_t i = 0; i < sizes_.size(); ++i) {
-      std::vector<uint16_t> h(static_cast<size_t>(sizes_[i]));
-      EXPECT_TRUE(device_->Copy(h.data(), params_[i].data(), h.size() * 2, CopyKind::kDeviceToHost).ok());
-      out.push_back(std::move(h));
-    }
-    return out;
-  }
-
- private:
-  Device* device_;
-  std::vector<int64_t> sizes_;
-  std::vector<DeviceBuffer> params_, grads_;
-};
+using namespace ::ferry::engine_test;  // NOLINT
 
 // offload_fraction 0.5 offloads g0 and g1 (340 of 1347 elements; g2 would pass half).
 const std::vector<int64_t> kSizes = {300, 40, 1000, 7};
@@ -164,7 +88,7 @@ class PolicyEngineTest : public ::testing::Test {
   }
 
   std::unique_ptr<Device> device_;
-  TempDir tmp_;
+  TempDir tmp_{"ferry-policy-engine"};
   std::unique_ptr<Model> a_, b_;
   std::unique_ptr<Engine> engine_, reference_;
   uint64_t seed_ = 1000;

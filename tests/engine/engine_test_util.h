@@ -1,0 +1,137 @@
+// Helpers shared by the engine tests: a scratch directory, the shipped policies, and a model of bf16
+// tensors (with grads) in device memory.
+#ifndef FERRY_TESTS_ENGINE_ENGINE_TEST_UTIL_H_
+#define FERRY_TESTS_ENGINE_ENGINE_TEST_UTIL_H_
+
+#include <stdlib.h>
+
+#include <cstdint>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "device/device.h"
+#include "ferry/dtype.h"
+#include "ferry/engine.h"
+#include "gtest/gtest.h"
+
+#define ASSERT_OK(expr)                          \
+  do {                                           \
+    absl::Status s_ = (expr);                    \
+    ASSERT_TRUE(s_.ok()) << #expr << ": " << s_; \
+  } while (0)
+
+namespace ferry::engine_test {
+
+// The shipped policies' directory, with a trailing slash.
+inline std::string Policies() { return std::string(FERRY_SOURCE_DIR) + "/scripts/policies/"; }
+
+// A fresh directory under the system's temporary directory, removed with everything in it.
+class TempDir {
+ public:
+  explicit TempDir(const std::string& prefix = "ferry-engine") {
+    std::string tmpl = (std::filesystem::temp_directory_path() / (prefix + "-XXXXXX")).string();
+    path_ = mkdtemp(tmpl.data());
+  }
+  ~TempDir() { std::filesystem::remove_all(path_); }
+  TempDir(const TempDir&) = delete;
+  TempDir& operator=(const TempDir&) = delete;
+  const std::string& path() const { return path_; }
+  // Writes `text` to <path>/<name> and returns that path.
+  std::string Write(const std::string& name, const std::string& text) const {
+    const std::string p = path_ + "/" + name;
+    std::ofstream(p, std::ios::binary) << text;
+    return p;
+  }
+
+ private:
+  std::string path_;
+};
+
+// A model of a few bf16 tensors in device memory, with grads, and random initial values.
+class Model {
+ public:
+  Model(Device* device, std::vector<int64_t> sizes, uint64_t seed) : device_(device), sizes_(std::move(sizes)) {
+    std::mt19937_64 rng(seed);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    for (int64_t n : sizes_) {
+      params_.push_back(*device_->Allocate(static_cast<size_t>(n) * 2));
+      grads_.push_back(*device_->Allocate(static_cast<size_t>(n) * 2));
+      std::vector<uint16_t> init(static_cast<size_t>(n));
+      for (auto& v : init) v = F32ToBF16(normal(rng));
+      EXPECT_TRUE(device_->Copy(params_.back().data(), init.data(), init.size() * 2, CopyKind::kHostToDevice).ok());
+    }
+  }
+  size_t size() const { return sizes_.size(); }
+  std::string name(size_t i) const { return absl::StrCat("p", i); }
+  // Registers every tensor; tensor i is in group "g<i % groups>" (groups 0: "g<i>", a group each).
+  absl::Status Register(Engine& e, size_t groups = 0) {
+    if (groups == 0) groups = sizes_.size();
+    for (size_t i = 0; i < sizes_.size(); ++i) {
+      ParamSpec spec;
+      spec.name = name(i);
+      spec.group = absl::StrCat("g", i % groups);  // (not "g" + to_string: GCC 12 -Wrestrict false positive)
+      spec.shape = {sizes_[i]};
+      spec.dtype = DType::kBF16;
+      spec.param = params_[i].data();
+      spec.grad = grads_[i].data();
+      absl::Status s = e.AddParam(spec);
+      if (!s.ok()) return s;
+    }
+    return absl::OkStatus();
+  }
+  void SetGrads(uint64_t seed) {
+    std::mt19937_64 rng(seed);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    for (size_t i = 0; i < sizes_.size(); ++i) {
+      std::vector<uint16_t> g(static_cast<size_t>(sizes_[i]));
+      for (auto& v : g) v = F32ToBF16(normal(rng));
+      ASSERT_TRUE(device_->Copy(grads_[i].data(), g.data(), g.size() * 2, CopyKind::kHostToDevice).ok());
+    }
+  }
+  void PoisonGrad(size_t i, uint16_t value) {
+    std::vector<uint16_t> g(static_cast<size_t>(sizes_[i]));
+    ASSERT_TRUE(device_->Copy(g.data(), grads_[i].data(), g.size() * 2, CopyKind::kDeviceToHost).ok());
+    g[g.size() / 2] = value;
+    ASSERT_TRUE(device_->Copy(grads_[i].data(), g.data(), g.size() * 2, CopyKind::kHostToDevice).ok());
+  }
+  void ScaleGrads(float factor) {
+    for (size_t i = 0; i < sizes_.size(); ++i) {
+      std::vector<uint16_t> g = Grad(i);
+      for (auto& v : g) v = F32ToBF16(BF16ToF32(v) * factor);
+      ASSERT_TRUE(device_->Copy(grads_[i].data(), g.data(), g.size() * 2, CopyKind::kHostToDevice).ok());
+    }
+  }
+  std::vector<uint16_t> Grad(size_t i) const {
+    std::vector<uint16_t> h(static_cast<size_t>(sizes_[i]));
+    EXPECT_TRUE(device_->Copy(h.data(), grads_[i].data(), h.size() * 2, CopyKind::kDeviceToHost).ok());
+    return h;
+  }
+  std::vector<uint16_t> Param(size_t i) const {
+    std::vector<uint16_t> h(static_cast<size_t>(sizes_[i]));
+    EXPECT_TRUE(device_->Copy(h.data(), params_[i].data(), h.size() * 2, CopyKind::kDeviceToHost).ok());
+    return h;
+  }
+  std::vector<std::vector<uint16_t>> Params() const {
+    std::vector<std::vector<uint16_t>> out;
+    for (size_t i = 0; i < size(); ++i) out.push_back(Param(i));
+    return out;
+  }
+  void SetParam(size_t i, const std::vector<uint16_t>& h) {
+    ASSERT_TRUE(device_->Copy(params_[i].data(), h.data(), h.size() * 2, CopyKind::kHostToDevice).ok());
+  }
+
+ private:
+  Device* device_;
+  std::vector<int64_t> sizes_;
+  std::vector<DeviceBuffer> params_, grads_;
+};
+
+}  // namespace ferry::engine_test
+
+#endif  // FERRY_TESTS_ENGINE_ENGINE_TEST_UTIL_H_
