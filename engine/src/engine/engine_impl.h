@@ -1,0 +1,201 @@
+// The engine's implementation class, shared by the files of engine/src/engine:
+//   engine.cc             registration, Finalize, Step, placement moves, stats, Create
+//   engine_checkpoint.cc  SaveCheckpoint, LoadCheckpoint and their pinned staging
+//   engine_ranks.cc       several ranks: the spec exchange at Finalize, the grad-stats reduction
+#ifndef FERRY_ENGINE_ENGINE_IMPL_H_
+#define FERRY_ENGINE_ENGINE_IMPL_H_
+
+
+#include <sys/mman.h>
+
+#include "ferry/engine.h"
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <numeric>
+#include <set>
+#include <thread>
+#include <utility>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "absl/strings/ascii.h"
+#include "base/absl_compat.h"
+#include "base/logging.h"
+#include "base/thread_pool.h"
+#include "ckpt/bulk_reader.h"
+#include "ckpt/checkpoint.h"
+#include "ckpt/checkpoint_writer.h"
+#include "ckpt/posix_file.h"
+#include "device/device.h"
+#include "ferry/status.h"
+#include "memory/pinned_arena.h"
+#include "optim/hybrid_optimizer.h"
+#include "optim/state_fence.h"
+#include "policy/policy.h"
+
+
+namespace ferry {
+namespace engine_internal {
+
+
+inline constexpr char kModelKind[] = "model";
+inline constexpr std::pair<StateKind, const char*> kStateKinds[] = {
+    {StateKind::kMaster, "master"}, {StateKind::kExpAvg, "exp_avg"}, {StateKind::kExpAvgSq, "exp_avg_sq"}};
+
+inline std::string StateTensorName(const std::string& param, const char* kind) { return absl::StrCat(param, ":", kind); }
+
+// Pinned host memory for checkpoints: device-resident tensors are staged in it for saves, and every
+// tensor of a load is read into it and verified before anything is applied. Kept (grown when
+// needed) across saves and loads. On the CUDA backend it is registered with the device so copies
+// run at the pinned rate; registering a fresh buffer (which faults in and pins every page) runs on
+// a background thread, overlapping the reads of a load, and Ready() waits for it. One thread at a
+// time (besides that internal thread).
+class CheckpointStaging final {
+ public:
+  static absl::StatusOr<std::unique_ptr<CheckpointStaging>> Create(Device* device, size_t bytes) {
+    constexpr size_t kAlign = size_t{2} << 20;  // whole huge pages
+    const size_t rounded = std::max<size_t>(kAlign, (bytes + kAlign - 1) / kAlign * kAlign);
+    void* data = ::mmap(nullptr, rounded, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (data == MAP_FAILED) {
+      return absl::ResourceExhaustedError(absl::StrCat("checkpoint staging: cannot map ", rounded, " bytes: ",
+                                                       std::strerror(errno)));
+    }
+    (void)::madvise(data, rounded, MADV_HUGEPAGE);  // fewer faults and TLB misses; advisory
+    std::unique_ptr<CheckpointStaging> s(new CheckpointStaging(device, static_cast<char*>(data), rounded));
+    if (device->backend() == Backend::kCuda) {
+      s->registrar_ = std::thread([raw = s.get()] { raw->register_status_ = raw->device_->RegisterHost(raw->data_, raw->bytes_); });
+    }
+    return s;
+  }
+  ~CheckpointStaging() {
+    if (registrar_.joinable()) registrar_.join();
+    if (device_->backend() == Backend::kCuda && register_status_.ok()) {
+      absl::Status st = device_->UnregisterHost(data_);
+      if (!st.ok()) FERRY_LOG(ERROR) << "checkpoint staging: " << st;
+    }
+    ::munmap(data_, bytes_);
+  }
+  CheckpointStaging(const CheckpointStaging&) = delete;
+  CheckpointStaging& operator=(const CheckpointStaging&) = delete;
+  char* data() const { return data_; }
+  size_t bytes() const { return bytes_; }
+  // Blocks until the buffer is registered with the device; the registration's error, if any.
+  absl::Status Ready() {
+    if (registrar_.joinable()) registrar_.join();
+    return register_status_;
+  }
+
+ private:
+  CheckpointStaging(Device* device, char* data, size_t bytes) : device_(device), data_(data), bytes_(bytes) {}
+  Device* device_;
+  char* data_;
+  size_t bytes_;
+  absl::Status register_status_;  // written by registrar_ until it is joined
+  std::thread registrar_;
+};
+
+// Where the bytes of each tensor of a save come from (shared with the writer's callbacks).
+struct SaveSources {
+  std::vector<bool> staged;    // copied into the staging (device-resident), else read in place
+  std::vector<size_t> region;  // of an in-place tensor: its region of the StateFence
+};
+
+struct ParamRecord {
+  ParamSpec spec;
+  int64_t numel = 0;
+  size_t group = 0;
+};
+
+class EngineImpl final : public Engine {
+ public:
+  EngineImpl(EngineOptions options, std::unique_ptr<Device> device, std::unique_ptr<Policy> policy)
+      : options_(std::move(options)),
+        device_(std::move(device)),
+        policy_(std::move(policy)),
+        pool_(options_.cpu_threads > 0 ? options_.cpu_threads : ThreadPool::DefaultThreads()) {}
+
+  ~EngineImpl() override {
+    if (ckpt_writer_ != nullptr) ckpt_writer_->WaitIdle();  // it may read the optimizer's state in place
+    optimizer_.reset();  // releases its arena and device state before the device goes away
+  }
+
+  absl::Status AddParam(const ParamSpec& spec) override;
+  absl::Status Finalize() override;
+  absl::Status Step(const StepOptions& options, void* stream) override;
+  absl::Status Synchronize() override {
+    return optimizer_ == nullptr ? absl::OkStatus() : optimizer_->Synchronize();
+  }
+  absl::StatusOr<std::string> SaveCheckpoint(const std::string& root, int64_t step) override;
+  absl::Status WaitCheckpoint() override;
+  std::optional<absl::Status> PollCheckpoint() override;
+  absl::Status LoadCheckpoint(const std::string& path) override { return LoadCheckpoint(path, LoadOptions{}); }
+  absl::Status LoadCheckpoint(const std::string& path, const LoadOptions& options) override;
+  absl::Status SyncFromModel(const std::vector<std::string>& groups, bool reset_optimizer) override;
+  absl::Status ReloadPolicy(const std::string& path, const std::map<std::string, std::string>& args) override;
+  // Moves every group whose placement differs from `placement` (which names every group) between pinned
+  // host memory and the device, values and step counts unchanged. On error nothing changes.
+  absl::Status MoveTo(const ferry::Placement& placement);
+  // Calls the policy's on_step hook after a step and applies the moves it asks for.
+  absl::Status RunOnStep(double step_seconds);
+  absl::Status VerifyMasters() override;
+  std::vector<GroupPlacement> Placement() const override;
+  EngineStats Stats() const override;
+  std::string DeviceName() const override { return device_->name(); }
+  bool OnGpu() const override { return device_->backend() == Backend::kCuda; }
+
+ private:
+  absl::Status RequireFinalized(std::string_view what) const {
+    if (optimizer_ == nullptr) {
+      return absl::FailedPreconditionError(absl::StrCat(ToAbsl(what), " before Finalize()"));
+    }
+    return absl::OkStatus();
+  }
+  std::vector<GroupInfo> GroupInfos() const;
+  // A new optimizer with `placement`; its masters come from the params (m = v = 0).
+  absl::StatusOr<std::unique_ptr<HybridOptimizer>> BuildOptimizer(const ferry::Placement& placement,
+                                                                  std::vector<bool>* offloaded_out);
+  absl::StatusOr<PolicyContext> Context();
+  absl::StatusOr<std::vector<size_t>> GroupIndices(const std::vector<std::string>& names) const;
+  std::string PolicyName() const { return policy_ == nullptr ? "(default policy)" : policy_->path(); }
+  // ckpt_staging_, grown to at least `bytes`. REQUIRES: no save in flight.
+  absl::StatusOr<char*> EnsureStaging(size_t bytes);
+  // LoadCheckpoint of one checkpoint: reads and verifies everything, then applies.
+  absl::Status LoadCheckpointFrom(const std::string& path);
+
+  EngineOptions options_;
+  std::unique_ptr<Device> device_;
+  std::unique_ptr<Policy> policy_;
+  ThreadPool pool_;
+  std::vector<ParamRecord> params_;
+  absl::flat_hash_map<std::string, size_t> param_index_;
+  std::vector<std::string> group_names_;  // in order of first appearance
+  absl::flat_hash_map<std::string, size_t> group_index_;
+  std::vector<DType> group_dtype_;
+  std::vector<bool> offloaded_;
+  std::unique_ptr<HybridOptimizer> optimizer_;
+  int64_t skipped_steps_ = 0;
+  bool last_step_skipped_ = false;
+  double last_grad_norm_ = 0.0;
+  // Checkpoints (SaveCheckpoint/LoadCheckpoint). Declared last, so destroyed first: the writer
+  // waits for its save in flight and joins its threads before the staging it reads is freed.
+  // Pinned host memory that device-resident tensors are staged in for saves and loads; kept (and
+  // grown when needed) across them. Each save lays it out afresh and copies every staged tensor, so
+  // a changed structure never writes stale bytes.
+  std::unique_ptr<CheckpointStaging> ckpt_staging_;
+  std::shared_ptr<StateFence> ckpt_fence_;  // of the last asynchronous save
+  uint64_t ckpt_copied_aside_ = 0;          // copied aside under earlier fences
+  std::unique_ptr<CheckpointWriter> ckpt_writer_;
+};
+
+}  // namespace engine_internal
+}  // namespace ferry
+
+#endif  // FERRY_ENGINE_ENGINE_IMPL_H_
