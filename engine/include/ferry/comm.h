@@ -83,9 +83,12 @@ absl::Status AgreeStatus(Comm& comm, const absl::Status& mine, std::string_view 
 std::unique_ptr<Comm> MakeSingleProcessComm();
 
 // `world_size` communicators of one in-process group: comms[r] is rank r, to be used from its own
-// thread. Destroying one (or calling its Abandon) makes the others' collectives return Unavailable
-// naming that rank; a rank that does not arrive in time is named in the others' DeadlineExceeded.
-// Safe for concurrent use across the group (each Comm from one thread at a time).
+// thread. Destroying one makes the others' collectives (those waiting and every later one) return
+// Unavailable naming that rank; a rank that does not arrive in time is named in the others'
+// DeadlineExceeded, and the group then fails every later call at once. Calls that disagree
+// (collective, AllReduce count or op, Broadcast root) return InvalidArgument naming the disagreeing
+// rank on every rank, and the group stays usable. The comms of a group may be used concurrently, each
+// from one thread at a time. An empty vector when world_size < 1.
 std::vector<std::unique_ptr<Comm>> MakeThreadComms(int world_size);
 
 // The trainer's collectives. Each function returns OK or an error (its message is kept); each gets

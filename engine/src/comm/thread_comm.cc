@@ -1,0 +1,269 @@
+// MakeThreadComms: the ranks of one in-process group, one thread each.
+//
+// A Group is the state the group's comms share: one rendezvous at a time, numbered by a generation
+// counter. Each rank deposits its call (what it asked for and its input) in its slot and waits on the
+// condition variable until the generation advances; the last rank to arrive checks that every call
+// agrees, computes the results into the group, advances the generation and wakes everyone, who copy
+// their outputs out. Results of generation g stay valid until generation g+1 completes, which needs
+// every rank, including one that has not yet copied its output: so no rank's output can be
+// overwritten before it is read. Calls deposited for generation g+1 by fast ranks live in the slots,
+// apart from the results.
+//
+// Failures: a rank whose deadline passes before the generation completes poisons the group with a
+// DeadlineExceeded naming the ranks that had not arrived (every later call of every rank returns it at
+// once: the ranks no longer agree on which collective is which). A destroyed comm marks its rank gone:
+// every collective waiting or started afterwards returns Unavailable naming it. Calls that disagree
+// (collective, count, op, root) complete with InvalidArgument on every rank and leave the group usable.
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "base/absl_compat.h"
+#include "comm/comm_internal.h"
+#include "ferry/comm.h"
+
+namespace ferry {
+namespace {
+
+using comm_internal::Prefixed;
+using comm_internal::RankList;
+using comm_internal::RankName;
+
+enum class Collective : uint8_t { kBarrier, kAllReduce, kAllGather, kBroadcast, kDuplicate };
+
+const char* CollectiveName(Collective c) {
+  switch (c) {
+    case Collective::kBarrier: return "Barrier";
+    case Collective::kAllReduce: return "AllReduce";
+    case Collective::kAllGather: return "AllGather";
+    case Collective::kBroadcast: return "Broadcast";
+    case Collective::kDuplicate: return "Duplicate";
+  }
+  return "unknown collective";
+}
+
+// One rank's call: what it asked for, and its input.
+struct Call {
+  Collective collective = Collective::kBarrier;
+  ReduceOp op = ReduceOp::kSum;  // AllReduce
+  int root = 0;                  // Broadcast
+  std::vector<double> values;    // AllReduce
+  std::string blob;              // AllGather: mine; Broadcast: root's blob
+};
+
+// "AllReduce of 3 values (sum)", "Broadcast from root 1", "AllGather".
+std::string Describe(const Call& c) {
+  switch (c.collective) {
+    case Collective::kAllReduce:
+      return absl::StrCat("AllReduce of ", c.values.size(), " values (", ToAbsl(ReduceOpName(c.op)), ")");
+    case Collective::kBroadcast: return absl::StrCat("Broadcast from root ", c.root);
+    default: return CollectiveName(c.collective);
+  }
+}
+
+bool Agree(const Call& a, const Call& b) {
+  if (a.collective != b.collective) return false;
+  switch (a.collective) {
+    case Collective::kAllReduce: return a.values.size() == b.values.size() && a.op == b.op;
+    case Collective::kBroadcast: return a.root == b.root;
+    default: return true;
+  }
+}
+
+class Group;
+
+// One rank's outputs of a completed collective.
+struct Outputs {
+  std::vector<double> values;               // AllReduce
+  std::vector<std::string> blobs;           // AllGather: every rank's; Broadcast: {root's}
+  std::shared_ptr<Group> duplicate;         // Duplicate
+};
+
+// The state shared by the comms of one group. Safe for concurrent use; each rank calls Run from one
+// thread at a time.
+class Group {
+ public:
+  explicit Group(int world_size)
+      : world_(world_size), here_(world_size, false), gone_(world_size, false), calls_(world_size) {}
+
+  int world_size() const { return world_; }
+
+  // Runs `call` as `rank`'s part of the current collective; fills *out on success.
+  absl::Status Run(int rank, Call call, absl::Duration timeout, Outputs* out) {
+    const std::string where =
+        comm_internal::Where("threads", rank, world_, CollectiveName(call.collective));
+    const absl::Time deadline = absl::Now() + timeout;
+    absl::MutexLock lock(&mu_);
+    if (absl::Status failed = Failed(where); !failed.ok()) return failed;
+    const uint64_t generation = generation_;
+    calls_[rank] = std::move(call);
+    here_[rank] = true;
+    if (++arrived_ == world_) {
+      Complete();
+    } else {
+      while (generation_ == generation) {
+        if (absl::Status failed = Failed(where); !failed.ok()) return failed;
+        if (cv_.WaitWithDeadline(&mu_, deadline) && generation_ == generation) {
+          std::vector<int> missing;
+          for (int r = 0; r < world_; ++r)
+            if (!here_[r]) missing.push_back(r);
+          poisoned_ = absl::DeadlineExceededError(
+              absl::StrCat(where, ": timed out after ", absl::FormatDuration(timeout),
+                           "; had not arrived: ", RankList(missing)));
+          cv_.SignalAll();
+          return poisoned_;
+        }
+      }
+    }
+    if (!result_.ok()) return Prefixed(where, result_);
+    switch (calls_[rank].collective) {  // this rank's slot is untouched until it calls again
+      case Collective::kAllReduce: out->values = result_values_; break;
+      case Collective::kAllGather: out->blobs = result_blobs_; break;
+      case Collective::kBroadcast: out->blobs = {result_blobs_[0]}; break;
+      case Collective::kDuplicate: out->duplicate = result_group_; break;
+      case Collective::kBarrier: break;
+    }
+    return absl::OkStatus();
+  }
+
+  // `rank`'s comm is gone: every collective waiting or started afterwards fails naming it.
+  void Leave(int rank) {
+    absl::MutexLock lock(&mu_);
+    gone_[rank] = true;
+    cv_.SignalAll();
+  }
+
+ private:
+  // The group's failure, if any: the poison of an earlier timeout, else Unavailable naming the ranks
+  // whose comm was destroyed.
+  absl::Status Failed(absl::string_view where) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (!poisoned_.ok()) return Prefixed(absl::StrCat(where, ": the group failed earlier"), poisoned_);
+    std::vector<int> gone;
+    for (int r = 0; r < world_; ++r)
+      if (gone_[r]) gone.push_back(r);
+    if (gone.empty()) return absl::OkStatus();
+    return absl::UnavailableError(
+        absl::StrCat(where, ": ", RankList(gone), " of ", world_, " left the group (comm destroyed)"));
+  }
+
+  // The last rank arrived: check that the calls agree, compute the results, start a new generation.
+  void Complete() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    result_ = absl::OkStatus();
+    const Call& first = calls_[0];
+    for (int r = 1; r < world_ && result_.ok(); ++r) {
+      if (!Agree(first, calls_[r])) {
+        result_ = absl::InvalidArgumentError(absl::StrCat(RankName(r, world_), " called ", Describe(calls_[r]),
+                                                          " but ", RankName(0, world_), " called ",
+                                                          Describe(first)));
+      }
+    }
+    if (result_.ok() && first.collective == Collective::kBroadcast && (first.root < 0 || first.root >= world_)) {
+      result_ = absl::InvalidArgumentError(
+          absl::StrCat("every rank called Broadcast from root ", first.root, ", outside [0, ", world_, ")"));
+    }
+    if (result_.ok()) {
+      switch (first.collective) {
+        case Collective::kAllReduce:
+          result_values_ = first.values;
+          for (int r = 1; r < world_; ++r) comm_internal::ReduceInto(first.op, calls_[r].values, absl::MakeSpan(result_values_));
+          break;
+        case Collective::kAllGather:
+          result_blobs_.resize(world_);
+          for (int r = 0; r < world_; ++r) result_blobs_[r] = std::move(calls_[r].blob);
+          break;
+        case Collective::kBroadcast: result_blobs_ = {std::move(calls_[first.root].blob)}; break;
+        case Collective::kDuplicate: result_group_ = std::make_shared<Group>(world_); break;
+        case Collective::kBarrier: break;
+      }
+    }
+    here_.assign(world_, false);
+    arrived_ = 0;
+    ++generation_;
+    cv_.SignalAll();
+  }
+
+  const int world_;
+  absl::Mutex mu_;
+  absl::CondVar cv_;
+  uint64_t generation_ ABSL_GUARDED_BY(mu_) = 0;     // collectives completed
+  int arrived_ ABSL_GUARDED_BY(mu_) = 0;             // in the current generation
+  std::vector<bool> here_ ABSL_GUARDED_BY(mu_);      // here_[r]: r arrived in the current generation
+  std::vector<bool> gone_ ABSL_GUARDED_BY(mu_);      // gone_[r]: r's comm was destroyed
+  std::vector<Call> calls_ ABSL_GUARDED_BY(mu_);     // calls_[r]: r's call in the current generation
+  absl::Status poisoned_ ABSL_GUARDED_BY(mu_);       // set by the first timeout; then every call fails
+  // The results of the last completed generation.
+  absl::Status result_ ABSL_GUARDED_BY(mu_);
+  std::vector<double> result_values_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::string> result_blobs_ ABSL_GUARDED_BY(mu_);
+  std::shared_ptr<Group> result_group_ ABSL_GUARDED_BY(mu_);
+};
+
+// Rank `rank` of a Group. One thread at a time; the group's comms may be used concurrently.
+class ThreadComm final : public Comm {
+ public:
+  ThreadComm(std::shared_ptr<Group> group, int rank) : group_(std::move(group)), rank_(rank) {}
+  ~ThreadComm() override { group_->Leave(rank_); }
+
+  int rank() const override { return rank_; }
+  int world_size() const override { return group_->world_size(); }
+  std::string_view kind() const override { return "threads"; }
+
+  absl::Status Barrier(absl::Duration timeout) override {
+    Outputs out;
+    return group_->Run(rank_, Call{.collective = Collective::kBarrier}, timeout, &out);
+  }
+
+  absl::Status AllReduce(absl::Span<double> values, ReduceOp op, absl::Duration timeout) override {
+    Outputs out;
+    absl::Status s = group_->Run(
+        rank_, Call{.collective = Collective::kAllReduce, .op = op, .values = {values.begin(), values.end()}},
+        timeout, &out);
+    if (s.ok()) std::copy(out.values.begin(), out.values.end(), values.begin());
+    return s;
+  }
+
+  absl::StatusOr<std::vector<std::string>> AllGather(std::string_view mine, absl::Duration timeout) override {
+    Outputs out;
+    absl::Status s =
+        group_->Run(rank_, Call{.collective = Collective::kAllGather, .blob = std::string(mine)}, timeout, &out);
+    if (!s.ok()) return s;
+    return std::move(out.blobs);
+  }
+
+  absl::Status Broadcast(std::string* blob, int root, absl::Duration timeout) override {
+    Outputs out;
+    Call call{.collective = Collective::kBroadcast, .root = root};
+    if (root == rank_) call.blob = *blob;  // only the root's input is used
+    absl::Status s = group_->Run(rank_, std::move(call), timeout, &out);
+    if (s.ok()) *blob = std::move(out.blobs[0]);
+    return s;
+  }
+
+  absl::StatusOr<std::unique_ptr<Comm>> Duplicate(absl::Duration timeout) override {
+    Outputs out;
+    absl::Status s = group_->Run(rank_, Call{.collective = Collective::kDuplicate}, timeout, &out);
+    if (!s.ok()) return s;
+    return std::unique_ptr<Comm>(std::make_unique<ThreadComm>(std::move(out.duplicate), rank_));
+  }
+
+ private:
+  const std::shared_ptr<Group> group_;
+  const int rank_;
+};
+
+}  // namespace
+
+std::vector<std::unique_ptr<Comm>> MakeThreadComms(int world_size) {
+  std::vector<std::unique_ptr<Comm>> comms;
+  if (world_size < 1) return comms;
+  auto group = std::make_shared<Group>(world_size);
+  for (int r = 0; r < world_size; ++r) comms.push_back(std::make_unique<ThreadComm>(group, r));
+  return comms;
+}
+
+}  // namespace ferry
