@@ -24,6 +24,8 @@
 #define FERRY_ADAM_HD inline
 #endif
 
+#include "base/exact_sum.h"
+
 namespace ferry {
 
 enum class AdamMode : uint8_t {
@@ -107,13 +109,28 @@ FERRY_ADAM_HD AdamScalars MakeAdamScalars(const AdamHyper& h, int64_t step, doub
 // ---- the gradient check, unscaling and clipping ----------------------------------------------------
 
 // What a gradient check found over a set of gradients (CpuAdam::ComputeGradStats,
-// Device::LaunchGradStats): the sum of their squares, in double, in a canonical order that every path
-// follows (base/adam_element.h), so the value is the same bits on every path and thread count.
+// Device::LaunchGradStats): the exact sum of their squares (base/exact_sum.h), so the value is the same
+// bits on every path, thread count and split of the gradients, and its rounding to double.
+// Several ranks: all-reduce `exact` in its exchange form (ExactSumSq::ToExchange, a sum of doubles) and
+// found_inf (a max), then GradStatsFromExact gives every rank the same global GradStats.
 struct GradStats {
-  double sum_sq;       // sum of g * g over every element, as stored (before any unscaling)
-  uint32_t found_inf;  // 1 when some element is NaN or +-Inf (then sum_sq is not finite), else 0
+  double sum_sq;       // exact.ToDouble() (correctly rounded); +Inf when found_inf
+  uint32_t found_inf;  // 1 when some element is NaN or +-Inf, else 0
   uint32_t reserved;   // 0
+  ExactSumSq exact;    // the sum of g * g over every finite element, as stored (before any unscaling);
+                       // normalised, so equal sums have equal bytes
 };
+
+// The GradStats of an exact sum of the finite elements' squares and whether some element was not finite.
+FERRY_ADAM_HD GradStats GradStatsFromExact(const ExactSumSq& exact, bool found_inf) {
+  GradStats g;
+  g.exact = exact;
+  g.exact.Normalize();
+  g.found_inf = found_inf ? 1u : 0u;
+  g.reserved = 0;
+  g.sum_sq = found_inf ? exact_sum_internal::DoubleFromBits(0x7FF0000000000000ull) : g.exact.ToDouble();
+  return g;
+}
 
 // The gradient multiplier of one step: 1 / grad_scale (the gradients carry a loss scale) times, when
 // max_norm > 0, the global-norm clip coefficient min(1, max_norm / (norm + 1e-6)) of the unscaled

@@ -144,12 +144,17 @@ struct GradTensorArgs {
 };
 
 // LaunchGradStats' device workspace: the GradStats result first (read it there, or pass
-// GradStatsResult(workspace) to LaunchAdamWith), then scratch. Its size for `num_tensors` tensors.
-inline constexpr size_t kGradStatsResultBytes = 64;
-inline constexpr size_t kGradStatsSlotBytes = 8 * 1024;  // one double per slot (base/adam_element.h)
+// GradStatsResult(workspace) to LaunchAdamWith), then scratch: the exact partial sums of up to
+// kGradStatsPartials blocks (an ExactSumSq's digits and a found-inf flag each), then one table entry per
+// tensor. Its size for `num_tensors` tensors.
+inline constexpr size_t kGradStatsResultBytes = 256;
+static_assert(sizeof(GradStats) <= kGradStatsResultBytes, "GradStats outgrew its workspace slot");
+inline constexpr size_t kGradStatsPartials = 1024;
+inline constexpr size_t kGradStatsPartialBytes = 8 * ExactSumSq::kDigits + 8;
+inline constexpr size_t kGradStatsScratchBytes = kGradStatsPartials * kGradStatsPartialBytes;
 inline constexpr size_t kGradStatsTensorBytes = 32;
 inline constexpr size_t GradStatsWorkspaceBytes(size_t num_tensors) {
-  return kGradStatsResultBytes + kGradStatsSlotBytes + kGradStatsTensorBytes * num_tensors;
+  return kGradStatsResultBytes + kGradStatsScratchBytes + kGradStatsTensorBytes * num_tensors;
 }
 inline const GradStats* GradStatsResult(const void* workspace) {
   return static_cast<const GradStats*>(workspace);
@@ -231,9 +236,9 @@ class Device {
   virtual absl::Status LaunchAdamWith(absl::Span<const AdamTensorArgs> tensors,
                                       absl::Span<const AdamScalars> scalars, const AdamRuntimeArgs& runtime,
                                       Stream& stream);
-  // The gradient check over `grads`: writes GradStats (the sum of squares in base/adam_element.h's
-  // canonical order, so the same bits as CpuAdam::ComputeGradStats, and found_inf) at the start of
-  // `workspace` (device memory of GradStatsWorkspaceBytes(grads.size()) bytes, 8-byte aligned, owned by
+  // The gradient check over `grads`: writes GradStats (the exact sum of squares of base/exact_sum.h,
+  // so the same bits as CpuAdam::ComputeGradStats over the same elements split in any way, and
+  // found_inf) at the start of `workspace` (device memory of GradStatsWorkspaceBytes(grads.size()) bytes, 8-byte aligned, owned by
   // the caller and untouched by others until the launch completed). Graph-capturable on CUDA. Default
   // implementation: Unimplemented.
   virtual absl::Status LaunchGradStats(absl::Span<const GradTensorArgs> grads, void* workspace,

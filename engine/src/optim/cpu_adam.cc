@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "base/absl_compat.h"
 #include "base/adam_element.h"
+#include "base/grad_squares.h"
 #include "ferry/status.h"
 #include "optim/cpu_adam_kernels.h"
 
@@ -28,16 +29,11 @@ void AdamRangeScalar(const CpuAdamTensor& t, const AdamScalars& s, int64_t begin
   }
 }
 
-void GradChunkScalar(const void* chunk, DType dtype, double* lanes) {
-  GradStatsAddChunk(chunk, dtype, 0, kGradStatsChunk, lanes);
-}
-
 }  // namespace cpu_adam_internal
 
 namespace {
 
 using cpu_adam_internal::AdamRangeFn;
-using cpu_adam_internal::GradChunkFn;
 
 // Tasks per participating thread: a few, so a thread slowed by something else does not hold up the
 // step (tasks are claimed as threads become free).
@@ -82,17 +78,6 @@ AdamRangeFn RangeFn(CpuAdamIsa isa) {
     case CpuAdamIsa::kAvx512Bf16: return &cpu_adam_internal::AdamRangeAvx512Bf16;
 #endif
     default: return &cpu_adam_internal::AdamRangeScalar;
-  }
-}
-
-GradChunkFn ChunkFn(CpuAdamIsa isa) {
-  switch (isa) {
-#if defined(__x86_64__)
-    case CpuAdamIsa::kAvx2: return &cpu_adam_internal::GradChunkAvx2;
-    case CpuAdamIsa::kAvx512:
-    case CpuAdamIsa::kAvx512Bf16: return &cpu_adam_internal::GradChunkAvx512;
-#endif
-    default: return &cpu_adam_internal::GradChunkScalar;
   }
 }
 
@@ -291,10 +276,8 @@ absl::Status CpuAdam::Run(absl::Span<const CpuAdamTensor> tensors, absl::Span<co
 
 absl::StatusOr<GradStats> CpuAdam::ComputeGradStats(absl::Span<const CpuGradTensor> grads) {
   FERRY_RETURN_IF_ERROR(init_status_);
-  std::vector<const void*> ptrs;
-  std::vector<DType> dtypes;
-  std::vector<int64_t> numel, first_chunk;
-  int64_t chunks = 0;
+  std::vector<int64_t> ends(grads.size());  // running end of each tensor in the joined range
+  int64_t total = 0;
   for (size_t i = 0; i < grads.size(); ++i) {
     const CpuGradTensor& g = grads[i];
     if (g.numel < 0) {
@@ -305,41 +288,41 @@ absl::StatusOr<GradStats> CpuAdam::ComputeGradStats(absl::Span<const CpuGradTens
       return absl::InvalidArgumentError(absl::StrCat("CpuAdam::ComputeGradStats: tensor ", i,
                                                      " has an invalid dtype ", static_cast<int>(g.dtype)));
     }
-    if (g.numel == 0) continue;
-    FERRY_RETURN_IF_ERROR(CheckPointer(g.grad, DTypeSize(g.dtype), i, "grad", "CpuAdam::ComputeGradStats"));
-    ptrs.push_back(g.grad);
-    dtypes.push_back(g.dtype);
-    numel.push_back(g.numel);
-    first_chunk.push_back(chunks);
-    chunks += GradStatsChunks(g.numel);
+    if (g.numel > 0) {
+      FERRY_RETURN_IF_ERROR(CheckPointer(g.grad, DTypeSize(g.dtype), i, "grad", "CpuAdam::ComputeGradStats"));
+    }
+    ends[i] = total += g.numel;
   }
-  std::vector<double> slots(kGradStatsSlots, 0.0);
-  if (chunks > 0) {
-    const GradChunkFn chunk_fn = ChunkFn(isa_);
-    // Slots are independent; a task takes a contiguous run of them (a contiguous stretch of memory).
-    const int64_t participants = static_cast<int64_t>(pool_->num_threads()) + 1;
-    const int64_t num_tasks =
-        std::min<int64_t>(std::min<int64_t>(kGradStatsSlots, chunks), kTasksPerThread * participants);
+  // The sum is exact (base/exact_sum.h), so any split gives the same bits: tasks take equal contiguous
+  // ranges of the tensors laid end to end, each sums its own, and the partial sums are added in any order.
+  const int64_t participants = static_cast<int64_t>(pool_->num_threads()) + 1;
+  const int64_t num_tasks = std::max<int64_t>(
+      1, std::min((total + block_elements_ - 1) / block_elements_, kTasksPerThread * participants));
+  std::vector<ExactSumSq> sums(static_cast<size_t>(num_tasks));
+  std::vector<uint8_t> found_inf(static_cast<size_t>(num_tasks), 0);
+  if (total > 0) {
     pool_->ParallelFor(static_cast<size_t>(num_tasks), [&](size_t task) {
-      const ScopedDefaultFloatEnv float_env;
-      const int first = static_cast<int>(kGradStatsSlots * static_cast<int64_t>(task) / num_tasks);
-      const int last = static_cast<int>(kGradStatsSlots * (static_cast<int64_t>(task) + 1) / num_tasks);
-      for (int slot = first; slot < last; ++slot) {
-        slots[static_cast<size_t>(slot)] =
-            GradStatsSlotValue(first_chunk.data(), numel.data(), numel.size(), chunks, slot,
-                               [&](size_t tensor, int64_t begin, int64_t len, double* lanes) {
-                                 if (len == kGradStatsChunk) {
-                                   const char* base = static_cast<const char*>(ptrs[tensor]);
-                                   chunk_fn(base + static_cast<size_t>(begin) * DTypeSize(dtypes[tensor]),
-                                            dtypes[tensor], lanes);
-                                 } else {
-                                   GradStatsAddChunk(ptrs[tensor], dtypes[tensor], begin, len, lanes);
-                                 }
-                               });
+      const int64_t lo = total * static_cast<int64_t>(task) / num_tasks;
+      const int64_t hi = total * (static_cast<int64_t>(task) + 1) / num_tasks;
+      GradSquareAccumulator acc;
+      size_t i = static_cast<size_t>(std::upper_bound(ends.begin(), ends.end(), lo) - ends.begin());
+      for (int64_t at = lo; at < hi && i < grads.size(); ++i) {
+        const int64_t start = ends[i] - grads[i].numel;
+        const int64_t stop = std::min(ends[i], hi);
+        if (stop > at) acc.Add(grads[i].grad, grads[i].dtype, at - start, stop - start);
+        at = stop;
       }
+      sums[task] = acc.Sum();
+      found_inf[task] = acc.found_inf() ? 1 : 0;
     });
   }
-  return GradStatsOfSum(GradStatsTree(slots.data(), kGradStatsSlots));
+  ExactSumSq sum{};
+  bool any_inf = false;
+  for (size_t task = 0; task < sums.size(); ++task) {
+    if (total > 0) sum.Add(sums[task]);
+    any_inf = any_inf || found_inf[task] != 0;
+  }
+  return GradStatsFromExact(sum, any_inf);
 }
 
 }  // namespace ferry

@@ -5,9 +5,10 @@
 // results: the SIMD paths compile the same generic update (base/adam_update.inc) for their vectors, and
 // their dtype conversions equal ferry/dtype.h's bit for bit (NaN, subnormals and overflow included).
 // Work is split into contiguous ranges handed to the thread pool; each element's update is independent,
-// so the result does not depend on the split or the thread count. The gradient check sums in the
-// canonical order of base/adam_element.h, so it too is the same bits on every path and thread count,
-// and equal to Device::LaunchGradStats on any backend.
+// so the result does not depend on the split or the thread count. The gradient check's sum of squares is
+// exact (base/exact_sum.h, accumulated by base/grad_squares.h on every ISA), so it too is the same bits
+// on every path, thread count and split of the tensors, and equal to Device::LaunchGradStats on any
+// backend.
 //
 // The SIMD paths round exactly like the scalar one only under the default floating-point environment;
 // each worker sets it (round to nearest, no flush-to-zero, no denormals-are-zero) for the duration of
@@ -117,8 +118,9 @@ class CpuAdam final {
   absl::StatusOr<CpuAdamStepResult> Step(absl::Span<const CpuAdamTensor> tensors,
                                          const CpuAdamStepOptions& options);
 
-  // The gradient check over `grads` (the sum of squares in the canonical order, and whether any
-  // element is NaN or Inf). Errors: a null or misaligned pointer, a negative length.
+  // The gradient check over `grads` (the exact sum of squares of the finite elements, its rounding to
+  // double, and whether any element is NaN or Inf; see GradStats). Errors: a null or misaligned
+  // pointer, a negative length, an invalid dtype.
   absl::StatusOr<GradStats> ComputeGradStats(absl::Span<const CpuGradTensor> grads);
 
   // The scalar update of elements [begin, end) of `t` on the calling thread (the reference path).

@@ -197,62 +197,12 @@ AdamRangeFn Select(const CpuAdamTensor& t, const AdamScalars& s) {
   return s.mode == AdamMode::kAdamL2 ? SelectGrad<AdamMode::kAdamL2>(t) : SelectGrad<AdamMode::kAdamW>(t);
 }
 
-// ---- the gradient check ----
-
-// Four consecutive elements at `e` as floats.
-template <int G>
-inline __m128 Load4(const void* chunk, int64_t e) {
-  if constexpr (G == kF32) {
-    return _mm_loadu_ps(static_cast<const float*>(chunk) + e);
-  } else {
-    const __m128i h =
-        _mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(chunk) + e));
-    if constexpr (G == kBF16) {
-      return _mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(h), 16));
-    } else {
-      return _mm_cvtph_ps(h);
-    }
-  }
-}
-
-// Lanes 4 g .. 4 g + 3 are one vector of doubles. Lane 4 g + l adds elements 1024 k + 16 g + 4 l + j:
-// the 16 floats at 1024 k + 16 g are a 4 x 4 matrix (row l = lane 4 g + l), and its transpose's row j
-// holds element j of each lane. k outer, then j: the canonical order of each lane.
-template <int G>
-void GradChunk(const void* chunk, double* lanes) {
-  for (int k = 0; k < 4; ++k) {
-    for (int g = 0; g < kGradStatsLanes / 4; ++g) {
-      const int64_t e = 1024 * k + 16 * g;
-      __m128 r0 = Load4<G>(chunk, e);
-      __m128 r1 = Load4<G>(chunk, e + 4);
-      __m128 r2 = Load4<G>(chunk, e + 8);
-      __m128 r3 = Load4<G>(chunk, e + 12);
-      _MM_TRANSPOSE4_PS(r0, r1, r2, r3);
-      __m256d acc = _mm256_loadu_pd(lanes + 4 * g);
-      const __m128 rows[4] = {r0, r1, r2, r3};
-      for (int j = 0; j < 4; ++j) {
-        const __m256d x = _mm256_cvtps_pd(rows[j]);
-        acc = _mm256_add_pd(acc, _mm256_mul_pd(x, x));
-      }
-      _mm256_storeu_pd(lanes + 4 * g, acc);
-    }
-  }
-}
-
 }  // namespace
 
 #pragma GCC pop_options
 
 void AdamRangeAvx2(const CpuAdamTensor& t, const AdamScalars& s, int64_t begin, int64_t end) {
   Select(t, s)(t, s, begin, end);
-}
-
-void GradChunkAvx2(const void* chunk, DType dtype, double* lanes) {
-  switch (dtype) {
-    case DType::kF32: GradChunk<kF32>(chunk, lanes); return;
-    case DType::kBF16: GradChunk<kBF16>(chunk, lanes); return;
-    case DType::kF16: GradChunk<static_cast<int>(DType::kF16)>(chunk, lanes); return;
-  }
 }
 
 }  // namespace ferry::cpu_adam_internal

@@ -220,46 +220,6 @@ AdamRangeFn Select(const CpuAdamTensor& t, const AdamScalars& s) {
                                      : SelectGrad<AdamMode::kAdamW, kHwBf16>(t);
 }
 
-// ---- the gradient check ----
-
-// Elements e .. e+15 of a full chunk.
-template <int G>
-inline __m512 Load16(const void* chunk, int64_t e) {
-  if constexpr (G == kF32) {
-    return _mm512_loadu_ps(static_cast<const float*>(chunk) + e);
-  } else {
-    const __m256i h =
-        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(chunk) + e));
-    if constexpr (G == kBF16) {
-      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-    } else {
-      return _mm512_cvtph_ps(h);
-    }
-  }
-}
-
-// Lanes 8 g .. 8 g + 7 are one vector of doubles. Lane 8 g + l adds elements 1024 k + 32 g + 4 l + j:
-// for fixed k and j these are lanes' elements 4 l + j of the 32 consecutive floats at 1024 k + 32 g,
-// gathered by one two-source permute. k outer, then j: the canonical order of each lane.
-template <int G>
-void GradChunk(const void* chunk, double* lanes) {
-  const __m512i stride4 = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 0, 0, 0, 0, 0, 0, 0);
-  for (int k = 0; k < 4; ++k) {
-    for (int g = 0; g < kGradStatsLanes / 8; ++g) {
-      const int64_t e = 1024 * k + 32 * g;
-      const __m512 a = Load16<G>(chunk, e);
-      const __m512 b = Load16<G>(chunk, e + 16);
-      __m512d acc = _mm512_loadu_pd(lanes + 8 * g);
-      for (int j = 0; j < 4; ++j) {
-        const __m512 picked = _mm512_permutex2var_ps(a, _mm512_add_epi32(stride4, _mm512_set1_epi32(j)), b);
-        const __m512d x = _mm512_cvtps_pd(_mm512_castps512_ps256(picked));
-        acc = _mm512_add_pd(acc, _mm512_mul_pd(x, x));
-      }
-      _mm512_storeu_pd(lanes + 8 * g, acc);
-    }
-  }
-}
-
 }  // namespace
 
 #pragma GCC pop_options
@@ -270,14 +230,6 @@ void AdamRangeAvx512(const CpuAdamTensor& t, const AdamScalars& s, int64_t begin
 
 void AdamRangeAvx512Bf16(const CpuAdamTensor& t, const AdamScalars& s, int64_t begin, int64_t end) {
   Select<true>(t, s)(t, s, begin, end);
-}
-
-void GradChunkAvx512(const void* chunk, DType dtype, double* lanes) {
-  switch (dtype) {
-    case DType::kF32: GradChunk<kF32>(chunk, lanes); return;
-    case DType::kBF16: GradChunk<kBF16>(chunk, lanes); return;
-    case DType::kF16: GradChunk<static_cast<int>(DType::kF16)>(chunk, lanes); return;
-  }
 }
 
 }  // namespace ferry::cpu_adam_internal

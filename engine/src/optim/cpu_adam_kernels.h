@@ -15,19 +15,13 @@ namespace ferry::cpu_adam_internal {
 
 // Updates elements [begin, end) of `t` with scalars `s` (t.scalars is not read).
 using AdamRangeFn = void (*)(const CpuAdamTensor& t, const AdamScalars& s, int64_t begin, int64_t end);
-// Adds one full chunk (kGradStatsChunk elements starting at `chunk`) to `lanes` in the canonical order
-// of base/adam_element.h.
-using GradChunkFn = void (*)(const void* chunk, DType dtype, double* lanes);
 
 void AdamRangeScalar(const CpuAdamTensor& t, const AdamScalars& s, int64_t begin, int64_t end);
-void GradChunkScalar(const void* chunk, DType dtype, double* lanes);
 
 // Defined only on x86-64 builds; REQUIRE the CPU features their names say.
 void AdamRangeAvx2(const CpuAdamTensor& t, const AdamScalars& s, int64_t begin, int64_t end);
-void GradChunkAvx2(const void* chunk, DType dtype, double* lanes);
 void AdamRangeAvx512(const CpuAdamTensor& t, const AdamScalars& s, int64_t begin, int64_t end);
 void AdamRangeAvx512Bf16(const CpuAdamTensor& t, const AdamScalars& s, int64_t begin, int64_t end);
-void GradChunkAvx512(const void* chunk, DType dtype, double* lanes);
 
 }  // namespace ferry::cpu_adam_internal
 

@@ -2,11 +2,12 @@
 // AdamUpdate, the same function the host backend and the CPU kernels run (the CPU SIMD paths compile
 // its generic template for vectors); the build compiles this file with --fmad=false, and sqrtf and
 // division are IEEE-rounded by default, so the results equal the host's bit for bit. The gradient check
-// follows base/adam_element.h's canonical order, so its sum is the CPU's bit for bit too.
+// sums exactly (base/exact_sum.h), so its result is the CPU's bit for bit too, for any grid.
 #include <cstdint>
 
 #include "base/adam_element.h"
 #include "base/adam_math.h"
+#include "base/exact_sum.h"
 #include "device/cuda/kernels.h"
 #include "ferry/dtype.h"
 
@@ -139,71 +140,124 @@ __global__ void GradStatsUploadKernel(const GradStatsUpload u, GradStatsDesc* ta
   for (int i = threadIdx.x; i < u.count; i += blockDim.x) table[u.first + i] = u.tensors[i];
 }
 
-constexpr int kGradStatsThreads = kGradStatsLanes;  // a thread per lane
+// One element of the gradient check: NaN and Inf set `bad` and add nothing.
+__device__ __forceinline__ void SquareInto(float x, ExactSquareExpansion& acc, ExactSumSq& spill, bool& bad) {
+  if (exact_sum_internal::NonFiniteBits(F32Bits(x))) {
+    bad = true;
+    return;
+  }
+  acc.AddSquare(x, spill);
+}
 
-// A block per slot at a time; thread t is lane t (base/adam_element.h).
+constexpr int kWarps = kGradStatsThreads / 32;
+constexpr int kDigits = ExactSumSq::kDigits;
+
+// Sums v[] and `bad` over the block: thread d < kDigits writes digit d of the total to `total[d]`
+// (shared memory); returns whether any thread's `bad` was set. Every thread of the block calls it.
+__device__ __forceinline__ bool BlockSumDigits(const int64_t (&v)[kDigits], bool bad, int64_t* total) {
+  __shared__ int64_t warp_digits[kWarps][kDigits];
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+#pragma unroll
+  for (int i = 0; i < kDigits; ++i) {
+    int64_t x = v[i];
+    for (int offset = 16; offset > 0; offset >>= 1) x += __shfl_down_sync(0xffffffffu, x, offset);
+    if (lane == 0) warp_digits[warp][i] = x;
+  }
+  const bool any_bad = __syncthreads_or(bad ? 1 : 0) != 0;  // also the barrier for warp_digits
+  if (threadIdx.x < kDigits) {
+    int64_t x = 0;
+    for (int w = 0; w < kWarps; ++w) x += warp_digits[w][threadIdx.x];
+    total[threadIdx.x] = x;
+  }
+  return any_bad;
+}
+
+// Each thread sums its elements exactly: 4 groups of 4 elements per chunk, through an expansion that
+// spills into a thread-local ExactSumSq; the block's digits go to partials[blockIdx.x].
 __global__ void __launch_bounds__(kGradStatsThreads)
-    GradStatsSlotsKernel(const GradStatsDesc* table, int32_t num_tensors, int64_t total_chunks,
-                         double* slots) {
-  __shared__ double lanes[kGradStatsLanes];
+    GradStatsPartialKernel(const GradStatsDesc* table, int32_t num_tensors, int64_t total_chunks,
+                           GradStatsPartial* partials) {
+  ExactSquareExpansion acc;
+  acc.Clear();
+  ExactSumSq spill;
+  spill.Clear();
+  bool bad = false;
   const int t = threadIdx.x;
-  for (int slot = blockIdx.x; slot < kGradStatsSlots; slot += gridDim.x) {
-    double lane = 0.0;
-    const int64_t first = GradStatsSlotBegin(slot, total_chunks);
-    const int64_t last = GradStatsSlotBegin(slot + 1, total_chunks);
-    if (first < last) {
-      int lo = 0;
-      int hi = num_tensors - 1;
-      while (lo < hi) {
-        const int mid = (lo + hi + 1) / 2;
-        if (table[mid].first_chunk <= first) {
-          lo = mid;
-        } else {
-          hi = mid - 1;
-        }
+  for (int64_t c = blockIdx.x; c < total_chunks; c += gridDim.x) {
+    int lo = 0;  // the tensor owning chunk c: the last whose first_chunk <= c
+    int hi = num_tensors - 1;
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      if (table[mid].first_chunk <= c) {
+        lo = mid;
+      } else {
+        hi = mid - 1;
       }
-      int tensor = lo;
-      for (int64_t c = first; c < last; ++c) {
-        while (c >= table[tensor].first_chunk + GradStatsChunks(table[tensor].numel)) ++tensor;
-        const GradStatsDesc d = table[tensor];
-        const DType dtype = static_cast<DType>(d.dtype);
-        const int64_t e0 = (c - d.first_chunk) * kGradStatsChunk;
-        const int64_t len = d.numel - e0 < kGradStatsChunk ? d.numel - e0 : kGradStatsChunk;
-        for (int k = 0; k < 4; ++k) {
-          const int64_t e = 1024 * k + 4 * t;
-          if (d.vector != 0 && e + 4 <= len) {
-            float x[4];
-            Load4(d.grad, dtype, e0 + e, x);
-            for (int j = 0; j < 4; ++j) lane += GradSquare(x[j]);
-          } else {
-            for (int j = 0; j < 4; ++j) {
-              if (e + j < len) lane += GradSquare(LoadAsF32(d.grad, dtype, static_cast<size_t>(e0 + e + j)));
+    }
+    const GradStatsDesc d = table[lo];
+    const DType dtype = static_cast<DType>(d.dtype);
+    const int64_t e0 = (c - d.first_chunk) * kGradStatsChunkElems;
+    const int64_t len = d.numel - e0 < kGradStatsChunkElems ? d.numel - e0 : kGradStatsChunkElems;
+    if (d.vector != 0 && len == kGradStatsChunkElems) {
+      float x[4][4];  // every load in flight before the arithmetic
+#pragma unroll
+      for (int k = 0; k < 4; ++k) Load4(d.grad, dtype, e0 + 1024 * k + 4 * t, x[k]);
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) SquareInto(x[k][j], acc, spill, bad);
+      }
+    } else {
+      for (int k = 0; k < 4; ++k) {
+        const int64_t e = 1024 * k + 4 * t;
+        if (d.vector != 0 && e + 4 <= len) {
+          float x[4];
+          Load4(d.grad, dtype, e0 + e, x);
+          for (int j = 0; j < 4; ++j) SquareInto(x[j], acc, spill, bad);
+        } else {
+          for (int j = 0; j < 4; ++j) {
+            if (e + j < len) {
+              SquareInto(LoadAsF32(d.grad, dtype, static_cast<size_t>(e0 + e + j)), acc, spill, bad);
             }
           }
         }
       }
     }
-    lanes[t] = lane;
-    __syncthreads();
-    for (int stride = kGradStatsLanes / 2; stride >= 1; stride /= 2) {
-      if (t < stride) lanes[t] += lanes[t + stride];
-      __syncthreads();
-    }
-    if (t == 0) slots[slot] = lanes[0];
-    __syncthreads();  // `lanes` is reused by the next slot
+  }
+  acc.FlushInto(spill);
+  spill.Normalize();  // digits in [0, 2^32): the block's sums stay below 2^40
+  __shared__ int64_t total[kDigits];
+  const bool any_bad = BlockSumDigits(spill.digit, bad, total);
+  if (t < kDigits) partials[blockIdx.x].digit[t] = total[t];
+  if (t == 0) {
+    partials[blockIdx.x].found_inf = any_bad ? 1u : 0u;
+    partials[blockIdx.x].reserved = 0;
   }
 }
 
+// One block: the sum of partials[0 .. n) (below 2^50 per digit) into the result.
 __global__ void __launch_bounds__(kGradStatsThreads)
-    GradStatsFinishKernel(const double* slots, GradStats* result) {
-  __shared__ double values[kGradStatsSlots];
-  for (int i = threadIdx.x; i < kGradStatsSlots; i += blockDim.x) values[i] = slots[i];
-  __syncthreads();
-  for (int stride = kGradStatsSlots / 2; stride >= 1; stride /= 2) {
-    for (int i = threadIdx.x; i < stride; i += blockDim.x) values[i] += values[i + stride];
-    __syncthreads();
+    GradStatsFinishKernel(const GradStatsPartial* partials, int n, GradStats* result) {
+  int64_t v[kDigits];
+#pragma unroll
+  for (int i = 0; i < kDigits; ++i) v[i] = 0;
+  bool bad = false;
+  for (int b = threadIdx.x; b < n; b += blockDim.x) {
+#pragma unroll
+    for (int i = 0; i < kDigits; ++i) v[i] += partials[b].digit[i];
+    bad = bad || partials[b].found_inf != 0;
   }
-  if (threadIdx.x == 0) *result = GradStatsOfSum(values[0]);
+  __shared__ int64_t total[kDigits];
+  const bool any_bad = BlockSumDigits(v, bad, total);
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    ExactSumSq sum;
+    for (int i = 0; i < kDigits; ++i) sum.digit[i] = total[i];
+    sum.pending = 0;
+    sum.Normalize();
+    *result = GradStatsFromExact(sum, any_bad);
+  }
 }
 
 }  // namespace
@@ -235,12 +289,26 @@ cudaError_t LaunchGradStatsUpload(const GradStatsUpload& upload, GradStatsDesc* 
   return cudaGetLastError();
 }
 
+int GradStatsBlocksPerSm() {
+  static const int blocks_per_sm = [] {
+    int blocks = 0;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, GradStatsPartialKernel, kGradStatsThreads, 0) !=
+        cudaSuccess) {
+      (void)cudaGetLastError();  // an estimate only
+      return 2048 / kGradStatsThreads;
+    }
+    return blocks > 0 ? blocks : 1;
+  }();
+  return blocks_per_sm;
+}
+
 cudaError_t LaunchGradStatsKernels(const GradStatsDesc* table, int32_t num_tensors, int64_t total_chunks,
-                                   double* slots, GradStats* result, int grid, cudaStream_t stream) {
-  GradStatsSlotsKernel<<<grid, kGradStatsThreads, 0, stream>>>(table, num_tensors, total_chunks, slots);
+                                   GradStatsPartial* partials, GradStats* result, int grid,
+                                   cudaStream_t stream) {
+  GradStatsPartialKernel<<<grid, kGradStatsThreads, 0, stream>>>(table, num_tensors, total_chunks, partials);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
-  GradStatsFinishKernel<<<1, kGradStatsThreads, 0, stream>>>(slots, result);
+  GradStatsFinishKernel<<<1, kGradStatsThreads, 0, stream>>>(partials, grid, result);
   return cudaGetLastError();
 }
 

@@ -18,6 +18,9 @@
 #include "device/cuda/kernels.h"
 #include "ferry/status.h"
 
+static_assert(sizeof(ferry::cuda_kernels::GradStatsPartial) == ferry::kGradStatsPartialBytes,
+              "GradStatsPartial must match kGradStatsPartialBytes");
+
 namespace ferry {
 namespace {
 
@@ -440,9 +443,9 @@ absl::Status CudaDevice::LaunchGradStats(absl::Span<const GradTensorArgs> grads,
   FERRY_CUDA_ENTER_DEVICE(ordinal_);
   char* ws = static_cast<char*>(workspace);
   auto* result = reinterpret_cast<GradStats*>(ws);
-  auto* slots = reinterpret_cast<double*>(ws + kGradStatsResultBytes);
+  auto* partials = reinterpret_cast<cuda_kernels::GradStatsPartial*>(ws + kGradStatsResultBytes);
   auto* table =
-      reinterpret_cast<cuda_kernels::GradStatsDesc*>(ws + kGradStatsResultBytes + kGradStatsSlotBytes);
+      reinterpret_cast<cuda_kernels::GradStatsDesc*>(ws + kGradStatsResultBytes + kGradStatsScratchBytes);
   // The table of non-empty tensors goes to the workspace through kernel parameters, a batch at a time.
   auto upload = std::make_unique<cuda_kernels::GradStatsUpload>();
   upload->count = 0;
@@ -467,15 +470,19 @@ absl::Status CudaDevice::LaunchGradStats(absl::Span<const GradTensorArgs> grads,
     d.first_chunk = chunks;
     d.dtype = static_cast<int32_t>(g.dtype);
     d.vector = reinterpret_cast<uintptr_t>(g.grad) % (4 * DTypeSize(g.dtype)) == 0 ? 1 : 0;
-    chunks += GradStatsChunks(g.numel);
+    chunks += (g.numel + cuda_kernels::kGradStatsChunkElems - 1) / cuda_kernels::kGradStatsChunkElems;
     ++entries;
     if (upload->count == cuda_kernels::kGradStatsUploadTensors) FERRY_RETURN_IF_ERROR(flush());
   }
   FERRY_RETURN_IF_ERROR(flush());
-  const int grid = std::max(1, std::min(kGradStatsSlots, sm_count_ * 8));
+  // One wave of resident blocks (the kernel strides over the chunks), at most one per chunk; the result
+  // does not depend on the grid.
+  const int64_t resident = static_cast<int64_t>(sm_count_) * cuda_kernels::GradStatsBlocksPerSm();
+  const int grid = static_cast<int>(
+      std::max<int64_t>(1, std::min({static_cast<int64_t>(kGradStatsPartials), resident, chunks})));
   FERRY_RETURN_IF_ERROR(CheckNoPendingError("LaunchGradStats"));
   FERRY_CUDA_RETURN_IF_ERROR(
-      cuda_kernels::LaunchGradStatsKernels(table, entries, chunks, slots, result, grid, s->stream()),
+      cuda_kernels::LaunchGradStatsKernels(table, entries, chunks, partials, result, grid, s->stream()),
       absl::StrCat("LaunchGradStats (", entries, " tensors, ", chunks, " chunks, grid ", grid, ")"));
   return absl::OkStatus();
 }

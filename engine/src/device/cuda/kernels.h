@@ -10,6 +10,7 @@
 
 #include "base/adam_element.h"
 #include "base/adam_math.h"
+#include "base/exact_sum.h"
 #include "ferry/dtype.h"
 
 namespace ferry::cuda_kernels {
@@ -80,18 +81,30 @@ cudaError_t LaunchAdamAdvanceSteps(int64_t* steps, int n, const GradStats* grad_
 // its grid; >= 1.
 int AdamKernelBlocksPerSm();
 
-// The gradient check, in base/adam_element.h's canonical order. The tensor table lives in the caller's
-// workspace (any number of tensors); it gets there through kernel parameters, kGradStatsUploadTensors
-// at a time, so nothing on the host must outlive the launch. Then one kernel computes the slots (a
-// block per slot at a time, a thread per lane) and one block reduces them into the result.
+// The gradient check: the exact sum of squares of base/exact_sum.h. The tensor table lives in the
+// caller's workspace (any number of tensors); it gets there through kernel parameters,
+// kGradStatsUploadTensors at a time, so nothing on the host must outlive the launch. The tensors are cut
+// into chunks of kGradStatsChunkElems elements, numbered consecutively tensor by tensor; `grid` blocks
+// take chunks blockIdx.x, blockIdx.x + grid, ..., every thread summing its elements exactly
+// (ExactSquareExpansion, spilling into a thread-local ExactSumSq); each block adds its threads' digits
+// into one GradStatsPartial, and one block adds the partials into the result. Every addition is of
+// integers, so the result does not depend on the grid, the chunking or the scheduling.
+inline constexpr int64_t kGradStatsChunkElems = 4096;  // 4 groups of 4 elements per thread per chunk
+inline constexpr int kGradStatsThreads = 256;
 struct GradStatsDesc {
   const void* grad;
   int64_t numel;        // > 0
-  int64_t first_chunk;  // in the canonical chunk numbering
+  int64_t first_chunk;  // in the launch's chunk numbering
   int32_t dtype;        // DType
   int32_t vector;       // 1: 4-element groups may use 16-byte (f32) / 8-byte (16-bit) loads
 };
 static_assert(sizeof(GradStatsDesc) == 32, "GradStatsDesc must match kGradStatsTensorBytes");
+// One block's exact sum: unnormalised digits (each below 2^41) and whether it met NaN or Inf.
+struct GradStatsPartial {
+  int64_t digit[ExactSumSq::kDigits];
+  uint32_t found_inf;
+  uint32_t reserved;
+};
 inline constexpr int kGradStatsUploadTensors = 900;
 struct GradStatsUpload {
   GradStatsDesc tensors[kGradStatsUploadTensors];
@@ -100,9 +113,13 @@ struct GradStatsUpload {
 };
 static_assert(sizeof(GradStatsUpload) <= 32000, "GradStatsUpload exceeds the kernel parameter space");
 cudaError_t LaunchGradStatsUpload(const GradStatsUpload& upload, GradStatsDesc* table, cudaStream_t stream);
-// Slots over `table` (num_tensors >= 0 entries, total_chunks chunks) into `slots`, then the result.
+// The partial sums of `grid` blocks (1 <= grid <= kGradStatsPartials) over `table` (num_tensors >= 0
+// entries, total_chunks chunks) into partials[0 .. grid), then the result.
 cudaError_t LaunchGradStatsKernels(const GradStatsDesc* table, int32_t num_tensors, int64_t total_chunks,
-                                   double* slots, GradStats* result, int grid, cudaStream_t stream);
+                                   GradStatsPartial* partials, GradStats* result, int grid,
+                                   cudaStream_t stream);
+// Resident blocks of the gradient check's partial kernel per multiprocessor (asked once); >= 1.
+int GradStatsBlocksPerSm();
 
 // dst[i] = src[i] converted (LoadAsF32 / StoreFromF32), grid-stride with 64-bit indices.
 inline constexpr int kConvertThreads = 256;

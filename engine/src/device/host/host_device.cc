@@ -25,6 +25,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/string_view.h"
 #include "base/adam_element.h"
+#include "base/grad_squares.h"
 #include "base/adam_math.h"
 #include "base/errors.h"
 #include "base/logging.h"
@@ -397,28 +398,11 @@ void AdamTensorOnHost(const AdamTensorArgs& t, const AdamScalars& s) {
   }
 }
 
-// LaunchGradStats on the host: the canonical sum of base/adam_element.h, serially.
-GradStats GradStatsOnHost(const std::vector<GradTensorArgs>& grads, double* slots) {
-  std::vector<int64_t> first_chunk, numel;
-  std::vector<const GradTensorArgs*> live;
-  int64_t chunks = 0;
-  for (const GradTensorArgs& g : grads) {
-    if (g.numel == 0) continue;
-    live.push_back(&g);
-    numel.push_back(g.numel);
-    first_chunk.push_back(chunks);
-    chunks += GradStatsChunks(g.numel);
-  }
-  for (int slot = 0; slot < kGradStatsSlots; ++slot) {
-    slots[slot] = chunks == 0 ? 0.0
-                              : GradStatsSlotValue(first_chunk.data(), numel.data(), numel.size(), chunks, slot,
-                                                   [&](size_t t, int64_t begin, int64_t len, double* lanes) {
-                                                     GradStatsAddChunk(live[t]->grad, live[t]->dtype, begin,
-                                                                       len, lanes);
-                                                   });
-  }
-  std::vector<double> tree(slots, slots + kGradStatsSlots);
-  return GradStatsOfSum(GradStatsTree(tree.data(), kGradStatsSlots));
+// LaunchGradStats on the host: the exact sum of base/exact_sum.h, serially.
+GradStats GradStatsOnHost(const std::vector<GradTensorArgs>& grads) {
+  GradSquareAccumulator acc;
+  for (const GradTensorArgs& g : grads) acc.Add(g.grad, g.dtype, 0, g.numel);
+  return acc.Stats();
 }
 
 absl::StatusOr<size_t> AvailableHostMemory() {
@@ -583,8 +567,7 @@ class HostDevice final : public Device {
       }
       FERRY_RETURN_IF_ERROR(allocations->CheckRange(workspace, GradStatsWorkspaceBytes(grad_args.size()),
                                                     "LaunchGradStats workspace"));
-      double* slots = reinterpret_cast<double*>(static_cast<char*>(workspace) + kGradStatsResultBytes);
-      const GradStats result = GradStatsOnHost(grad_args, slots);
+      const GradStats result = GradStatsOnHost(grad_args);
       std::memcpy(workspace, &result, sizeof(result));
       return absl::OkStatus();
     });
