@@ -26,21 +26,32 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "ferry/comm.h"
 #include "ferry/dtype.h"
 
 namespace ferry {
 
-// One parameter tensor the trainer owns. Pointers are device memory (cudaMalloc'd on the CUDA backend,
-// host memory on the host backend) and must stay valid for the engine's lifetime.
+// One parameter tensor the trainer owns, or this rank's shard of it. Pointers are device memory
+// (cudaMalloc'd on the CUDA backend, host memory on the host backend) and must stay valid for the
+// engine's lifetime.
+//
+// Local shards (several ranks, as FSDP/DTensor local shards and Megatron's distributed-optimizer
+// ranges): `shape` is the global tensor's shape and this rank holds elements [shard_begin,
+// shard_end) of the flattened global tensor; `param` and `grad` point to those elements only (they
+// may be null when the range is empty). Across the ranks the ranges of a param tile the global
+// tensor exactly (Finalize checks). The engine keeps masters and moments for the local range only.
 struct ParamSpec {
   std::string name;                 // unique; must not contain ':' (used in checkpoint tensor names)
   std::string group;                // parameter group: the unit of placement; empty = the name
-  std::vector<int64_t> shape;       // every dimension > 0
+  std::vector<int64_t> shape;       // the global shape; every dimension > 0
   DType dtype = DType::kBF16;       // dtype of `param` (and of `grad` unless grad_dtype is set)
-  void* param = nullptr;            // numel elements of `dtype`, updated in place by Step
-  void* grad = nullptr;             // numel elements of `grad_dtype`, read by Step
+  void* param = nullptr;            // the local elements of `dtype`, updated in place by Step
+  void* grad = nullptr;             // the local elements of `grad_dtype`, read by Step
   std::optional<DType> grad_dtype;  // defaults to `dtype`
   std::vector<std::string> tags;    // passed to the policy
+  int64_t shard_begin = 0;          // this rank's first element of the flattened global tensor
+  int64_t shard_end = -1;           // one past its last; -1: the end of the tensor (the whole of it)
 };
 
 // The optimizer's hyper-parameters (the same for every group in this version).
@@ -65,6 +76,18 @@ struct EngineOptions {
   size_t transfer_chunk_bytes = size_t{8} << 20;
   size_t cpu_threads = 0;                         // CPU Adam threads; 0 = all CPUs of this process
   std::string numa;                               // "", "interleave", "bind", "preferred", "local"
+
+  // Several ranks. `comm` coordinates the ranks (null: a single process, world size 1); `rank` and
+  // `world_size` must equal its own (they are checked). The collectives are small: one exchange of
+  // the param specs at Finalize, one all-reduce per Step when grads are checked (check_finite, clipping),
+  // a few per checkpoint save or load. Every one has a timeout: a rank that fails makes every other
+  // rank's call return an error naming it; a rank that does not arrive makes them return
+  // DeadlineExceeded. Nothing hangs.
+  int rank = 0;
+  int world_size = 1;
+  std::shared_ptr<Comm> comm;
+  absl::Duration collective_timeout = absl::Minutes(5);   // Finalize, Step, load decisions
+  absl::Duration checkpoint_timeout = absl::Minutes(60);  // waiting for the other ranks' files
 };
 
 struct StepOptions {
@@ -83,8 +106,9 @@ struct StepOptions {
 struct GroupPlacement {
   std::string group;
   bool offloaded = false;  // true: fp32 master + m + v in pinned host memory, updated by CPU Adam
-  int64_t numel = 0;
+  int64_t numel = 0;         // elements this rank holds
   int64_t num_params = 0;
+  int64_t global_numel = 0;  // elements of the group's global tensors (= numel for one rank)
 };
 
 struct EngineStats {
@@ -129,12 +153,19 @@ class Engine {
   // Calls the policy's place() hook, allocates the fp32 master and moments where it says, and
   // initialises the masters from the current params (m = v = 0). On error nothing is allocated and
   // Finalize may be called again (for example after fixing the policy).
+  // Several ranks: collective. The ranks exchange their specs once; ranks that registered different
+  // params (names, groups, global shapes, dtypes) or ranges that overlap or leave elements of a
+  // tensor to nobody are refused on every rank, naming the rank and the param. Each rank's policy
+  // places its own shards (ctx.rank, ctx.world_size; groups report numel and global_numel).
   virtual absl::Status Finalize() = 0;
 
   // One optimizer step of every group from the grads. `stream` is the trainer's stream (a
   // cudaStream_t; nullptr = the legacy default stream, or, on the host backend, the calling thread):
   // Step starts after the work already on it and the trainer's later work on it sees the new params.
   // REQUIRES: Finalize succeeded.
+  // Several ranks: with check_finite (or clipping) collective: the found-inf and the global norm come
+  // from one all-reduce of an exact sum of squares, so every rank takes the same decision and the
+  // params are bit-identical for any world size over the same global tensors.
   virtual absl::Status Step(const StepOptions& options = {}, void* stream = nullptr) = 0;
 
   // Blocks until all work the engine has enqueued has finished.
@@ -153,6 +184,11 @@ class Engine {
   // has written that param's state. Code of the trainer that writes registered params itself
   // (outside Step) must call Synchronize() first. The returned directory exists only once
   // WaitCheckpoint returns OK (or PollCheckpoint returns OK).
+  // Several ranks: collective. The policy's checkpoint() runs on rank 0 and its plan holds for every
+  // rank; each rank writes its own file (rank-<r>.safetensors) of its shards; rank 0 commits (manifest,
+  // rename, `latest`, then keep_last) only once every rank's file is fsynced, and every rank gets
+  // the same directory or the same error (naming the ranks whose writes failed). Asynchronous saves
+  // run the exchange on a duplicate of the comm (Comm::Duplicate); without one they are synchronous.
   virtual absl::StatusOr<std::string> SaveCheckpoint(const std::string& root, int64_t step) = 0;
 
   // Blocks until the asynchronous save in flight (if any) has committed; returns the error of a
@@ -168,8 +204,11 @@ class Engine {
   // state into the engine, verified by checksum. The policy's after_load() hook decides which masters
   // are re-synced from the loaded params. A corrupt or mismatching checkpoint is refused before
   // anything is changed.
-  // Checkpoints saved with any world size load (the global tensors are assembled from the ranks'
-  // chunks). Waits for an asynchronous save in flight first.
+  // Checkpoints saved with any world size load: each rank reads only the chunks that overlap its
+  // ranges, each verified by its checksum. Waits for an asynchronous save in flight first.
+  // Several ranks: collective (every rank calls it); rank 0 resolves `latest`, and the load is
+  // applied only when every rank has read and verified its part (else every rank fails, naming
+  // the ranks at fault, and nothing changed).
   virtual absl::Status LoadCheckpoint(const std::string& path) = 0;
   // The same, with `options` (e.g. falling back to the previous complete checkpoint).
   virtual absl::Status LoadCheckpoint(const std::string& path, const LoadOptions& options) = 0;

@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <new>
 #include <mutex>
 #include <utility>
 #include <vector>
@@ -446,9 +447,13 @@ absl::Status ValidateReads(const CheckpointReader& reader, absl::Span<const Tens
                                               reader.dir(), " has no tensor '", r.name, "'"));
     }
     const std::string where = absl::StrCat("ReadTensors: reads[", i, "] (tensor '", r.name, "')");
-    if (r.bytes != e->bytes) {
+    if (!r.partial && (r.bytes != e->bytes || r.offset != 0)) {
       return absl::InvalidArgumentError(absl::StrCat(where, ": destination has ", r.bytes,
                                                      " bytes, the tensor ", e->bytes));
+    }
+    if (r.partial && (r.offset > e->bytes || r.bytes > e->bytes - r.offset)) {
+      return absl::InvalidArgumentError(absl::StrCat(where, ": the range [", r.offset, ", ", r.offset + r.bytes,
+                                                     ") passes the end of the tensor's ", e->bytes, " bytes"));
     }
     if (r.dst == nullptr && r.bytes > 0) {
       return absl::InvalidArgumentError(
@@ -473,8 +478,26 @@ absl::Status ReadTensors(const CheckpointReader& reader, absl::Span<const Tensor
   FERRY_RETURN_IF_ERROR(ValidateReads(reader, reads, entries));
 
   // ---- the chunks, in request order ----
+  // The chunks each read needs: all of a whole read; those overlapping the range of a partial one.
+  auto needed = [&](size_t i, const ManifestChunk& c) {
+    const TensorRead& r = reads[i];
+    if (!r.partial) return true;
+    return c.length > 0 && r.bytes > 0 && c.global_offset < r.offset + r.bytes && r.offset < c.global_offset + c.length;
+  };
+  // A chunk that sticks out of its partial read lands in a buffer of its own and is copied after
+  // it verified.
+  struct Spill {
+    size_t job;
+    std::unique_ptr<char[]> buffer;
+    char* dst;        // where the overlap goes
+    uint64_t from;    // the overlap's first byte within the chunk
+    uint64_t length;  // the overlap's bytes
+  };
+  std::vector<Spill> spills;
   size_t num_chunks = 0;
-  for (const TensorEntry* e : entries) num_chunks += e->chunks.size();
+  for (size_t i = 0; i < reads.size(); ++i) {
+    for (const ManifestChunk& c : entries[i]->chunks) num_chunks += needed(i, c) ? 1 : 0;
+  }
   std::vector<ChunkJob> jobs(num_chunks);  // never resized: the jobs hold mutexes
   std::vector<std::unique_ptr<FileState>> files;
   absl::flat_hash_map<std::string, size_t> file_by_name;  // -> index into files
@@ -483,10 +506,24 @@ absl::Status ReadTensors(const CheckpointReader& reader, absl::Span<const Tensor
     size_t j = 0;
     for (size_t i = 0; i < reads.size(); ++i) {
       for (const ManifestChunk& c : entries[i]->chunks) {
+        if (!needed(i, c)) continue;
         ChunkJob& job = jobs[j++];
         job.entry = entries[i];
         job.chunk = &c;
-        job.dst = static_cast<char*>(reads[i].dst) + c.global_offset;
+        const TensorRead& r = reads[i];
+        if (r.partial && (c.global_offset < r.offset || c.global_offset + c.length > r.offset + r.bytes)) {
+          const uint64_t begin = std::max(c.global_offset, r.offset);
+          const uint64_t end = std::min(c.global_offset + c.length, r.offset + r.bytes);
+          spills.push_back(Spill{j - 1, std::unique_ptr<char[]>(new (std::nothrow) char[c.length]),
+                                 static_cast<char*>(r.dst) + (begin - r.offset), begin - c.global_offset, end - begin});
+          if (spills.back().buffer == nullptr) {
+            return absl::ResourceExhaustedError(absl::StrCat("ReadTensors: cannot allocate ", c.length,
+                                                             " bytes for a chunk of tensor '", r.name, "'"));
+          }
+          job.dst = spills.back().buffer.get();
+        } else {
+          job.dst = static_cast<char*>(r.dst) + (c.global_offset - r.offset);
+        }
         if (c.length == 0) {  // nothing to read; the empty input must still hash right
           const uint64_t found = XXH3_64bits(nullptr, 0);
           std::lock_guard<std::mutex> lock(job.mu);
@@ -594,6 +631,7 @@ absl::Status ReadTensors(const CheckpointReader& reader, absl::Span<const Tensor
     FERRY_CHECK(job.verified) << "ReadTensors: chunk of tensor '" << job.entry->name
                               << "' neither verified nor failed";
   }
+  for (const Spill& sp : spills) std::memcpy(sp.dst, sp.buffer.get() + sp.from, static_cast<size_t>(sp.length));
   return absl::OkStatus();
 }
 

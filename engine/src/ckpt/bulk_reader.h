@@ -28,7 +28,12 @@ namespace ferry {
 struct TensorRead {
   std::string name;
   void* dst = nullptr;  // any alignment; may be null when bytes == 0
-  size_t bytes = 0;     // must equal the tensor's size
+  size_t bytes = 0;     // must equal the tensor's size, unless `partial`
+  // A range of the tensor (a rank of several reading its shard): bytes [offset, offset + bytes).
+  // Only the chunks that overlap it are read; each is still verified whole (its checksum covers
+  // all of it), so a chunk that sticks out of the range is read into a buffer of its own first.
+  uint64_t offset = 0;
+  bool partial = false;
 };
 
 struct BulkReadOptions {

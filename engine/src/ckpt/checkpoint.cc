@@ -92,7 +92,7 @@ absl::Status Annotate(const absl::Status& s, absl::string_view more) {
 absl::Status ValidateRequest(const std::string& root, int64_t step,
                              absl::Span<const TensorRecord> tensors,
                              absl::Span<const SkipRecord> skipped,
-                             const CheckpointWriteOptions& options) {
+                             const CheckpointWriteOptions& options, bool local_data = false) {
   if (root.empty()) return absl::InvalidArgumentError("WriteCheckpoint: empty checkpoint root");
   if (step < 0) {
     return absl::InvalidArgumentError(absl::StrCat("WriteCheckpoint: negative step ", step));
@@ -130,7 +130,7 @@ absl::Status ValidateRequest(const std::string& root, int64_t step,
                                                      ToAbsl(DTypeName(t.dtype)), " ",
                                                      ShapeString(t.shape), " needs ", *expected));
     }
-    if (t.data == nullptr && t.bytes > 0) {
+    if (t.data == nullptr && t.bytes > 0 && !local_data) {
       return absl::InvalidArgumentError(
           absl::StrCat(where, ": data is null but bytes is ", t.bytes));
     }
@@ -287,7 +287,7 @@ absl::StatusOr<uint64_t> WritePiece(const WritableFile& file, const TensorRecord
                                     WritebackQueue* writeback) {
   FERRY_ASSIGN_OR_RETURN(Xxh3State hash, NewXxh3State());
   ResetXxh3(hash.get());
-  const char* src = data + p.global_offset;
+  const char* src = data + (p.global_offset - t.data_begin);
   for (uint64_t done = 0; done < p.length;) {
     const size_t n = static_cast<size_t>(std::min<uint64_t>(kIoChunkBytes, p.length - done));
     absl::Status s = file.WriteAt(file_offset + done, src + done, n);
@@ -444,6 +444,22 @@ absl::StatusOr<std::string> ResolveCheckpointDir(const std::string& path) {
 
 }  // namespace
 
+absl::Status ValidateWriteRequest(const std::string& root, int64_t step, absl::Span<const TensorRecord> tensors,
+                                  absl::Span<const SkipRecord> skipped, const CheckpointWriteOptions& options,
+                                  bool local_data) {
+  return ValidateRequest(root, step, tensors, skipped, options, local_data);
+}
+
+absl::StatusOr<CheckpointShards> LocalShards(int world_size, int rank, std::vector<ShardPiece> pieces) {
+  if (world_size < 1 || rank < 0 || rank >= world_size) {
+    return absl::InvalidArgumentError(absl::StrCat("LocalShards: rank ", rank, " of world size ", world_size));
+  }
+  CheckpointShards shards;
+  shards.pieces_.resize(static_cast<size_t>(world_size));
+  shards.pieces_[static_cast<size_t>(rank)] = std::move(pieces);
+  return shards;
+}
+
 std::string CheckpointDirName(int64_t step) { return StepDirName(step); }
 
 std::string RankFileName(int64_t rank) { return absl::StrFormat("rank-%05d.safetensors", rank); }
@@ -538,6 +554,11 @@ absl::StatusOr<RankChunks> WriteRankFile(const std::string& tmp_dir,
     if (t.data == nullptr && p.length > 0) {
       return absl::InvalidArgumentError(
           absl::StrCat("WriteRankFile: tensor '", t.name, "' has null data"));
+    }
+    if (p.global_offset < t.data_begin) {
+      return absl::InvalidArgumentError(absl::StrCat("WriteRankFile: tensor '", t.name, "': a piece at byte ",
+                                                     p.global_offset, " lies before the data's first byte ",
+                                                     t.data_begin));
     }
   }
   const std::string file_name = RankFileName(rank);

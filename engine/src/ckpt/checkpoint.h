@@ -56,6 +56,10 @@ struct TensorRecord {
   // The order in which the tensors' bytes are read and written, lowest first (ties in file order):
   // only the order of the I/O, never the layout of the files.
   int64_t write_order = 0;
+  // The global byte offset that data[0] holds: 0 for the whole tensor; a rank that holds only a
+  // range of the tensor points `data` at its range and sets this to the range's first byte (the
+  // pieces it writes lie inside the range).
+  uint64_t data_begin = 0;
 };
 
 struct CheckpointWriteOptions {
@@ -78,6 +82,13 @@ struct CheckpointWriteOptions {
   // read again by this save. May be called from several threads at once.
   std::function<void(size_t tensor, uint64_t offset, uint64_t length)> after_write;
 };
+
+// The checks of a write request made before anything touches the disk (WriteCheckpoint's
+// InvalidArgument cases). With `local_data` a tensor's data may be null (a rank of several that
+// holds none of it).
+absl::Status ValidateWriteRequest(const std::string& root, int64_t step, absl::Span<const TensorRecord> tensors,
+                                  absl::Span<const SkipRecord> skipped, const CheckpointWriteOptions& options,
+                                  bool local_data);
 
 // "step-00000100": the directory name of checkpoint `step` under its root.
 std::string CheckpointDirName(int64_t step);
@@ -110,6 +121,7 @@ class CheckpointShards final {
                                                int world_size);
 
   int world_size() const { return static_cast<int>(pieces_.size()); }
+  friend absl::StatusOr<CheckpointShards> LocalShards(int, int, std::vector<ShardPiece>);
   // The pieces rank `rank` writes, by kind then layout order. REQUIRES: 0 <= rank < world_size().
   const std::vector<ShardPiece>& pieces(int rank) const {
     return pieces_[static_cast<size_t>(rank)];
@@ -118,6 +130,11 @@ class CheckpointShards final {
  private:
   std::vector<std::vector<ShardPiece>> pieces_;
 };
+
+// CheckpointShards of one rank of several: `pieces` are what rank `rank` writes (the others' lists
+// are empty: each rank plans only its own file, from its own ranges). InvalidArgument for a rank
+// outside [0, world_size).
+absl::StatusOr<CheckpointShards> LocalShards(int world_size, int rank, std::vector<ShardPiece> pieces);
 
 // What one rank wrote: its chunks, each with the index of its tensor.
 struct RankChunks {

@@ -42,10 +42,7 @@ void CheckpointWriter::Loop() {
     CheckpointJob job = *std::move(job_);
     job_.reset();
     lock.unlock();
-    job.options.pool = &io_pool_;
-    absl::StatusOr<std::string> dir =
-        WriteShardedCheckpoint(job.root, job.step, job.tensors, job.world_size, job.skipped,
-                               job.metadata, job.options);
+    absl::StatusOr<std::string> dir = WriteJob(job);
     if (job.on_finished) job.on_finished();
     lock.lock();
     if (dir.ok()) {
@@ -60,6 +57,16 @@ void CheckpointWriter::Loop() {
   }
 }
 
+absl::StatusOr<std::string> CheckpointWriter::WriteJob(const CheckpointJob& job) {
+  CheckpointWriteOptions options = job.options;
+  options.pool = &io_pool_;
+  if (job.comm != nullptr) {
+    return WriteDistributedCheckpoint(*job.comm, job.comm_timeout, job.root, job.step, job.tensors, job.pieces,
+                                      job.skipped, job.metadata, options);
+  }
+  return WriteShardedCheckpoint(job.root, job.step, job.tensors, job.world_size, job.skipped, job.metadata, options);
+}
+
 absl::StatusOr<std::string> CheckpointWriter::Write(const CheckpointJob& job) {
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -69,10 +76,7 @@ absl::StatusOr<std::string> CheckpointWriter::Write(const CheckpointJob& job) {
     }
     if (!error_.ok()) return std::exchange(error_, absl::OkStatus());
   }
-  CheckpointWriteOptions options = job.options;
-  options.pool = &io_pool_;
-  absl::StatusOr<std::string> dir = WriteShardedCheckpoint(
-      job.root, job.step, job.tensors, job.world_size, job.skipped, job.metadata, options);
+  absl::StatusOr<std::string> dir = WriteJob(job);
   if (job.on_finished) job.on_finished();
   if (dir.ok()) {
     std::lock_guard<std::mutex> lock(mu_);

@@ -21,6 +21,7 @@
 #include "absl/status/statusor.h"
 #include "base/thread_pool.h"
 #include "ckpt/checkpoint.h"
+#include "ckpt/distributed_checkpoint.h"
 
 namespace ferry {
 
@@ -33,6 +34,12 @@ struct CheckpointJob {
   std::vector<SkipRecord> skipped;
   std::map<std::string, std::string> metadata;
   CheckpointWriteOptions options;  // `pool` is replaced by the writer's own I/O pool
+  // Several ranks in several processes (or threads): non-null runs WriteDistributedCheckpoint over
+  // this comm (borrowed until the save finished; every rank starts the same save), with `tensors`
+  // holding this rank's data and `pieces` its ranges; `world_size` is then ignored.
+  Comm* comm = nullptr;
+  absl::Duration comm_timeout = absl::Minutes(60);
+  std::vector<ShardPiece> pieces;
   // Called once the save has finished, whatever its outcome, before Wait or Poll report it (on the
   // thread that wrote it): the tensors' bytes are no longer read.
   std::function<void()> on_finished;
@@ -78,6 +85,8 @@ class CheckpointWriter final {
 
  private:
   void Loop();
+  // The save itself, on the calling thread and the I/O pool.
+  absl::StatusOr<std::string> WriteJob(const CheckpointJob& job);
 
   ThreadPool io_pool_;
   std::mutex mu_;

@@ -17,8 +17,6 @@ absl::Status EngineImpl::AddParam(const ParamSpec& spec) {
   if (param_index_.contains(spec.name)) {
     return absl::AlreadyExistsError(absl::StrCat(where, ": a param with this name was already added"));
   }
-  if (spec.param == nullptr) return absl::InvalidArgumentError(absl::StrCat(where, ": param pointer is null"));
-  if (spec.grad == nullptr) return absl::InvalidArgumentError(absl::StrCat(where, ": grad pointer is null"));
   if (spec.shape.empty()) {
     return absl::InvalidArgumentError(absl::StrCat(where, ": shape is empty; a scalar param has shape {1}"));
   }
@@ -34,6 +32,16 @@ absl::Status EngineImpl::AddParam(const ParamSpec& spec) {
     }
     numel *= spec.shape[d];
   }
+  const int64_t end = spec.shard_end < 0 ? numel : spec.shard_end;
+  if (spec.shard_begin < 0 || spec.shard_begin > end || end > numel || spec.shard_end < -1) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": shard range [", spec.shard_begin, ", ", spec.shard_end,
+                                                   ") is not inside the ", numel, " elements of shape [",
+                                                   absl::StrJoin(spec.shape, ", "), "]"));
+  }
+  if (end > spec.shard_begin) {  // an empty local range needs no memory
+    if (spec.param == nullptr) return absl::InvalidArgumentError(absl::StrCat(where, ": param pointer is null"));
+    if (spec.grad == nullptr) return absl::InvalidArgumentError(absl::StrCat(where, ": grad pointer is null"));
+  }
   const std::string group = spec.group.empty() ? spec.name : spec.group;
   auto it = group_index_.find(group);
   if (it != group_index_.end() && group_dtype_[it->second] != spec.dtype) {
@@ -45,8 +53,9 @@ absl::Status EngineImpl::AddParam(const ParamSpec& spec) {
     group_names_.push_back(group);
     group_dtype_.push_back(spec.dtype);
   }
-  ParamRecord rec{spec, numel, it->second};
+  ParamRecord rec{.spec = spec, .numel = end - spec.shard_begin, .global_numel = numel, .group = it->second};
   rec.spec.group = group;
+  rec.spec.shard_end = end;
   param_index_.emplace(spec.name, params_.size());
   params_.push_back(std::move(rec));
   return absl::OkStatus();
@@ -62,6 +71,8 @@ std::vector<GroupInfo> EngineImpl::GroupInfos() const {
     GroupInfo& gi = infos[p.group];
     gi.numel += p.numel;
     gi.bytes += p.numel * static_cast<int64_t>(DTypeSize(p.spec.dtype));
+    gi.global_numel += p.global_numel;
+    gi.global_bytes += p.global_numel * static_cast<int64_t>(DTypeSize(p.spec.dtype));
     for (const std::string& tag : p.spec.tags) {
       if (std::find(gi.tags.begin(), gi.tags.end(), tag) == gi.tags.end()) gi.tags.push_back(tag);
     }
@@ -71,8 +82,8 @@ std::vector<GroupInfo> EngineImpl::GroupInfos() const {
 
 absl::StatusOr<PolicyContext> EngineImpl::Context() {
   PolicyContext ctx;
-  ctx.rank = 0;
-  ctx.world_size = 1;
+  ctx.rank = rank();
+  ctx.world_size = world_size();
   FERRY_ASSIGN_OR_RETURN(size_t free_bytes, device_->FreeMemory());
   ctx.gpu_free_bytes = static_cast<int64_t>(free_bytes);
   ctx.pinned_budget_bytes = 0;  // no budget configured: limited by the host's memory
@@ -83,16 +94,42 @@ absl::StatusOr<PolicyContext> EngineImpl::Context() {
 
 absl::Status EngineImpl::Finalize() {
   if (optimizer_ != nullptr) return absl::FailedPreconditionError("Finalize: the engine is already finalized");
-  if (params_.empty()) return absl::FailedPreconditionError("Finalize: no params were added");
-  std::vector<GroupInfo> infos = GroupInfos();
-  FERRY_ASSIGN_OR_RETURN(PolicyContext ctx, Context());
-  ferry::Placement placement;
-  if (policy_ != nullptr) {
-    FERRY_ASSIGN_OR_RETURN(placement, policy_->Place(infos, ctx));
-  } else {
-    for (const GroupInfo& g : infos) placement.groups[g.name] = PlaceKind::kGpu;
+  if (params_.empty() && !multi_rank()) return absl::FailedPreconditionError("Finalize: no params were added");
+  // Several ranks: the same params everywhere, ranges tiling every tensor (same verdict on every rank).
+  FERRY_RETURN_IF_ERROR(ExchangeSpecs());
+  std::unique_ptr<HybridOptimizer> optimizer;
+  std::vector<bool> offloaded;
+  std::unique_ptr<Comm> ckpt_comm;
+  absl::Status local = [&]() -> absl::Status {
+    std::vector<GroupInfo> infos = GroupInfos();
+    FERRY_ASSIGN_OR_RETURN(PolicyContext ctx, Context());
+    ferry::Placement placement;
+    if (policy_ != nullptr) {
+      FERRY_ASSIGN_OR_RETURN(placement, policy_->Place(infos, ctx));
+    } else {
+      for (const GroupInfo& g : infos) placement.groups[g.name] = PlaceKind::kGpu;
+    }
+    FERRY_ASSIGN_OR_RETURN(optimizer, BuildOptimizer(placement, &offloaded));
+    return absl::OkStatus();
+  }();
+  if (multi_rank()) {
+    // Checkpoint exchanges get a communicator of their own, so a background save's exchange never
+    // interleaves with the trainer's collectives. Collective, so every rank asks even after a local error.
+    absl::StatusOr<std::unique_ptr<Comm>> dup = comm_->Duplicate(options_.collective_timeout);
+    if (dup.ok()) {
+      ckpt_comm = *std::move(dup);
+    } else if (dup.status().code() != absl::StatusCode::kUnimplemented && local.ok()) {
+      local = dup.status();
+    }
   }
-  FERRY_ASSIGN_OR_RETURN(optimizer_, BuildOptimizer(placement, &offloaded_));
+  FERRY_RETURN_IF_ERROR(Agree(local, "Finalize"));
+  if (multi_rank() && ckpt_comm == nullptr) {
+    FERRY_LOG(INFO) << "Finalize: the " << comm_->kind() << " comm cannot be duplicated; asynchronous checkpoint "
+                       "saves of this engine run synchronously";
+  }
+  optimizer_ = std::move(optimizer);
+  offloaded_ = std::move(offloaded);
+  ckpt_comm_ = std::move(ckpt_comm);
   return absl::OkStatus();
 }
 
@@ -123,9 +160,13 @@ absl::StatusOr<std::unique_ptr<HybridOptimizer>> EngineImpl::BuildOptimizer(cons
     groups[g].name = group_names_[g];
     groups[g].offloaded = offloaded[g] = it->second == PlaceKind::kCpu;
   }
+  // Params whose local range is empty have no state on this rank (opt stays -1).
   std::vector<OptimParam> params;
   params.reserve(params_.size());
-  for (const ParamRecord& p : params_) {
+  for (ParamRecord& p : params_) {
+    p.opt = -1;
+    if (p.numel == 0) continue;
+    p.opt = static_cast<int64_t>(params.size());
     params.push_back(OptimParam{p.spec.name, p.group, p.numel, p.spec.dtype, p.spec.grad_dtype.value_or(p.spec.dtype),
                                 p.spec.param, p.spec.grad});
   }
@@ -142,7 +183,22 @@ absl::Status EngineImpl::Step(const StepOptions& options, void* stream) {
   const double start = absl::ToDoubleSeconds(absl::Now() - absl::UnixEpoch());
   HybridStepParams params{.lr = lr, .loss_scale = options.loss_scale, .max_grad_norm = options.max_grad_norm,
                           .check_finite = options.check_finite};
-  FERRY_ASSIGN_OR_RETURN(HybridStepResult result, optimizer_->Step(params, *trainer));
+  bool reduced = false;
+  if (multi_rank()) {
+    // One all-reduce makes the found-inf and clipping decisions global (every rank takes the same).
+    params.reduce_grad_stats = [this, &reduced](GradStats& stats) {
+      reduced = true;
+      return ReduceGradStats(stats, absl::OkStatus());
+    };
+  }
+  absl::StatusOr<HybridStepResult> stepped = optimizer_->Step(params, *trainer);
+  if (!stepped.ok() && multi_rank() && options.check_finite && !reduced) {
+    // This rank failed before the reduction: the others are waiting in it; every rank gets the
+    // same error, naming this rank.
+    GradStats none{};
+    return ReduceGradStats(none, stepped.status());
+  }
+  FERRY_ASSIGN_OR_RETURN(HybridStepResult result, std::move(stepped));
   last_step_skipped_ = result.skipped;
   last_grad_norm_ = result.grad_norm;
   if (result.skipped) ++skipped_steps_;
@@ -209,8 +265,10 @@ absl::Status EngineImpl::MoveTo(const ferry::Placement& placement) {
     std::vector<bool> offloaded;
     FERRY_ASSIGN_OR_RETURN(std::unique_ptr<HybridOptimizer> moved, BuildOptimizer(placement, &offloaded));
     std::vector<float> buf;
-    for (size_t i = 0; i < params_.size(); ++i) {
-      buf.resize(static_cast<size_t>(params_[i].numel));
+    for (const ParamRecord& p : params_) {
+      if (p.opt < 0) continue;
+      const size_t i = static_cast<size_t>(p.opt);
+      buf.resize(static_cast<size_t>(p.numel));
       for (const auto& [kind, kind_name] : kStateKinds) {
         FERRY_RETURN_IF_ERROR(optimizer_->ReadState(i, kind, buf.data()));
         FERRY_RETURN_IF_ERROR(moved->WriteState(i, kind, buf.data()));
@@ -249,6 +307,7 @@ std::vector<GroupPlacement> EngineImpl::Placement() const {
   for (const ParamRecord& p : params_) {
     out[p.group].numel += p.numel;
     out[p.group].num_params += 1;
+    out[p.group].global_numel += p.global_numel;
   }
   return out;
 }

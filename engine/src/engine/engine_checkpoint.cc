@@ -8,25 +8,33 @@ absl::StatusOr<std::string> EngineImpl::SaveCheckpoint(const std::string& root, 
   FERRY_RETURN_IF_ERROR(RequireFinalized("SaveCheckpoint"));
   if (step < 0) return absl::InvalidArgumentError(absl::StrCat("SaveCheckpoint: step must be >= 0, got ", step));
   // The previous asynchronous save must be done before its staging is reused; its error, if any, is
-  // delivered here.
+  // delivered here (several ranks: the same error on every rank, as the save agreed on it).
   if (ckpt_writer_ != nullptr) FERRY_RETURN_IF_ERROR(ckpt_writer_->Wait());
-  CheckpointInfo info;
-  info.step = step;
-  info.reason = "save";
-  info.groups = group_names_;
-  for (const ParamRecord& p : params_) {
-    info.model_bytes += p.numel * static_cast<int64_t>(DTypeSize(p.spec.dtype));
-    info.master_bytes += p.numel * 4;
-    info.optimizer_bytes += p.numel * 8;
+  // The policy's plan and the metadata: rank 0's, for every rank (one broadcast).
+  absl::StatusOr<CheckpointPlan> planned = CheckpointPlan{};
+  std::map<std::string, std::string> metadata;
+  if (rank() == 0) {
+    CheckpointInfo info;
+    info.step = step;
+    info.reason = "save";
+    info.groups = group_names_;
+    for (const ParamRecord& p : params_) {  // the whole checkpoint's bytes, over every rank
+      info.model_bytes += p.global_numel * static_cast<int64_t>(DTypeSize(p.spec.dtype));
+      info.master_bytes += p.global_numel * 4;
+      info.optimizer_bytes += p.global_numel * 8;
+    }
+    for (size_t g = 0; g < group_names_.size(); ++g) {
+      if (offloaded_[g]) info.offloaded.push_back(group_names_[g]);
+    }
+    if (policy_ != nullptr) {
+      absl::StatusOr<PolicyContext> ctx = Context();
+      planned = ctx.ok() ? policy_->Checkpoint(info, *ctx) : ctx.status();
+    }
+    metadata = CheckpointMetadata();
   }
-  for (size_t g = 0; g < group_names_.size(); ++g) {
-    if (offloaded_[g]) info.offloaded.push_back(group_names_[g]);
-  }
-  CheckpointPlan plan;
-  if (policy_ != nullptr) {
-    FERRY_ASSIGN_OR_RETURN(PolicyContext ctx, Context());
-    FERRY_ASSIGN_OR_RETURN(plan, policy_->Checkpoint(info, ctx));
-  }
+  FERRY_RETURN_IF_ERROR(ShareCheckpointPlan(planned, metadata));
+  CheckpointPlan plan = *std::move(planned);
+  if (multi_rank() && ckpt_comm_ == nullptr) plan.async = false;  // no communicator for a writer thread
   std::set<std::string> skip_groups(plan.skip_groups.begin(), plan.skip_groups.end());
   for (const std::string& g : skip_groups) {
     if (!group_index_.contains(g)) {
@@ -49,18 +57,21 @@ absl::StatusOr<std::string> EngineImpl::SaveCheckpoint(const std::string& root, 
   // Offloaded state is not copied at all: it is written straight from the pinned arena, and until
   // the writer has written a param's state the next Step waits before updating that param
   // (StateFence), so the trainer waits only for the chunks it is about to modify.
+  // Several ranks: every rank lists the same global tensors (rank 0's param order, global shapes)
+  // and writes its own range of each (its pieces); the bytes of a tensor it holds none of are not
+  // touched.
   struct Source {
     size_t param;
     int kind;  // -1: the param itself, else an index into kStateKinds
   };
   std::vector<TensorRecord> tensors;
   std::vector<Source> sources;
-  for (size_t i = 0; i < params_.size(); ++i) {
+  for (size_t i : canonical_) {
     const ParamRecord& p = params_[i];
     const std::string& group = group_names_[p.group];
     if (skip_groups.contains(group)) continue;
     tensors.push_back(TensorRecord{p.spec.name, p.spec.dtype, p.spec.shape, nullptr,
-                                   static_cast<size_t>(p.numel) * DTypeSize(p.spec.dtype), kModelKind, group});
+                                   static_cast<size_t>(p.global_numel) * DTypeSize(p.spec.dtype), kModelKind, group});
     sources.push_back({i, -1});
     for (int k = 0; k < 3; ++k) {
       const bool is_master = kStateKinds[k].first == StateKind::kMaster;
@@ -68,8 +79,8 @@ absl::StatusOr<std::string> EngineImpl::SaveCheckpoint(const std::string& root, 
       // An fp32 param is its master, bit for bit (the param is the master rounded to f32): written once.
       if (is_master && p.spec.dtype == DType::kF32) continue;
       tensors.push_back(TensorRecord{StateTensorName(p.spec.name, kStateKinds[k].second), DType::kF32, p.spec.shape,
-                                     nullptr, static_cast<size_t>(p.numel) * sizeof(float), kStateKinds[k].second,
-                                     group});
+                                     nullptr, static_cast<size_t>(p.global_numel) * sizeof(float),
+                                     kStateKinds[k].second, group});
       sources.push_back({i, k});
     }
   }
@@ -79,14 +90,20 @@ absl::StatusOr<std::string> EngineImpl::SaveCheckpoint(const std::string& root, 
   auto ckpt = std::make_shared<SaveSources>();
   ckpt->staged.assign(tensors.size(), false);
   ckpt->region.assign(tensors.size(), 0);
-  std::vector<size_t> staged_offset(tensors.size(), 0);
+  std::vector<size_t> staged_offset(tensors.size(), 0), local_bytes(tensors.size(), 0);
+  std::vector<ShardPiece> pieces;
   size_t staged_bytes = 0;
   for (size_t k = 0; k < tensors.size(); ++k) {
     const Source& src = sources[k];
-    const bool in_place = src.kind >= 0 && offloaded_[params_[src.param].group];
+    const ParamRecord& p = params_[src.param];
+    const bool in_place = src.kind >= 0 && offloaded_[p.group];
+    const uint64_t es = DTypeSize(tensors[k].dtype);
+    local_bytes[k] = static_cast<size_t>(p.numel) * es;
+    tensors[k].data_begin = static_cast<uint64_t>(p.spec.shard_begin) * es;
+    if (local_bytes[k] > 0) pieces.push_back({.tensor = k, .global_offset = tensors[k].data_begin, .length = local_bytes[k]});
     ckpt->staged[k] = !in_place;
     staged_offset[k] = staged_bytes;
-    staged_bytes += (tensors[k].bytes + 63) / 64 * 64;
+    staged_bytes += (local_bytes[k] + 63) / 64 * 64;
     // The offloaded state first, in the reverse of the order in which the next Step updates it: a
     // step that overtakes the writer copies aside what it meets untouched and meets the writer's
     // regions in flight only once, where the two fronts cross (in the same order it would trail the
@@ -100,31 +117,24 @@ absl::StatusOr<std::string> EngineImpl::SaveCheckpoint(const std::string& root, 
   std::vector<StateFence::Region> regions;
   for (size_t k = 0; k < tensors.size(); ++k) {
     const Source& src = sources[k];
+    const int64_t opt = params_[src.param].opt;
+    if (opt < 0) continue;  // this rank holds none of it
     if (!ckpt->staged[k]) {
-      const char* state = reinterpret_cast<const char*>(optimizer_->offloaded_state(src.param, kStateKinds[src.kind].first));
+      const char* state = reinterpret_cast<const char*>(
+          optimizer_->offloaded_state(static_cast<size_t>(opt), kStateKinds[src.kind].first));
       tensors[k].data = state;
       ckpt->region[k] = regions.size();
-      regions.push_back({.param = src.param, .src = state, .copy = staging + staged_offset[k], .bytes = tensors[k].bytes});
+      regions.push_back({.param = static_cast<size_t>(opt), .src = state, .copy = staging + staged_offset[k],
+                         .bytes = local_bytes[k]});
       continue;
     }
     HybridOptimizer::SnapshotItem item;
-    item.param = src.param;
+    item.param = static_cast<size_t>(opt);
     item.is_param = src.kind < 0;
     if (src.kind >= 0) item.kind = kStateKinds[src.kind].first;
     item.dst = staging + staged_offset[k];
     tensors[k].data = item.dst;
     items.push_back(item);
-  }
-  std::map<std::string, std::string> metadata;
-  metadata["ferry.version"] = "1";
-  metadata["ferry.world_size"] = "1";
-  const OptimizerOptions& o = options_.optimizer;
-  metadata["ferry.optimizer"] = absl::StrCat(o.adamw ? "adamw" : "adam_l2", " lr=", o.lr, " beta1=", o.beta1,
-                                             " beta2=", o.beta2, " eps=", o.eps, " weight_decay=", o.weight_decay,
-                                             " bias_correction=", o.bias_correction ? 1 : 0);
-  for (size_t g = 0; g < group_names_.size(); ++g) {
-    metadata[absl::StrCat("ferry.group.", group_names_[g], ".step")] = absl::StrCat(optimizer_->group_step(g));
-    metadata[absl::StrCat("ferry.group.", group_names_[g], ".placement")] = offloaded_[g] ? "cpu" : "gpu";
   }
   CheckpointJob job;
   job.root = root;
@@ -133,8 +143,13 @@ absl::StatusOr<std::string> EngineImpl::SaveCheckpoint(const std::string& root, 
   job.skipped = std::move(skipped);
   job.metadata = std::move(metadata);
   job.options.keep_last = plan.keep_last;
+  if (multi_rank()) {
+    job.comm = ckpt_comm_ != nullptr ? ckpt_comm_.get() : comm_.get();
+    job.comm_timeout = options_.checkpoint_timeout;
+    job.pieces = std::move(pieces);
+  }
   HybridOptimizer* optimizer = optimizer_.get();
-  auto fence = std::make_shared<StateFence>(std::move(regions), params_.size());
+  auto fence = std::make_shared<StateFence>(std::move(regions), optimizer_->params().size());
   const bool async = plan.async;
   job.options.before_write = [ckpt, optimizer, fence, async](size_t tensor) -> absl::StatusOr<const void*> {
     if (ckpt->staged[tensor]) {
@@ -169,6 +184,86 @@ absl::StatusOr<std::string> EngineImpl::SaveCheckpoint(const std::string& root, 
     return started;
   }
   return JoinPath(root, CheckpointDirName(step));
+}
+
+std::map<std::string, std::string> EngineImpl::CheckpointMetadata() const {
+  std::map<std::string, std::string> metadata;
+  metadata["ferry.version"] = "1";
+  metadata["ferry.world_size"] = absl::StrCat(world_size());
+  const OptimizerOptions& o = options_.optimizer;
+  metadata["ferry.optimizer"] = absl::StrCat(o.adamw ? "adamw" : "adam_l2", " lr=", o.lr, " beta1=", o.beta1,
+                                             " beta2=", o.beta2, " eps=", o.eps, " weight_decay=", o.weight_decay,
+                                             " bias_correction=", o.bias_correction ? 1 : 0);
+  for (size_t g = 0; g < group_names_.size(); ++g) {
+    metadata[absl::StrCat("ferry.group.", group_names_[g], ".step")] = absl::StrCat(optimizer_->group_step(g));
+    // Several ranks: rank 0's placement (each rank places its own shards).
+    metadata[absl::StrCat("ferry.group.", group_names_[g], ".placement")] = offloaded_[g] ? "cpu" : "gpu";
+  }
+  return metadata;
+}
+
+absl::Status EngineImpl::ShareCheckpointPlan(absl::StatusOr<CheckpointPlan>& plan,
+                                             std::map<std::string, std::string>& metadata) {
+  if (!multi_rank()) return plan.status();
+  // Field by field: status code and message; then the plan; then the metadata.
+  std::string blob;
+  auto put = [&blob](std::string_view v) {
+    blob += absl::StrCat(v.size(), ":");
+    blob.append(v.data(), v.size());
+  };
+  if (rank() == 0) {
+    put(absl::StrCat(static_cast<int>(plan.status().code())));
+    put(std::string(plan.status().message()));
+    if (plan.ok()) {
+      put(absl::StrCat(plan->skip_optimizer ? 1 : 0, " ", plan->skip_master ? 1 : 0, " ", plan->async ? 1 : 0, " ",
+                       plan->keep_last, " ", plan->skip_groups.size(), " ", metadata.size()));
+      for (const std::string& g : plan->skip_groups) put(g);
+      for (const auto& [k, v] : metadata) {
+        put(k);
+        put(v);
+      }
+    }
+  }
+  FERRY_RETURN_IF_ERROR(BroadcastFromRankZero(&blob, "SaveCheckpoint: rank 0's checkpoint plan"));
+  if (rank() == 0) return plan.status();
+  std::string_view in(blob);
+  bool ok = true;
+  auto get = [&in, &ok]() -> std::string {
+    size_t colon = in.find(':');
+    size_t n = 0;
+    if (!ok || colon == std::string_view::npos || !absl::SimpleAtoi(absl::string_view(in.data(), colon), &n) || n > in.size() - colon - 1) {
+      ok = false;
+      return "";
+    }
+    std::string v(in.substr(colon + 1, n));
+    in.remove_prefix(colon + 1 + n);
+    return v;
+  };
+  int code = 0;
+  ok = absl::SimpleAtoi(get(), &code);
+  std::string message = get();
+  if (ok && code != 0) {
+    plan = absl::Status(static_cast<absl::StatusCode>(code), absl::StrCat("rank 0: ", message));
+    return plan.status();
+  }
+  CheckpointPlan p;
+  std::vector<std::string> head = absl::StrSplit(get(), ' ');
+  int flags[6] = {0, 0, 0, 0, 0, 0};
+  ok = ok && head.size() == 6;
+  for (size_t i = 0; ok && i < 6; ++i) ok = absl::SimpleAtoi(head[i], &flags[i]);
+  for (int i = 0; ok && i < flags[4]; ++i) p.skip_groups.push_back(get());
+  metadata.clear();
+  for (int i = 0; ok && i < flags[5]; ++i) {
+    std::string k = get();
+    metadata[k] = get();
+  }
+  if (!ok || !in.empty()) return absl::DataLossError("SaveCheckpoint: rank 0's checkpoint plan arrived malformed");
+  p.skip_optimizer = flags[0] != 0;
+  p.skip_master = flags[1] != 0;
+  p.async = flags[2] != 0;
+  p.keep_last = flags[3];
+  plan = std::move(p);
+  return absl::OkStatus();
 }
 
 absl::StatusOr<char*> EngineImpl::EnsureStaging(size_t bytes) {
@@ -228,9 +323,35 @@ absl::Status EngineImpl::LoadCheckpoint(const std::string& path, const LoadOptio
 }
 
 absl::Status EngineImpl::LoadCheckpointFrom(const std::string& path) {
+  LoadPhase phase = LoadPhase::kReading;
+  if (!multi_rank()) return LoadCheckpointLocal(path, &phase);
+  const std::string what = absl::StrCat("LoadCheckpoint(", path, ")");
+  // Rank 0 resolves `latest` once, so every rank reads the same checkpoint even if a save moves it.
+  std::string dir;
+  absl::Status opened;
+  if (rank() == 0) {
+    absl::StatusOr<std::unique_ptr<CheckpointReader>> reader = CheckpointReader::Open(path);
+    opened = reader.status();
+    if (reader.ok()) dir = (*reader)->dir();
+  }
+  FERRY_RETURN_IF_ERROR(Agree(opened, what));
+  FERRY_RETURN_IF_ERROR(BroadcastFromRankZero(&dir, "LoadCheckpoint: rank 0's checkpoint directory"));
+  absl::Status s = LoadCheckpointLocal(dir, &phase);
+  switch (phase) {
+    case LoadPhase::kReading:  // failed before the agreement the others are waiting in
+    case LoadPhase::kApplied:  // every rank's outcome of the apply
+      return Agree(s, what);
+    case LoadPhase::kRefused:  // the agreement failed: every rank returns it
+      return s;
+  }
+  return s;
+}
+
+absl::Status EngineImpl::LoadCheckpointLocal(const std::string& path, LoadPhase* phase) {
   FERRY_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointReader> reader, CheckpointReader::Open(path));
   const std::string& dir = reader->dir();
-  // Phase 1: check and read everything into host memory; nothing in the engine changes yet.
+  // Phase 1: check and read everything (this rank's ranges) into host memory; nothing in the engine
+  // changes yet. Several ranks: nothing is applied unless every rank read and verified its part.
   std::set<std::string> known;
   for (const ParamRecord& p : params_) {
     known.insert(p.spec.name);
@@ -261,14 +382,16 @@ absl::Status EngineImpl::LoadCheckpointFrom(const std::string& path) {
   struct ReadJob {
     std::string name;
     size_t at;
+    uint64_t offset;  // this rank's range of the tensor, in bytes
     size_t bytes;
   };
   std::vector<ReadJob> jobs;
   size_t staged_bytes = 0;
-  auto place = [&](const std::string& name, size_t bytes) {
-    jobs.push_back(ReadJob{name, staged_bytes, bytes});
+  auto place = [&](const std::string& name, uint64_t offset, size_t bytes) {
+    const size_t at = staged_bytes;
+    if (bytes > 0) jobs.push_back(ReadJob{name, at, offset, bytes});
     staged_bytes += (bytes + 63) / 64 * 64;
-    return jobs.back().at;
+    return at;
   };
   for (size_t i = 0; i < params_.size(); ++i) {
     const ParamRecord& p = params_[i];
@@ -283,7 +406,8 @@ absl::Status EngineImpl::LoadCheckpointFrom(const std::string& path) {
           "] but the registered param is ", ToAbsl(DTypeName(p.spec.dtype)), "[", absl::StrJoin(p.spec.shape, ","), "]"));
     }
     Loaded& l = loaded[i];
-    l.param_at = place(p.spec.name, e->bytes);
+    const uint64_t pes = DTypeSize(p.spec.dtype);
+    l.param_at = place(p.spec.name, static_cast<uint64_t>(p.spec.shard_begin) * pes, static_cast<size_t>(p.numel) * pes);
     l.has_param = true;
     group_loaded[p.group] = true;
     for (int k = 0; k < 3; ++k) {
@@ -305,7 +429,8 @@ absl::Status EngineImpl::LoadCheckpointFrom(const std::string& path) {
                                                        absl::StrJoin(s->shape, ","), "]; expected f32[",
                                                        absl::StrJoin(p.spec.shape, ","), "]"));
       }
-      l.state_at[k] = place(name, static_cast<size_t>(p.numel) * sizeof(float));
+      l.state_at[k] = place(name, static_cast<uint64_t>(p.spec.shard_begin) * sizeof(float),
+                            static_cast<size_t>(p.numel) * sizeof(float));
       l.has_state[k] = true;
     }
   }
@@ -313,7 +438,7 @@ absl::Status EngineImpl::LoadCheckpointFrom(const std::string& path) {
   {
     std::vector<TensorRead> reads;
     reads.reserve(jobs.size());
-    for (const ReadJob& j : jobs) reads.push_back(TensorRead{j.name, staging + j.at, j.bytes});
+    for (const ReadJob& j : jobs) reads.push_back(TensorRead{j.name, staging + j.at, j.bytes, j.offset, /*partial=*/true});
     BulkReadOptions read_options;
     read_options.pool = &pool_;
     FERRY_RETURN_IF_ERROR(ReadTensors(*reader, reads, read_options));
@@ -348,14 +473,21 @@ absl::Status EngineImpl::LoadCheckpointFrom(const std::string& path) {
   FERRY_ASSIGN_OR_RETURN(std::vector<size_t> sync_groups, GroupIndices(sync.sync_groups));
   if (sync.sync_groups.empty()) sync_groups.clear();  // empty list means "none" here, not "all"
 
+  if (multi_rank()) {
+    *phase = LoadPhase::kRefused;
+    FERRY_RETURN_IF_ERROR(Agree(absl::OkStatus(), absl::StrCat("LoadCheckpoint(", dir, ")")));
+  }
+  *phase = LoadPhase::kApplied;
+
   // Phase 2: apply, in one pass.
   std::vector<HybridOptimizer::SnapshotItem> restore;
   for (size_t i = 0; i < params_.size(); ++i) {
     const Loaded& l = loaded[i];
-    if (!l.has_param) continue;
-    restore.push_back({.param = i, .is_param = true, .dst = staging + l.param_at});
+    if (!l.has_param || params_[i].opt < 0) continue;
+    const size_t opt = static_cast<size_t>(params_[i].opt);
+    restore.push_back({.param = opt, .is_param = true, .dst = staging + l.param_at});
     for (int k = 0; k < 3; ++k) {
-      if (l.has_state[k]) restore.push_back({.param = i, .kind = kStateKinds[k].first, .dst = staging + l.state_at[k]});
+      if (l.has_state[k]) restore.push_back({.param = opt, .kind = kStateKinds[k].first, .dst = staging + l.state_at[k]});
     }
   }
   FERRY_RETURN_IF_ERROR(ckpt_staging_->Ready());  // registered: the device copies run at the pinned rate
@@ -373,11 +505,11 @@ absl::Status EngineImpl::LoadCheckpointFrom(const std::string& path) {
   if (!reset.empty()) {
     // Zero the moments only; the masters stay as loaded or as the sync left them.
     for (size_t g : reset) {
-      for (size_t i = 0; i < params_.size(); ++i) {
-        if (params_[i].group != g) continue;
-        std::vector<float> zeros(static_cast<size_t>(params_[i].numel), 0.0f);
-        FERRY_RETURN_IF_ERROR(optimizer_->WriteState(i, StateKind::kExpAvg, zeros.data()));
-        FERRY_RETURN_IF_ERROR(optimizer_->WriteState(i, StateKind::kExpAvgSq, zeros.data()));
+      for (const ParamRecord& p : params_) {
+        if (p.group != g || p.opt < 0) continue;
+        std::vector<float> zeros(static_cast<size_t>(p.numel), 0.0f);
+        FERRY_RETURN_IF_ERROR(optimizer_->WriteState(static_cast<size_t>(p.opt), StateKind::kExpAvg, zeros.data()));
+        FERRY_RETURN_IF_ERROR(optimizer_->WriteState(static_cast<size_t>(p.opt), StateKind::kExpAvgSq, zeros.data()));
       }
       optimizer_->set_group_step(g, 0);
     }

@@ -24,6 +24,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "absl/strings/ascii.h"
@@ -109,9 +110,11 @@ struct SaveSources {
 };
 
 struct ParamRecord {
-  ParamSpec spec;
-  int64_t numel = 0;
+  ParamSpec spec;             // spec.shard_end resolved (never -1)
+  int64_t numel = 0;          // local elements: spec.shard_end - spec.shard_begin
+  int64_t global_numel = 0;   // of the global tensor
   size_t group = 0;
+  int64_t opt = -1;           // index among the optimizer's params; -1 when the local range is empty
 };
 
 class EngineImpl final : public Engine {
@@ -120,7 +123,9 @@ class EngineImpl final : public Engine {
       : options_(std::move(options)),
         device_(std::move(device)),
         policy_(std::move(policy)),
-        pool_(options_.cpu_threads > 0 ? options_.cpu_threads : ThreadPool::DefaultThreads()) {}
+        pool_(options_.cpu_threads > 0 ? options_.cpu_threads : ThreadPool::DefaultThreads()) {
+    comm_ = options_.comm != nullptr ? options_.comm : std::shared_ptr<Comm>(MakeSingleProcessComm());
+  }
 
   ~EngineImpl() override {
     if (ckpt_writer_ != nullptr) ckpt_writer_->WaitIdle();  // it may read the optimizer's state in place
@@ -165,15 +170,46 @@ class EngineImpl final : public Engine {
   absl::StatusOr<PolicyContext> Context();
   absl::StatusOr<std::vector<size_t>> GroupIndices(const std::vector<std::string>& names) const;
   std::string PolicyName() const { return policy_ == nullptr ? "(default policy)" : policy_->path(); }
+  // The metadata a checkpoint records (format, world size, optimizer, each group's step and placement).
+  std::map<std::string, std::string> CheckpointMetadata() const;
+  // Several ranks: rank 0's `plan` (or its error) and `metadata` replace every other rank's (one
+  // broadcast); returns the plan's status, the same on every rank. One rank: plan.status().
+  absl::Status ShareCheckpointPlan(absl::StatusOr<CheckpointPlan>& plan, std::map<std::string, std::string>& metadata);
   // ckpt_staging_, grown to at least `bytes`. REQUIRES: no save in flight.
   absl::StatusOr<char*> EnsureStaging(size_t bytes);
-  // LoadCheckpoint of one checkpoint: reads and verifies everything, then applies.
+  // LoadCheckpoint of one checkpoint: reads and verifies everything, then applies. Several ranks:
+  // every rank returns the same status.
   absl::Status LoadCheckpointFrom(const std::string& path);
+  // How far LoadCheckpointLocal got: failed while reading (before the ranks' agreement), refused by
+  // the agreement (some rank failed to read), or past it (applied, or failed while applying).
+  enum class LoadPhase { kReading, kRefused, kApplied };
+  // LoadCheckpointFrom of one checkpoint directory, this rank's part: reads and verifies its ranges,
+  // agrees with the other ranks, then applies.
+  absl::Status LoadCheckpointLocal(const std::string& dir, LoadPhase* phase);
+
+  // ---- several ranks (engine_ranks.cc) ----
+  int rank() const { return comm_->rank(); }
+  int world_size() const { return comm_->world_size(); }
+  bool multi_rank() const { return comm_->world_size() > 1; }
+  // Every rank's outcome of `what`: OK only when every rank was OK (see AgreeStatus). One rank: `mine`.
+  absl::Status Agree(const absl::Status& mine, std::string_view what);
+  // Exchanges the param specs and checks that the ranks registered the same params with ranges that
+  // tile each global tensor; fills canonical_. Every rank returns the same verdict.
+  absl::Status ExchangeSpecs();
+  // The all-reduce of a step's gradient check (found-inf and the exact sum of squares) across ranks,
+  // with this rank's outcome so far: an error on any rank fails the step on every rank.
+  absl::Status ReduceGradStats(GradStats& stats, const absl::Status& mine);
+  // Rank 0's `*blob` on every rank (a decision taken there). One rank: unchanged.
+  absl::Status BroadcastFromRankZero(std::string* blob, std::string_view what);
 
   EngineOptions options_;
   std::unique_ptr<Device> device_;
   std::unique_ptr<Policy> policy_;
   ThreadPool pool_;
+  std::shared_ptr<Comm> comm_;           // never null (single process by default)
+  std::unique_ptr<Comm> ckpt_comm_;      // Duplicate of comm_ for checkpoint exchanges; null: use comm_
+  bool ckpt_comm_async_ = false;         // ckpt_comm_ may run on the writer thread (async saves)
+  std::vector<size_t> canonical_;        // param indices in rank 0's registration order
   std::vector<ParamRecord> params_;
   absl::flat_hash_map<std::string, size_t> param_index_;
   std::vector<std::string> group_names_;  // in order of first appearance

@@ -74,7 +74,7 @@ absl::Status HybridOptimizer::Init(std::vector<OptimParam> params, std::vector<O
   for (Group& g : groups_) {
     std::vector<int64_t> numels;
     for (size_t p : g.params) numels.push_back(params_[p].numel);
-    if (numels.empty()) return absl::InvalidArgumentError(absl::StrCat("group '", g.name, "' has no params"));
+    if (numels.empty()) continue;  // a group with no elements on this rank: no state, only a step count
     FERRY_ASSIGN_OR_RETURN(g.layout, Layout::Pack(numels, kAlignElements));
     for (size_t i = 0; i < g.params.size(); ++i) param_slot_[g.params[i]] = g.layout.slots()[i].offset;
     const size_t state_bytes = 3 * static_cast<size_t>(g.layout.total_elements()) * sizeof(float);
@@ -126,7 +126,7 @@ absl::Status HybridOptimizer::Init(std::vector<OptimParam> params, std::vector<O
     arena_options.name = "optimizer state";
     FERRY_ASSIGN_OR_RETURN(arena_, PinnedArena::Create(device_, arena_options));
     for (Group& g : groups_) {
-      if (!g.offloaded) continue;
+      if (!g.offloaded || g.params.empty()) continue;
       FERRY_ASSIGN_OR_RETURN(g.host_state,
                              arena_->Allocate(3 * static_cast<size_t>(g.layout.total_elements()) * sizeof(float)));
     }
@@ -200,6 +200,7 @@ absl::StatusOr<HybridStepResult> HybridOptimizer::Step(const HybridStepParams& p
                                              sizeof(GradStats), CopyKind::kDeviceToHost, trainer));
     FERRY_RETURN_IF_ERROR(trainer.Record(*stats_ready_));
     FERRY_RETURN_IF_ERROR(stats_ready_->Synchronize());
+    if (params.reduce_grad_stats) FERRY_RETURN_IF_ERROR(params.reduce_grad_stats(grad_stats_));
     if (grad_stats_.found_inf != 0) {
       result.skipped = true;
       return result;  // nothing enqueued that changes state; step counts unchanged
@@ -444,7 +445,9 @@ absl::Status HybridOptimizer::SyncFromModel(const std::vector<size_t>& groups, b
   for (size_t g : groups) {
     Group& grp = groups_[g];
     const size_t bytes = 2 * static_cast<size_t>(grp.layout.total_elements()) * sizeof(float);
-    if (grp.offloaded) {
+    if (bytes == 0) {
+      // no state on this rank
+    } else if (grp.offloaded) {
       std::memset(grp.state(StateKind::kExpAvg), 0, bytes);
     } else {
       FERRY_RETURN_IF_ERROR(device_->MemsetAsync(grp.state(StateKind::kExpAvg), 0, bytes, *work_stream_));

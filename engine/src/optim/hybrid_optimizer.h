@@ -5,6 +5,7 @@
 #define FERRY_OPTIM_HYBRID_OPTIMIZER_H_
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -53,6 +54,10 @@ struct HybridStepParams {
   float loss_scale = 1.0f;    // grads are divided by it
   float max_grad_norm = 0.0f; // > 0: global-norm clipping across every group
   bool check_finite = true;   // NaN/Inf in any grad skips the whole step
+  // With check_finite: called with this step's gradient check (on the host) before anything is
+  // decided, to replace it with the check over every rank's grads (an all-reduce); an error fails
+  // the step with nothing updated. Null: the local check decides.
+  std::function<absl::Status(GradStats&)> reduce_grad_stats;
 };
 
 struct HybridStepResult {

@@ -64,10 +64,13 @@ void PushGroups(lua_State* L, absl::Span<const GroupInfo> groups) {
   lua_createtable(L, static_cast<int>(groups.size()), 0);
   for (size_t i = 0; i < groups.size(); ++i) {
     const GroupInfo& g = groups[i];
-    lua_createtable(L, 0, 5);
+    lua_createtable(L, 0, 7);
     SetString(L, "name", g.name);
     SetNumber(L, "numel", g.numel);
     SetNumber(L, "bytes", g.bytes);
+    // Several ranks: the global tensors' size (callers that do not shard give 0: the local size).
+    SetNumber(L, "global_numel", g.global_numel > 0 ? g.global_numel : g.numel);
+    SetNumber(L, "global_bytes", g.global_bytes > 0 ? g.global_bytes : g.bytes);
     SetString(L, "dtype", DTypeName(g.dtype));
     SetStringArray(L, "tags", g.tags);
     lua_rawseti(L, -2, static_cast<int>(i + 1));

@@ -24,8 +24,10 @@ std::string_view PlaceKindName(PlaceKind kind);
 // One parameter group as a policy sees it (Lua: {name=, numel=, bytes=, dtype=, tags={...}}).
 struct GroupInfo {
   std::string name;  // unique and non-empty within one hook call
-  int64_t numel = 0;
-  int64_t bytes = 0;  // bytes of the low-precision parameters
+  int64_t numel = 0;  // elements this rank holds (its shards)
+  int64_t bytes = 0;  // bytes of the low-precision parameters this rank holds
+  int64_t global_numel = 0;  // elements of the global tensors (= numel for one rank; 0: not given)
+  int64_t global_bytes = 0;
   DType dtype = DType::kBF16;
   std::vector<std::string> tags;
 };
@@ -90,8 +92,10 @@ struct CheckpointPlan {
 struct GroupStepInfo {
   std::string name;  // unique and non-empty within one hook call
   PlaceKind placement = PlaceKind::kGpu;  // where its fp32 master and Adam state live now
-  int64_t numel = 0;
-  int64_t bytes = 0;  // bytes of the low-precision parameters
+  int64_t numel = 0;  // elements this rank holds (its shards)
+  int64_t bytes = 0;  // bytes of the low-precision parameters this rank holds
+  int64_t global_numel = 0;  // elements of the global tensors (= numel for one rank; 0: not given)
+  int64_t global_bytes = 0;
 };
 
 // What on_step() gets after each optimizer step (Lua: {step=, step_seconds=, gpu_state_bytes=,

@@ -1,0 +1,171 @@
+#include "ckpt/distributed_checkpoint.h"
+
+#include <cstring>
+#include <string_view>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "ckpt/posix_file.h"
+#include "ferry/status.h"
+
+namespace ferry {
+namespace {
+
+// A rank's outcome of step 2, field by field: ok flag, status code and message, then its chunks.
+void PutU64(std::string& out, uint64_t v) { out.append(reinterpret_cast<const char*>(&v), sizeof(v)); }
+void PutStr(std::string& out, std::string_view s) {
+  PutU64(out, s.size());
+  out.append(s.data(), s.size());
+}
+
+bool GetU64(std::string_view& in, uint64_t* v) {
+  if (in.size() < sizeof(*v)) return false;
+  std::memcpy(v, in.data(), sizeof(*v));
+  in.remove_prefix(sizeof(*v));
+  return true;
+}
+bool GetStr(std::string_view& in, std::string* s) {
+  uint64_t n = 0;
+  if (!GetU64(in, &n) || n > in.size()) return false;
+  s->assign(in.data(), static_cast<size_t>(n));
+  in.remove_prefix(static_cast<size_t>(n));
+  return true;
+}
+
+std::string EncodeOutcome(const absl::StatusOr<RankChunks>& written) {
+  std::string out;
+  PutU64(out, static_cast<uint64_t>(written.status().code()));
+  PutStr(out, std::string(written.status().message()));
+  if (!written.ok()) return out;
+  PutU64(out, written->chunks.size());
+  for (const auto& [tensor, c] : written->chunks) {
+    PutU64(out, tensor);
+    PutStr(out, c.file);
+    PutU64(out, c.global_offset);
+    PutU64(out, c.length);
+    PutU64(out, c.file_offset);
+    PutU64(out, c.checksum);
+  }
+  return out;
+}
+
+absl::StatusOr<RankChunks> DecodeOutcome(std::string_view in, int rank) {
+  const absl::Status malformed =
+      absl::DataLossError(absl::StrCat("checkpoint: the outcome received from rank ", rank, " is malformed"));
+  uint64_t code = 0, n = 0;
+  std::string message;
+  if (!GetU64(in, &code) || !GetStr(in, &message)) return malformed;
+  if (code != 0) return absl::Status(static_cast<absl::StatusCode>(code), message);
+  RankChunks out;
+  out.rank = rank;
+  if (!GetU64(in, &n)) return malformed;
+  for (uint64_t i = 0; i < n; ++i) {
+    uint64_t tensor = 0;
+    ManifestChunk c;
+    c.rank = rank;
+    if (!GetU64(in, &tensor) || !GetStr(in, &c.file) || !GetU64(in, &c.global_offset) || !GetU64(in, &c.length) ||
+        !GetU64(in, &c.file_offset) || !GetU64(in, &c.checksum)) {
+      return malformed;
+    }
+    out.chunks.emplace_back(static_cast<size_t>(tensor), std::move(c));
+  }
+  if (!in.empty()) return malformed;
+  return out;
+}
+
+// This rank's part of step 1: its pieces inside its tensors' data.
+absl::Status CheckLocalPart(absl::Span<const TensorRecord> tensors, absl::Span<const ShardPiece> pieces) {
+  for (const ShardPiece& p : pieces) {
+    if (p.tensor >= tensors.size() || p.global_offset + p.length > tensors[p.tensor].bytes) {
+      return absl::InvalidArgumentError(absl::StrCat("a piece of tensor index ", p.tensor, " at byte ", p.global_offset,
+                                                     " + ", p.length, " lies outside the tensors"));
+    }
+    const TensorRecord& t = tensors[p.tensor];
+    if (p.length > 0 && (t.data == nullptr || p.global_offset < t.data_begin)) {
+      return absl::InvalidArgumentError(absl::StrCat("tensor '", t.name, "': the piece at byte ", p.global_offset,
+                                                     " is not inside this rank's data"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<std::string> WriteDistributedCheckpoint(Comm& comm, absl::Duration timeout, const std::string& root,
+                                                       int64_t step, absl::Span<const TensorRecord> tensors,
+                                                       std::vector<ShardPiece> pieces,
+                                                       absl::Span<const SkipRecord> skipped,
+                                                       const std::map<std::string, std::string>& metadata,
+                                                       const CheckpointWriteOptions& options) {
+  const int rank = comm.rank();
+  const int world = comm.world_size();
+  const std::string what = absl::StrCat("checkpoint ", step, " in ", root);
+  // 1. Rank 0 opens the checkpoint; every rank checks its own part.
+  absl::Status mine = ValidateWriteRequest(root, step, tensors, skipped, options, /*local_data=*/true);
+  if (mine.ok()) mine = CheckLocalPart(tensors, pieces);
+  if (mine.ok() && rank == 0) mine = BeginCheckpoint(root, step, options).status();
+  absl::Status agreed = AgreeStatus(comm, mine, what, timeout);
+  if (!agreed.ok()) {
+    if (rank == 0 && mine.ok()) (void)AbortCheckpoint(root, step);
+    return agreed;
+  }
+  const std::string tmp_dir = absl::StrCat(JoinPath(root, CheckpointDirName(step)), ".incomplete");
+
+  // 2. Every rank writes its file; the outcomes and chunk tables go to every rank.
+  absl::StatusOr<CheckpointShards> shards = LocalShards(world, rank, std::move(pieces));
+  absl::StatusOr<RankChunks> written =
+      shards.ok() ? WriteRankFile(tmp_dir, tensors, *shards, rank, metadata, options) : shards.status();
+  if (!written.ok()) {
+    written = absl::Status(written.status().code(),
+                           absl::StrCat("writing ", RankFileName(rank), ": ", written.status().message()));
+  }
+  absl::StatusOr<std::vector<std::string>> outcomes = comm.AllGather(EncodeOutcome(written), timeout);
+  if (!outcomes.ok()) {
+    if (rank == 0) (void)AbortCheckpoint(root, step);
+    return absl::Status(outcomes.status().code(), absl::StrCat(what, ": exchanging the ranks' outcomes failed: ",
+                                                               outcomes.status().message()));
+  }
+  std::vector<RankChunks> ranks;
+  std::vector<std::string> failures;
+  absl::StatusCode first_code = absl::StatusCode::kOk;
+  for (int r = 0; r < world; ++r) {
+    absl::StatusOr<RankChunks> o = DecodeOutcome((*outcomes)[static_cast<size_t>(r)], r);
+    if (o.ok()) {
+      ranks.push_back(*std::move(o));
+      continue;
+    }
+    if (first_code == absl::StatusCode::kOk) first_code = o.status().code();
+    failures.push_back(absl::StrCat("rank ", r, " of ", world, ": ", o.status().message()));
+  }
+  if (!failures.empty()) {
+    if (rank == 0) (void)AbortCheckpoint(root, step);
+    return absl::Status(first_code, absl::StrCat(what, " failed (nothing committed; the previous checkpoint stays "
+                                                 "`latest`): ", absl::StrJoin(failures, "; ")));
+  }
+
+  // 3. Rank 0 commits; its outcome goes to every rank.
+  std::string result;
+  if (rank == 0) {
+    absl::StatusOr<std::string> dir =
+        CommitCheckpoint(root, step, tensors, skipped, metadata, world, ranks, options);
+    result = EncodeOutcome(dir.ok() ? absl::StatusOr<RankChunks>(RankChunks{}) : dir.status());
+    if (dir.ok()) result += *dir;  // after an OK outcome with no chunks: the directory
+  }
+  absl::Status b = comm.Broadcast(&result, 0, timeout);
+  if (!b.ok()) {
+    return absl::Status(b.code(), absl::StrCat(what, ": learning rank 0's commit failed: ", b.message()));
+  }
+  std::string_view in(result);
+  uint64_t code = 0;
+  std::string message;
+  if (!GetU64(in, &code) || !GetStr(in, &message)) return absl::DataLossError(absl::StrCat(what, ": malformed commit"));
+  if (code != 0) {
+    return absl::Status(static_cast<absl::StatusCode>(code), absl::StrCat("rank 0 of ", world, ": ", message));
+  }
+  uint64_t none = 0;
+  if (!GetU64(in, &none)) return absl::DataLossError(absl::StrCat(what, ": malformed commit"));
+  return std::string(in);
+}
+
+}  // namespace ferry
