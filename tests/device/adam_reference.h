@@ -1,9 +1,10 @@
 #ifndef FERRY_TESTS_DEVICE_ADAM_REFERENCE_H_
 #define FERRY_TESTS_DEVICE_ADAM_REFERENCE_H_
 // Checks shared by the host-backend, CUDA and CPU Adam tests:
-//   - CanonicalSumOfSquares: the gradient check's sum written out from its definition in
-//     base/adam_element.h, independently of the library's helpers;
-//   - CheckGradStatsAgainstCanonical: LaunchGradStats equals it bit for bit, slot by slot;
+//   - RefGradStats: the gradient check's GradStats from the big-integer reference of
+//     tests/base/exact_sum_reference.h, independently of the library's accumulators;
+//   - CheckGradStatsAgainstExact: LaunchGradStats equals it bit for bit (the whole GradStats), and any
+//     split of the tensors into pieces, merged through the exchange form, gives the same bits;
 //   - CheckAdamRuntimeInputs: LaunchAdamWith's device-resident inputs give the same bits as LaunchAdam
 //     with the scalars made on the host, and a NaN/Inf gradient skips the whole step;
 //   - CheckLaunchAdamAgainstFloat64, described next.
@@ -36,6 +37,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "base/exact_sum_reference.h"
 #include "device/device.h"
 #include "gtest/gtest.h"
 
@@ -280,71 +282,48 @@ struct RefGrad {
   DType dtype;
 };
 
-// The canonical sum of squares from its definition (base/adam_element.h); `slots`, when given, receives
-// the 1,024 slot values.
-inline double CanonicalSumOfSquares(const std::vector<RefGrad>& grads,
-                                    std::vector<double>* slots_out = nullptr) {
-  struct Chunk {
-    const RefGrad* g;
-    int64_t begin, len;
-  };
-  std::vector<Chunk> chunks;
-  for (const RefGrad& g : grads) {
-    for (int64_t b = 0; b < g.numel; b += 4096)
-      chunks.push_back({&g, b, std::min<int64_t>(4096, g.numel - b)});
-  }
-  const int64_t c = static_cast<int64_t>(chunks.size());
-  std::vector<double> slots(1024);
-  for (int64_t s = 0; s < 1024; ++s) {
-    std::vector<double> lanes(256, 0.0);
-    for (int64_t ci = s * c / 1024; ci < (s + 1) * c / 1024; ++ci) {
-      const Chunk& ch = chunks[static_cast<size_t>(ci)];
-      for (int64_t t = 0; t < 256; ++t) {
-        for (int64_t k = 0; k < 4; ++k) {
-          for (int64_t j = 0; j < 4; ++j) {
-            const int64_t e = 1024 * k + 4 * t + j;
-            if (e >= ch.len) continue;
-            const double x = LoadAsF32(ch.g->grad, ch.g->dtype, static_cast<size_t>(ch.begin + e));
-            lanes[static_cast<size_t>(t)] += x * x;
-          }
-        }
-      }
-    }
-    for (size_t stride = 128; stride >= 1; stride /= 2) {
-      for (size_t i = 0; i < stride; ++i) lanes[i] += lanes[i + stride];
-    }
-    slots[static_cast<size_t>(s)] = lanes[0];
-  }
-  if (slots_out != nullptr) *slots_out = slots;
-  for (size_t stride = 512; stride >= 1; stride /= 2) {
-    for (size_t i = 0; i < stride; ++i) slots[i] += slots[i + stride];
-  }
-  return slots[0];
+// The GradStats of the reference over every element of `grads`.
+inline GradStats RefGradStats(const std::vector<RefGrad>& grads) {
+  RefBigSum sum;
+  bool bad = false;
+  for (const RefGrad& g : grads) bad = RefAddRange(sum, g.grad, g.dtype, 0, g.numel) || bad;
+  return RefGradStatsOf(sum, bad);
 }
 
 inline bool SameBits(double a, double b) { return std::memcmp(&a, &b, sizeof(double)) == 0; }
 
-// LaunchGradStats on `device` equals the canonical definition bit for bit: the result and every slot.
-// Two data sets: (1) many tensors (more than one kernel-parameter upload of the table on CUDA) of mixed
-// dtypes, lengths and alignments, random values over 40 binades; (2) chunks in which only one lane's
-// elements are non-zero, so each slot is one lane's sum and a wrong order inside a lane shows in the
-// slots (in a full sum, a lane's last-place difference usually vanishes in the later additions). Then
-// NaN and Inf anywhere set found_inf, and an empty list gives zero.
-inline void CheckGradStatsAgainstCanonical(Device& device) {
+// LaunchGradStats on `device` equals the reference bit for bit (the whole GradStats). Data sets: (0) many
+// tensors (more than one kernel-parameter upload of the table on CUDA) of mixed dtypes, lengths (empty
+// and one-element ones included) and alignments, random values over 40 binades; (1) every magnitude at
+// once: subnormals, tiny, ordinary and huge values up to the dtype's largest, so the sum needs all its
+// digits (and the GPU's per-thread expansion spills). Then: the tensors split into pieces (sub-ranges
+// of each tensor, in several launches, as ranks would hold them) merged through the exchange form give
+// the same bits; NaN and Inf anywhere set found_inf; an empty list gives zero.
+inline void CheckGradStatsAgainstExact(Device& device) {
   absl::StatusOr<std::unique_ptr<Stream>> stream_or = device.CreateStream();
   ASSERT_TRUE(stream_or.ok());
   Stream& stream = **stream_or;
-  std::mt19937_64 rng(std::random_device{}());
+  const uint64_t seed = std::random_device{}();
+  SCOPED_TRACE(absl::StrCat("seed ", seed));
+  std::mt19937_64 rng(seed);
   std::uniform_real_distribution<double> unit(0.0, 1.0);
   const DType kTypes[] = {DType::kF32, DType::kBF16, DType::kF16};
+  const auto launch = [&](const std::vector<GradTensorArgs>& args, GradStats* got) {
+    const size_t ws_bytes = GradStatsWorkspaceBytes(args.size());
+    absl::StatusOr<DeviceBuffer> ws = device.Allocate(ws_bytes);
+    ASSERT_TRUE(ws.ok()) << ws.status();
+    FERRY_TEST_ASSERT_OK(device.LaunchGradStats(args, ws->data(), ws_bytes, stream));
+    FERRY_TEST_ASSERT_OK(stream.Synchronize());
+    FERRY_TEST_ASSERT_OK(device.Copy(got, ws->data(), sizeof(*got), CopyKind::kDeviceToHost));
+  };
   for (int data_set = 0; data_set < 2; ++data_set) {
     std::vector<int64_t> lengths;
     if (data_set == 0) {
       for (int k = 0; k < 1900; ++k)
-        lengths.push_back(k % 50 == 7 ? 0 : 1 + static_cast<int64_t>(rng() % 300));
+        lengths.push_back(k % 50 == 7 ? 0 : k % 50 == 8 ? 1 : 1 + static_cast<int64_t>(rng() % 300));
       for (int64_t n : {4096, 4097, 12288, 1 << 20, (1 << 21) + 3}) lengths.push_back(n);
     } else {
-      lengths = {4096 * 700 + 5, 4096 * 900};
+      lengths = {1, 0, 4096 * 300 + 5, 1, 777, 4096 * 200, 3};
     }
     std::vector<std::vector<uint8_t>> host(lengths.size());
     std::vector<DeviceBuffer> buffers;
@@ -362,9 +341,12 @@ inline void CheckGradStatsAgainstCanonical(Device& device) {
           const double binades = dt == DType::kF16 ? 30.0 : 40.0;
           x = static_cast<float>((unit(rng) - 0.5) * std::exp2(binades * unit(rng) - 20.0));
         } else {
-          const size_t chunk = i / 4096, e = i % 4096, lane = (e % 1024) / 4;
-          if (lane == (chunk * 37 + k) % 256)
-            x = static_cast<float>((unit(rng) - 0.5) * std::exp2(30.0 * unit(rng) - 15.0));
+          // Every finite exponent of the dtype, any mantissa (the largest value included).
+          const double lo = dt == DType::kF16 ? -24.0 : -149.0, hi = dt == DType::kF16 ? 16.0 : 128.0;
+          x = static_cast<float>(std::ldexp(unit(rng), static_cast<int>(lo + (hi - lo) * unit(rng))));
+          if (rng() % 1000 == 0) x = dt == DType::kF16 ? 65504.0f : 3.4028234663852886e38f;
+          if (dt == DType::kBF16 && x > 3.38e38f) x = 3.38e38f;  // rounding to bf16 must stay finite
+          if (rng() % 2 == 0) x = -x;
         }
         StoreFromF32(host[k].data() + skew * DTypeSize(dt), dt, i, x);
       }
@@ -378,26 +360,51 @@ inline void CheckGradStatsAgainstCanonical(Device& device) {
       ref.push_back(RefGrad{host[k].data() + skew * DTypeSize(dt), lengths[k], dt});
       buffers.push_back(*std::move(b));
     }
-    std::vector<double> want_slots;
-    const double want = CanonicalSumOfSquares(ref, &want_slots);
-    const size_t ws_bytes = GradStatsWorkspaceBytes(args.size());
-    absl::StatusOr<DeviceBuffer> ws = device.Allocate(ws_bytes);
-    ASSERT_TRUE(ws.ok()) << ws.status();
-    FERRY_TEST_ASSERT_OK(device.LaunchGradStats(args, ws->data(), ws_bytes, stream));
-    FERRY_TEST_ASSERT_OK(stream.Synchronize());
+    const GradStats want = RefGradStats(ref);
     GradStats got{};
-    std::vector<double> slots(1024);
-    FERRY_TEST_ASSERT_OK(device.Copy(&got, ws->data(), sizeof(got), CopyKind::kDeviceToHost));
-    FERRY_TEST_ASSERT_OK(device.Copy(slots.data(), ws->as<uint8_t>() + kGradStatsResultBytes, 8 * 1024,
-                                     CopyKind::kDeviceToHost));
-    for (size_t s = 0; s < 1024; ++s) {
-      ASSERT_TRUE(SameBits(slots[s], want_slots[s]))
-          << "data set " << data_set << " slot " << s << ": " << slots[s] << " vs " << want_slots[s];
-    }
-    EXPECT_TRUE(SameBits(got.sum_sq, want)) << got.sum_sq << " vs " << want;
+    launch(args, &got);
+    EXPECT_TRUE(SameGradStats(got, want)) << "data set " << data_set << ": " << got.sum_sq << " vs " << want.sum_sq;
     EXPECT_EQ(got.found_inf, 0u);
-    EXPECT_GT(want, 0.0);
+    EXPECT_GT(want.sum_sq, 0.0);
+    if (::testing::Test::HasFailure()) return;
+
+    // Pieces: every tensor cut at random points; the pieces dealt to 1..4 "ranks" in a random order,
+    // each rank one launch; the ranks' exchange forms summed as doubles.
+    for (int trial = 0; trial < 2; ++trial) {
+      std::vector<GradTensorArgs> pieces;
+      for (const GradTensorArgs& a : args) {
+        int64_t at = 0;
+        while (at < a.numel) {
+          const int64_t len = std::min<int64_t>(a.numel - at, 1 + static_cast<int64_t>(rng() % 5000));
+          pieces.push_back(GradTensorArgs{static_cast<const uint8_t*>(a.grad) + at * static_cast<int64_t>(
+                                                                                     DTypeSize(a.dtype)),
+                                          len, a.dtype});
+          at += len;
+        }
+      }
+      std::shuffle(pieces.begin(), pieces.end(), rng);
+      const size_t ranks = 1 + rng() % 4;
+      std::vector<std::vector<GradTensorArgs>> by_rank(ranks);
+      for (const GradTensorArgs& p : pieces) by_rank[rng() % ranks].push_back(p);
+      std::vector<double> exchange(ExactSumSq::kExchangeDoubles, 0.0);
+      bool any_inf = false;
+      for (const std::vector<GradTensorArgs>& list : by_rank) {
+        GradStats part{};
+        launch(list, &part);
+        double out[ExactSumSq::kExchangeDoubles];
+        part.exact.ToExchange(out);
+        for (int i = 0; i < ExactSumSq::kExchangeDoubles; ++i) exchange[static_cast<size_t>(i)] += out[i];
+        any_inf = any_inf || part.found_inf != 0;
+      }
+      const GradStats merged = GradStatsFromExact(ExactSumSq::FromExchange(exchange.data()), any_inf);
+      EXPECT_TRUE(SameGradStats(merged, want))
+          << "data set " << data_set << ", " << ranks << " ranks: " << merged.sum_sq << " vs " << want.sum_sq;
+    }
+
     if (data_set == 0) {
+      const size_t ws_bytes = GradStatsWorkspaceBytes(args.size());
+      absl::StatusOr<DeviceBuffer> ws = device.Allocate(ws_bytes);
+      ASSERT_TRUE(ws.ok()) << ws.status();
       // NaN / Inf in a short tensor, a long one, and the last element of all.
       const size_t victims[] = {3, lengths.size() - 2, lengths.size() - 1};
       const float bad[] = {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(),
@@ -411,15 +418,25 @@ inline void CheckGradStatsAgainstCanonical(Device& device) {
         void* where = const_cast<uint8_t*>(static_cast<const uint8_t*>(a.grad)) + at * DTypeSize(a.dtype);
         FERRY_TEST_ASSERT_OK(device.Copy(saved, where, DTypeSize(a.dtype), CopyKind::kDeviceToHost));
         FERRY_TEST_ASSERT_OK(device.Copy(where, bytes, DTypeSize(a.dtype), CopyKind::kHostToDevice));
+        void* host_where = const_cast<void*>(ref[victims[v]].grad);
+        std::vector<uint8_t> host_saved(4);
+        std::memcpy(host_saved.data(), static_cast<uint8_t*>(host_where) + at * DTypeSize(a.dtype),
+                    DTypeSize(a.dtype));
+        std::memcpy(static_cast<uint8_t*>(host_where) + at * DTypeSize(a.dtype), bytes, DTypeSize(a.dtype));
         FERRY_TEST_ASSERT_OK(device.LaunchGradStats(args, ws->data(), ws_bytes, stream));
         FERRY_TEST_ASSERT_OK(stream.Synchronize());
         FERRY_TEST_ASSERT_OK(device.Copy(&got, ws->data(), sizeof(got), CopyKind::kDeviceToHost));
         EXPECT_EQ(got.found_inf, 1u) << "bad value " << bad[v] << " in tensor " << victims[v];
+        EXPECT_TRUE(SameGradStats(got, RefGradStats(ref)))  // the finite elements' exact sum, +Inf
+            << "bad value " << bad[v] << " in tensor " << victims[v];
         FERRY_TEST_ASSERT_OK(device.Copy(where, saved, DTypeSize(a.dtype), CopyKind::kHostToDevice));
+        std::memcpy(static_cast<uint8_t*>(host_where) + at * DTypeSize(a.dtype), host_saved.data(),
+                    DTypeSize(a.dtype));
       }
       FERRY_TEST_ASSERT_OK(device.LaunchGradStats({}, ws->data(), ws_bytes, stream));
       FERRY_TEST_ASSERT_OK(stream.Synchronize());
       FERRY_TEST_ASSERT_OK(device.Copy(&got, ws->data(), sizeof(got), CopyKind::kDeviceToHost));
+      EXPECT_TRUE(SameGradStats(got, RefGradStats({})));
       EXPECT_EQ(got.sum_sq, 0.0);
       EXPECT_EQ(got.found_inf, 0u);
     }

@@ -1,7 +1,8 @@
 // Tests of the CUDA backend: copies, streams, events, registration and errors on a real GPU, and the
 // kernels against the host backend bit for bit (LaunchAdam over 100 steps with every dtype pair and
 // mode, hundreds of odd-sized tensors plus one of more than 2^20 elements; LaunchAdamWith's runtime
-// inputs at every alignment; LaunchGradStats slot by slot; LaunchConvert over every 16-bit pattern and
+// inputs at every alignment; LaunchGradStats against the exact big-integer reference, every dtype and
+// magnitude, any split; LaunchConvert over every 16-bit pattern and
 // NaN/Inf/subnormal float32s). Skips when the build has no CUDA backend or no CUDA
 // device is present.
 #include <cmath>
@@ -463,7 +464,7 @@ TEST_F(CudaDeviceTest, LaunchAdamMatchesFloat64ReferenceOver1000Steps) { CheckLa
 TEST_F(CudaDeviceTest, LaunchAdamWithRuntimeInputsEqualsHostMadeScalars) { CheckAdamRuntimeInputs(*cuda_); }
 
 // The gradient check's kernels follow the canonical order: result and slots bit for bit.
-TEST_F(CudaDeviceTest, LaunchGradStatsFollowsTheCanonicalOrder) { CheckGradStatsAgainstCanonical(*cuda_); }
+TEST_F(CudaDeviceTest, LaunchGradStatsIsExact) { CheckGradStatsAgainstExact(*cuda_); }
 
 // CUDA equals the host backend bit for bit with runtime inputs, for tensors whose arrays start at every
 // offset modulo the 16-byte vectors: all arrays in phase (vector path with a head of 0..3 elements) and

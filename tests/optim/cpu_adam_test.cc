@@ -439,11 +439,11 @@ TEST_P(CpuAdamIsaTest, ParamConversionsEqualDtypeH) {
 
 // ---- the gradient check -------------------------------------------------------------------------------
 
-// The canonical sum from its definition (tests/device/adam_reference.h).
-double CanonicalSum(const std::vector<CpuGradTensor>& grads) {
+// The reference GradStats (tests/base/exact_sum_reference.h) over the tensors.
+GradStats RefStats(const std::vector<CpuGradTensor>& grads) {
   std::vector<RefGrad> ref;
   for (const CpuGradTensor& g : grads) ref.push_back(RefGrad{g.grad, g.numel, g.dtype});
-  return CanonicalSumOfSquares(ref);
+  return RefGradStats(ref);
 }
 
 struct GradSet {
@@ -469,82 +469,117 @@ GradSet MakeGrads(std::mt19937_64& rng, const std::vector<int64_t>& lengths) {
   return set;
 }
 
-// Every path and thread count computes the canonical sum bit for bit, and it is the float64 sum of
-// squares to within the rounding of its additions: each term passes through at most 16 additions per
-// chunk of its slot plus the two trees (18 levels), so the relative error is below
-// (16 * chunks_per_slot + 18) * 2^-53; with <= 8 chunks per slot here that is < 2e-14. Stated: 1e-13,
-// against a long double (64-bit mantissa) sequential sum.
-TEST_P(CpuAdamIsaTest, GradStatsAreCanonicalAndAccurate) {
+// Overwrites every other element with a value of random exponent over the dtype's whole finite range
+// (subnormals to the largest), so the sum needs all of its digits.
+void WidenMagnitudes(std::mt19937_64& rng, GradSet& set) {
+  std::uniform_real_distribution<double> unit(0.0, 1.0);
+  for (const CpuGradTensor& g : set.grads) {
+    const double lo = g.dtype == DType::kF16 ? -24.0 : -149.0, hi = g.dtype == DType::kF16 ? 16.0 : 128.0;
+    for (int64_t i = 0; i < g.numel; i += 2) {
+      float x = static_cast<float>(std::ldexp(unit(rng), static_cast<int>(lo + (hi - lo) * unit(rng))));
+      if (g.dtype == DType::kBF16 && x > 3.38e38f) x = 3.38e38f;  // stays finite in bf16
+      StoreFromF32(const_cast<void*>(g.grad), g.dtype, static_cast<size_t>(i), x);
+    }
+  }
+}
+
+// Every path, thread count and task size computes the exact sum: the whole GradStats equals the
+// big-integer reference's bit for bit, and sum_sq is within rounding of a long double sum.
+TEST_P(CpuAdamIsaTest, GradStatsAreExact) {
   const CpuAdamIsa isa = GetParam();
   FERRY_SKIP_UNLESS_SUPPORTED(isa);
   const uint64_t seed = FreshSeed();
   SCOPED_TRACE(absl::StrFormat("seed %u", seed));
   std::mt19937_64 rng(seed);
   const std::vector<std::vector<int64_t>> cases = {
+      {},
+      {0},
       {1},
       {4096},
-      {5, 0, 4095, 4097, 12289, 3},
-      {1 << 20, 77, (1 << 19) + 1, 4096 * 3000 + 5},  // > 1024 chunks: slots hold several
+      {5, 0, 4095, 4097, 12289, 3, 1},
+      {1 << 20, 77, (1 << 19) + 1, 4096 * 3000 + 5},
   };
-  for (const auto& lengths : cases) {
-    const GradSet set = MakeGrads(rng, lengths);
-    const double want = CanonicalSum(set.grads);
-    long double naive = 0;
-    for (const CpuGradTensor& g : set.grads) {
-      for (int64_t i = 0; i < g.numel; ++i) {
-        const long double x = LoadAsF32(g.grad, g.dtype, static_cast<size_t>(i));
-        naive += x * x;
+  for (int wide = 0; wide < 2; ++wide) {
+    for (const auto& lengths : cases) {
+      GradSet set = MakeGrads(rng, lengths);
+      if (wide != 0) WidenMagnitudes(rng, set);
+      const GradStats want = RefStats(set.grads);
+      // sum_sq is the exact sum rounded once (2^-53 relative); a sequential long double sum of n
+      // positive terms is within n * 2^-64 of it.
+      long double naive = 0;
+      int64_t n = 0;
+      for (const CpuGradTensor& g : set.grads) {
+        for (int64_t i = 0; i < g.numel; ++i, ++n) {
+          const long double x = LoadAsF32(g.grad, g.dtype, static_cast<size_t>(i));
+          naive += x * x;
+        }
       }
-    }
-    EXPECT_LE(std::abs(static_cast<long double>(want) - naive), 1e-13L * naive)
-        << "lengths " << lengths.size();
-    for (size_t threads : {size_t{1}, size_t{7}, ThreadPool::DefaultThreads()}) {
-      ThreadPool pool(threads);
-      CpuAdam adam = MakeAdam(&pool, isa);
-      absl::StatusOr<GradStats> got = adam.ComputeGradStats(set.grads);
-      ASSERT_TRUE(got.ok()) << got.status();
-      EXPECT_EQ(F32Bits(0), 0u);
-      EXPECT_EQ(std::memcmp(&got->sum_sq, &want, 8), 0)
-          << IsaName(isa) << " " << threads << " threads: " << got->sum_sq << " vs canonical " << want;
-      EXPECT_EQ(got->found_inf, 0u);
+      EXPECT_LE(std::abs(static_cast<long double>(want.sum_sq) - naive),
+                (std::ldexp(1.0L, -53) + static_cast<long double>(n) * std::ldexp(1.0L, -64)) * naive)
+          << "lengths " << lengths.size();
+      for (size_t threads : {size_t{1}, size_t{7}, ThreadPool::DefaultThreads()}) {
+        for (int64_t block : {int64_t{1000}, int64_t{1} << 16}) {
+          ThreadPool pool(threads);
+          CpuAdam adam = MakeAdam(&pool, isa, block);
+          absl::StatusOr<GradStats> got = adam.ComputeGradStats(set.grads);
+          ASSERT_TRUE(got.ok()) << got.status();
+          EXPECT_TRUE(SameGradStats(*got, want))
+              << IsaName(isa) << " " << threads << " threads, block " << block << ", wide " << wide << ": "
+              << got->sum_sq << " vs " << want.sum_sq;
+          EXPECT_EQ(got->found_inf, 0u);
+        }
+      }
     }
   }
 }
 
-// The per-chunk lane sums of each path equal the scalar definition lane by lane (the whole sum can hide
-// a wrong order: a lane's last-place difference is usually lost in the final additions). Lanes start at
-// random values, as they do for a slot's later chunks; the data spans 40 binades so that additions
-// round.
-TEST_P(CpuAdamIsaTest, GradChunkLanesEqualTheDefinition) {
+// The tensors cut into pieces (as ranks hold ranges of the global tensors) in a shuffled list give the
+// same GradStats; so do the pieces dealt to 1..4 "ranks", each rank's check merged through the exchange
+// form (a sum of doubles, as an all-reduce computes it).
+TEST_P(CpuAdamIsaTest, GradStatsOfAnySplitAreIdentical) {
   const CpuAdamIsa isa = GetParam();
   FERRY_SKIP_UNLESS_SUPPORTED(isa);
-  cpu_adam_internal::GradChunkFn fn = &cpu_adam_internal::GradChunkScalar;
-  switch (isa) {
-    case CpuAdamIsa::kAvx2: fn = &cpu_adam_internal::GradChunkAvx2; break;
-    case CpuAdamIsa::kAvx512:
-    case CpuAdamIsa::kAvx512Bf16: fn = &cpu_adam_internal::GradChunkAvx512; break;
-    default: break;
-  }
   const uint64_t seed = FreshSeed();
   SCOPED_TRACE(absl::StrFormat("seed %u", seed));
   std::mt19937_64 rng(seed);
-  std::uniform_real_distribution<double> unit(0.0, 1.0);
-  for (DType dt : kTypes) {
-    for (int trial = 0; trial < 20; ++trial) {
-      std::vector<uint8_t> chunk(4 * 4096 + 4);
-      uint8_t* base = chunk.data() + (trial % 2) * DTypeSize(dt);  // aligned and not
-      for (size_t i = 0; i < 4096; ++i) {
-        const float x = static_cast<float>((unit(rng) - 0.5) * std::exp2(40.0 * unit(rng) - 20.0));
-        StoreFromF32(base, dt, i, x);
+  ThreadPool pool(3);
+  CpuAdam adam = MakeAdam(&pool, isa, 5000);
+  for (int wide = 0; wide < 2; ++wide) {
+    GradSet set = MakeGrads(rng, {100000, 1, 4097, 0, 33333, 7});
+    if (wide != 0) WidenMagnitudes(rng, set);
+    absl::StatusOr<GradStats> whole = adam.ComputeGradStats(set.grads);
+    ASSERT_TRUE(whole.ok()) << whole.status();
+    ASSERT_TRUE(SameGradStats(*whole, RefStats(set.grads)));
+    for (int trial = 0; trial < 10; ++trial) {
+      std::vector<CpuGradTensor> pieces;
+      for (const CpuGradTensor& g : set.grads) {
+        for (int64_t at = 0; at < g.numel;) {
+          const int64_t len = std::min<int64_t>(g.numel - at, 1 + static_cast<int64_t>(rng() % 20000));
+          pieces.push_back(CpuGradTensor{static_cast<const uint8_t*>(g.grad) + at * static_cast<int64_t>(
+                                                                                   DTypeSize(g.dtype)),
+                                         len, g.dtype});
+          at += len;
+        }
       }
-      std::vector<double> want(256), got(256);
-      for (size_t t = 0; t < 256; ++t) want[t] = got[t] = unit(rng) * std::exp2(20.0 * unit(rng) - 10.0);
-      GradStatsAddChunk(base, dt, 0, 4096, want.data());
-      fn(base, dt, got.data());
-      for (size_t t = 0; t < 256; ++t) {
-        ASSERT_EQ(std::memcmp(&want[t], &got[t], 8), 0)
-            << IsaName(isa) << " " << DTypeName(dt) << " lane " << t << ": " << got[t] << " vs " << want[t];
+      std::shuffle(pieces.begin(), pieces.end(), rng);
+      absl::StatusOr<GradStats> got = adam.ComputeGradStats(pieces);
+      ASSERT_TRUE(got.ok()) << got.status();
+      EXPECT_TRUE(SameGradStats(*got, *whole)) << pieces.size() << " pieces";
+      const size_t ranks = 1 + rng() % 4;
+      std::vector<std::vector<CpuGradTensor>> by_rank(ranks);
+      for (const CpuGradTensor& p : pieces) by_rank[rng() % ranks].push_back(p);
+      std::vector<double> exchange(ExactSumSq::kExchangeDoubles, 0.0);
+      bool any_inf = false;
+      for (const std::vector<CpuGradTensor>& list : by_rank) {
+        absl::StatusOr<GradStats> part = adam.ComputeGradStats(list);
+        ASSERT_TRUE(part.ok()) << part.status();
+        double out[ExactSumSq::kExchangeDoubles];
+        part->exact.ToExchange(out);
+        for (int i = 0; i < ExactSumSq::kExchangeDoubles; ++i) exchange[static_cast<size_t>(i)] += out[i];
+        any_inf = any_inf || part->found_inf != 0;
       }
+      const GradStats merged = GradStatsFromExact(ExactSumSq::FromExchange(exchange.data()), any_inf);
+      EXPECT_TRUE(SameGradStats(merged, *whole)) << ranks << " ranks: " << merged.sum_sq << " vs " << whole->sum_sq;
     }
   }
 }
@@ -567,13 +602,15 @@ TEST_P(CpuAdamIsaTest, GradStatsFindNaNAndInf) {
       ASSERT_TRUE(got.ok()) << got.status();
       EXPECT_EQ(got->found_inf, 1u) << "tensor " << tensor << " element " << at << " = " << bad;
       EXPECT_FALSE(std::isfinite(got->sum_sq));
+      EXPECT_TRUE(SameGradStats(*got, RefStats(set.grads)));  // the finite elements' exact sum
     }
   }
-  // The largest finite values do not overflow the double sum.
+  // The largest finite values do not overflow the sum.
   std::vector<float> big(10000, 3.4028234e38f);
   absl::StatusOr<GradStats> got = adam.ComputeGradStats({CpuGradTensor{big.data(), 10000, DType::kF32}});
   ASSERT_TRUE(got.ok());
   EXPECT_EQ(got->found_inf, 0u);
+  EXPECT_EQ(got->sum_sq, 10000.0 * 3.4028234e38f * 3.4028234e38f);
 }
 
 // ---- the skip, unscaling and clipping -------------------------------------------------------------------
