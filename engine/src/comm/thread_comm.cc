@@ -14,15 +14,18 @@
 // once: the ranks no longer agree on which collective is which). A destroyed comm marks its rank gone:
 // every collective waiting or started afterwards returns Unavailable naming it. Calls that disagree
 // (collective, count, op, root) complete with InvalidArgument on every rank and leave the group usable.
+#include <algorithm>
+#include <chrono>
+#include <condition_variable>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
-#include "absl/synchronization/mutex.h"
-#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "base/absl_compat.h"
 #include "comm/comm_internal.h"
 #include "ferry/comm.h"
@@ -97,8 +100,11 @@ class Group {
   absl::Status Run(int rank, Call call, absl::Duration timeout, Outputs* out) {
     const std::string where =
         comm_internal::Where("threads", rank, world_, CollectiveName(call.collective));
-    const absl::Time deadline = absl::Now() + timeout;
-    absl::MutexLock lock(&mu_);
+    // The steady clock for the deadline: a wall-clock step must not shorten or stretch a wait.
+    // (Capped at a century, so that an infinite timeout does not overflow the clock.)
+    const auto deadline = std::chrono::steady_clock::now() +
+                          absl::ToChronoNanoseconds(std::min(timeout, absl::Hours(24 * 365 * 100)));
+    std::unique_lock<std::mutex> lock(mu_);
     if (absl::Status failed = Failed(where); !failed.ok()) return failed;
     const uint64_t generation = generation_;
     calls_[rank] = std::move(call);
@@ -108,14 +114,14 @@ class Group {
     } else {
       while (generation_ == generation) {
         if (absl::Status failed = Failed(where); !failed.ok()) return failed;
-        if (cv_.WaitWithDeadline(&mu_, deadline) && generation_ == generation) {
+        if (cv_.wait_until(lock, deadline) == std::cv_status::timeout && generation_ == generation) {
           std::vector<int> missing;
           for (int r = 0; r < world_; ++r)
             if (!here_[r]) missing.push_back(r);
           poisoned_ = absl::DeadlineExceededError(
               absl::StrCat(where, ": timed out after ", absl::FormatDuration(timeout),
                            "; had not arrived: ", RankList(missing)));
-          cv_.SignalAll();
+          cv_.notify_all();
           return poisoned_;
         }
       }
@@ -133,9 +139,9 @@ class Group {
 
   // `rank`'s comm is gone: every collective waiting or started afterwards fails naming it.
   void Leave(int rank) {
-    absl::MutexLock lock(&mu_);
+    std::lock_guard<std::mutex> lock(mu_);
     gone_[rank] = true;
-    cv_.SignalAll();
+    cv_.notify_all();
   }
 
  private:
@@ -184,12 +190,14 @@ class Group {
     here_.assign(world_, false);
     arrived_ = 0;
     ++generation_;
-    cv_.SignalAll();
+    cv_.notify_all();
   }
 
   const int world_;
-  absl::Mutex mu_;
-  absl::CondVar cv_;
+  // std::mutex rather than absl::Mutex: Debian's Abseil is not built for ThreadSanitizer, which then
+  // cannot see absl::Mutex and reports false races.
+  std::mutex mu_;
+  std::condition_variable cv_;
   uint64_t generation_ ABSL_GUARDED_BY(mu_) = 0;     // collectives completed
   int arrived_ ABSL_GUARDED_BY(mu_) = 0;             // in the current generation
   std::vector<bool> here_ ABSL_GUARDED_BY(mu_);      // here_[r]: r arrived in the current generation

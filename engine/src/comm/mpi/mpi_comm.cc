@@ -23,6 +23,10 @@
 // can be neither cancelled (MPI forbids cancelling collectives) nor completed, and MPI may still write
 // into their buffers: those buffers are never the caller's (every collective copies in and out of its
 // own) and are kept alive until the process exits.
+// The C API only: without these, Open MPI's and MPICH's mpi.h pull in their deprecated C++ bindings,
+// which need libmpi_cxx.
+#define OMPI_SKIP_MPICXX 1
+#define MPICH_SKIP_MPICXX 1
 #include <mpi.h>
 
 #include <algorithm>
@@ -31,15 +35,14 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <type_traits>
 #include <utility>
 #include <vector>
 
-#include "absl/base/const_init.h"
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "base/absl_compat.h"
 #include "comm/comm_internal.h"
@@ -68,7 +71,7 @@ absl::Status MpiError(absl::string_view context, int code) {
     if (mpi_rc_ != MPI_SUCCESS) return MpiError(context, mpi_rc_); \
   } while (0)
 
-ABSL_CONST_INIT absl::Mutex init_mu(absl::kConstInit);
+std::mutex init_mu;  // std::mutex, as everywhere in Ferry: TSan sees it
 
 void FinalizeAtExit() {
   int finalized = 0;
@@ -78,7 +81,7 @@ void FinalizeAtExit() {
 
 // Initialises MPI with MPI_THREAD_MULTIPLE unless someone has; finalises it at exit if we did.
 absl::Status EnsureMpiInitialized() {
-  absl::MutexLock lock(&init_mu);
+  std::lock_guard<std::mutex> lock(init_mu);
   int initialized = 0, finalized = 0;
   FERRY_MPI_CALL_("MPI_Initialized", MPI_Initialized(&initialized));
   FERRY_MPI_CALL_("MPI_Finalized", MPI_Finalized(&finalized));
@@ -157,11 +160,11 @@ struct Pending {
 };
 
 // Where the Pending of collectives that timed out go: alive until the process exits.
-ABSL_CONST_INIT absl::Mutex graveyard_mu(absl::kConstInit);
+std::mutex graveyard_mu;
 std::vector<std::unique_ptr<Pending>>* graveyard ABSL_GUARDED_BY(graveyard_mu) = nullptr;
 
 void Bury(std::unique_ptr<Pending> p) {
-  absl::MutexLock lock(&graveyard_mu);
+  std::lock_guard<std::mutex> lock(graveyard_mu);
   if (graveyard == nullptr) graveyard = new std::vector<std::unique_ptr<Pending>>();
   graveyard->push_back(std::move(p));
 }
