@@ -15,12 +15,16 @@ extern "C" {
 
 typedef enum {
   FERRY_OK = 0,
+  FERRY_UNKNOWN = 2,
   FERRY_INVALID_ARGUMENT = 3,
+  FERRY_DEADLINE_EXCEEDED = 4,
   FERRY_NOT_FOUND = 5,
   FERRY_ALREADY_EXISTS = 6,
   FERRY_RESOURCE_EXHAUSTED = 8,
   FERRY_FAILED_PRECONDITION = 9,
+  FERRY_UNIMPLEMENTED = 12,
   FERRY_INTERNAL = 13,
+  FERRY_UNAVAILABLE = 14,
   FERRY_DATA_LOSS = 15
   /* any other absl::StatusCode value may also be returned */
 } ferry_status;
@@ -28,6 +32,38 @@ typedef enum {
 typedef enum { FERRY_F32 = 0, FERRY_BF16 = 1, FERRY_F16 = 2 } ferry_dtype;
 
 typedef struct ferry_engine ferry_engine;
+
+/* ---- the trainer's collectives (ferry::CommCallbacks in ferry/comm.h) -----------------------------
+ * A C trainer hands Ferry its own collectives (NCCL, gloo, MPI, ...) as functions. Every function
+ * gets `user` back, the timeout in seconds (which it should honour), and a buffer `err` of `err_len`
+ * bytes for a NUL-terminated message. It returns 0 on success; on failure a nonzero value (a
+ * ferry_status code such as FERRY_DEADLINE_EXCEEDED or FERRY_UNAVAILABLE keeps its meaning; any other
+ * nonzero value reads as FERRY_UNKNOWN) with a message naming what failed written to `err`.
+ * Ferry calls the functions of one ferry_comm_callbacks from one thread at a time; `user` and the
+ * functions must stay valid as long as the engine that uses them. */
+typedef enum { FERRY_REDUCE_SUM = 0, FERRY_REDUCE_MAX = 1, FERRY_REDUCE_MIN = 2 } ferry_reduce_op;
+
+typedef struct ferry_comm_callbacks ferry_comm_callbacks;
+struct ferry_comm_callbacks {
+  void* user;     /* passed back to every function */
+  int rank;       /* this process's rank, in [0, world_size) */
+  int world_size; /* >= 1 */
+  /* Required. values[0..n) reduced element-wise across ranks, in place; op is a ferry_reduce_op. */
+  int (*all_reduce)(void* user, double* values, size_t n, int op, double timeout_s, char* err, size_t err_len);
+  /* Required. Every rank contributes `bytes` bytes (the same count on every rank); `out` receives
+   * world_size * bytes, rank r's at out + r * bytes. */
+  int (*all_gather)(void* user, const void* mine, size_t bytes, void* out, double timeout_s, char* err,
+                    size_t err_len);
+  /* Optional (NULL: built from all_reduce). */
+  int (*barrier)(void* user, double timeout_s, char* err, size_t err_len);
+  /* Optional (NULL: built from all_gather). The root's data[0..bytes) replaces every other rank's;
+   * every rank passes the same `bytes`. */
+  int (*broadcast)(void* user, void* data, size_t bytes, int root, double timeout_s, char* err, size_t err_len);
+  /* Optional (NULL: Ferry cannot run collectives from a second thread). Collective: fills `out` with
+   * callbacks over a new communicator of the same ranks, independent of this one's (for example
+   * ncclCommSplit or MPI_Comm_dup), with the same rank and world_size. */
+  int (*duplicate)(void* user, double timeout_s, ferry_comm_callbacks* out, char* err, size_t err_len);
+};
 
 typedef struct {
   const char* policy_path;              /* NULL or "": every group on the GPU */

@@ -30,9 +30,12 @@ set -euo pipefail
 #   nlohmann-json3-dev   checkpoint manifests
 #   libxxhash-dev        checkpoint checksums
 #   clang libclang-rt-dev  libFuzzer, for the bounded fuzz run of the checkpoint parsers in `make test`
+#   libopenmpi-dev openmpi-bin  the MPI comm and its mpirun tests (optional to the build: without MPI
+#                        CMake leaves the MPI comm out; installed here so that CI runs those tests)
 readonly REQUIRED=(
   build-essential cmake ninja-build pkg-config libluajit-5.1-dev libabsl-dev libnuma-dev
   libgtest-dev libgmock-dev nlohmann-json3-dev libxxhash-dev clang libclang-rt-dev
+  libopenmpi-dev openmpi-bin
 )
 
 dry_run=0

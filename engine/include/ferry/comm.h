@@ -113,8 +113,12 @@ absl::StatusOr<std::unique_ptr<Comm>> MakeCallbackComm(CommCallbacks callbacks);
 // True when this build includes the MPI implementation.
 bool BuiltWithMpi();
 
-// MPI_COMM_WORLD (initialising MPI with MPI_THREAD_MULTIPLE if nobody has; finalised at exit if
-// initialised here). Unimplemented in a build without MPI.
+// A duplicate of MPI_COMM_WORLD (MPI_Comm_dup: collective and blocking, so every process calls it),
+// initialising MPI with MPI_THREAD_MULTIPLE if nobody has (and then finalising it at exit). Its
+// collectives are non-blocking MPI operations polled until the timeout, so none blocks past it, and a
+// DeadlineExceeded names the ranks that had not arrived; they check that every rank made the same call
+// (InvalidArgument otherwise). Duplicate needs MPI initialised with MPI_THREAD_MULTIPLE
+// (FailedPrecondition otherwise). Unimplemented in a build without MPI (see BuiltWithMpi).
 absl::StatusOr<std::unique_ptr<Comm>> MakeMpiComm();
 
 }  // namespace ferry

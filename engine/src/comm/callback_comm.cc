@@ -154,7 +154,7 @@ class CallbackComm final : public Comm {
     const size_t slot = kSizeBytes + static_cast<size_t>(max_size);
     std::string in(slot, '\0'), out(slot * world, '\0');
     PutSize(mine.size(), in.data());
-    std::memcpy(in.data() + kSizeBytes, mine.data(), mine.size());
+    if (!mine.empty()) std::memcpy(in.data() + kSizeBytes, mine.data(), mine.size());  // data() may be null
     FERRY_RETURN_IF_ERROR(op.Check(absl::StrCat("all_gather of ", world, " x ", slot, " bytes"),
                                cb_.all_gather(in.data(), slot, out.data(), op.Left())));
     for (int r = 0; r < world; ++r) {

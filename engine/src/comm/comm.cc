@@ -44,6 +44,46 @@ void ReduceInto(ReduceOp op, absl::Span<const double> in, absl::Span<double> acc
   }
 }
 
+absl::string_view CollectiveName(Collective c) {
+  switch (c) {
+    case Collective::kBarrier: return "Barrier";
+    case Collective::kAllReduce: return "AllReduce";
+    case Collective::kAllGather: return "AllGather";
+    case Collective::kBroadcast: return "Broadcast";
+    case Collective::kDuplicate: return "Duplicate";
+  }
+  return "an unknown collective";
+}
+
+std::string DescribeCall(const CallShape& call) {
+  switch (call.collective) {
+    case Collective::kAllReduce:
+      return absl::StrCat("AllReduce of ", call.count, " values (", ToAbsl(ReduceOpName(call.op)), ")");
+    case Collective::kBroadcast: return absl::StrCat("Broadcast from root ", call.root);
+    default: return std::string(CollectiveName(call.collective));
+  }
+}
+
+absl::Status CheckCallsAgree(absl::Span<const CallShape> calls) {
+  const int world = static_cast<int>(calls.size());
+  const CallShape& first = calls[0];
+  for (int r = 1; r < world; ++r) {
+    const CallShape& c = calls[r];
+    bool agree = c.collective == first.collective;
+    if (agree && c.collective == Collective::kAllReduce) agree = c.count == first.count && c.op == first.op;
+    if (agree && c.collective == Collective::kBroadcast) agree = c.root == first.root;
+    if (!agree) {
+      return absl::InvalidArgumentError(absl::StrCat(RankName(r, world), " called ", DescribeCall(c), " but ",
+                                                     RankName(0, world), " called ", DescribeCall(first)));
+    }
+  }
+  if (first.collective == Collective::kBroadcast && (first.root < 0 || first.root >= world)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("every rank called Broadcast from root ", first.root, ", outside [0, ", world, ")"));
+  }
+  return absl::OkStatus();
+}
+
 double Seconds(absl::Duration d) { return std::max(0.0, absl::ToDoubleSeconds(d)); }
 
 void PutSize(uint64_t v, char* out) {

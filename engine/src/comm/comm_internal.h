@@ -2,6 +2,7 @@
 #ifndef FERRY_COMM_COMM_INTERNAL_H_
 #define FERRY_COMM_COMM_INTERNAL_H_
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -24,6 +25,27 @@ std::string Where(absl::string_view kind, int rank, int world_size, absl::string
 
 // `s` with the same code and "<prefix>: " before its message. REQUIRES: !s.ok().
 absl::Status Prefixed(absl::string_view prefix, const absl::Status& s);
+
+enum class Collective : uint8_t { kBarrier = 1, kAllReduce, kAllGather, kBroadcast, kDuplicate };
+// "Barrier", "AllReduce", ...
+absl::string_view CollectiveName(Collective c);
+
+// What one rank asked for, as far as the ranks must agree on it.
+struct CallShape {
+  Collective collective = Collective::kBarrier;
+  ReduceOp op = ReduceOp::kSum;  // AllReduce
+  int64_t count = 0;             // AllReduce: values (AllGather, Broadcast: bytes, free to differ)
+  int64_t root = 0;              // Broadcast
+};
+
+// "AllReduce of 3 values (sum)", "Broadcast from root 1", "AllGather".
+std::string DescribeCall(const CallShape& call);
+
+// OK when every rank's call (calls[r] is rank r's) agrees with rank 0's: the same collective, and the
+// same count and op for AllReduce, the same root, in range, for Broadcast. Else InvalidArgument naming
+// the first rank that differs ("rank 2 of 3 called AllReduce of 3 values (sum) but rank 0 of 3 called
+// AllReduce of 2 values (sum)"): the same Status on every rank that checks the same calls.
+absl::Status CheckCallsAgree(absl::Span<const CallShape> calls);
 
 // acc[i] = op(acc[i], in[i]) for every i. REQUIRES: acc.size() == in.size().
 void ReduceInto(ReduceOp op, absl::Span<const double> in, absl::Span<double> acc);

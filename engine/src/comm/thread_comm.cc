@@ -14,15 +14,18 @@
 // once: the ranks no longer agree on which collective is which). A destroyed comm marks its rank gone:
 // every collective waiting or started afterwards returns Unavailable naming it. Calls that disagree
 // (collective, count, op, root) complete with InvalidArgument on every rank and leave the group usable.
+#include <algorithm>
+#include <chrono>
+#include <condition_variable>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
-#include "absl/synchronization/mutex.h"
-#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "base/absl_compat.h"
 #include "comm/comm_internal.h"
 #include "ferry/comm.h"
@@ -30,50 +33,18 @@
 namespace ferry {
 namespace {
 
+using comm_internal::CallShape;
+using comm_internal::Collective;
 using comm_internal::Prefixed;
 using comm_internal::RankList;
-using comm_internal::RankName;
-
-enum class Collective : uint8_t { kBarrier, kAllReduce, kAllGather, kBroadcast, kDuplicate };
-
-const char* CollectiveName(Collective c) {
-  switch (c) {
-    case Collective::kBarrier: return "Barrier";
-    case Collective::kAllReduce: return "AllReduce";
-    case Collective::kAllGather: return "AllGather";
-    case Collective::kBroadcast: return "Broadcast";
-    case Collective::kDuplicate: return "Duplicate";
-  }
-  return "unknown collective";
-}
+using comm_internal::CollectiveName;
 
 // One rank's call: what it asked for, and its input.
 struct Call {
-  Collective collective = Collective::kBarrier;
-  ReduceOp op = ReduceOp::kSum;  // AllReduce
-  int root = 0;                  // Broadcast
-  std::vector<double> values;    // AllReduce
-  std::string blob;              // AllGather: mine; Broadcast: root's blob
+  CallShape shape;
+  std::vector<double> values;  // AllReduce
+  std::string blob;            // AllGather: mine; Broadcast: the root's blob
 };
-
-// "AllReduce of 3 values (sum)", "Broadcast from root 1", "AllGather".
-std::string Describe(const Call& c) {
-  switch (c.collective) {
-    case Collective::kAllReduce:
-      return absl::StrCat("AllReduce of ", c.values.size(), " values (", ToAbsl(ReduceOpName(c.op)), ")");
-    case Collective::kBroadcast: return absl::StrCat("Broadcast from root ", c.root);
-    default: return CollectiveName(c.collective);
-  }
-}
-
-bool Agree(const Call& a, const Call& b) {
-  if (a.collective != b.collective) return false;
-  switch (a.collective) {
-    case Collective::kAllReduce: return a.values.size() == b.values.size() && a.op == b.op;
-    case Collective::kBroadcast: return a.root == b.root;
-    default: return true;
-  }
-}
 
 class Group;
 
@@ -96,9 +67,12 @@ class Group {
   // Runs `call` as `rank`'s part of the current collective; fills *out on success.
   absl::Status Run(int rank, Call call, absl::Duration timeout, Outputs* out) {
     const std::string where =
-        comm_internal::Where("threads", rank, world_, CollectiveName(call.collective));
-    const absl::Time deadline = absl::Now() + timeout;
-    absl::MutexLock lock(&mu_);
+        comm_internal::Where("threads", rank, world_, CollectiveName(call.shape.collective));
+    // The steady clock for the deadline: a wall-clock step must not shorten or stretch a wait.
+    // (Capped at a century, so that an infinite timeout does not overflow the clock.)
+    const auto deadline = std::chrono::steady_clock::now() +
+                          absl::ToChronoNanoseconds(std::min(timeout, absl::Hours(24 * 365 * 100)));
+    std::unique_lock<std::mutex> lock(mu_);
     if (absl::Status failed = Failed(where); !failed.ok()) return failed;
     const uint64_t generation = generation_;
     calls_[rank] = std::move(call);
@@ -108,20 +82,20 @@ class Group {
     } else {
       while (generation_ == generation) {
         if (absl::Status failed = Failed(where); !failed.ok()) return failed;
-        if (cv_.WaitWithDeadline(&mu_, deadline) && generation_ == generation) {
+        if (cv_.wait_until(lock, deadline) == std::cv_status::timeout && generation_ == generation) {
           std::vector<int> missing;
           for (int r = 0; r < world_; ++r)
             if (!here_[r]) missing.push_back(r);
           poisoned_ = absl::DeadlineExceededError(
               absl::StrCat(where, ": timed out after ", absl::FormatDuration(timeout),
                            "; had not arrived: ", RankList(missing)));
-          cv_.SignalAll();
+          cv_.notify_all();
           return poisoned_;
         }
       }
     }
     if (!result_.ok()) return Prefixed(where, result_);
-    switch (calls_[rank].collective) {  // this rank's slot is untouched until it calls again
+    switch (calls_[rank].shape.collective) {  // this rank's slot is untouched until it calls again
       case Collective::kAllReduce: out->values = result_values_; break;
       case Collective::kAllGather: out->blobs = result_blobs_; break;
       case Collective::kBroadcast: out->blobs = {result_blobs_[0]}; break;
@@ -133,9 +107,9 @@ class Group {
 
   // `rank`'s comm is gone: every collective waiting or started afterwards fails naming it.
   void Leave(int rank) {
-    absl::MutexLock lock(&mu_);
+    std::lock_guard<std::mutex> lock(mu_);
     gone_[rank] = true;
-    cv_.SignalAll();
+    cv_.notify_all();
   }
 
  private:
@@ -153,24 +127,17 @@ class Group {
 
   // The last rank arrived: check that the calls agree, compute the results, start a new generation.
   void Complete() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    result_ = absl::OkStatus();
-    const Call& first = calls_[0];
-    for (int r = 1; r < world_ && result_.ok(); ++r) {
-      if (!Agree(first, calls_[r])) {
-        result_ = absl::InvalidArgumentError(absl::StrCat(RankName(r, world_), " called ", Describe(calls_[r]),
-                                                          " but ", RankName(0, world_), " called ",
-                                                          Describe(first)));
-      }
-    }
-    if (result_.ok() && first.collective == Collective::kBroadcast && (first.root < 0 || first.root >= world_)) {
-      result_ = absl::InvalidArgumentError(
-          absl::StrCat("every rank called Broadcast from root ", first.root, ", outside [0, ", world_, ")"));
-    }
+    std::vector<CallShape> shapes;
+    for (const Call& c : calls_) shapes.push_back(c.shape);
+    result_ = comm_internal::CheckCallsAgree(shapes);
+    const CallShape& first = calls_[0].shape;
     if (result_.ok()) {
       switch (first.collective) {
         case Collective::kAllReduce:
-          result_values_ = first.values;
-          for (int r = 1; r < world_; ++r) comm_internal::ReduceInto(first.op, calls_[r].values, absl::MakeSpan(result_values_));
+          result_values_ = calls_[0].values;
+          for (int r = 1; r < world_; ++r) {
+            comm_internal::ReduceInto(first.op, calls_[r].values, absl::MakeSpan(result_values_));
+          }
           break;
         case Collective::kAllGather:
           result_blobs_.resize(world_);
@@ -184,12 +151,14 @@ class Group {
     here_.assign(world_, false);
     arrived_ = 0;
     ++generation_;
-    cv_.SignalAll();
+    cv_.notify_all();
   }
 
   const int world_;
-  absl::Mutex mu_;
-  absl::CondVar cv_;
+  // std::mutex rather than absl::Mutex: Debian's Abseil is not built for ThreadSanitizer, which then
+  // cannot see absl::Mutex and reports false races.
+  std::mutex mu_;
+  std::condition_variable cv_;
   uint64_t generation_ ABSL_GUARDED_BY(mu_) = 0;     // collectives completed
   int arrived_ ABSL_GUARDED_BY(mu_) = 0;             // in the current generation
   std::vector<bool> here_ ABSL_GUARDED_BY(mu_);      // here_[r]: r arrived in the current generation
@@ -215,13 +184,14 @@ class ThreadComm final : public Comm {
 
   absl::Status Barrier(absl::Duration timeout) override {
     Outputs out;
-    return group_->Run(rank_, Call{.collective = Collective::kBarrier}, timeout, &out);
+    return group_->Run(rank_, Call{.shape = {.collective = Collective::kBarrier}}, timeout, &out);
   }
 
   absl::Status AllReduce(absl::Span<double> values, ReduceOp op, absl::Duration timeout) override {
     Outputs out;
     absl::Status s = group_->Run(
-        rank_, Call{.collective = Collective::kAllReduce, .op = op, .values = {values.begin(), values.end()}},
+        rank_, Call{.shape = {.collective = Collective::kAllReduce, .op = op, .count = static_cast<int64_t>(values.size())},
+             .values = {values.begin(), values.end()}},
         timeout, &out);
     if (s.ok()) std::copy(out.values.begin(), out.values.end(), values.begin());
     return s;
@@ -230,14 +200,14 @@ class ThreadComm final : public Comm {
   absl::StatusOr<std::vector<std::string>> AllGather(std::string_view mine, absl::Duration timeout) override {
     Outputs out;
     absl::Status s =
-        group_->Run(rank_, Call{.collective = Collective::kAllGather, .blob = std::string(mine)}, timeout, &out);
+        group_->Run(rank_, Call{.shape = {.collective = Collective::kAllGather}, .blob = std::string(mine)}, timeout, &out);
     if (!s.ok()) return s;
     return std::move(out.blobs);
   }
 
   absl::Status Broadcast(std::string* blob, int root, absl::Duration timeout) override {
     Outputs out;
-    Call call{.collective = Collective::kBroadcast, .root = root};
+    Call call{.shape = {.collective = Collective::kBroadcast, .root = root}};
     if (root == rank_) call.blob = *blob;  // only the root's input is used
     absl::Status s = group_->Run(rank_, std::move(call), timeout, &out);
     if (s.ok()) *blob = std::move(out.blobs[0]);
@@ -246,7 +216,7 @@ class ThreadComm final : public Comm {
 
   absl::StatusOr<std::unique_ptr<Comm>> Duplicate(absl::Duration timeout) override {
     Outputs out;
-    absl::Status s = group_->Run(rank_, Call{.collective = Collective::kDuplicate}, timeout, &out);
+    absl::Status s = group_->Run(rank_, Call{.shape = {.collective = Collective::kDuplicate}}, timeout, &out);
     if (!s.ok()) return s;
     return std::unique_ptr<Comm>(std::make_unique<ThreadComm>(std::move(out.duplicate), rank_));
   }

@@ -23,6 +23,10 @@
 // can be neither cancelled (MPI forbids cancelling collectives) nor completed, and MPI may still write
 // into their buffers: those buffers are never the caller's (every collective copies in and out of its
 // own) and are kept alive until the process exits.
+// The C API only: without these, Open MPI's and MPICH's mpi.h pull in their deprecated C++ bindings,
+// which need libmpi_cxx.
+#define OMPI_SKIP_MPICXX 1
+#define MPICH_SKIP_MPICXX 1
 #include <mpi.h>
 
 #include <algorithm>
@@ -31,15 +35,14 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <type_traits>
 #include <utility>
 #include <vector>
 
-#include "absl/base/const_init.h"
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "base/absl_compat.h"
 #include "comm/comm_internal.h"
@@ -49,6 +52,9 @@
 namespace ferry {
 namespace {
 
+using comm_internal::CallShape;
+using comm_internal::Collective;
+using comm_internal::DescribeCall;
 using comm_internal::Prefixed;
 using comm_internal::RankList;
 using comm_internal::RankName;
@@ -68,7 +74,7 @@ absl::Status MpiError(absl::string_view context, int code) {
     if (mpi_rc_ != MPI_SUCCESS) return MpiError(context, mpi_rc_); \
   } while (0)
 
-ABSL_CONST_INIT absl::Mutex init_mu(absl::kConstInit);
+std::mutex init_mu;  // std::mutex, as everywhere in Ferry: TSan sees it
 
 void FinalizeAtExit() {
   int finalized = 0;
@@ -78,7 +84,7 @@ void FinalizeAtExit() {
 
 // Initialises MPI with MPI_THREAD_MULTIPLE unless someone has; finalises it at exit if we did.
 absl::Status EnsureMpiInitialized() {
-  absl::MutexLock lock(&init_mu);
+  std::lock_guard<std::mutex> lock(init_mu);
   int initialized = 0, finalized = 0;
   FERRY_MPI_CALL_("MPI_Initialized", MPI_Initialized(&initialized));
   FERRY_MPI_CALL_("MPI_Finalized", MPI_Finalized(&finalized));
@@ -91,21 +97,9 @@ absl::Status EnsureMpiInitialized() {
   return absl::OkStatus();
 }
 
-enum Collective : int64_t { kBarrier = 1, kAllReduce, kAllGather, kBroadcast, kDuplicate };
-
-const char* CollectiveName(int64_t c) {
-  switch (c) {
-    case kBarrier: return "Barrier";
-    case kAllReduce: return "AllReduce";
-    case kAllGather: return "AllGather";
-    case kBroadcast: return "Broadcast";
-    case kDuplicate: return "Duplicate";
-  }
-  return "an unknown collective";
-}
-
-// One rank's call, as the arrival exchange sends it (kArrivalInts MPI_INT64_T). `count`: AllReduce's
-// number of values, AllGather's blob size, Broadcast's blob size (the root's is the one used).
+// One rank's call, as the arrival exchange sends it (kArrivalInts MPI_INT64_T): a CallShape with a
+// sequence number. `count`: AllReduce's number of values, AllGather's blob size, Broadcast's blob size
+// (the root's is the one used).
 struct Arrival {
   int64_t seq = 0;
   int64_t collective = 0;
@@ -114,26 +108,13 @@ struct Arrival {
   int64_t root = 0;
 };
 constexpr int kArrivalInts = 5;
+constexpr int64_t Int(Collective c) { return static_cast<int64_t>(c); }
 static_assert(sizeof(Arrival) == kArrivalInts * sizeof(int64_t));
 constexpr int kArrivalTag = 0x4665;  // "Fe"
 
-std::string Describe(const Arrival& a) {
-  switch (a.collective) {
-    case kAllReduce:
-      return absl::StrCat("AllReduce of ", a.count, " values (",
-                          ToAbsl(ReduceOpName(static_cast<ReduceOp>(a.op))), ")");
-    case kBroadcast: return absl::StrCat("Broadcast from root ", a.root);
-    default: return CollectiveName(a.collective);
-  }
-}
-
-bool Agree(const Arrival& a, const Arrival& b) {
-  if (a.collective != b.collective) return false;
-  switch (a.collective) {
-    case kAllReduce: return a.count == b.count && a.op == b.op;
-    case kBroadcast: return a.root == b.root;
-    default: return true;
-  }
+CallShape ShapeOf(const Arrival& a) {
+  return {.collective = static_cast<Collective>(a.collective), .op = static_cast<ReduceOp>(a.op),
+          .count = a.count, .root = a.root};
 }
 
 MPI_Op MpiOp(ReduceOp op) {
@@ -157,11 +138,11 @@ struct Pending {
 };
 
 // Where the Pending of collectives that timed out go: alive until the process exits.
-ABSL_CONST_INIT absl::Mutex graveyard_mu(absl::kConstInit);
+std::mutex graveyard_mu;
 std::vector<std::unique_ptr<Pending>>* graveyard ABSL_GUARDED_BY(graveyard_mu) = nullptr;
 
 void Bury(std::unique_ptr<Pending> p) {
-  absl::MutexLock lock(&graveyard_mu);
+  std::lock_guard<std::mutex> lock(graveyard_mu);
   if (graveyard == nullptr) graveyard = new std::vector<std::unique_ptr<Pending>>();
   graveyard->push_back(std::move(p));
 }
@@ -214,7 +195,7 @@ class MpiComm final : public Comm {
   std::string_view kind() const override { return "mpi"; }
 
   absl::Status Barrier(absl::Duration timeout) override {
-    return Run({.collective = kBarrier}, timeout, [&](Pending& p) {
+    return Run({.collective = Int(Collective::kBarrier)}, timeout, [&](Pending& p) {
       FERRY_MPI_CALL_("MPI_Ibarrier", MPI_Ibarrier(comm_, &p.request));
       return absl::OkStatus();
     }, nullptr);
@@ -227,7 +208,7 @@ class MpiComm final : public Comm {
     }
     const int n = static_cast<int>(values.size());
     return Run(
-        {.collective = kAllReduce, .op = static_cast<int64_t>(op), .count = n}, timeout,
+        {.collective = Int(Collective::kAllReduce), .op = static_cast<int64_t>(op), .count = n}, timeout,
         [&](Pending& p) {
           p.values.assign(values.begin(), values.end());
           FERRY_MPI_CALL_("MPI_Iallreduce", MPI_Iallreduce(MPI_IN_PLACE, p.values.data(), n, MPI_DOUBLE,
@@ -244,7 +225,7 @@ class MpiComm final : public Comm {
     }
     std::vector<std::string> all(world_);
     absl::Status s = Run(
-        {.collective = kAllGather, .count = static_cast<int64_t>(mine.size())}, timeout,
+        {.collective = Int(Collective::kAllGather), .count = static_cast<int64_t>(mine.size())}, timeout,
         [&](Pending& p) -> absl::Status {
           int64_t total = 0;
           for (const Arrival& a : p.arrivals) {
@@ -278,7 +259,7 @@ class MpiComm final : public Comm {
                                                      " bytes, more than MPI's int count allows"));
     }
     return Run(
-        {.collective = kBroadcast, .count = static_cast<int64_t>(blob->size()), .root = root}, timeout,
+        {.collective = Int(Collective::kBroadcast), .count = static_cast<int64_t>(blob->size()), .root = root}, timeout,
         [&](Pending& p) {
           const int64_t size = p.arrivals[root].count;
           if (size == 0) return absl::OkStatus();
@@ -301,7 +282,7 @@ class MpiComm final : public Comm {
           "MakeMpiComm initialise it, with an MPI library that supports it"));
     }
     MPI_Comm dup = MPI_COMM_NULL;
-    FERRY_RETURN_IF_ERROR(Run({.collective = kDuplicate}, timeout, [&](Pending& p) {
+    FERRY_RETURN_IF_ERROR(Run({.collective = Int(Collective::kDuplicate)}, timeout, [&](Pending& p) {
       FERRY_MPI_CALL_("MPI_Comm_idup", MPI_Comm_idup(comm_, &p.duplicate, &p.request));
       return absl::OkStatus();
     }, [&](Pending& p) { dup = p.duplicate; }));
@@ -318,7 +299,7 @@ class MpiComm final : public Comm {
   // Every failure names this rank and the collective; timeouts and MPI errors poison the comm.
   template <typename Start, typename Finish>
   absl::Status Run(Arrival mine, absl::Duration timeout, Start start, Finish finish) {
-    const std::string where = Where(CollectiveName(mine.collective));
+    const std::string where = Where(comm_internal::CollectiveName(ShapeOf(mine).collective));
     if (!poisoned_.ok()) return Prefixed(absl::StrCat(where, ": unusable after an earlier failure"), poisoned_);
     const absl::Time deadline = absl::Now() + timeout;
     auto p = std::make_unique<Pending>();
@@ -372,25 +353,17 @@ class MpiComm final : public Comm {
     // Our descriptor reached every peer that posted its receive; the sends complete at once (40 bytes).
     FERRY_ASSIGN_OR_RETURN(bool sent, PollUntil(absl::MakeSpan(p.sends), deadline, "arrival sends"));
     if (!sent) return absl::DeadlineExceededError("timed out sending this rank's arrival");
+    std::vector<CallShape> shapes;
     for (int r = 0; r < world_; ++r) {
       if (p.arrivals[r].seq != mine.seq) {
         return absl::InternalError(absl::StrCat(RankName(r, world_), " is at collective #", p.arrivals[r].seq,
-                                                ", this rank at #", mine.seq, " (", Describe(p.arrivals[r]),
-                                                " there, ", Describe(mine), " here)"));
+                                                ", this rank at #", mine.seq, " (",
+                                                DescribeCall(ShapeOf(p.arrivals[r])), " there, ",
+                                                DescribeCall(ShapeOf(mine)), " here)"));
       }
+      shapes.push_back(ShapeOf(p.arrivals[r]));
     }
-    for (int r = 1; r < world_; ++r) {
-      if (!Agree(p.arrivals[0], p.arrivals[r])) {
-        return absl::InvalidArgumentError(absl::StrCat(RankName(r, world_), " called ", Describe(p.arrivals[r]),
-                                                       " but ", RankName(0, world_), " called ",
-                                                       Describe(p.arrivals[0])));
-      }
-    }
-    if (mine.collective == kBroadcast && (mine.root < 0 || mine.root >= world_)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("every rank called Broadcast from root ", mine.root, ", outside [0, ", world_, ")"));
-    }
-    return absl::OkStatus();
+    return comm_internal::CheckCallsAgree(shapes);
   }
 
   MPI_Comm comm_;
