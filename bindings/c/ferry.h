@@ -74,7 +74,17 @@ typedef struct {
   int adamw;                            /* 1: decoupled decay (AdamW); 0: Adam with L2 */
   const char* device;                   /* NULL, "host" or "cuda" */
   size_t transfer_chunk_bytes;
+  /* Several ranks (ferry::EngineOptions::comm): FERRY_COMM_SINGLE (the default), FERRY_COMM_MPI
+   * (MPI_COMM_WORLD; rank and world_size are taken from it) or FERRY_COMM_CALLBACKS (the trainer's
+   * collectives in comm_callbacks, copied at create; their functions and user must outlive the
+   * engine). */
+  int comm_kind;
+  const ferry_comm_callbacks* comm_callbacks;
+  double collective_timeout_s;          /* 0: the default (300 s) */
+  double checkpoint_timeout_s;          /* 0: the default (3600 s) */
 } ferry_engine_options;
+
+enum { FERRY_COMM_SINGLE = 0, FERRY_COMM_MPI = 1, FERRY_COMM_CALLBACKS = 2 };
 
 /* Fills `options` with the defaults of ferry::EngineOptions. */
 void ferry_engine_options_init(ferry_engine_options* options);
@@ -88,6 +98,14 @@ void ferry_engine_destroy(ferry_engine* engine); /* NULL is allowed */
 /* `group` NULL or "" = the param's own name. */
 ferry_status ferry_add_param(ferry_engine* engine, const char* name, const char* group, const int64_t* shape,
                              size_t ndim, ferry_dtype dtype, void* param, void* grad);
+/* A local shard (several ranks): `shape` is the global shape, and this rank holds elements
+ * [shard_begin, shard_end) of the flattened global tensor, which `param` and `grad` point to (NULL
+ * allowed for an empty range). ferry_add_param is the whole tensor. */
+ferry_status ferry_add_param_shard(ferry_engine* engine, const char* name, const char* group, const int64_t* shape,
+                                   size_t ndim, ferry_dtype dtype, void* param, void* grad, int64_t shard_begin,
+                                   int64_t shard_end);
+/* Several ranks: this engine's rank and world size. */
+ferry_status ferry_rank(ferry_engine* engine, int* rank, int* world_size);
 ferry_status ferry_finalize(ferry_engine* engine);
 /* lr < 0: the configured learning rate. stream: a cudaStream_t or NULL. */
 ferry_status ferry_step(ferry_engine* engine, float lr, void* stream);

@@ -1,4 +1,5 @@
 #include "c/ferry.h"
+#include "c/c_comm.h"
 
 #include <cstring>
 #include <map>
@@ -10,6 +11,8 @@
 
 struct ferry_engine {
   std::unique_ptr<ferry::Engine> engine;
+  int rank = 0;
+  int world_size = 1;
 };
 
 namespace {
@@ -66,9 +69,37 @@ ferry_status ferry_engine_create(const ferry_engine_options* options, ferry_engi
   o.optimizer.adamw = options->adamw != 0;
   if (options->device != nullptr) o.device = options->device;
   if (options->transfer_chunk_bytes != 0) o.transfer_chunk_bytes = options->transfer_chunk_bytes;
+  if (options->collective_timeout_s > 0) o.collective_timeout = absl::Seconds(options->collective_timeout_s);
+  if (options->checkpoint_timeout_s > 0) o.checkpoint_timeout = absl::Seconds(options->checkpoint_timeout_s);
+  switch (options->comm_kind) {
+    case FERRY_COMM_SINGLE:
+      break;
+    case FERRY_COMM_MPI: {
+      absl::StatusOr<std::unique_ptr<ferry::Comm>> comm = ferry::MakeMpiComm();
+      if (!comm.ok()) return Report(comm.status());
+      o.comm = std::move(*comm);
+      break;
+    }
+    case FERRY_COMM_CALLBACKS: {
+      if (options->comm_callbacks == nullptr) {
+        return Report(absl::InvalidArgumentError("ferry_engine_create: comm_kind is FERRY_COMM_CALLBACKS but comm_callbacks is NULL"));
+      }
+      absl::StatusOr<std::unique_ptr<ferry::Comm>> comm = ferry::CommFromCallbacks(*options->comm_callbacks);
+      if (!comm.ok()) return Report(comm.status());
+      o.comm = std::move(*comm);
+      break;
+    }
+    default:
+      return Report(absl::InvalidArgumentError("ferry_engine_create: unknown comm_kind " +
+                                               std::to_string(options->comm_kind)));
+  }
+  if (o.comm != nullptr) {
+    o.rank = o.comm->rank();
+    o.world_size = o.comm->world_size();
+  }
   absl::StatusOr<std::unique_ptr<ferry::Engine>> e = ferry::Engine::Create(o);
   if (!e.ok()) return Report(e.status());
-  *out = new ferry_engine{*std::move(e)};
+  *out = new ferry_engine{*std::move(e), o.rank, o.world_size};
   return Report(absl::OkStatus());
 }
 
@@ -76,6 +107,22 @@ void ferry_engine_destroy(ferry_engine* engine) { delete engine; }
 
 ferry_status ferry_add_param(ferry_engine* engine, const char* name, const char* group, const int64_t* shape,
                              size_t ndim, ferry_dtype dtype, void* param, void* grad) {
+  return ferry_add_param_shard(engine, name, group, shape, ndim, dtype, param, grad, 0, -1);
+}
+
+ferry_status ferry_rank(ferry_engine* engine, int* rank, int* world_size) {
+  if (engine == nullptr) return NullHandle("ferry_rank");
+  if (rank == nullptr || world_size == nullptr) {
+    return Report(absl::InvalidArgumentError("ferry_rank: rank and world_size must not be NULL"));
+  }
+  *rank = engine->rank;
+  *world_size = engine->world_size;
+  return Report(absl::OkStatus());
+}
+
+ferry_status ferry_add_param_shard(ferry_engine* engine, const char* name, const char* group, const int64_t* shape,
+                                   size_t ndim, ferry_dtype dtype, void* param, void* grad, int64_t shard_begin,
+                                   int64_t shard_end) {
   if (engine == nullptr) return NullHandle("ferry_add_param");
   if (name == nullptr || (shape == nullptr && ndim > 0)) {
     return Report(absl::InvalidArgumentError("ferry_add_param: name and shape must not be NULL"));
@@ -91,6 +138,8 @@ ferry_status ferry_add_param(ferry_engine* engine, const char* name, const char*
   spec.dtype = static_cast<ferry::DType>(dtype);
   spec.param = param;
   spec.grad = grad;
+  spec.shard_begin = shard_begin;
+  spec.shard_end = shard_end;
   return Report(engine->engine->AddParam(spec));
 }
 

@@ -35,7 +35,7 @@ struct Options {
   int ranks = 4;
   int steps = 5;
   bool mpi = false;
-  std::string dir = "/tmp/ferry-bench-ranks";
+  std::string dir = "/tmp/ferry-bench-ranks-" + std::to_string(::getpid());
   bool ckpt = true;
 };
 
@@ -179,14 +179,19 @@ int RunRanks(int argc, char** argv) {
       if (!absl::SimpleAtoi(v3, &o.steps)) return 2;
     } else if (const char* v4 = value("--dir")) {
       o.dir = v4;
+    } else if (a == "--quick") {  // a smoke run: small, any backend
+      o.params = 2'000'000;
+      o.tensors = 8;
+      o.ranks = 2;
+      o.steps = 2;
     } else if (a == "--mpi") {
       o.mpi = true;
     } else if (a == "--no-ckpt") {
       o.ckpt = false;
     } else {
       std::fprintf(stderr,
-                   "usage: ferry bench ranks [--params=1e9] [--ranks=4] [--steps=5] [--dir=/tmp/ferry-bench-ranks] "
-                   "[--no-ckpt] [--mpi]\n");
+                   "usage: ferry bench ranks [--params=1e9] [--ranks=4] [--steps=5] [--dir=/tmp/ferry-bench-ranks-PID] "
+                   "[--no-ckpt] [--mpi] [--quick]\n");
       return a == "--help" ? 0 : 2;
     }
   }
