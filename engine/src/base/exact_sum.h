@@ -27,14 +27,15 @@
 //     grads go through the same code as floats (their conversion to float is exact). Bucket 255 (Inf,
 //     NaN) is never folded into the digits: its being non-zero is the found-inf flag.
 //   - ExactSquareExpansion (the GPU's per-thread fast path, where 2 KB of buckets per thread do not
-//     fit): kTerms doubles updated by a cascade of error-free TwoSum steps. x * x is exact in double
-//     (48 significant bits); TwoSum(a, b) returns s = fl(a + b) and the exact error a + b - s, so the
+//     fit): kTerms = 2 doubles updated by error-free transformations. x * x is exact in double (48
+//     significant bits); Fast2Sum / TwoSum return s = fl(a + b) and the exact error a + b - s, so the
 //     terms plus everything spilled always equal the exact sum. Only when the last error is non-zero
-//     (the running sum spans more than ~3 x 53 bits of magnitude, e.g. squares 150 binades apart) does
-//     that error go to an ExactSumSq ("spill", AddDouble). Every term is a multiple of 2^-298 below
-//     2^320 (sums and exact differences of such numbers are), so it converts to digits exactly.
-//     About 20 double operations per element; exactness needs round-to-nearest and no contraction of
-//     a * b + c into an FMA, which the build guarantees on both sides (-ffp-contract=off, --fmad=false).
+//     (a square below the reach of the running sum's second term, roughly 2^-100 of the sum) does that
+//     error go to an ExactSumSq ("spill", AddDouble: rare for gradients, frequent only for data spread
+//     over a hundred binades, and exact either way). Every term is a multiple of 2^-298 below 2^320
+//     (sums and exact errors of such numbers are), so it converts to digits exactly. About 14 double
+//     operations per element; exactness needs round-to-nearest and no contraction of a * b + c into an
+//     FMA, which the build guarantees on both sides (-ffp-contract=off, --fmad=false).
 //
 // Reading: ToDouble() rounds the exact value once to the nearest double (ties to even). Exchanging:
 // ToExchange() writes the kExchangeDoubles normalised digits as doubles (integers < 2^32, exact); the
@@ -274,7 +275,9 @@ struct ExactSquareBuckets {
 // spilling the rare residual into an ExactSumSq (see the top of the file). Clear() it first. One thread
 // at a time.
 struct ExactSquareExpansion {
-  static constexpr int kTerms = 3;
+  // Two terms: a square spills only when it lies ~2^-100 below the running sum (for normally
+  // distributed gradients, about one element in a million); wide data spills more, exactly all the same.
+  static constexpr int kTerms = 2;
 
   double term[kTerms];
 
@@ -285,14 +288,21 @@ struct ExactSquareExpansion {
   // Adds x * x; a residual the terms cannot hold goes to `spill`. REQUIRES: x finite.
   FERRY_ADAM_HD void AddSquare(float x, ExactSumSq& spill) {
     const double d = static_cast<double>(x);
-    double carry = d * d;  // exact: 48 significant bits at most
-    for (int k = 0; k < kTerms; ++k) {
-      // TwoSum (Knuth): s + err == term[k] + carry exactly, whatever their magnitudes.
-      const double a = term[k];
-      const double s = a + carry;
-      const double bb = s - a;
-      const double err = (a - (s - bb)) + (carry - bb);
-      term[k] = s;
+    const double sq = d * d;  // exact: 48 significant bits at most
+    // term[0] and sq are >= 0: Fast2Sum (Dekker) on the larger and the smaller, s + err exactly.
+    const double a = term[0];
+    const double big = a >= sq ? a : sq;
+    const double small = a >= sq ? sq : a;
+    const double s = a + sq;
+    double carry = small - (s - big);
+    term[0] = s;
+    for (int k = 1; k < kTerms; ++k) {
+      // TwoSum (Knuth): s + err == term[k] + carry exactly, whatever their signs and magnitudes.
+      const double b = term[k];
+      const double t = b + carry;
+      const double bb = t - b;
+      const double err = (b - (t - bb)) + (carry - bb);
+      term[k] = t;
       carry = err;
     }
     if (carry != 0.0) spill.AddDouble(carry);
