@@ -30,9 +30,10 @@ set -euo pipefail
 #   nlohmann-json3-dev   checkpoint manifests
 #   libxxhash-dev        checkpoint checksums
 #   clang libclang-rt-dev  libFuzzer, for the bounded fuzz run of the checkpoint parsers in `make test`
+#   python3              the test that loads the installed libferry.so through ctypes (tests/install)
 readonly REQUIRED=(
   build-essential cmake ninja-build pkg-config libluajit-5.1-dev libabsl-dev libnuma-dev
-  libgtest-dev libgmock-dev nlohmann-json3-dev libxxhash-dev clang libclang-rt-dev
+  libgtest-dev libgmock-dev nlohmann-json3-dev libxxhash-dev clang libclang-rt-dev python3
 )
 
 dry_run=0
