@@ -67,13 +67,27 @@ class CudaModel final : public Model {
     if (stream_ != nullptr) cudaStreamDestroy(stream_);
   }
 
+  // The params live in one allocation and the grads in another, each tensor at a 256-byte aligned
+  // offset, as trainers that keep flat parameter buffers (llm.c, FSDP) do.
   bool Open(std::string* error) {
     if (!Check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate", error)) return false;
-    return Alloc(&w1_, s_.hidden * s_.in, error) && Alloc(&b1_, s_.hidden, error) &&
-           Alloc(&w2_, s_.out * s_.hidden, error) && Alloc(&b2_, s_.out, error) &&
-           Alloc(&gw1_, s_.hidden * s_.in, error) && Alloc(&gb1_, s_.hidden, error) &&
-           Alloc(&gw2_, s_.out * s_.hidden, error) && Alloc(&gb2_, s_.out, error) &&
-           Alloc(&x_, s_.batch * s_.in, error) && Alloc(&y_, s_.batch * s_.out, error) &&
+    const int64_t sizes[4] = {s_.hidden * s_.in, s_.hidden, s_.out * s_.hidden, s_.out};
+    uint16_t** params[4] = {&w1_, &b1_, &w2_, &b2_};
+    float** grads[4] = {&gw1_, &gb1_, &gw2_, &gb2_};
+    uint16_t* param_slab = nullptr;
+    float* grad_slab = nullptr;
+    if (!Alloc(&param_slab, Carve(sizes, sizeof(uint16_t), nullptr), error) ||
+        !Alloc(&grad_slab, Carve(sizes, sizeof(float), nullptr), error)) {
+      return false;
+    }
+    int64_t param_offsets[4], grad_offsets[4];
+    Carve(sizes, sizeof(uint16_t), param_offsets);
+    Carve(sizes, sizeof(float), grad_offsets);
+    for (int i = 0; i < 4; ++i) {
+      *params[i] = param_slab + param_offsets[i];
+      *grads[i] = grad_slab + grad_offsets[i];
+    }
+    return Alloc(&x_, s_.batch * s_.in, error) && Alloc(&y_, s_.batch * s_.out, error) &&
            Alloc(&h_, s_.batch * s_.hidden, error) && Alloc(&dh_, s_.batch * s_.hidden, error) &&
            Alloc(&dout_, s_.batch * s_.out, error) && Alloc(&squared_error_, s_.batch * s_.out, error);
   }
@@ -144,6 +158,17 @@ class CudaModel final : public Model {
     size_t n = 1;
     for (int64_t d : t.shape) n *= static_cast<size_t>(d);
     return n;
+  }
+  // Element offsets of four tensors of `sizes` elements of `element_bytes` each in one buffer, each
+  // starting 256-byte aligned (written to offsets when not null); returns the buffer's elements.
+  static int64_t Carve(const int64_t (&sizes)[4], size_t element_bytes, int64_t* offsets) {
+    const int64_t align = 256 / static_cast<int64_t>(element_bytes);
+    int64_t at = 0;
+    for (int i = 0; i < 4; ++i) {
+      if (offsets != nullptr) offsets[i] = at;
+      at += (sizes[i] + align - 1) / align * align;
+    }
+    return at;
   }
   template <typename T>
   bool Alloc(T** p, int64_t n, std::string* error) {
