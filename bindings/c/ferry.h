@@ -89,6 +89,10 @@ enum { FERRY_COMM_SINGLE = 0, FERRY_COMM_MPI = 1, FERRY_COMM_CALLBACKS = 2 };
 /* Fills `options` with the defaults of ferry::EngineOptions. */
 void ferry_engine_options_init(ferry_engine_options* options);
 
+/* The library's version, e.g. "0.1.0" (FERRY_VERSION_STRING of <ferry/version.h> when it was built).
+ * Static storage; never NULL. */
+const char* ferry_version(void);
+
 /* The last error message of the calling thread ("" when none). Valid until the next ferry_ call. */
 const char* ferry_last_error(void);
 

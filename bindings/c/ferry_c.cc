@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "ferry/engine.h"
+#include "ferry/version.h"
 
 struct ferry_engine {
   std::unique_ptr<ferry::Engine> engine;
@@ -44,6 +45,8 @@ void ferry_engine_options_init(ferry_engine_options* o) {
   o->adamw = d.optimizer.adamw ? 1 : 0;
   o->transfer_chunk_bytes = d.transfer_chunk_bytes;
 }
+
+const char* ferry_version(void) { return FERRY_VERSION_STRING; }
 
 const char* ferry_last_error(void) { return last_error.c_str(); }
 

@@ -12,6 +12,7 @@
 #include "device/device.h"
 #include "ferry/engine.h"
 #include "ferry/status.h"
+#include "ferry/version.h"
 
 namespace ferry {
 namespace {
@@ -441,7 +442,7 @@ int OpenFerryModule(lua_State* L) {
   NewMeta(L, kEngineMeta, engine_methods, LEngineGc);
   lua_newtable(L);
   luaL_register(L, nullptr, functions);
-  lua_pushstring(L, "0.1.0");
+  lua_pushstring(L, FERRY_VERSION_STRING);
   lua_setfield(L, -2, "version");
   return 1;
 }

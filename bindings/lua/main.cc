@@ -16,6 +16,7 @@
 #include <lua.hpp>
 
 #include "bench/bench.h"
+#include "ferry/version.h"
 #include "lua/commands.h"
 #include "lua/ferry_module.h"
 
@@ -144,7 +145,7 @@ int main(int argc, char** argv) {
     return 0;
   }
   if (verb == "version" || verb == "--version") {
-    std::puts("ferry 0.1.0");
+    std::puts("ferry " FERRY_VERSION_STRING);
     return 0;
   }
   std::fprintf(stderr, "ferry: unknown verb '%s'\n\n%s", verb.c_str(), kUsage);

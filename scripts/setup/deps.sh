@@ -32,9 +32,10 @@ set -euo pipefail
 #   clang libclang-rt-dev  libFuzzer, for the bounded fuzz run of the checkpoint parsers in `make test`
 #   libopenmpi-dev openmpi-bin  the MPI comm and its mpirun tests (optional to the build: without MPI
 #                        CMake leaves the MPI comm out; installed here so that CI runs those tests)
+#   python3              the test that loads the installed libferry.so through ctypes (tests/install)
 readonly REQUIRED=(
   build-essential cmake ninja-build pkg-config libluajit-5.1-dev libabsl-dev libnuma-dev
-  libgtest-dev libgmock-dev nlohmann-json3-dev libxxhash-dev clang libclang-rt-dev
+  libgtest-dev libgmock-dev nlohmann-json3-dev libxxhash-dev clang libclang-rt-dev python3
   libopenmpi-dev openmpi-bin
 )
 

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "ferry/dtype.h"
+#include "ferry/version.h"
 #include "gtest/gtest.h"
 
 namespace {
@@ -84,6 +85,15 @@ TEST(CApiTest, TrainSaveLoadAndErrors) {
   EXPECT_EQ(ferry_finalize(nullptr), FERRY_INVALID_ARGUMENT);
   EXPECT_NE(std::string(ferry_last_error()).find("NULL"), std::string::npos);
   EXPECT_EQ(ferry_engine_create(nullptr, &e), FERRY_INVALID_ARGUMENT);
+}
+
+TEST(CApiTest, VersionIsTheProjectVersion) {
+  EXPECT_STREQ(ferry_version(), FERRY_VERSION_STRING);
+  EXPECT_EQ(FERRY_VERSION_NUMBER,
+            FERRY_VERSION_MAJOR * 10000 + FERRY_VERSION_MINOR * 100 + FERRY_VERSION_PATCH);
+  EXPECT_EQ(std::string(FERRY_VERSION_STRING),
+            std::to_string(FERRY_VERSION_MAJOR) + "." + std::to_string(FERRY_VERSION_MINOR) + "." +
+                std::to_string(FERRY_VERSION_PATCH));
 }
 
 }  // namespace

@@ -17,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "ckpt/checkpoint.h"
+#include "ferry/version.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -530,6 +531,14 @@ TEST_F(FerryBinaryTest, VerbsHelpAndExitStatuses) {
   EXPECT_EQ(RunFerry("check").status, 2);
   EXPECT_EQ(RunFerry("inspect /nonexistent/checkpoint").status, 1);
   EXPECT_EQ(RunFerry("run /nonexistent/script.lua").status, 2);
+}
+
+TEST_F(FerryBinaryTest, VersionIsTheProjectVersion) {
+  for (const char* verb : {"--version", "version"}) {
+    Result r = RunFerry(verb);
+    EXPECT_EQ(r.status, 0) << verb;
+    EXPECT_EQ(r.out, absl::StrCat("ferry ", FERRY_VERSION_STRING, "\n")) << verb;
+  }
 }
 
 }  // namespace
