@@ -359,6 +359,27 @@ TEST(MultiRankEngineTest, AFailingRankFailsEveryRankNamingIt) {
   for (int r = 0; r < 3; ++r) EXPECT_TRUE(st[static_cast<size_t>(r)].ok()) << "rank " << r << ": " << st[static_cast<size_t>(r)];
 }
 
+TEST(MultiRankEngineTest, APolicyFailingOnOneRankFailsFinalizeOnEveryRank) {
+  TempDir dir;
+  RunSetup good;
+  RunSetup bad;
+  bad.policy = dir.Write("broken.lua", "return { place = function(groups, ctx) error('no placement today') end }");
+  std::vector<absl::Status> st = RunRanks(3, [&](int rank, std::shared_ptr<Comm> comm) -> absl::Status {
+    FERRY_ASSIGN_OR_RETURN(Rank r, MakeRank(rank, 3, std::move(comm), rank == 1 ? bad : good));
+    absl::Status s = r.engine->Finalize();
+    if (s.ok() || !absl::StrContains(s.message(), "rank 1 of 3") ||
+        !absl::StrContains(s.message(), "no placement today")) {
+      return absl::InternalError(absl::StrCat("Finalize: expected rank 1's policy error, got ", s.ToString()));
+    }
+    // Nothing was finalized anywhere: a step is refused, not half-run.
+    if (r.engine->Step({}).code() != absl::StatusCode::kFailedPrecondition) {
+      return absl::InternalError("a step ran after a failed Finalize");
+    }
+    return absl::OkStatus();
+  });
+  for (int r = 0; r < 3; ++r) EXPECT_TRUE(st[static_cast<size_t>(r)].ok()) << "rank " << r << ": " << st[static_cast<size_t>(r)];
+}
+
 TEST(MultiRankEngineTest, ARankThatNeverArrivesTimesOutNamingIt) {
   RunSetup setup;
   std::vector<absl::Status> st = RunRanks(3, [&](int rank, std::shared_ptr<Comm> comm) -> absl::Status {

@@ -67,6 +67,31 @@ TEST_F(CudaTransferTest, ContiguousRegionsBecomeOneCopy) {
   transfer_testing::ContiguousRegionsMerge(*device_, 1 << 20, rng_);
 }
 
+// Separately cudaMalloc'd tensors that happen to be adjacent (small allocations often are): one copy
+// across them is refused by CUDA, so the transfer must not merge them.
+TEST_F(CudaTransferTest, AdjacentAllocationsAreNotMerged) {
+  SCOPED_TRACE(::testing::Message() << "seed " << seed_);
+  constexpr size_t kBytes = 4096;
+  std::vector<DeviceBuffer> buffers;
+  for (int i = 0; i < 64; ++i) {
+    absl::StatusOr<DeviceBuffer> b = device_->Allocate(kBytes);
+    ASSERT_TRUE(b.ok()) << b.status();
+    buffers.push_back(*std::move(b));
+  }
+  for (size_t i = 0; i < buffers.size(); ++i) {
+    for (size_t j = 0; j < buffers.size(); ++j) {
+      if (buffers[i].as<char>() + kBytes != buffers[j].as<char>()) continue;
+      EXPECT_FALSE(device_->SameAllocation(buffers[i].data(), buffers[j].data()));
+      EXPECT_TRUE(device_->SameAllocation(buffers[i].data(), buffers[i].as<char>() + kBytes - 1));
+      transfer_testing::CountingDevice device(device_.get());
+      transfer_testing::AdjacentAllocationsAreNotMerged(device, buffers[i].as<char>(), buffers[j].as<char>(), kBytes,
+                                                        rng_);
+      return;
+    }
+  }
+  GTEST_SKIP() << "no two of 64 allocations of " << kBytes << " bytes are adjacent on this device";
+}
+
 TEST_F(CudaTransferTest, BothDirectionsRunAtOnceOnTheirOwnStreams) {
   SCOPED_TRACE(::testing::Message() << "seed " << seed_);
   transfer_testing::BothDirectionsAtOnce(*device_, 1 << 20, rng_);

@@ -92,6 +92,23 @@ TEST_F(HostTransferTest, ContiguousRegionsBecomeOneCopy) {
   transfer_testing::ContiguousRegionsMerge(*device_, 4096, rng_);
 }
 
+TEST_F(HostTransferTest, AdjacentAllocationsAreNotMerged) {
+  SCOPED_TRACE(::testing::Message() << "seed " << seed_);
+  // One real allocation that the device reports as two, split in the middle.
+  transfer_testing::CountingDevice device(device_.get());
+  absl::StatusOr<DeviceBuffer> dev = device_->Allocate(2 * 1000);
+  ASSERT_TRUE(dev.ok()) << dev.status();
+  device.set_allocation_boundary(dev->as<char>() + 1000);
+  transfer_testing::AdjacentAllocationsAreNotMerged(device, dev->as<char>(), dev->as<char>() + 1000, 1000, rng_);
+  // And the host backend itself: memory of one allocation is one allocation, two are two.
+  EXPECT_TRUE(device_->SameAllocation(dev->as<char>(), dev->as<char>() + 1999));
+  absl::StatusOr<DeviceBuffer> other = device_->Allocate(64);
+  ASSERT_TRUE(other.ok());
+  EXPECT_FALSE(device_->SameAllocation(dev->as<char>(), other->as<char>()));
+  std::vector<char> trainer(16);
+  EXPECT_FALSE(device_->SameAllocation(trainer.data(), trainer.data() + 1));
+}
+
 TEST_F(HostTransferTest, BothDirectionsRunAtOnceOnTheirOwnStreams) {
   SCOPED_TRACE(::testing::Message() << "seed " << seed_);
   transfer_testing::BothDirectionsAtOnce(*device_, 4096, rng_);

@@ -99,6 +99,7 @@ class GatedDevice final : public Device {
   }
   absl::Status UnregisterHost(void* data) override { return inner_->UnregisterHost(data); }
   uint64_t host_registrations() const override { return inner_->host_registrations(); }
+  bool SameAllocation(const void* a, const void* b) override { return inner_->SameAllocation(a, b); }
   absl::Status LaunchAdam(absl::Span<const AdamTensorArgs> tensors,
                           absl::Span<const AdamScalars> scalars, Stream& stream) override {
     return inner_->LaunchAdam(tensors, scalars, stream);
@@ -167,6 +168,14 @@ class CountingDevice final : public Device {
     return inner_->UnregisterHost(data);
   }
   uint64_t host_registrations() const override { return inner_->host_registrations(); }
+  bool SameAllocation(const void* a, const void* b) override {
+    // A boundary set by the test splits one real allocation into two as far as copies can tell.
+    const char* cut = boundary_.load();
+    const char *lo = static_cast<const char*>(std::min(a, b)), *hi = static_cast<const char*>(std::max(a, b));
+    if (cut != nullptr && lo < cut && cut <= hi) return false;
+    return inner_->SameAllocation(a, b);
+  }
+  void set_allocation_boundary(const char* cut) { boundary_.store(cut); }
   absl::Status LaunchAdam(absl::Span<const AdamTensorArgs> tensors,
                           absl::Span<const AdamScalars> scalars, Stream& stream) override {
     return inner_->LaunchAdam(tensors, scalars, stream);
@@ -180,6 +189,7 @@ class CountingDevice final : public Device {
   Device* const inner_;
   std::atomic<uint64_t> resource_calls_{0};
   std::atomic<uint64_t> copies_{0};
+  std::atomic<const char*> boundary_{nullptr};
 };
 
 inline void FillRandom(void* data, size_t bytes, std::mt19937_64& rng) {
@@ -426,6 +436,40 @@ inline void AfterEventHonoured(Device& device, size_t chunk_bytes, std::mt19937_
     EXPECT_EQ(std::memcmp(back.data(), old_data->data(), total), 0);
   }
   transfer->reset();
+}
+
+// Regions contiguous on both sides but in two device allocations (CUDA refuses one copy across them)
+// stay separate copies, and the data round-trips. `split` allocates two pieces of device memory of
+// `bytes` each that the device sees as two allocations, the second right after the first, or returns
+// false (then the test is skipped by the caller).
+inline void AdjacentAllocationsAreNotMerged(CountingDevice& device, char* first, char* second, size_t bytes,
+                                            std::mt19937_64& rng) {
+  ASSERT_EQ(first + bytes, second);
+  PinnedArenaOptions options;
+  options.capacity_bytes = 4 * bytes + 4096;
+  options.numa = NumaPolicy::kLocal;
+  options.name = "adjacent";
+  absl::StatusOr<std::unique_ptr<PinnedArena>> arena = PinnedArena::Create(&device, options);
+  ASSERT_TRUE(arena.ok()) << arena.status();
+  absl::StatusOr<std::unique_ptr<Transfer>> transfer =
+      Transfer::Create(&device, TransferOptions{.chunk_bytes = 4 * bytes});  // both regions in one chunk
+  ASSERT_TRUE(transfer.ok()) << transfer.status();
+  absl::StatusOr<PinnedBlock> src = PinnedBlock::Allocate(**arena, 2 * bytes);
+  absl::StatusOr<PinnedBlock> dst = PinnedBlock::Allocate(**arena, 2 * bytes);
+  ASSERT_TRUE(src.ok() && dst.ok());
+  FillRandom(src->data(), 2 * bytes, rng);
+  std::memset(dst->data(), kHostSentinel, 2 * bytes);
+  const std::vector<CopyRegion> up = {{first, src->as<char>(), bytes}, {second, src->as<char>() + bytes, bytes}};
+  const std::vector<CopyRegion> down = {{dst->as<char>(), first, bytes}, {dst->as<char>() + bytes, second, bytes}};
+  const uint64_t copies0 = device.copies();
+  absl::StatusOr<std::unique_ptr<TransferBatch>> h2d = (*transfer)->HostToDevice(up);
+  ASSERT_TRUE(h2d.ok()) << h2d.status();
+  FERRY_TEST_ASSERT_OK((*h2d)->Wait());
+  absl::StatusOr<std::unique_ptr<TransferBatch>> d2h = (*transfer)->DeviceToHost(down);
+  ASSERT_TRUE(d2h.ok()) << d2h.status();
+  FERRY_TEST_ASSERT_OK((*d2h)->Wait());
+  EXPECT_EQ(device.copies() - copies0, 4u) << "one copy per allocation, each way";
+  EXPECT_EQ(std::memcmp(dst->data(), src->data(), 2 * bytes), 0);
 }
 
 // Neighbouring regions that are contiguous on both sides become one copy per chunk; regions that are

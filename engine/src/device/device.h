@@ -223,6 +223,12 @@ class Device {
   // Number of RegisterHost calls so far (a hot-path pinning counter for tests and stats).
   virtual uint64_t host_registrations() const = 0;
 
+  // Whether device memory at `a` and at `b` lies in one allocation, so that one copy may span both
+  // (CUDA refuses a copy that crosses from one cudaMalloc'd allocation into the next, even when they
+  // happen to be adjacent). False when either is not memory of a live allocation this backend can
+  // see (the host backend knows only its own Allocate's). Safe for concurrent use. Default: false.
+  virtual bool SameAllocation(const void* a, const void* b) { return false; }
+
   // Kernels. Arguments are captured at enqueue time: `tensors` and `scalars` may be freed on return.
   // One fused launch updates every tensor: master, m, v in place and param = master rounded.
   virtual absl::Status LaunchAdam(absl::Span<const AdamTensorArgs> tensors,

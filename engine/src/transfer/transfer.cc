@@ -255,10 +255,12 @@ absl::StatusOr<std::unique_ptr<TransferBatch>> Transfer::Submit(
       size_t j = i + 1;
       for (; j < pieces.size(); ++j) {
         const CopyRegion& next = regions[pieces[j].region];
-        if (static_cast<char*>(next.dst) + pieces[j].offset != dst + bytes ||
-            static_cast<const char*>(next.src) + pieces[j].offset != src + bytes) {
-          break;
-        }
+        char* next_dst = static_cast<char*>(next.dst) + pieces[j].offset;
+        const char* next_src = static_cast<const char*>(next.src) + pieces[j].offset;
+        if (next_dst != dst + bytes || next_src != src + bytes) break;
+        // Adjacent device memory may still be two allocations, which one copy must not span.
+        const bool device_is_dst = kind == CopyKind::kHostToDevice;
+        if (!device_->SameAllocation(device_is_dst ? dst : src, device_is_dst ? next_dst : next_src)) break;
         bytes += pieces[j].bytes;
       }
       if (absl::Status s = device_->CopyAsync(dst, src, bytes, kind, stream); !s.ok()) {

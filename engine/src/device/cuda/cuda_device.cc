@@ -1,5 +1,6 @@
 #include "device/cuda/cuda_device.h"
 
+#include <cuda.h>  // driver types for cuMemGetAddressRange (called through the runtime)
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -191,6 +192,28 @@ cudaMemcpyKind ToCuda(CopyKind kind) {
   return cudaMemcpyDefault;
 }
 
+// The start of the device allocation holding `p` (cuMemGetAddressRange, reached through the runtime's
+// driver entry point so the build needs no libcuda), or 0 when `p` is not device memory.
+uintptr_t AllocationStart(const void* p) {
+  using GetAddressRange = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
+  static const GetAddressRange get_range = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+    if (cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &fn, 12000, cudaEnableDefault, &found) !=
+            cudaSuccess ||
+        found != cudaDriverEntryPointSuccess) {
+      (void)cudaGetLastError();
+      return static_cast<GetAddressRange>(nullptr);
+    }
+    return reinterpret_cast<GetAddressRange>(fn);
+  }();
+  if (get_range == nullptr || p == nullptr) return 0;
+  CUdeviceptr base = 0;
+  size_t size = 0;
+  if (get_range(&base, &size, reinterpret_cast<CUdeviceptr>(p)) != CUDA_SUCCESS) return 0;
+  return static_cast<uintptr_t>(base);
+}
+
 // Thread-safety: safe for concurrent use (immutable after creation; the counter is atomic).
 class CudaDevice final : public Device {
  public:
@@ -289,6 +312,11 @@ class CudaDevice final : public Device {
   }
 
   uint64_t host_registrations() const override { return registrations_.load(std::memory_order_relaxed); }
+
+  bool SameAllocation(const void* a, const void* b) override {
+    const uintptr_t start = AllocationStart(a);
+    return start != 0 && start == AllocationStart(b);
+  }
 
   absl::Status LaunchAdam(absl::Span<const AdamTensorArgs> tensors,
                           absl::Span<const AdamScalars> scalars, Stream& stream) override {

@@ -66,6 +66,15 @@ class AllocationTable {
     std::lock_guard<std::mutex> lock(mu_);
     return live_.contains(reinterpret_cast<uintptr_t>(p));
   }
+  // The start of the live allocation holding `p`, or 0 when none does.
+  uintptr_t StartOf(const void* p) const {
+    const uintptr_t at = reinterpret_cast<uintptr_t>(p);
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = live_.upper_bound(at);
+    if (it == live_.begin()) return 0;
+    --it;
+    return at < it->first + it->second ? it->first : 0;
+  }
   // Removes `p`; false when it is not a live allocation.
   bool Remove(void* p) {
     std::lock_guard<std::mutex> lock(mu_);
@@ -541,6 +550,10 @@ class HostDevice final : public Device {
   uint64_t host_registrations() const override {
     std::lock_guard<std::mutex> lock(registered_mu_);
     return registrations_;
+  }
+  bool SameAllocation(const void* a, const void* b) override {
+    const uintptr_t start = allocations_->StartOf(a);
+    return start != 0 && start == allocations_->StartOf(b);
   }
 
   absl::Status LaunchAdam(absl::Span<const AdamTensorArgs> tensors,
