@@ -463,7 +463,8 @@ TEST_F(CudaDeviceTest, LaunchAdamMatchesFloat64ReferenceOver1000Steps) { CheckLa
 // equals LaunchAdam with host-made scalars, and a NaN/Inf gradient skips the whole step.
 TEST_F(CudaDeviceTest, LaunchAdamWithRuntimeInputsEqualsHostMadeScalars) { CheckAdamRuntimeInputs(*cuda_); }
 
-// The gradient check's kernels follow the canonical order: result and slots bit for bit.
+// The gradient check's kernels compute the exact sum: the whole GradStats equals the big-integer
+// reference bit for bit, on every dtype and magnitude and for any split of the tensors.
 TEST_F(CudaDeviceTest, LaunchGradStatsIsExact) { CheckGradStatsAgainstExact(*cuda_); }
 
 // CUDA equals the host backend bit for bit with runtime inputs, for tensors whose arrays start at every

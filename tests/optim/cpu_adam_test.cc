@@ -1,7 +1,7 @@
 // CpuAdam: every implementation (scalar, AVX2, AVX-512, AVX-512 with BF16) against a float64 reference
 // over 1,000 steps; all of them bit-identical to the scalar path, whatever the lengths, alignments and
-// thread counts; dtype conversions equal to ferry/dtype.h; the gradient check (canonical sum of squares,
-// NaN/Inf detection) and the skip, unscaling and clipping it drives; errors.
+// thread counts; dtype conversions equal to ferry/dtype.h; the gradient check (exact sum of squares against
+// a big-integer reference, any split of the tensors, NaN/Inf detection) and the skip, unscaling and clipping it drives; errors.
 //
 // Paths this CPU lacks are skipped with a message.
 #include "optim/cpu_adam.h"
