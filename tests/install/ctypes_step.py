@@ -24,6 +24,11 @@ class Options(ctypes.Structure):
         ("adamw", ctypes.c_int),
         ("device", ctypes.c_char_p),
         ("transfer_chunk_bytes", ctypes.c_size_t),
+        # ferry_engine_options must be mirrored field for field: ferry_engine_options_init writes all of it.
+        ("comm_kind", ctypes.c_int),
+        ("comm_callbacks", ctypes.c_void_p),
+        ("collective_timeout_s", ctypes.c_double),
+        ("checkpoint_timeout_s", ctypes.c_double),
     ]
 
 
