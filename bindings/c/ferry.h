@@ -88,6 +88,9 @@ enum { FERRY_COMM_SINGLE = 0, FERRY_COMM_MPI = 1, FERRY_COMM_CALLBACKS = 2 };
 
 /* Fills `options` with the defaults of ferry::EngineOptions. */
 void ferry_engine_options_init(ferry_engine_options* options);
+/* sizeof(ferry_engine_options) in this library: bindings that mirror the struct (ctypes, LuaJIT's
+ * FFI) check theirs against it. */
+size_t ferry_engine_options_size(void);
 
 /* The library's version, e.g. "0.1.0" (FERRY_VERSION_STRING of <ferry/version.h> when it was built).
  * Static storage; never NULL. */

@@ -48,6 +48,8 @@ void ferry_engine_options_init(ferry_engine_options* o) {
 
 const char* ferry_version(void) { return FERRY_VERSION_STRING; }
 
+size_t ferry_engine_options_size(void) { return sizeof(ferry_engine_options); }
+
 const char* ferry_last_error(void) { return last_error.c_str(); }
 
 ferry_status ferry_engine_create(const ferry_engine_options* options, ferry_engine** out) {

@@ -57,6 +57,10 @@ def main():
         if status != FERRY_OK:
             raise SystemExit("%s failed (status %d): %s" % (what, status, lib.ferry_last_error().decode()))
 
+    lib.ferry_engine_options_size.restype = ctypes.c_size_t
+    if lib.ferry_engine_options_size() != ctypes.sizeof(Options):
+        raise SystemExit("ferry_engine_options is %d bytes in libferry, %d in this mirror: update the mirror"
+                         % (lib.ferry_engine_options_size(), ctypes.sizeof(Options)))
     got = lib.ferry_version().decode()
     if got != version:
         raise SystemExit("ferry_version() is %r, the project version is %r" % (got, version))
