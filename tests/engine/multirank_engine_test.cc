@@ -31,22 +31,6 @@ struct RunSetup {
   int inf_step = 3;  // this step's grads hold one +Inf (held by one rank): skipped on every rank
 };
 
-// The ranges of rank `rank` of `world` for every param of MixedModel (world 1: everything).
-std::vector<std::pair<int64_t, int64_t>> RangesOf(int rank, int world, uint64_t seed) {
-  std::vector<std::pair<int64_t, int64_t>> out;
-  const std::vector<GlobalParam> model = MixedModel();
-  for (size_t i = 0; i < model.size(); ++i) {
-    out.push_back(RandomRanges(model[i].numel, world, seed * 131 + i)[static_cast<size_t>(rank)]);
-  }
-  return out;
-}
-
-// One rank's engine and model.
-struct Rank {
-  std::unique_ptr<Device> device;
-  std::unique_ptr<ShardedModel> model;
-  std::unique_ptr<Engine> engine;
-};
 
 absl::StatusOr<Rank> MakeRank(int rank, int world, std::shared_ptr<Comm> comm, const RunSetup& setup,
                               absl::Duration timeout = absl::Seconds(30)) {

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <random>
 #include <string>
 #include <utility>
@@ -55,6 +56,16 @@ inline std::vector<std::pair<int64_t, int64_t>> RandomRanges(int64_t numel, int 
   std::sort(cuts.begin(), cuts.end());
   std::vector<std::pair<int64_t, int64_t>> out;
   for (int r = 0; r < world; ++r) out.emplace_back(cuts[static_cast<size_t>(r)], cuts[static_cast<size_t>(r) + 1]);
+  return out;
+}
+
+// The ranges of rank `rank` of `world` for every param of MixedModel (world 1: everything).
+inline std::vector<std::pair<int64_t, int64_t>> RangesOf(int rank, int world, uint64_t seed) {
+  std::vector<std::pair<int64_t, int64_t>> out;
+  const std::vector<GlobalParam> model = MixedModel();
+  for (size_t i = 0; i < model.size(); ++i) {
+    out.push_back(RandomRanges(model[i].numel, world, seed * 131 + i)[static_cast<size_t>(rank)]);
+  }
   return out;
 }
 
@@ -129,6 +140,13 @@ class ShardedModel {
   std::vector<GlobalParam> params_;
   std::vector<std::pair<int64_t, int64_t>> ranges_;
   std::vector<DeviceBuffer> param_, grad_;
+};
+
+// One rank of a multi-rank test: its device, its shards of the model and its engine.
+struct Rank {
+  std::unique_ptr<Device> device;
+  std::unique_ptr<ShardedModel> model;
+  std::unique_ptr<Engine> engine;
 };
 
 }  // namespace ferry::engine_test

@@ -32,20 +32,6 @@ constexpr int kInfStep = 3;
 
 std::string PolicyPath(const std::string& name) { return std::string(FERRY_SOURCE_DIR) + "/scripts/policies/" + name; }
 
-std::vector<std::pair<int64_t, int64_t>> RangesOf(int rank, int world, uint64_t seed) {
-  std::vector<std::pair<int64_t, int64_t>> out;
-  const std::vector<GlobalParam> model = MixedModel();
-  for (size_t i = 0; i < model.size(); ++i) {
-    out.push_back(RandomRanges(model[i].numel, world, seed * 131 + i)[static_cast<size_t>(rank)]);
-  }
-  return out;
-}
-
-struct Rank {
-  std::unique_ptr<Device> device;
-  std::unique_ptr<ShardedModel> model;
-  std::unique_ptr<Engine> engine;
-};
 
 absl::StatusOr<Rank> MakeRank(std::shared_ptr<Comm> comm, const std::string& policy, uint64_t range_seed) {
   Rank r;
