@@ -90,7 +90,9 @@ class Group {
               absl::StrCat(where, ": timed out after ", absl::FormatDuration(timeout),
                            "; had not arrived: ", RankList(missing)));
           cv_.notify_all();
-          return poisoned_;
+          // A fresh copy, not one sharing poisoned_'s payload: the payload's reference count lives in
+          // Debian's uninstrumented absl, so TSan would see the other ranks' copies racing on it.
+          return absl::Status(poisoned_.code(), std::string(poisoned_.message()));
         }
       }
     }
