@@ -177,8 +177,8 @@ absl::Status CheckGroupSettings(const std::vector<std::map<std::string, std::str
       auto it = ranks[0].find(name);
       if (it == ranks[0].end() || it->second == settings) continue;  // (a missing group is CheckSpecs')
       std::vector<std::string> diffs;
-      for (const auto& [field, theirs, zeros] : DiffGroupSettings(settings, it->second)) {
-        diffs.push_back(absl::StrCat(field, " ", theirs, " (rank 0: ", zeros, ")"));
+      for (const auto& [field, theirs, rank0] : DiffGroupSettings(settings, it->second)) {
+        diffs.push_back(absl::StrCat(field, " ", theirs, " (rank 0: ", rank0, ")"));
       }
       return absl::InvalidArgumentError(absl::StrCat("Finalize: rank ", r, " of ", world, " gives group '", name,
                                                      "' other optimizer settings than rank 0: ",

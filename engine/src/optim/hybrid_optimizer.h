@@ -159,7 +159,6 @@ class HybridOptimizer final {
   const std::string& group_name(size_t g) const { return groups_[g].name; }
   bool offloaded(size_t g) const { return groups_[g].offloaded; }
   const AdamHyper& hyper() const { return options_.hyper; }
-  const AdamHyper& group_hyper(size_t g) const { return groups_[g].hyper; }
   size_t pinned_bytes() const;
   size_t gpu_state_bytes() const;
 
