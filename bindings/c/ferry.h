@@ -131,6 +131,89 @@ ferry_status ferry_reload_policy(ferry_engine* engine, const char* path, const c
 /* 1 when the group's optimizer state is offloaded to pinned host memory, 0 when on the GPU. */
 ferry_status ferry_group_offloaded(ferry_engine* engine, const char* group, int* offloaded);
 
+/* ---- per-group optimizer settings (ferry::Engine::AddGroup) ----------------------------------------
+ * Gives group `group` its own settings, by name: `num_options` pairs of keys[i] (one of "lr_scale",
+ * "weight_decay", "beta1", "beta2", "eps", "adamw" (0 or 1)) and values[i]; unset ones take the
+ * engine's (ferry_engine_options). Before ferry_finalize; its params may be added before or after.
+ * An unknown key, a value out of range (negative weight decay or lr_scale, betas outside [0, 1), eps
+ * not > 0) or a group given twice: an error, and nothing changed. */
+ferry_status ferry_add_group(ferry_engine* engine, const char* group, const char* const* keys, const double* values,
+                             size_t num_options);
+
+/* ---- stepping with options (ferry::StepOptions) -------------------------------------------------- */
+typedef struct {
+  int has_lr;          /* 1: `lr` is this step's learning rate; 0: the configured one */
+  float lr;            /* the global schedule; every group's lr_scale multiplies it */
+  float loss_scale;    /* the grads carry this loss scale (> 0, finite); default 1 */
+  float max_grad_norm; /* > 0: clip the global L2 norm of the unscaled grads to this; default 0 (off) */
+  int check_finite;    /* 1 (default): a NaN/Inf grad skips the whole step (see ferry_stats) */
+} ferry_step_options;
+
+/* Fills `options` with the defaults of ferry::StepOptions. */
+void ferry_step_options_init(ferry_step_options* options);
+/* One step with `options` (NULL: the defaults). stream: a cudaStream_t or NULL. */
+ferry_status ferry_step_with(ferry_engine* engine, const ferry_step_options* options, void* stream);
+
+/* ---- stats (ferry::EngineStats) ------------------------------------------------------------------ */
+typedef struct {
+  int64_t step;                 /* optimizer steps taken */
+  int64_t skipped_steps;        /* steps skipped because a grad was NaN/Inf */
+  int last_step_skipped;        /* 1 when the last step was skipped */
+  double last_grad_norm;        /* global L2 norm of the unscaled grads at the last checked step */
+  uint64_t host_registrations;
+  uint64_t pinned_host_calls;
+  uint64_t pinned_bytes;        /* pinned host memory reserved */
+  uint64_t gpu_state_bytes;     /* device memory held for GPU groups' fp32 state */
+  uint64_t checkpoint_copied_aside_bytes;
+} ferry_stats;
+
+ferry_status ferry_get_stats(ferry_engine* engine, ferry_stats* out);
+
+/* ---- placement listing (ferry::Engine::Placement) ------------------------------------------------ */
+typedef struct {
+  const char* group;     /* valid as long as the engine */
+  int offloaded;         /* 1: fp32 master and moments in pinned host memory; 0: on the GPU */
+  int64_t numel;         /* elements this rank holds */
+  int64_t num_params;
+  int64_t global_numel;
+  /* the group's optimizer settings (ferry_add_group's, else the engine's) */
+  float lr_scale, weight_decay, beta1, beta2, eps;
+  int adamw;
+} ferry_group_info;
+
+/* The number of parameter groups, in order of first appearance. */
+ferry_status ferry_num_groups(ferry_engine* engine, size_t* num_groups);
+/* Group `index` (< ferry_num_groups). */
+ferry_status ferry_group_info_at(ferry_engine* engine, size_t index, ferry_group_info* out);
+
+/* ---- asynchronous checkpoints (ferry::Engine::WaitCheckpoint, PollCheckpoint) --------------------
+ * ferry_wait_checkpoint blocks until the save in flight (if any) committed and returns the error of a
+ * finished save not yet reported (once). ferry_poll_checkpoint does not block: *done = 0 (and OK)
+ * while a save is in flight; else *done = 1 and it returns what ferry_wait_checkpoint would. */
+ferry_status ferry_wait_checkpoint(ferry_engine* engine);
+ferry_status ferry_poll_checkpoint(ferry_engine* engine, int* done);
+
+/* ---- loading with options (ferry::LoadOptions, ferry::LoadReport) -------------------------------- */
+typedef struct {
+  int fall_back_to_previous; /* 1: a corrupt or incomplete checkpoint loads the newest older one that verifies */
+} ferry_load_options;
+
+void ferry_load_options_init(ferry_load_options* options);
+/* Loads `path` with `options` (NULL: the defaults); writes the directory loaded into dir_out
+ * (dir_out_size bytes, NUL-terminated) when not NULL. */
+ferry_status ferry_load_checkpoint_with(ferry_engine* engine, const char* path, const ferry_load_options* options,
+                                        char* dir_out, size_t dir_out_size);
+/* The optimizer settings the last successful load found recorded differently from the engine's, one
+ * line each ("group 'bias': weight_decay 0 in the checkpoint, 0.01 in this engine"), joined by '\n'
+ * into out (out_size bytes, NUL-terminated; "" when none). *count (when not NULL) gets the number of
+ * lines. FERRY_INVALID_ARGUMENT when out is too small. */
+ferry_status ferry_load_differences(ferry_engine* engine, char* out, size_t out_size, size_t* count);
+
+/* ---- the device ---------------------------------------------------------------------------------- */
+/* The device in words into name_out (NUL-terminated) when not NULL; *on_gpu (when not NULL) = 1 on the
+ * CUDA backend, 0 on the host backend. */
+ferry_status ferry_device_info(ferry_engine* engine, char* name_out, size_t name_out_size, int* on_gpu);
+
 #ifdef __cplusplus
 }
 #endif

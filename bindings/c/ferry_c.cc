@@ -1,7 +1,9 @@
 #include "c/ferry.h"
 #include "c/c_comm.h"
 
+#include <algorithm>
 #include <cstring>
+#include <deque>
 #include <map>
 #include <memory>
 #include <string>
@@ -14,6 +16,8 @@ struct ferry_engine {
   std::unique_ptr<ferry::Engine> engine;
   int rank = 0;
   int world_size = 1;
+  // The group names handed out by ferry_group_info_at (a deque: appending never moves one).
+  std::deque<std::string> group_names;
 };
 
 namespace {
@@ -28,6 +32,17 @@ ferry_status Report(const absl::Status& s) {
 ferry_status NullHandle(const char* fn) {
   last_error = std::string(fn) + ": engine handle is NULL";
   return FERRY_INVALID_ARGUMENT;
+}
+
+// Copies `text` NUL-terminated into out[0..size) (when out is not NULL).
+absl::Status CopyOut(const char* fn, const std::string& text, char* out, size_t size) {
+  if (out == nullptr) return absl::OkStatus();
+  if (text.size() + 1 > size) {
+    return absl::InvalidArgumentError(std::string(fn) + ": the buffer of " + std::to_string(size) + " bytes is too small for " +
+                                      std::to_string(text.size() + 1) + " bytes");
+  }
+  std::memcpy(out, text.c_str(), text.size() + 1);
+  return absl::OkStatus();
 }
 
 }  // namespace
@@ -231,6 +246,140 @@ ferry_status ferry_group_offloaded(ferry_engine* engine, const char* group, int*
     }
   }
   return Report(absl::NotFoundError(std::string("ferry_group_offloaded: no group '") + group + "'"));
+}
+
+ferry_status ferry_add_group(ferry_engine* engine, const char* group, const char* const* keys, const double* values,
+                             size_t num_options) {
+  if (engine == nullptr) return NullHandle("ferry_add_group");
+  if (group == nullptr) return Report(absl::InvalidArgumentError("ferry_add_group: group is NULL"));
+  ferry::GroupOptions options;
+  for (size_t i = 0; i < num_options; ++i) {
+    if (keys == nullptr || values == nullptr || keys[i] == nullptr) {
+      return Report(absl::InvalidArgumentError("ferry_add_group('" + std::string(group) + "'): option " +
+                                               std::to_string(i) + " is NULL"));
+    }
+    absl::Status s = ferry::SetGroupOption(options, keys[i], values[i]);
+    if (!s.ok()) return Report(absl::Status(s.code(), "ferry_add_group('" + std::string(group) + "'): " + std::string(s.message())));
+  }
+  return Report(engine->engine->AddGroup(group, options));
+}
+
+void ferry_step_options_init(ferry_step_options* o) {
+  const ferry::StepOptions d;
+  std::memset(o, 0, sizeof(*o));
+  o->has_lr = 0;
+  o->lr = 0.0f;
+  o->loss_scale = d.loss_scale;
+  o->max_grad_norm = d.max_grad_norm;
+  o->check_finite = d.check_finite ? 1 : 0;
+}
+
+ferry_status ferry_step_with(ferry_engine* engine, const ferry_step_options* options, void* stream) {
+  if (engine == nullptr) return NullHandle("ferry_step_with");
+  ferry::StepOptions so;
+  if (options != nullptr) {
+    if (options->has_lr != 0) so.lr = options->lr;
+    so.loss_scale = options->loss_scale;
+    so.max_grad_norm = options->max_grad_norm;
+    so.check_finite = options->check_finite != 0;
+  }
+  return Report(engine->engine->Step(so, stream));
+}
+
+ferry_status ferry_get_stats(ferry_engine* engine, ferry_stats* out) {
+  if (engine == nullptr) return NullHandle("ferry_get_stats");
+  if (out == nullptr) return Report(absl::InvalidArgumentError("ferry_get_stats: out is NULL"));
+  const ferry::EngineStats s = engine->engine->Stats();
+  std::memset(out, 0, sizeof(*out));
+  out->step = s.step;
+  out->skipped_steps = s.skipped_steps;
+  out->last_step_skipped = s.last_step_skipped ? 1 : 0;
+  out->last_grad_norm = s.last_grad_norm;
+  out->host_registrations = s.host_registrations;
+  out->pinned_host_calls = s.pinned_host_calls;
+  out->pinned_bytes = s.pinned_bytes;
+  out->gpu_state_bytes = s.gpu_state_bytes;
+  out->checkpoint_copied_aside_bytes = s.checkpoint_copied_aside_bytes;
+  return Report(absl::OkStatus());
+}
+
+ferry_status ferry_num_groups(ferry_engine* engine, size_t* num_groups) {
+  if (engine == nullptr) return NullHandle("ferry_num_groups");
+  if (num_groups == nullptr) return Report(absl::InvalidArgumentError("ferry_num_groups: num_groups is NULL"));
+  *num_groups = engine->engine->Placement().size();
+  return Report(absl::OkStatus());
+}
+
+ferry_status ferry_group_info_at(ferry_engine* engine, size_t index, ferry_group_info* out) {
+  if (engine == nullptr) return NullHandle("ferry_group_info_at");
+  if (out == nullptr) return Report(absl::InvalidArgumentError("ferry_group_info_at: out is NULL"));
+  const std::vector<ferry::GroupPlacement> groups = engine->engine->Placement();
+  if (index >= groups.size()) {
+    return Report(absl::OutOfRangeError("ferry_group_info_at: index " + std::to_string(index) + " of " +
+                                        std::to_string(groups.size()) + " groups"));
+  }
+  const ferry::GroupPlacement& g = groups[index];
+  auto name = std::find(engine->group_names.begin(), engine->group_names.end(), g.group);
+  if (name == engine->group_names.end()) name = engine->group_names.insert(engine->group_names.end(), g.group);
+  std::memset(out, 0, sizeof(*out));
+  out->group = name->c_str();
+  out->offloaded = g.offloaded ? 1 : 0;
+  out->numel = g.numel;
+  out->num_params = g.num_params;
+  out->global_numel = g.global_numel;
+  out->lr_scale = g.options.lr_scale.value_or(1.0f);
+  out->weight_decay = g.options.weight_decay.value_or(0.0f);
+  out->beta1 = g.options.beta1.value_or(0.0f);
+  out->beta2 = g.options.beta2.value_or(0.0f);
+  out->eps = g.options.eps.value_or(0.0f);
+  out->adamw = g.options.adamw.value_or(true) ? 1 : 0;
+  return Report(absl::OkStatus());
+}
+
+ferry_status ferry_wait_checkpoint(ferry_engine* engine) {
+  if (engine == nullptr) return NullHandle("ferry_wait_checkpoint");
+  return Report(engine->engine->WaitCheckpoint());
+}
+
+ferry_status ferry_poll_checkpoint(ferry_engine* engine, int* done) {
+  if (engine == nullptr) return NullHandle("ferry_poll_checkpoint");
+  if (done == nullptr) return Report(absl::InvalidArgumentError("ferry_poll_checkpoint: done is NULL"));
+  std::optional<absl::Status> s = engine->engine->PollCheckpoint();
+  *done = s.has_value() ? 1 : 0;
+  return Report(s.value_or(absl::OkStatus()));
+}
+
+void ferry_load_options_init(ferry_load_options* o) {
+  const ferry::LoadOptions d;
+  std::memset(o, 0, sizeof(*o));
+  o->fall_back_to_previous = d.fall_back_to_previous ? 1 : 0;
+}
+
+ferry_status ferry_load_checkpoint_with(ferry_engine* engine, const char* path, const ferry_load_options* options,
+                                        char* dir_out, size_t dir_out_size) {
+  if (engine == nullptr) return NullHandle("ferry_load_checkpoint_with");
+  if (path == nullptr) return Report(absl::InvalidArgumentError("ferry_load_checkpoint_with: path is NULL"));
+  ferry::LoadOptions lo;
+  if (options != nullptr) lo.fall_back_to_previous = options->fall_back_to_previous != 0;
+  absl::Status s = engine->engine->LoadCheckpoint(path, lo);
+  if (!s.ok()) return Report(s);
+  return Report(CopyOut("ferry_load_checkpoint_with: loaded, but dir_out", engine->engine->LastLoad().dir, dir_out,
+                        dir_out_size));
+}
+
+ferry_status ferry_load_differences(ferry_engine* engine, char* out, size_t out_size, size_t* count) {
+  if (engine == nullptr) return NullHandle("ferry_load_differences");
+  const std::vector<std::string> diffs = engine->engine->LastLoad().optimizer_differences;
+  std::string text;
+  for (const std::string& d : diffs) text += (text.empty() ? "" : "\n") + d;
+  if (count != nullptr) *count = diffs.size();
+  return Report(CopyOut("ferry_load_differences", text, out, out_size));
+}
+
+ferry_status ferry_device_info(ferry_engine* engine, char* name_out, size_t name_out_size, int* on_gpu) {
+  if (engine == nullptr) return NullHandle("ferry_device_info");
+  if (on_gpu != nullptr) *on_gpu = engine->engine->OnGpu() ? 1 : 0;
+  return Report(CopyOut("ferry_device_info", engine->engine->DeviceName(), name_out, name_out_size));
 }
 
 }  // extern "C"

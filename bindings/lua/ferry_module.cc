@@ -2,7 +2,9 @@
 
 #include <cmath>
 #include <cstring>
+#include <initializer_list>
 #include <map>
+#include <optional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -303,17 +305,70 @@ int CheckOk(lua_State* L, const absl::Status& s) {
 
 int LEngineFinalize(lua_State* L) { return CheckOk(L, CheckEngine(L, 1)->Finalize()); }
 
-// e:step{ lr = }
+// Raises an error naming the first key of the table at `t` that is not in `known`.
+void CheckKeys(lua_State* L, int t, const char* who, std::initializer_list<const char*> known) {
+  lua_pushnil(L);
+  while (lua_next(L, t) != 0) {
+    lua_pop(L, 1);
+    const char* key = lua_type(L, -1) == LUA_TSTRING ? lua_tostring(L, -1) : nullptr;
+    bool ok = false;
+    std::string names;
+    for (const char* k : known) {
+      ok = ok || (key != nullptr && std::strcmp(key, k) == 0);
+      names += names.empty() ? k : std::string(", ") + k;
+    }
+    if (!ok) {
+      lua_pop(L, 1);
+      luaL_error(L, "%s: unknown option '%s' (known: %s)", who, key != nullptr ? key : "(not a string)", names.c_str());
+    }
+  }
+}
+
+// e:add_group(name, { lr_scale=, weight_decay=, beta1=, beta2=, eps=, adamw= }): Engine::AddGroup.
+int LEngineAddGroup(lua_State* L) {
+  Engine* e = CheckEngine(L, 1);
+  const std::string group = luaL_checkstring(L, 2);
+  GroupOptions options;
+  if (!lua_isnoneornil(L, 3)) {
+    luaL_checktype(L, 3, LUA_TTABLE);
+    lua_pushnil(L);
+    while (lua_next(L, 3) != 0) {
+      const char* key = lua_type(L, -2) == LUA_TSTRING ? lua_tostring(L, -2) : nullptr;
+      if (key == nullptr) luaL_error(L, "add_group('%s'): option names must be strings", group.c_str());
+      double value = 0;
+      if (lua_isboolean(L, -1)) {
+        value = lua_toboolean(L, -1) ? 1 : 0;
+      } else if (lua_isnumber(L, -1)) {
+        value = lua_tonumber(L, -1);
+      } else {
+        luaL_error(L, "add_group('%s'): option '%s' must be a number or a boolean", group.c_str(), key);
+      }
+      absl::Status st = SetGroupOption(options, key, value);
+      if (!st.ok()) RaiseStatus(L, absl::Status(st.code(), absl::StrCat("add_group('", group, "'): ", st.message())));
+      lua_pop(L, 1);
+    }
+  }
+  return CheckOk(L, e->AddGroup(group, options));
+}
+
+// e:step{ lr=, loss_scale=, max_grad_norm=, check_finite= } -> skipped (true when a NaN/Inf grad
+// skipped the step)
 int LEngineStep(lua_State* L) {
   Engine* e = CheckEngine(L, 1);
   StepOptions so;
   if (lua_istable(L, 2)) {
+    CheckKeys(L, 2, "step", {"lr", "loss_scale", "max_grad_norm", "check_finite"});
     lua_getfield(L, 2, "lr");
     if (!lua_isnil(L, -1)) so.lr = static_cast<float>(luaL_checknumber(L, -1));
     lua_pop(L, 1);
+    so.loss_scale = static_cast<float>(OptNumber(L, 2, "loss_scale", so.loss_scale));
+    so.max_grad_norm = static_cast<float>(OptNumber(L, 2, "max_grad_norm", so.max_grad_norm));
+    so.check_finite = OptBool(L, 2, "check_finite", so.check_finite);
   }
   CheckOk(L, e->Step(so, nullptr));
-  return CheckOk(L, e->Synchronize());
+  CheckOk(L, e->Synchronize());
+  lua_pushboolean(L, e->Stats().last_step_skipped);
+  return 1;
 }
 
 int LEngineSave(lua_State* L) {
@@ -326,7 +381,38 @@ int LEngineSave(lua_State* L) {
   return 1;
 }
 
-int LEngineLoad(lua_State* L) { return CheckOk(L, CheckEngine(L, 1)->LoadCheckpoint(luaL_checkstring(L, 2))); }
+// e:load(path [, { fall_back_to_previous = }]) -> the directory loaded, and the optimizer settings
+// it records differently from the engine's (a list of strings, see LoadReport)
+int LEngineLoad(lua_State* L) {
+  Engine* e = CheckEngine(L, 1);
+  const char* path = luaL_checkstring(L, 2);
+  LoadOptions lo;
+  if (!lua_isnoneornil(L, 3)) {
+    luaL_checktype(L, 3, LUA_TTABLE);
+    CheckKeys(L, 3, "load", {"fall_back_to_previous"});
+    lo.fall_back_to_previous = OptBool(L, 3, "fall_back_to_previous", false);
+  }
+  CheckOk(L, e->LoadCheckpoint(path, lo));
+  const LoadReport report = e->LastLoad();
+  lua_pushstring(L, report.dir.c_str());
+  lua_createtable(L, static_cast<int>(report.optimizer_differences.size()), 0);
+  for (size_t i = 0; i < report.optimizer_differences.size(); ++i) {
+    lua_pushstring(L, report.optimizer_differences[i].c_str());
+    lua_rawseti(L, -2, static_cast<int>(i + 1));
+  }
+  return 2;
+}
+
+// e:wait_checkpoint(): raises the error of a finished asynchronous save not yet reported.
+int LEngineWaitCheckpoint(lua_State* L) { return CheckOk(L, CheckEngine(L, 1)->WaitCheckpoint()); }
+
+// e:poll_checkpoint() -> false while a save is in flight, else true (raising its error, if any)
+int LEnginePollCheckpoint(lua_State* L) {
+  std::optional<absl::Status> s = CheckEngine(L, 1)->PollCheckpoint();
+  if (s.has_value()) CheckOk(L, *s);
+  lua_pushboolean(L, s.has_value());
+  return 1;
+}
 
 // e:sync_from_model(groups or nil, reset_optimizer)
 int LEngineSync(lua_State* L) {
@@ -363,7 +449,8 @@ int LEngineVerify(lua_State* L) {
   return 2;
 }
 
-// e:placement() -> { {group=, device="cpu"|"gpu", numel=, params=}, ... } in registration order
+// e:placement() -> { {group=, device="cpu"|"gpu", numel=, params=, lr_scale=, weight_decay=, beta1=,
+// beta2=, eps=, adamw=}, ... } in registration order
 int LEnginePlacement(lua_State* L) {
   std::vector<GroupPlacement> pl = CheckEngine(L, 1)->Placement();
   lua_createtable(L, static_cast<int>(pl.size()), 0);
@@ -377,6 +464,19 @@ int LEnginePlacement(lua_State* L) {
     lua_setfield(L, -2, "numel");
     lua_pushnumber(L, static_cast<lua_Number>(pl[i].num_params));
     lua_setfield(L, -2, "params");
+    const GroupOptions& go = pl[i].options;
+    lua_pushnumber(L, go.lr_scale.value_or(1.0f));
+    lua_setfield(L, -2, "lr_scale");
+    lua_pushnumber(L, go.weight_decay.value_or(0.0f));
+    lua_setfield(L, -2, "weight_decay");
+    lua_pushnumber(L, go.beta1.value_or(0.0f));
+    lua_setfield(L, -2, "beta1");
+    lua_pushnumber(L, go.beta2.value_or(0.0f));
+    lua_setfield(L, -2, "beta2");
+    lua_pushnumber(L, go.eps.value_or(0.0f));
+    lua_setfield(L, -2, "eps");
+    lua_pushboolean(L, go.adamw.value_or(true));
+    lua_setfield(L, -2, "adamw");
     lua_rawseti(L, -2, static_cast<int>(i + 1));
   }
   return 1;
@@ -396,6 +496,12 @@ int LEngineStats(lua_State* L) {
   lua_setfield(L, -2, "gpu_state_bytes");
   lua_pushnumber(L, static_cast<lua_Number>(s.checkpoint_copied_aside_bytes));
   lua_setfield(L, -2, "checkpoint_copied_aside_bytes");
+  lua_pushnumber(L, static_cast<lua_Number>(s.skipped_steps));
+  lua_setfield(L, -2, "skipped_steps");
+  lua_pushboolean(L, s.last_step_skipped);
+  lua_setfield(L, -2, "last_step_skipped");
+  lua_pushnumber(L, s.last_grad_norm);
+  lua_setfield(L, -2, "last_grad_norm");
   lua_pushstring(L, e->DeviceName().c_str());
   lua_setfield(L, -2, "device");
   return 1;
@@ -434,6 +540,8 @@ int OpenFerryModule(lua_State* L) {
       {"save", LEngineSave},          {"load", LEngineLoad},         {"sync_from_model", LEngineSync},
       {"verify_masters", LEngineVerify}, {"placement", LEnginePlacement}, {"stats", LEngineStats},
       {"reload_policy", LEngineReloadPolicy},
+      {"add_group", LEngineAddGroup}, {"wait_checkpoint", LEngineWaitCheckpoint},
+      {"poll_checkpoint", LEnginePollCheckpoint},
       {"close", LEngineClose},        {nullptr, nullptr}};
   static const luaL_Reg functions[] = {{"tensor", LTensor},         {"engine", LEngine},
                                        {"backend", LBackend},       {"device_name", LDeviceName},

@@ -29,6 +29,7 @@ struct RunSetup {
   float max_grad_norm = 20.0f;
   float loss_scale = 2.0f;
   int inf_step = 3;  // this step's grads hold one +Inf (held by one rank): skipped on every rank
+  std::map<std::string, GroupOptions> groups;  // Engine::AddGroup on every rank
 };
 
 
@@ -51,6 +52,7 @@ absl::StatusOr<Rank> MakeRank(int rank, int world, std::shared_ptr<Comm> comm, c
   o.collective_timeout = timeout;
   o.checkpoint_timeout = timeout;
   FERRY_ASSIGN_OR_RETURN(r.engine, Engine::Create(o));
+  for (const auto& [name, options] : setup.groups) FERRY_RETURN_IF_ERROR(r.engine->AddGroup(name, options));
   FERRY_RETURN_IF_ERROR(r.model->Register(*r.engine));
   return r;
 }
@@ -144,6 +146,42 @@ TEST_P(WorldSizeTest, OneToFourRanksGiveBitIdenticalParams) {
 
 INSTANTIATE_TEST_SUITE_P(Placements, WorldSizeTest,
                          ::testing::Values("all_gpu.lua", "offload_all.lua", "offload_fraction.lua"));
+
+// Per-group settings with shards: 1 and 3 ranks give the same bits, and the settings changed the run.
+TEST(MultiRankEngineTest, PerGroupSettingsAreBitIdenticalForAnyWorldSize) {
+  RunSetup setup;
+  setup.policy = "offload_fraction.lua";
+  setup.policy_args = {{"fraction", "0.5"}};
+  const GlobalParams plain = Train(1, setup, 5);
+  setup.groups = {{"biases", {.weight_decay = 0.0f}},
+                  {"head", {.lr_scale = 0.5f, .beta2 = 0.99f}},
+                  {"embed", {.weight_decay = 0.05f, .adamw = false}}};
+  const GlobalParams one = Train(1, setup, 5);
+  for (const char* name : {"embed", "l1.b", "head"}) {
+    size_t i = 0;
+    while (MixedModel()[i].name != name) ++i;
+    EXPECT_FALSE(one[i] == plain[i]) << name << ": its group's settings changed nothing";
+  }
+  for (int world : {2, 3}) ExpectSameParams(one, Train(world, setup, 5), absl::StrCat(world, " ranks"));
+}
+
+// Every rank must give every group the same settings: one rank that differs fails Finalize on every
+// rank, naming it, the group and the setting.
+TEST(MultiRankEngineTest, RanksWithDifferentGroupSettingsAreRefused) {
+  std::vector<absl::Status> st = RunRanks(3, [&](int rank, std::shared_ptr<Comm> comm) -> absl::Status {
+    RunSetup setup;
+    setup.groups = {{"biases", {.weight_decay = rank == 1 ? 0.5f : 0.0f}}};
+    FERRY_ASSIGN_OR_RETURN(Rank r, MakeRank(rank, 3, std::move(comm), setup));
+    return r.engine->Finalize();
+  });
+  for (int r = 0; r < 3; ++r) {
+    const absl::Status& s = st[static_cast<size_t>(r)];
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << "rank " << r << ": " << s;
+    EXPECT_TRUE(absl::StrContains(s.message(), "rank 1 of 3 gives group 'biases' other optimizer settings than rank 0: "
+                                               "weight_decay 0.5 (rank 0: 0)"))
+        << "rank " << r << ": " << s;
+  }
+}
 
 TEST(MultiRankEngineTest, ClippingIsGlobal) {
   // A norm that clips only when every rank's grads count: a run without clipping differs.

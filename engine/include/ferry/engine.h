@@ -22,6 +22,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -54,7 +55,7 @@ struct ParamSpec {
   int64_t shard_end = -1;           // one past its last; -1: the end of the tensor (the whole of it)
 };
 
-// The optimizer's hyper-parameters (the same for every group in this version).
+// The optimizer's hyper-parameters: every group's defaults (see GroupOptions for a group's own).
 struct OptimizerOptions {
   float lr = 1e-3f;
   float beta1 = 0.9f;
@@ -64,6 +65,30 @@ struct OptimizerOptions {
   bool adamw = true;            // decoupled weight decay; false = Adam with L2
   bool bias_correction = true;
 };
+
+// One parameter group's own optimizer settings, as torch's param groups give them (no weight decay on
+// biases and norms, a learning-rate scale per group, other betas). A field left unset takes the value
+// of EngineOptions::optimizer. The step's learning rate (StepOptions::lr, else OptimizerOptions::lr)
+// stays the global schedule: a group steps with it times lr_scale (rounded once to float; a scale of
+// 1 gives exactly the global rate). For a torch-style fixed group lr, give lr_scale = lr / global lr.
+struct GroupOptions {
+  std::optional<float> lr_scale;      // >= 0 and finite (0 freezes the group's values; moments still update)
+  std::optional<float> weight_decay;  // >= 0 and finite
+  std::optional<float> beta1;         // in [0, 1)
+  std::optional<float> beta2;         // in [0, 1)
+  std::optional<float> eps;           // > 0 and finite
+  std::optional<bool> adamw;          // decoupled weight decay; false = Adam with L2
+};
+
+// The option names SetGroupOption knows, in order: "lr_scale", "weight_decay", "beta1", "beta2",
+// "eps", "adamw".
+std::vector<std::string_view> GroupOptionNames();
+
+// Sets the option called `name` (one of GroupOptionNames(); "adamw" takes 0 or 1) of `options` to
+// `value`, for bindings that pass options by name (the C ABI, the Lua module). On error
+// (InvalidArgument: an unknown name, listing the known ones, or a value out of the option's range)
+// `options` is unchanged.
+absl::Status SetGroupOption(GroupOptions& options, std::string_view name, double value);
 
 struct EngineOptions {
   std::string policy_path;                        // Lua policy file; empty = every group on the GPU
@@ -91,7 +116,9 @@ struct EngineOptions {
 };
 
 struct StepOptions {
-  std::optional<float> lr;  // this step's learning rate; default OptimizerOptions::lr
+  // This step's learning rate (the global schedule; default OptimizerOptions::lr); each group steps
+  // with it times its GroupOptions::lr_scale.
+  std::optional<float> lr;
   // Mixed precision: the grads carry this loss scale and are divided by it (> 0, finite).
   float loss_scale = 1.0f;
   // > 0: clip the global L2 norm of the unscaled grads of every group to this, computed across all
@@ -109,6 +136,8 @@ struct GroupPlacement {
   int64_t numel = 0;         // elements this rank holds
   int64_t num_params = 0;
   int64_t global_numel = 0;  // elements of the group's global tensors (= numel for one rank)
+  // The group's optimizer settings, every field set: AddGroup's, else EngineOptions::optimizer's.
+  GroupOptions options;
 };
 
 struct EngineStats {
@@ -136,6 +165,16 @@ struct LoadOptions {
   bool fall_back_to_previous = false;
 };
 
+// What the last successful LoadCheckpoint loaded.
+struct LoadReport {
+  std::string dir;  // the checkpoint directory (with fall_back_to_previous, maybe an older one)
+  // One line for every optimizer setting of a loaded group that the checkpoint records with another
+  // value than this engine runs with, e.g. "group 'bias': weight_decay 0.01 in the checkpoint, 0 in
+  // this engine". The engine keeps its own settings; each line is also logged as a warning.
+  // Checkpoints of the format before per-group settings record none: nothing is compared.
+  std::vector<std::string> optimizer_differences;
+};
+
 // Engine: one thread at a time (a trainer drives it from its training loop).
 class Engine {
  public:
@@ -149,6 +188,15 @@ class Engine {
   // null pointers, zero-size or negative dimensions, bad characters in the name, a group whose
   // params mix dtypes.
   virtual absl::Status AddParam(const ParamSpec& spec) = 0;
+
+  // Gives parameter group `group` its own optimizer settings (its params are added by AddParam with
+  // ParamSpec::group = `group`, before or after this call). Groups not given here use
+  // EngineOptions::optimizer. Errors (nothing changed): after Finalize, an empty name, a group given
+  // twice, a value out of range (a negative weight decay or lr_scale, betas outside [0, 1), eps not
+  // > 0, anything not finite). Finalize refuses a group given here that no param joined.
+  // Several ranks: every rank must give every group the same settings (Finalize checks, naming the
+  // rank and the group).
+  virtual absl::Status AddGroup(const std::string& group, const GroupOptions& options) = 0;
 
   // Calls the policy's place() hook, allocates the fp32 master and moments where it says, and
   // initialises the masters from the current params (m = v = 0). On error nothing is allocated and
@@ -212,6 +260,9 @@ class Engine {
   virtual absl::Status LoadCheckpoint(const std::string& path) = 0;
   // The same, with `options` (e.g. falling back to the previous complete checkpoint).
   virtual absl::Status LoadCheckpoint(const std::string& path, const LoadOptions& options) = 0;
+  // What the last successful LoadCheckpoint loaded, with the optimizer settings the checkpoint
+  // records differently (see LoadReport). Empty before any load.
+  virtual LoadReport LastLoad() const = 0;
 
   // Refreshes the fp32 masters of `groups` (all when empty) from the params' current values; with
   // `reset_optimizer`, also zeroes their moments and step. For a trainer that loaded weights itself.

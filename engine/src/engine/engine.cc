@@ -2,8 +2,87 @@
 // The class is in engine_impl.h; checkpoints are in engine_checkpoint.cc.
 #include "engine/engine_impl.h"
 
+#include <charconv>
+#include <cmath>
+
 namespace ferry {
 namespace engine_internal {
+namespace {
+
+// The range of each optimizer setting; `where` prefixes the message. Checks only the fields set.
+absl::Status ValidateGroupOptions(const GroupOptions& o, std::string_view where) {
+  auto bad = [&](const char* field, float v, const char* want) {
+    return absl::InvalidArgumentError(absl::StrCat(ToAbsl(where), ": ", field, " is ", v, "; it must be ", want));
+  };
+  if (o.lr_scale && !(std::isfinite(*o.lr_scale) && *o.lr_scale >= 0.0f)) return bad("lr_scale", *o.lr_scale, ">= 0 and finite");
+  if (o.weight_decay && !(std::isfinite(*o.weight_decay) && *o.weight_decay >= 0.0f)) {
+    return bad("weight_decay", *o.weight_decay, ">= 0 and finite");
+  }
+  if (o.beta1 && !(*o.beta1 >= 0.0f && *o.beta1 < 1.0f)) return bad("beta1", *o.beta1, "in [0, 1)");
+  if (o.beta2 && !(*o.beta2 >= 0.0f && *o.beta2 < 1.0f)) return bad("beta2", *o.beta2, "in [0, 1)");
+  if (o.eps && !(std::isfinite(*o.eps) && *o.eps > 0.0f)) return bad("eps", *o.eps, "> 0 and finite");
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+std::string FormatGroupSettings(const GroupOptions& o, bool bias_correction) {
+  auto f = [](std::optional<float> v) {  // the shortest text that reads back as the same float
+    char buf[32];
+    const std::to_chars_result r = std::to_chars(buf, buf + sizeof(buf), v.value_or(0.0f));
+    return std::string(buf, r.ptr);
+  };
+  return absl::StrCat("adamw=", o.adamw.value_or(true) ? 1 : 0, " lr_scale=", f(o.lr_scale),
+                      " weight_decay=", f(o.weight_decay), " beta1=", f(o.beta1), " beta2=", f(o.beta2),
+                      " eps=", f(o.eps), " bias_correction=", bias_correction ? 1 : 0);
+}
+
+std::vector<std::array<std::string, 3>> DiffGroupSettings(std::string_view a, std::string_view b) {
+  auto fields = [](std::string_view text) {
+    std::vector<std::pair<std::string, std::string>> out;
+    for (absl::string_view kv : absl::StrSplit(ToAbsl(text), ' ', absl::SkipEmpty())) {
+      std::pair<std::string, std::string> p = absl::StrSplit(kv, absl::MaxSplits('=', 1));
+      out.push_back(std::move(p));
+    }
+    return out;
+  };
+  std::vector<std::array<std::string, 3>> out;
+  const std::vector<std::pair<std::string, std::string>> fb = fields(b);
+  for (const auto& [key, value] : fields(a)) {
+    for (const auto& [kb, vb] : fb) {
+      if (kb == key && vb != value) out.push_back({key, value, vb});
+    }
+  }
+  return out;
+}
+
+absl::Status EngineImpl::AddGroup(const std::string& group, const GroupOptions& options) {
+  const std::string where = absl::StrCat("AddGroup('", group, "')");
+  if (optimizer_ != nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat(where, ": the engine is finalized; add every group before Finalize()"));
+  }
+  if (group.empty()) return absl::InvalidArgumentError("AddGroup: the group name is empty");
+  if (group_options_.contains(group)) {
+    return absl::AlreadyExistsError(absl::StrCat(where, ": this group's options were already given"));
+  }
+  FERRY_RETURN_IF_ERROR(ValidateGroupOptions(options, where));
+  group_options_.emplace(group, options);
+  return absl::OkStatus();
+}
+
+GroupOptions EngineImpl::ResolvedGroupOptions(size_t g) const {
+  const OptimizerOptions& d = options_.optimizer;
+  GroupOptions r;
+  auto it = group_options_.find(group_names_[g]);
+  if (it != group_options_.end()) r = it->second;
+  if (!r.lr_scale) r.lr_scale = 1.0f;
+  if (!r.weight_decay) r.weight_decay = d.weight_decay;
+  if (!r.beta1) r.beta1 = d.beta1;
+  if (!r.beta2) r.beta2 = d.beta2;
+  if (!r.eps) r.eps = d.eps;
+  if (!r.adamw) r.adamw = d.adamw;
+  return r;
+}
 
 absl::Status EngineImpl::AddParam(const ParamSpec& spec) {
   const std::string where = absl::StrCat("AddParam('", spec.name, "')");
@@ -101,6 +180,12 @@ absl::Status EngineImpl::Finalize() {
   std::vector<bool> offloaded;
   std::unique_ptr<Comm> ckpt_comm;
   absl::Status local = [&]() -> absl::Status {
+    for (const auto& [name, unused] : group_options_) {
+      if (!group_index_.contains(name)) {
+        return absl::InvalidArgumentError(absl::StrCat("Finalize: AddGroup('", name, "') gave options to a group that "
+                                                       "no param joined (groups: ", absl::StrJoin(group_names_, ", "), ")"));
+      }
+    }
     std::vector<GroupInfo> infos = GroupInfos();
     FERRY_ASSIGN_OR_RETURN(PolicyContext ctx, Context());
     ferry::Placement placement;
@@ -159,6 +244,15 @@ absl::StatusOr<std::unique_ptr<HybridOptimizer>> EngineImpl::BuildOptimizer(cons
     }
     groups[g].name = group_names_[g];
     groups[g].offloaded = offloaded[g] = it->second == PlaceKind::kCpu;
+    const GroupOptions go = ResolvedGroupOptions(g);
+    AdamHyper h = hopt.hyper;
+    h.beta1 = *go.beta1;
+    h.beta2 = *go.beta2;
+    h.eps = *go.eps;
+    h.weight_decay = *go.weight_decay;
+    h.mode = *go.adamw ? AdamMode::kAdamW : AdamMode::kAdamL2;
+    groups[g].hyper = h;
+    groups[g].lr_scale = *go.lr_scale;
   }
   // Params whose local range is empty have no state on this rank (opt stays -1).
   std::vector<OptimParam> params;
@@ -303,6 +397,7 @@ std::vector<GroupPlacement> EngineImpl::Placement() const {
   for (size_t g = 0; g < out.size(); ++g) {
     out[g].group = group_names_[g];
     out[g].offloaded = g < offloaded_.size() && offloaded_[g];
+    out[g].options = ResolvedGroupOptions(g);
   }
   for (const ParamRecord& p : params_) {
     out[p.group].numel += p.numel;
@@ -330,7 +425,43 @@ EngineStats EngineImpl::Stats() const {
 
 }  // namespace engine_internal
 
+std::vector<std::string_view> GroupOptionNames() {
+  return {"lr_scale", "weight_decay", "beta1", "beta2", "eps", "adamw"};
+}
+
+absl::Status SetGroupOption(GroupOptions& options, std::string_view name, double value) {
+  GroupOptions o = options;
+  const float f = static_cast<float>(value);
+  if (name == "lr_scale") {
+    o.lr_scale = f;
+  } else if (name == "weight_decay") {
+    o.weight_decay = f;
+  } else if (name == "beta1") {
+    o.beta1 = f;
+  } else if (name == "beta2") {
+    o.beta2 = f;
+  } else if (name == "eps") {
+    o.eps = f;
+  } else if (name == "adamw") {
+    if (value != 0.0 && value != 1.0) {
+      return absl::InvalidArgumentError(absl::StrCat("group option adamw is ", value, "; it must be 0 or 1"));
+    }
+    o.adamw = value != 0.0;
+  } else {
+    std::string known;
+    for (std::string_view n : GroupOptionNames()) absl::StrAppend(&known, known.empty() ? "" : ", ", ToAbsl(n));
+    return absl::InvalidArgumentError(absl::StrCat("unknown group option '", ToAbsl(name), "' (known: ", known, ")"));
+  }
+  FERRY_RETURN_IF_ERROR(engine_internal::ValidateGroupOptions(o, absl::StrCat("group option ", ToAbsl(name))));
+  options = o;
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& options) {
+  const OptimizerOptions& opt = options.optimizer;
+  FERRY_RETURN_IF_ERROR(engine_internal::ValidateGroupOptions(
+      GroupOptions{.weight_decay = opt.weight_decay, .beta1 = opt.beta1, .beta2 = opt.beta2, .eps = opt.eps},
+      "EngineOptions::optimizer"));
   DeviceOptions dopt;
   dopt.backend = options.device;
   dopt.ordinal = options.device_ordinal;

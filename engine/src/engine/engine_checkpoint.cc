@@ -198,6 +198,8 @@ std::map<std::string, std::string> EngineImpl::CheckpointMetadata() const {
     metadata[absl::StrCat("ferry.group.", group_names_[g], ".step")] = absl::StrCat(optimizer_->group_step(g));
     // Several ranks: rank 0's placement (each rank places its own shards).
     metadata[absl::StrCat("ferry.group.", group_names_[g], ".placement")] = offloaded_[g] ? "cpu" : "gpu";
+    metadata[absl::StrCat("ferry.group.", group_names_[g], ".optimizer")] =
+        FormatGroupSettings(ResolvedGroupOptions(g), o.bias_correction);
   }
   return metadata;
 }
@@ -461,6 +463,18 @@ absl::Status EngineImpl::LoadCheckpointLocal(const std::string& path, LoadPhase*
     }
   }
   if (event.groups.empty()) return absl::InvalidArgumentError(absl::StrCat(dir, ": no tensor of any registered param"));
+  // The optimizer settings the checkpoint records per group (none before that format) against this
+  // engine's: reported, never applied (the trainer's settings hold).
+  LoadReport report{.dir = dir};
+  for (size_t g = 0; g < group_names_.size(); ++g) {
+    auto it = reader->metadata().find(absl::StrCat("ferry.group.", group_names_[g], ".optimizer"));
+    if (!group_loaded[g] || it == reader->metadata().end()) continue;
+    const std::string mine = FormatGroupSettings(ResolvedGroupOptions(g), options_.optimizer.bias_correction);
+    for (const auto& [field, saved, now] : DiffGroupSettings(it->second, mine)) {
+      report.optimizer_differences.push_back(
+          absl::StrCat("group '", group_names_[g], "': ", field, " ", saved, " in the checkpoint, ", now, " in this engine"));
+    }
+  }
   event.kind = event.optimizer_loaded ? LoadKind::kCheckpoint : LoadKind::kModelOnly;
   SyncPlan sync;
   if (policy_ != nullptr) {
@@ -514,6 +528,10 @@ absl::Status EngineImpl::LoadCheckpointLocal(const std::string& path, LoadPhase*
       optimizer_->set_group_step(g, 0);
     }
   }
+  for (const std::string& d : report.optimizer_differences) {
+    FERRY_LOG(WARNING) << "LoadCheckpoint(" << dir << "): the optimizer settings differ: " << d;
+  }
+  last_load_ = std::move(report);
   return absl::OkStatus();
 }
 

@@ -11,6 +11,7 @@
 #include "ferry/engine.h"
 
 #include <algorithm>
+#include <array>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
@@ -52,6 +53,15 @@ inline constexpr std::pair<StateKind, const char*> kStateKinds[] = {
     {StateKind::kMaster, "master"}, {StateKind::kExpAvg, "exp_avg"}, {StateKind::kExpAvgSq, "exp_avg_sq"}};
 
 inline std::string StateTensorName(const std::string& param, const char* kind) { return absl::StrCat(param, ":", kind); }
+
+// A group's optimizer settings as text, recorded per group in checkpoints (metadata key
+// "ferry.group.<group>.optimizer") and compared across ranks at Finalize: "adamw=1 lr_scale=1
+// weight_decay=0.01 beta1=0.9 beta2=0.999 eps=1e-08 bias_correction=1", each float as the shortest
+// text that reads back as it (equal text iff equal values). `resolved` has every field set.
+std::string FormatGroupSettings(const GroupOptions& resolved, bool bias_correction);
+// Every field whose value differs between two FormatGroupSettings texts, as {field, a's value, b's
+// value}; fields missing from either side are not compared.
+std::vector<std::array<std::string, 3>> DiffGroupSettings(std::string_view a, std::string_view b);
 
 // Pinned host memory for checkpoints: device-resident tensors are staged in it for saves, and every
 // tensor of a load is read into it and verified before anything is applied. Kept (grown when
@@ -133,6 +143,7 @@ class EngineImpl final : public Engine {
   }
 
   absl::Status AddParam(const ParamSpec& spec) override;
+  absl::Status AddGroup(const std::string& group, const GroupOptions& options) override;
   absl::Status Finalize() override;
   absl::Status Step(const StepOptions& options, void* stream) override;
   absl::Status Synchronize() override {
@@ -143,6 +154,7 @@ class EngineImpl final : public Engine {
   std::optional<absl::Status> PollCheckpoint() override;
   absl::Status LoadCheckpoint(const std::string& path) override { return LoadCheckpoint(path, LoadOptions{}); }
   absl::Status LoadCheckpoint(const std::string& path, const LoadOptions& options) override;
+  LoadReport LastLoad() const override { return last_load_; }
   absl::Status SyncFromModel(const std::vector<std::string>& groups, bool reset_optimizer) override;
   absl::Status ReloadPolicy(const std::string& path, const std::map<std::string, std::string>& args) override;
   // Moves every group whose placement differs from `placement` (which names every group) between pinned
@@ -164,6 +176,8 @@ class EngineImpl final : public Engine {
     return absl::OkStatus();
   }
   std::vector<GroupInfo> GroupInfos() const;
+  // Group `g`'s optimizer settings, every field set: AddGroup's, else options_.optimizer's.
+  GroupOptions ResolvedGroupOptions(size_t g) const;
   // A new optimizer with `placement`; its masters come from the params (m = v = 0).
   absl::StatusOr<std::unique_ptr<HybridOptimizer>> BuildOptimizer(const ferry::Placement& placement,
                                                                   std::vector<bool>* offloaded_out);
@@ -215,11 +229,13 @@ class EngineImpl final : public Engine {
   std::vector<std::string> group_names_;  // in order of first appearance
   absl::flat_hash_map<std::string, size_t> group_index_;
   std::vector<DType> group_dtype_;
+  std::map<std::string, GroupOptions> group_options_;  // given by AddGroup (maybe before any param joined)
   std::vector<bool> offloaded_;
   std::unique_ptr<HybridOptimizer> optimizer_;
   int64_t skipped_steps_ = 0;
   bool last_step_skipped_ = false;
   double last_grad_norm_ = 0.0;
+  LoadReport last_load_;
   // Checkpoints (SaveCheckpoint/LoadCheckpoint). Declared last, so destroyed first: the writer
   // waits for its save in flight and joins its threads before the staging it reads is freed.
   // Pinned host memory that device-resident tensors are staged in for saves and loads; kept (and

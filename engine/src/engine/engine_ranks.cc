@@ -49,7 +49,8 @@ struct RemoteSpec {
   int64_t begin = 0, end = 0;
 };
 
-std::string EncodeSpecs(const std::vector<ParamRecord>& params) {
+// `groups`: every group's FormatGroupSettings, by name (after the params).
+std::string EncodeSpecs(const std::vector<ParamRecord>& params, const std::map<std::string, std::string>& groups) {
   std::string out;
   PutI64(out, static_cast<int64_t>(params.size()));
   for (const ParamRecord& p : params) {
@@ -62,10 +63,16 @@ std::string EncodeSpecs(const std::vector<ParamRecord>& params) {
     PutI64(out, p.spec.shard_begin);
     PutI64(out, p.spec.shard_end);
   }
+  PutI64(out, static_cast<int64_t>(groups.size()));
+  for (const auto& [name, settings] : groups) {
+    PutStr(out, name);
+    PutStr(out, settings);
+  }
   return out;
 }
 
-absl::StatusOr<std::vector<RemoteSpec>> DecodeSpecs(std::string_view blob, int rank) {
+absl::StatusOr<std::vector<RemoteSpec>> DecodeSpecs(std::string_view blob, int rank,
+                                                     std::map<std::string, std::string>* groups) {
   Cursor c(blob);
   int64_t n = 0;
   std::vector<RemoteSpec> out;
@@ -82,6 +89,13 @@ absl::StatusOr<std::vector<RemoteSpec>> DecodeSpecs(std::string_view blob, int r
     }
     ok = ok && c.I64(&s.begin) && c.I64(&s.end);
     out.push_back(std::move(s));
+  }
+  int64_t num_groups = 0;
+  ok = ok && c.I64(&num_groups) && num_groups >= 0;
+  for (int64_t i = 0; ok && i < num_groups; ++i) {
+    std::string name, settings;
+    ok = c.Str(&name) && c.Str(&settings);
+    (*groups)[name] = settings;
   }
   if (!ok || !c.done()) {
     return absl::DataLossError(absl::StrCat("Finalize: the param specs received from rank ", rank, " are malformed"));
@@ -154,6 +168,27 @@ absl::Status CheckSpecs(const std::vector<std::vector<RemoteSpec>>& ranks) {
   return absl::OkStatus();
 }
 
+// Every group's optimizer settings must be the same on every rank (every rank steps its shards of
+// a group with them). The same verdict on every rank (same input).
+absl::Status CheckGroupSettings(const std::vector<std::map<std::string, std::string>>& ranks) {
+  const int world = static_cast<int>(ranks.size());
+  for (int r = 1; r < world; ++r) {
+    for (const auto& [name, settings] : ranks[static_cast<size_t>(r)]) {
+      auto it = ranks[0].find(name);
+      if (it == ranks[0].end() || it->second == settings) continue;  // (a missing group is CheckSpecs')
+      std::vector<std::string> diffs;
+      for (const auto& [field, theirs, rank0] : DiffGroupSettings(settings, it->second)) {
+        diffs.push_back(absl::StrCat(field, " ", theirs, " (rank 0: ", rank0, ")"));
+      }
+      return absl::InvalidArgumentError(absl::StrCat("Finalize: rank ", r, " of ", world, " gives group '", name,
+                                                     "' other optimizer settings than rank 0: ",
+                                                     diffs.empty() ? settings : absl::StrJoin(diffs, ", "),
+                                                     "; every rank must give every group the same"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::Status EngineImpl::Agree(const absl::Status& mine, std::string_view what) {
@@ -178,15 +213,22 @@ absl::Status EngineImpl::ExchangeSpecs() {
                                                    rank(), " of ", world_size()));
   }
   if (!multi_rank()) return absl::OkStatus();
+  std::map<std::string, std::string> settings;
+  for (size_t g = 0; g < group_names_.size(); ++g) {
+    settings[group_names_[g]] = FormatGroupSettings(ResolvedGroupOptions(g), options_.optimizer.bias_correction);
+  }
   FERRY_ASSIGN_OR_RETURN(std::vector<std::string> blobs,
-                         comm_->AllGather(EncodeSpecs(params_), options_.collective_timeout));
+                         comm_->AllGather(EncodeSpecs(params_, settings), options_.collective_timeout));
   std::vector<std::vector<RemoteSpec>> ranks;
+  std::vector<std::map<std::string, std::string>> group_settings(blobs.size());
   for (size_t r = 0; r < blobs.size(); ++r) {
-    FERRY_ASSIGN_OR_RETURN(std::vector<RemoteSpec> specs, DecodeSpecs(blobs[r], static_cast<int>(r)));
+    FERRY_ASSIGN_OR_RETURN(std::vector<RemoteSpec> specs,
+                           DecodeSpecs(blobs[r], static_cast<int>(r), &group_settings[r]));
     ranks.push_back(std::move(specs));
   }
   if (ranks[0].empty()) return absl::FailedPreconditionError("Finalize: no params were added (on rank 0)");
   FERRY_RETURN_IF_ERROR(CheckSpecs(ranks));
+  FERRY_RETURN_IF_ERROR(CheckGroupSettings(group_settings));
   for (size_t i = 0; i < ranks[0].size(); ++i) canonical_[i] = param_index_.at(ranks[0][i].name);
   return absl::OkStatus();
 }

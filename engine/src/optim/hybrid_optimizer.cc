@@ -60,6 +60,8 @@ absl::Status HybridOptimizer::Init(std::vector<OptimParam> params, std::vector<O
   for (size_t g = 0; g < groups.size(); ++g) {
     groups_[g].name = groups[g].name;
     groups_[g].offloaded = groups[g].offloaded;
+    groups_[g].hyper = groups[g].hyper.value_or(options_.hyper);
+    groups_[g].lr_scale = groups[g].lr_scale;
   }
   for (size_t p = 0; p < params_.size(); ++p) {
     const OptimParam& op = params_[p];
@@ -224,8 +226,8 @@ absl::Status HybridOptimizer::StepGpuGroups(float lr, double grad_multiplier, St
   for (size_t gi = 0; gi < groups_.size(); ++gi) {
     const Group& g = groups_[gi];
     if (g.offloaded) continue;
-    AdamHyper h = options_.hyper;
-    h.lr = lr;
+    AdamHyper h = g.hyper;  // per group: the kernel takes each tensor's scalars by scalars_index
+    h.lr = GroupLr(lr, g.lr_scale);
     group_scalars[gi] = static_cast<uint32_t>(scalars.size());
     scalars.push_back(MakeAdamScalars(h, g.step + 1, grad_multiplier));
     for (size_t p : g.params) {
@@ -268,8 +270,8 @@ absl::Status HybridOptimizer::StepCpuGroups(float lr, double grad_multiplier, Ev
   if (cpu_params_.empty()) return absl::OkStatus();
   std::vector<AdamScalars> scalars(groups_.size());
   for (size_t gi = 0; gi < groups_.size(); ++gi) {
-    AdamHyper h = options_.hyper;
-    h.lr = lr;
+    AdamHyper h = groups_[gi].hyper;
+    h.lr = GroupLr(lr, groups_[gi].lr_scale);
     scalars[gi] = MakeAdamScalars(h, groups_[gi].step + 1, grad_multiplier);
   }
   const size_t num_chunks = grad_chunks_.size();

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -38,7 +39,15 @@ struct OptimParam {
 struct OptimGroup {
   std::string name;
   bool offloaded = false;
+  std::optional<AdamHyper> hyper;  // this group's hyper-parameters; null: HybridOptions::hyper (hyper.lr unused)
+  float lr_scale = 1.0f;           // the group steps with the step's lr times this (see GroupLr)
 };
+
+// The learning rate of a group with `lr_scale` at a step with learning rate `lr`: the product in
+// double, rounded once (exactly `lr` for a scale of 1). The same for CPU and GPU groups.
+inline float GroupLr(float lr, float lr_scale) {
+  return static_cast<float>(static_cast<double>(lr) * static_cast<double>(lr_scale));
+}
 
 struct HybridOptions {
   AdamHyper hyper;
@@ -157,6 +166,8 @@ class HybridOptimizer final {
   struct Group {
     std::string name;
     bool offloaded = false;
+    AdamHyper hyper;         // lr unused: the step's lr times lr_scale
+    float lr_scale = 1.0f;
     int64_t step = 0;
     std::vector<size_t> params;  // indices into params_
     Layout layout;               // of this group's params, in elements
