@@ -32,6 +32,12 @@ int InspectCommand(const std::vector<std::string>& args, std::FILE* out, std::FI
 // The text of `ferry inspect --help`.
 std::string InspectUsage();
 
+// ferry trace FILE [--svg OUT.svg] [--ceiling KEY=GBPS,...]: the per-stage summary of a trace file
+// beside each stage's ceiling; with --svg the timeline of one step as an SVG picture.
+int TraceCommand(const std::vector<std::string>& args, std::FILE* out, std::FILE* err);
+// The text of `ferry trace --help`.
+std::string TraceUsage();
+
 // The model of `ferry check --model SPEC`, in parameter order:
 //   ""                            the default, gpt:12:768:50257
 //   gpt:LAYERS:HIDDEN[:VOCAB]     a GPT-style model in bf16: "embed" (VOCAB x HIDDEN, tag

@@ -8,6 +8,7 @@
 // Verbs take Abseil flags (lua/verb_flags.h), parsed per verb; `run` and `bench` pass their
 // arguments through to the script or benchmark.
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <string>
@@ -33,18 +34,23 @@ constexpr char kUsage[] =
     "                            every error (--model SPEC, --arg KEY=VALUE, ...)\n"
     "  inspect CHECKPOINT        tensors, files, groups, sizes and what was skipped; --verify reads\n"
     "                            every tensor and checks its checksum\n"
+    "  trace FILE [--svg OUT]    summarize a trace (FERRY_TRACE=FILE, run/bench --trace FILE) per\n"
+    "                            stage beside its ceiling; --svg draws one step's timeline\n"
     "  bench NAME [ARGS...]      run a benchmark (`ferry bench` lists them; NAME --help)\n"
     "  version                   print the version\n"
     "  help [VERB]               this text, or VERB's (same as ferry VERB --help)\n"
     "\n"
     "environment:\n"
-    "  FERRY_DEVICE=host|cuda    force the device backend (default: cuda when a GPU is present)\n";
+    "  FERRY_DEVICE=host|cuda    force the device backend (default: cuda when a GPU is present)\n"
+    "  FERRY_TRACE=FILE          every engine writes a trace of its steps, saves and loads to FILE\n";
 
 constexpr char kRunUsage[] =
-    "usage: ferry run SCRIPT.lua [ARGS...]\n"
+    "usage: ferry run [--trace FILE] SCRIPT.lua [ARGS...]\n"
     "\n"
     "Runs SCRIPT.lua with the full Lua standard library, LuaJIT's ffi, and the `ferry` module\n"
     "(global `ferry`, also require(\"ferry\")). ferry.script_dir is the script's directory.\n"
+    "--trace FILE: every engine the script creates writes a trace of its steps, saves and loads\n"
+    "to FILE (as FERRY_TRACE=FILE does; `ferry trace FILE` summarizes it).\n"
     "The exit status is 0 when the script returns normally, 1 when it raises an error.\n";
 
 int Traceback(lua_State* L) {
@@ -62,6 +68,17 @@ int Run(int argc, char** argv) {
   if (argc < 1 || std::strcmp(argv[0], "--help") == 0 || std::strcmp(argv[0], "-h") == 0) {
     std::fputs(kRunUsage, argc < 1 ? stderr : stdout);
     return argc < 1 ? 2 : 0;
+  }
+  if (std::strcmp(argv[0], "--trace") == 0 || std::strncmp(argv[0], "--trace=", 8) == 0) {
+    // Every engine the script creates writes its trace there (FERRY_TRACE; see EngineOptions).
+    const bool joined = argv[0][7] == '=';
+    if (!joined && argc < 3) {
+      std::fputs(kRunUsage, stderr);
+      return 2;
+    }
+    ::setenv("FERRY_TRACE", joined ? argv[0] + 8 : argv[1], 1);
+    argc -= joined ? 1 : 2;
+    argv += joined ? 1 : 2;
   }
   const std::string script = argv[0];
   std::error_code ec;
@@ -128,6 +145,7 @@ int main(int argc, char** argv) {
   if (verb == "run") return Run(argc - 2, argv + 2);
   if (verb == "check") return ferry::cli::CheckCommand(Words(argc - 2, argv + 2), stdout, stderr);
   if (verb == "inspect") return ferry::cli::InspectCommand(Words(argc - 2, argv + 2), stdout, stderr);
+  if (verb == "trace") return ferry::cli::TraceCommand(Words(argc - 2, argv + 2), stdout, stderr);
   if (verb == "bench") return Bench(argc - 2, argv + 2);
   if (verb == "help" || verb == "--help" || verb == "-h") {
     if (argc >= 3) {
@@ -137,6 +155,7 @@ int main(int argc, char** argv) {
       if (topic == "run") return Run(1, help_argv);
       if (topic == "check") return ferry::cli::CheckCommand({"--help"}, stdout, stderr);
       if (topic == "inspect") return ferry::cli::InspectCommand({"--help"}, stdout, stderr);
+      if (topic == "trace") return ferry::cli::TraceCommand({"--help"}, stdout, stderr);
       if (topic == "bench") return Bench(1, help_argv);
       std::fprintf(stderr, "ferry help: unknown verb '%s'\n\n%s", topic.c_str(), kUsage);
       return 2;

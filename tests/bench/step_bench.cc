@@ -79,8 +79,10 @@ absl::StatusOr<double> MedianSeconds(int reps, F&& fn) {
 
 // Step time of an engine over `t` with `policy` (every group its own tensor).
 absl::StatusOr<double> EngineStep(Device& device, Tensors& t, const Options& o, const std::string& policy,
-                                  const std::map<std::string, std::string>& args, int64_t* offloaded_numel) {
+                                  const std::map<std::string, std::string>& args, int64_t* offloaded_numel,
+                                  const std::string& trace_path = "") {
   EngineOptions eo;
+  eo.trace_path = trace_path;
   eo.policy_path = policy;
   eo.policy_args = args;
   eo.device = std::string(BackendName(device.backend()));
@@ -183,6 +185,7 @@ void PrintRow(const char* name, double seconds, int64_t numel) {
 int Run(int argc, char** argv) {
   Options o;
   bool quick = false;
+  std::string trace_path;  // the fully offloaded engine's trace (`ferry trace FILE` summarizes it)
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     auto value = [&](const char* flag) -> const char* {
@@ -191,12 +194,17 @@ int Run(int argc, char** argv) {
       return nullptr;
     };
     if (a == "--help" || a == "-h") {
-      std::puts("usage: ferry bench step [--quick] [--params=N] [--tensors=N] [--steps=N] [--chunk-mib=N]\n"
+      std::puts("usage: ferry bench step [--quick] [--params=N] [--tensors=N] [--steps=N] [--chunk-mib=N] [--trace FILE]\n"
                 "  One Adam step of N bf16 params (default 1e9) in ~200 tensors, fully offloaded and half\n"
-                "  offloaded, against each pipeline stage timed alone; prints overlap efficiency.");
+                "  offloaded, against each pipeline stage timed alone; prints overlap efficiency.\n"
+                "  --trace FILE: the fully offloaded engine writes a trace of its steps to FILE.");
       return 0;
     } else if (a == "--quick") {
       quick = true;
+    } else if (a == "--trace" && i + 1 < argc) {
+      trace_path = argv[++i];
+    } else if (const char* t = value("--trace")) {
+      trace_path = t;
     } else if (const char* v = value("--params")) {
       o.params = static_cast<int64_t>(std::atof(v));
     } else if (const char* v2 = value("--tensors")) {
@@ -236,7 +244,7 @@ int Run(int argc, char** argv) {
               static_cast<double>(o.chunk_bytes) / (1 << 20), ThreadPool::DefaultThreads(), o.steps);
   const std::string policies = std::string(FERRY_SOURCE_DIR) + "/scripts/policies/";
   int64_t cpu_numel = 0;
-  absl::StatusOr<double> full = EngineStep(**device, *tensors, o, policies + "offload_all.lua", {}, &cpu_numel);
+  absl::StatusOr<double> full = EngineStep(**device, *tensors, o, policies + "offload_all.lua", {}, &cpu_numel, trace_path);
   if (!full.ok()) {
     std::fprintf(stderr, "ferry bench step: %s\n", std::string(full.status().message()).c_str());
     return 1;

@@ -543,3 +543,74 @@ TEST_F(FerryBinaryTest, VersionIsTheProjectVersion) {
 
 }  // namespace
 }  // namespace ferry::cli
+
+// ---- ferry trace ---------------------------------------------------------------------------------
+
+namespace ferry::cli {
+namespace {
+
+Result Trace(const std::vector<std::string>& args) { return RunVerb(TraceCommand, args); }
+
+// Two steps of a trainer thread, with a copy lane: what an engine writes, by hand.
+constexpr char kTrace[] = R"json({"traceEvents":[
+{"ph":"M","name":"thread_name","pid":0,"tid":1,"args":{"name":"trainer"}},
+{"ph":"M","name":"thread_name","pid":0,"tid":2,"args":{"name":"d2h stream (observed)"}},
+{"ph":"X","name":"step","cat":"engine","pid":0,"tid":1,"ts":1000,"dur":2000,"args":{}},
+{"ph":"X","name":"cpu_adam.round","cat":"optim","pid":0,"tid":1,"ts":1500,"dur":1000,"args":{"bytes":28000000}},
+{"ph":"X","name":"d2h.chunk","cat":"transfer","pid":0,"tid":2,"ts":1100,"dur":400,"args":{"bytes":8000000}},
+{"ph":"X","name":"step","cat":"engine","pid":0,"tid":1,"ts":5000,"dur":3000,"args":{}},
+{"ph":"X","name":"d2h.chunk","cat":"transfer","pid":0,"tid":2,"ts":5100,"dur":400,"args":{"bytes":8000000}}
+]})json";
+
+TEST(TraceCommandTest, SummaryPerStageBesideGivenCeilingsAndTheSvgOfOneStep) {
+  TempDir tmp;
+  const std::string file = tmp.Write("t.json", kTrace);
+  const std::string svg = tmp.path() + "/step.svg";
+  Result r = Trace({file, "--ceiling", "d2h=40,mem=56", "--measure=off", "--svg", svg, "--step", "0"});
+  ASSERT_EQ(r.status, 0) << r.err;
+  // step: 2 events, 5 ms in all; d2h: 16 MB in 0.8 ms = 20 GB/s, half of 40.
+  EXPECT_THAT(Row(r.out, "step "), ElementsAre("step", "2", "5.000", "5.000", "-", "-", "-"));
+  EXPECT_THAT(Row(r.out, "d2h.chunk"), ElementsAre("d2h.chunk", "2", "0.800", "0.800", "1.6e+07", "20.00", "0.50",
+                                                   "(d2h", "40.0)"));
+  EXPECT_THAT(Row(r.out, "cpu_adam.round"), ElementsAre("cpu_adam.round", "1", "1.000", "1.000", "2.8e+07", "28.00",
+                                                        "0.50", "(mem", "56.0)"));
+  EXPECT_THAT(r.out, HasSubstr("  d2h      40.00  given"));
+  EXPECT_THAT(r.out, HasSubstr("step: 2 steps, 2.500 ms each on average"));
+  std::ifstream in(svg);
+  std::stringstream text;
+  text << in.rdbuf();
+  const std::string picture = text.str();
+  EXPECT_EQ(picture.rfind("<svg", 0), 0u);
+  EXPECT_THAT(picture, HasSubstr("</svg>"));
+  EXPECT_THAT(picture, HasSubstr("trainer"));
+  EXPECT_THAT(picture, HasSubstr("d2h stream (observed)"));
+  EXPECT_THAT(picture, HasSubstr("step 0 of"));
+  EXPECT_THAT(picture, HasSubstr("<title>cpu_adam.round: 1 ms"));
+  // Step 0's window: the second step's chunk (at 5.1 ms) is not drawn.
+  EXPECT_THAT(picture, Not(HasSubstr("ts=5100")));
+  size_t boxes = 0;
+  for (size_t at = picture.find("<title>"); at != std::string::npos; at = picture.find("<title>", at + 1)) ++boxes;
+  EXPECT_EQ(boxes, 3u);  // step 0, its round, its chunk
+}
+
+TEST(TraceCommandTest, ErrorsAndHelp) {
+  TempDir tmp;
+  EXPECT_EQ(Trace({"--help"}).status, 0);
+  EXPECT_THAT(Trace({"--help"}).out, HasSubstr("usage: ferry trace FILE"));
+  EXPECT_EQ(Trace({}).status, 2);
+  Result bad_ceiling = Trace({tmp.Write("t.json", kTrace), "--ceiling", "pcie=3"});
+  EXPECT_EQ(bad_ceiling.status, 2);
+  EXPECT_THAT(bad_ceiling.err, HasSubstr("pcie=3"));
+  Result missing = Trace({tmp.path() + "/none.json", "--measure=off"});
+  EXPECT_EQ(missing.status, 1);
+  EXPECT_THAT(missing.err, HasSubstr("none.json"));
+  Result malformed = Trace({tmp.Write("bad.json", "{\"traceEvents\": [1"), "--measure=off"});
+  EXPECT_EQ(malformed.status, 1);
+  EXPECT_THAT(malformed.err, HasSubstr("not valid JSON"));
+  Result no_step = Trace({tmp.Write("t2.json", kTrace), "--measure=off", "--svg", tmp.path() + "/x.svg", "--step=7"});
+  EXPECT_EQ(no_step.status, 2);
+  EXPECT_THAT(no_step.err, HasSubstr("no index 7"));
+}
+
+}  // namespace
+}  // namespace ferry::cli

@@ -101,6 +101,10 @@ struct EngineOptions {
   size_t transfer_chunk_bytes = size_t{8} << 20;
   size_t cpu_threads = 0;                         // CPU Adam threads; 0 = all CPUs of this process
   std::string numa;                               // "", "interleave", "bind", "preferred", "local"
+  // Trace of every step, save and load as Chrome/Perfetto trace-event JSON (`ferry trace FILE`
+  // summarizes it), written at destruction (tmp + rename). Empty: the FERRY_TRACE environment
+  // variable, else off (no cost). Several ranks: each rank writes FILE.rank-<r>.json (pid = rank).
+  std::string trace_path;
 
   // Several ranks. `comm` coordinates the ranks (null: a single process, world size 1); `rank` and
   // `world_size` must equal its own (they are checked). The collectives are small: one exchange of

@@ -476,6 +476,14 @@ absl::Status ReadTensors(const CheckpointReader& reader, absl::Span<const Tensor
   if (stats != nullptr) *stats = BulkReadStats{};
   std::vector<const TensorEntry*> entries;
   FERRY_RETURN_IF_ERROR(ValidateReads(reader, reads, entries));
+  // The whole verified read: every segment read and every chunk's checksum checked.
+  TraceSpan read_span(options.tracer, "ckpt.read", "ckpt");
+  if (read_span.on()) {
+    double bytes = 0.0;
+    for (const TensorRead& r : reads) bytes += static_cast<double>(r.bytes);
+    read_span.Arg("bytes", bytes);
+    read_span.Arg("tensors", static_cast<double>(reads.size()));
+  }
 
   // ---- the chunks, in request order ----
   // The chunks each read needs: all of a whole read; those overlapping the range of a partial one.
@@ -605,7 +613,15 @@ absl::Status ReadTensors(const CheckpointReader& reader, absl::Span<const Tensor
     const size_t num_pieces = pieces.size();
     BulkRead bulk(std::move(pieces), std::vector<uint8_t>(num_pieces, 0),
                   static_cast<size_t>(bounce_bytes));
-    auto task = [&](size_t i) { bulk.RunSegment(segments[i]); };
+    Tracer* const tracer = options.tracer;
+    auto task = [&](size_t i) {
+      TraceSpan span(tracer, "ckpt.read.segment", "ckpt");
+      if (span.on()) {
+        tracer->NameThread("ckpt io", /*if_unnamed=*/true);
+        span.Arg("bytes", static_cast<double>(segments[i].end - segments[i].begin));
+      }
+      bulk.RunSegment(segments[i]);
+    };
     if (options.pool != nullptr) {
       options.pool->ParallelFor(segments.size(), task);
     } else {

@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <string>
 
+#include "trace/tracer.h"
 #include "absl/status/status.h"
 #include "absl/types/span.h"
 #include "base/thread_pool.h"
@@ -47,6 +48,8 @@ struct BulkReadOptions {
   // refuse it (open or the first read fails with EINVAL, e.g. some tmpfs) are read through
   // buffered pread instead. False: buffered pread everywhere.
   bool direct_io = true;
+  // Spans of the read (the whole read and verification, and each segment). Borrowed; null: off.
+  Tracer* tracer = nullptr;
 };
 
 struct BulkReadStats {

@@ -549,6 +549,16 @@ absl::StatusOr<RankChunks> WriteRankFile(const std::string& tmp_dir,
                                          const std::map<std::string, std::string>& metadata,
                                          const CheckpointWriteOptions& options) {
   FERRY_ASSIGN_OR_RETURN(RankFilePlan plan, PlanRankFile(tensors, shards, rank, metadata));
+  Tracer* const tracer = options.tracer;
+  TraceSpan file_span(tracer, "ckpt.write", "ckpt");
+  if (file_span.on()) {
+    tracer->NameThread("ckpt writer", /*if_unnamed=*/true);
+    uint64_t bytes = plan.header.size();
+    for (const ShardPiece& p : plan.pieces) bytes += p.length;
+    file_span.Arg("bytes", static_cast<double>(bytes));
+    file_span.Arg("rank", rank);
+    file_span.Detail(RankFileName(rank));
+  }
   for (const ShardPiece& p : plan.pieces) {
     const TensorRecord& t = tensors[p.tensor];
     if (t.data == nullptr && p.length > 0) {
@@ -583,6 +593,12 @@ absl::StatusOr<RankChunks> WriteRankFile(const std::string& tmp_dir,
     const ShardPiece& p = plan.pieces[k];
     const uint64_t file_offset = plan.header.size() + plan.entries[k].begin;
     const char* data = static_cast<const char*>(tensors[p.tensor].data);
+    TraceSpan piece_span(tracer, "ckpt.write.piece", "ckpt");
+    if (piece_span.on()) {
+      tracer->NameThread("ckpt io", /*if_unnamed=*/true);
+      piece_span.Arg("bytes", static_cast<double>(p.length));
+      piece_span.Detail(tensors[p.tensor].name);
+    }
     if (options.before_write) {
       absl::StatusOr<const void*> ready = options.before_write(p.tensor);
       if (!ready.ok()) {
@@ -613,7 +629,11 @@ absl::StatusOr<RankChunks> WriteRankFile(const std::string& tmp_dir,
   }
   writeback_queue.reset();  // joins its thread: nothing uses the file besides this one any more
   for (const absl::Status& s : status) FERRY_RETURN_IF_ERROR(s);
-  if (options.fsync) FERRY_RETURN_IF_ERROR(file.Sync());
+  if (options.fsync) {
+    TraceSpan sync_span(tracer, "ckpt.fsync", "ckpt");
+    sync_span.Detail(file_name);
+    FERRY_RETURN_IF_ERROR(file.Sync());
+  }
   FERRY_RETURN_IF_ERROR(file.Close());
   return out;
 }
@@ -627,6 +647,8 @@ absl::StatusOr<std::string> CommitCheckpoint(const std::string& root, int64_t st
   const std::string name = StepDirName(step);
   const std::string final_dir = JoinPath(root, name);
   const std::string tmp_dir = absl::StrCat(final_dir, kIncompleteSuffix);
+  TraceSpan commit_span(options.tracer, "ckpt.commit", "ckpt");
+  commit_span.Detail(name);
   // Assembles the manifest from every rank's chunks; nothing on disk changes until it is complete.
   auto assemble = [&]() -> absl::StatusOr<std::string> {
     if (world_size < 1 || ranks.size() != static_cast<size_t>(world_size)) {

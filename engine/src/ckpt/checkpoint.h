@@ -33,6 +33,7 @@
 #include <string_view>
 #include <vector>
 
+#include "trace/tracer.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -81,6 +82,8 @@ struct CheckpointWriteOptions {
   // Called once bytes [offset, offset + length) of tensor `tensor` have been written and are never
   // read again by this save. May be called from several threads at once.
   std::function<void(size_t tensor, uint64_t offset, uint64_t length)> after_write;
+  // Spans of the save (each file's write, its pieces, fsync, commit). Borrowed; null: off.
+  Tracer* tracer = nullptr;
 };
 
 // The checks of a write request made before anything touches the disk (WriteCheckpoint's

@@ -229,6 +229,7 @@ absl::StatusOr<std::unique_ptr<HybridOptimizer>> EngineImpl::BuildOptimizer(cons
   hopt.hyper.mode = options_.optimizer.adamw ? AdamMode::kAdamW : AdamMode::kAdamL2;
   hopt.hyper.bias_correction = options_.optimizer.bias_correction;
   hopt.chunk_bytes = options_.transfer_chunk_bytes;
+  hopt.tracer = tracer_.get();
   std::string numa = placement.numa.value_or(options_.numa);
   if (!numa.empty()) {
     absl::StatusOr<NumaPolicy> np = ParseNumaPolicy(numa);
@@ -275,6 +276,7 @@ absl::Status EngineImpl::Step(const StepOptions& options, void* stream) {
   FERRY_ASSIGN_OR_RETURN(std::unique_ptr<Stream> trainer, device_->WrapStream(stream));
   const float lr = options.lr.value_or(options_.optimizer.lr);
   const double start = absl::ToDoubleSeconds(absl::Now() - absl::UnixEpoch());
+  TraceSpan span(tracer_.get(), "step", "engine");
   HybridStepParams params{.lr = lr, .loss_scale = options.loss_scale, .max_grad_norm = options.max_grad_norm,
                           .check_finite = options.check_finite};
   bool reduced = false;

@@ -7,6 +7,8 @@ namespace engine_internal {
 absl::StatusOr<std::string> EngineImpl::SaveCheckpoint(const std::string& root, int64_t step) {
   FERRY_RETURN_IF_ERROR(RequireFinalized("SaveCheckpoint"));
   if (step < 0) return absl::InvalidArgumentError(absl::StrCat("SaveCheckpoint: step must be >= 0, got ", step));
+  TraceSpan save_span(tracer_.get(), "ckpt.save", "engine");
+  save_span.Arg("step", static_cast<double>(step));
   // The previous asynchronous save must be done before its staging is reused; its error, if any, is
   // delivered here (several ranks: the same error on every rank, as the save agreed on it).
   if (ckpt_writer_ != nullptr) FERRY_RETURN_IF_ERROR(ckpt_writer_->Wait());
@@ -143,6 +145,7 @@ absl::StatusOr<std::string> EngineImpl::SaveCheckpoint(const std::string& root, 
   job.skipped = std::move(skipped);
   job.metadata = std::move(metadata);
   job.options.keep_last = plan.keep_last;
+  job.options.tracer = tracer_.get();
   if (multi_rank()) {
     job.comm = ckpt_comm_ != nullptr ? ckpt_comm_.get() : comm_.get();
     job.comm_timeout = options_.checkpoint_timeout;
@@ -151,9 +154,33 @@ absl::StatusOr<std::string> EngineImpl::SaveCheckpoint(const std::string& root, 
   HybridOptimizer* optimizer = optimizer_.get();
   auto fence = std::make_shared<StateFence>(std::move(regions), optimizer_->params().size());
   const bool async = plan.async;
-  job.options.before_write = [ckpt, optimizer, fence, async](size_t tensor) -> absl::StatusOr<const void*> {
+  // Tracing: the staging copies (device to pinned host memory) as the host observes them, from
+  // their enqueueing to the first time a writer (or the trainer) sees them landed.
+  struct StageTrace {
+    Tracer* tracer = nullptr;
+    int lane = 0;
+    int64_t start_ns = 0;
+    double bytes = 0.0;
+    std::atomic<bool> recorded{false};
+    void Landed() {
+      if (tracer != nullptr && !recorded.exchange(true)) {
+        tracer->Complete("ckpt.stage", "ckpt", start_ns, tracer->NowNs(), {{"bytes", bytes}}, {}, lane);
+      }
+    }
+  };
+  auto stage_trace = std::make_shared<StageTrace>();
+  if (tracer_ != nullptr && !items.empty()) {
+    stage_trace->tracer = tracer_.get();
+    stage_trace->lane = tracer_->Lane("ckpt staging copies (observed)");
+    for (size_t k = 0; k < local_bytes.size(); ++k) {
+      if (ckpt->staged[k]) stage_trace->bytes += static_cast<double>(local_bytes[k]);
+    }
+    stage_trace->start_ns = tracer_->NowNs();
+  }
+  job.options.before_write = [ckpt, optimizer, fence, async, stage_trace](size_t tensor) -> absl::StatusOr<const void*> {
     if (ckpt->staged[tensor]) {
       FERRY_RETURN_IF_ERROR(optimizer->WaitSnapshot());
+      stage_trace->Landed();
       return nullptr;
     }
     if (!async) return nullptr;  // the trainer is blocked in the save: the state stays as it is
@@ -167,6 +194,7 @@ absl::StatusOr<std::string> EngineImpl::SaveCheckpoint(const std::string& root, 
     // The trainer is blocked for the whole save: nothing changes the offloaded state meanwhile.
     absl::StatusOr<std::string> dir = ckpt_writer_->Write(job);
     absl::Status landed = optimizer_->WaitSnapshot();  // the staging is never left with copies in flight
+    if (landed.ok()) stage_trace->Landed();
     if (dir.ok() && !landed.ok()) return landed;
     return dir;
   }
@@ -287,6 +315,7 @@ std::optional<absl::Status> EngineImpl::PollCheckpoint() {
 absl::Status EngineImpl::LoadCheckpoint(const std::string& path, const LoadOptions& options) {
   FERRY_RETURN_IF_ERROR(RequireFinalized("LoadCheckpoint"));
   if (ckpt_writer_ != nullptr) ckpt_writer_->WaitIdle();  // a save in flight may be the one to load
+  TraceSpan load_span(tracer_.get(), "ckpt.load", "engine");
   const absl::Status first = LoadCheckpointFrom(path);
   const bool corrupt = first.code() == absl::StatusCode::kDataLoss || first.code() == absl::StatusCode::kNotFound;
   if (first.ok() || !options.fall_back_to_previous || !corrupt) return first;
@@ -443,6 +472,7 @@ absl::Status EngineImpl::LoadCheckpointLocal(const std::string& path, LoadPhase*
     for (const ReadJob& j : jobs) reads.push_back(TensorRead{j.name, staging + j.at, j.bytes, j.offset, /*partial=*/true});
     BulkReadOptions read_options;
     read_options.pool = &pool_;
+    read_options.tracer = tracer_.get();
     FERRY_RETURN_IF_ERROR(ReadTensors(*reader, reads, read_options));
   }
   std::vector<int64_t> steps(group_names_.size(), 0);
@@ -505,7 +535,11 @@ absl::Status EngineImpl::LoadCheckpointLocal(const std::string& path, LoadPhase*
     }
   }
   FERRY_RETURN_IF_ERROR(ckpt_staging_->Ready());  // registered: the device copies run at the pinned rate
-  FERRY_RETURN_IF_ERROR(optimizer_->Restore(restore));
+  {
+    TraceSpan apply(tracer_.get(), "ckpt.apply", "engine");
+    apply.Arg("tensors", static_cast<double>(restore.size()));
+    FERRY_RETURN_IF_ERROR(optimizer_->Restore(restore));
+  }
   std::vector<size_t> reset;
   for (size_t g = 0; g < group_names_.size(); ++g) {
     if (!group_loaded[g]) continue;

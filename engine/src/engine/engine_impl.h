@@ -42,6 +42,7 @@
 #include "optim/hybrid_optimizer.h"
 #include "optim/state_fence.h"
 #include "policy/policy.h"
+#include "trace/tracer.h"
 
 
 namespace ferry {
@@ -135,11 +136,27 @@ class EngineImpl final : public Engine {
         policy_(std::move(policy)),
         pool_(options_.cpu_threads > 0 ? options_.cpu_threads : ThreadPool::DefaultThreads()) {
     comm_ = options_.comm != nullptr ? options_.comm : std::shared_ptr<Comm>(MakeSingleProcessComm());
+    std::string trace_path = options_.trace_path;
+    if (trace_path.empty()) {
+      const char* env = std::getenv("FERRY_TRACE");
+      if (env != nullptr) trace_path = env;
+    }
+    if (!trace_path.empty()) {
+      tracer_ = std::make_unique<Tracer>(TracerOptions{
+          .path = RankTracePath(trace_path, comm_->rank(), comm_->world_size()),
+          .pid = comm_->rank(),
+          .process_name = absl::StrCat("ferry rank ", comm_->rank(), " (", device_->name(), ")")});
+      tracer_->NameThread("trainer");
+    }
   }
 
   ~EngineImpl() override {
     if (ckpt_writer_ != nullptr) ckpt_writer_->WaitIdle();  // it may read the optimizer's state in place
     optimizer_.reset();  // releases its arena and device state before the device goes away
+    if (tracer_ != nullptr) {
+      absl::Status s = tracer_->Flush();
+      if (!s.ok()) FERRY_LOG(ERROR) << "writing the trace: " << s;
+    }
   }
 
   absl::Status AddParam(const ParamSpec& spec) override;
@@ -217,6 +234,7 @@ class EngineImpl final : public Engine {
   absl::Status BroadcastFromRankZero(std::string* blob, std::string_view what);
 
   EngineOptions options_;
+  std::unique_ptr<Tracer> tracer_;  // null: tracing off. Outlives everything that borrows it.
   std::unique_ptr<Device> device_;
   std::unique_ptr<Policy> policy_;
   ThreadPool pool_;

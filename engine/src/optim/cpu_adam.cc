@@ -1,6 +1,7 @@
 #include "optim/cpu_adam.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <string>
@@ -259,6 +260,7 @@ absl::Status CpuAdam::Run(absl::Span<const CpuAdamTensor> tensors, absl::Span<co
   const int64_t num_tasks = std::max<int64_t>(
       1, std::min((total + block_elements_ - 1) / block_elements_, kTasksPerThread * participants));
   const AdamRangeFn range_fn = RangeFn(isa_);
+  if (tracer_ != nullptr) return RunTraced(tensors, scalars, ends, total, num_tasks, range_fn);
   pool_->ParallelFor(static_cast<size_t>(num_tasks), [&](size_t task) {
     const ScopedDefaultFloatEnv float_env;
     const int64_t lo = total * static_cast<int64_t>(task) / num_tasks;
@@ -271,6 +273,70 @@ absl::Status CpuAdam::Run(absl::Span<const CpuAdamTensor> tensors, absl::Span<co
       at = stop;
     }
   });
+  return absl::OkStatus();
+}
+
+absl::Status CpuAdam::RunTraced(absl::Span<const CpuAdamTensor> tensors, absl::Span<const AdamScalars> scalars,
+                               const std::vector<int64_t>& ends, int64_t total, int64_t num_tasks,
+                               void (*range_fn)(const CpuAdamTensor&, const AdamScalars&, int64_t, int64_t)) {
+  // Memory traffic per element: master, m and v read and written, the grad read, the param written.
+  double traffic = 0.0;
+  for (const CpuAdamTensor& t : tensors) {
+    traffic += static_cast<double>(t.numel) *
+               (24.0 + static_cast<double>(DTypeSize(t.grad_dtype)) +
+                (t.param != nullptr ? static_cast<double>(DTypeSize(t.param_dtype)) : 0.0));
+  }
+  const double bytes_per_element = traffic / static_cast<double>(total);
+  // One slot per participating thread (the workers and the caller), claimed by its first task of
+  // this round; only that thread writes it, and ParallelFor's return orders those writes before the
+  // reads below.
+  struct Slot {
+    int tid = 0;
+    int64_t start_ns = 0;
+    int64_t end_ns = 0;
+    int64_t elements = 0;
+  };
+  static std::atomic<uint64_t> rounds{0};
+  const uint64_t round = rounds.fetch_add(1, std::memory_order_relaxed) + 1;
+  std::vector<Slot> slots(pool_->num_threads() + 1);
+  std::atomic<size_t> next_slot{0};
+  Tracer* const tracer = tracer_;
+  pool_->ParallelFor(static_cast<size_t>(num_tasks), [&](size_t task) {
+    thread_local uint64_t my_round = 0;
+    thread_local size_t my_slot = 0;
+    const int64_t start_ns = tracer->NowNs();
+    if (my_round != round) {
+      my_round = round;
+      my_slot = next_slot.fetch_add(1, std::memory_order_relaxed);
+      if (my_slot < slots.size()) {
+        tracer->NameThread("cpu adam worker", /*if_unnamed=*/true);
+        slots[my_slot].tid = tracer->ThreadId();
+        slots[my_slot].start_ns = start_ns;
+      }
+    }
+    const ScopedDefaultFloatEnv float_env;
+    const int64_t lo = total * static_cast<int64_t>(task) / num_tasks;
+    const int64_t hi = total * (static_cast<int64_t>(task) + 1) / num_tasks;
+    size_t i = static_cast<size_t>(std::upper_bound(ends.begin(), ends.end(), lo) - ends.begin());
+    for (int64_t at = lo; at < hi && i < tensors.size(); ++i) {
+      const int64_t start = ends[i] - tensors[i].numel;
+      const int64_t stop = std::min(ends[i], hi);
+      if (stop > at) range_fn(tensors[i], scalars[i], at - start, stop - start);
+      at = stop;
+    }
+    if (my_slot < slots.size()) {
+      slots[my_slot].end_ns = tracer->NowNs();
+      slots[my_slot].elements += hi - lo;
+    }
+  });
+  const size_t used = std::min(next_slot.load(std::memory_order_relaxed), slots.size());
+  for (size_t s = 0; s < used; ++s) {
+    const Slot& slot = slots[s];
+    tracer->Complete("cpu_adam.thread", "optim", slot.start_ns, slot.end_ns,
+                     {{"elements", static_cast<double>(slot.elements)},
+                      {"bytes", static_cast<double>(slot.elements) * bytes_per_element}},
+                     {}, slot.tid);
+  }
   return absl::OkStatus();
 }
 

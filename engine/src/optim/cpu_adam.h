@@ -24,6 +24,7 @@
 #include "absl/types/span.h"
 #include "base/adam_math.h"
 #include "base/thread_pool.h"
+#include "trace/tracer.h"
 #include "ferry/dtype.h"
 
 namespace ferry {
@@ -126,13 +127,22 @@ class CpuAdam final {
   // The scalar update of elements [begin, end) of `t` on the calling thread (the reference path).
   static void StepSerial(const CpuAdamTensor& t, int64_t begin, int64_t end);
 
+  // Tracing: each Step then records one "cpu_adam.thread" span per participating thread (first task
+  // start to last task end, with its elements and bytes of memory traffic). Borrowed; null: off.
+  void set_tracer(Tracer* tracer) { tracer_ = tracer; }
+
  private:
   absl::Status Run(absl::Span<const CpuAdamTensor> tensors, absl::Span<const AdamScalars> scalars);
+  // Run with tracing on: the same tasks, and a span per participating thread.
+  absl::Status RunTraced(absl::Span<const CpuAdamTensor> tensors, absl::Span<const AdamScalars> scalars,
+                         const std::vector<int64_t>& ends, int64_t total, int64_t num_tasks,
+                         void (*range_fn)(const CpuAdamTensor&, const AdamScalars&, int64_t, int64_t));
 
   ThreadPool* pool_;
   int64_t block_elements_;
   CpuAdamIsa isa_ = CpuAdamIsa::kScalar;
   absl::Status init_status_;
+  Tracer* tracer_ = nullptr;
 };
 
 }  // namespace ferry

@@ -27,7 +27,37 @@ float* HybridOptimizer::Group::state(StateKind kind) const {
 }
 
 HybridOptimizer::HybridOptimizer(Device* device, ThreadPool* pool, HybridOptions options)
-    : device_(device), pool_(pool), options_(std::move(options)), cpu_adam_(pool) {}
+    : device_(device), pool_(pool), options_(std::move(options)), cpu_adam_(pool) {
+  if (options_.tracer != nullptr) {
+    cpu_adam_.set_tracer(options_.tracer);
+    d2h_trace_.lane = options_.tracer->Lane("d2h stream (observed)");
+    h2d_trace_.lane = options_.tracer->Lane("h2d stream (observed)");
+  }
+}
+
+void HybridOptimizer::TraceSubmitted(LaneTrace& lane, TransferBatch* batch) {
+  if (options_.tracer == nullptr || batch == nullptr || batch->num_chunks() == 0) return;
+  lane.queue.push_back(CopyTrace{batch, options_.tracer->NowNs()});
+}
+
+void HybridOptimizer::TraceObserve(LaneTrace& lane, bool block) {
+  Tracer* const tracer = options_.tracer;
+  if (tracer == nullptr) return;
+  while (!lane.queue.empty()) {
+    const CopyTrace& c = lane.queue.front();
+    if (block) {
+      (void)c.batch->Wait();  // its error, if any, is the caller's to report
+    } else {
+      absl::StatusOr<bool> done = c.batch->ChunkDone(c.batch->num_chunks() - 1);
+      if (!done.ok() || !*done) return;
+    }
+    const int64_t now = tracer->NowNs();
+    tracer->Complete(lane.name, "transfer", std::max(c.submit_ns, lane.last_end_ns), now,
+                     {{"bytes", static_cast<double>(c.batch->bytes())}}, {}, lane.lane);
+    lane.last_end_ns = now;
+    lane.queue.pop_front();
+  }
+}
 
 HybridOptimizer::~HybridOptimizer() {
   WaitForStateReaders();  // a checkpoint may still read the offloaded state in place
@@ -153,6 +183,8 @@ float* HybridOptimizer::StatePtr(size_t p, StateKind kind) const {
 }
 
 absl::Status HybridOptimizer::WaitPending() {
+  TraceObserve(d2h_trace_, /*block=*/true);
+  TraceObserve(h2d_trace_, /*block=*/true);
   absl::Status first;
   for (auto& batch : pending_) {
     absl::Status s = batch->Wait();
@@ -196,13 +228,23 @@ absl::StatusOr<HybridStepResult> HybridOptimizer::Step(const HybridStepParams& p
   double multiplier = 1.0 / static_cast<double>(params.loss_scale);
   if (params.check_finite) {
     // Every grad of every group is checked (and its norm taken) before any group is updated.
+    TraceSpan span(options_.tracer, "grad_stats", "optim");
+    if (span.on()) {
+      double bytes = 0.0;
+      for (const GradTensorArgs& g : grad_tensors_) bytes += static_cast<double>(g.numel) * static_cast<double>(DTypeSize(g.dtype));
+      span.Arg("bytes", bytes);
+    }
     FERRY_RETURN_IF_ERROR(device_->LaunchGradStats(grad_tensors_, grad_stats_workspace_.data(),
                                                    grad_stats_workspace_.bytes(), trainer));
     FERRY_RETURN_IF_ERROR(device_->CopyAsync(&grad_stats_, GradStatsResult(grad_stats_workspace_.data()),
                                              sizeof(GradStats), CopyKind::kDeviceToHost, trainer));
     FERRY_RETURN_IF_ERROR(trainer.Record(*stats_ready_));
     FERRY_RETURN_IF_ERROR(stats_ready_->Synchronize());
-    if (params.reduce_grad_stats) FERRY_RETURN_IF_ERROR(params.reduce_grad_stats(grad_stats_));
+    span.End();
+    if (params.reduce_grad_stats) {
+      TraceSpan reduce(options_.tracer, "grad_stats.allreduce", "optim");
+      FERRY_RETURN_IF_ERROR(params.reduce_grad_stats(grad_stats_));
+    }
     if (grad_stats_.found_inf != 0) {
       result.skipped = true;
       return result;  // nothing enqueued that changes state; step counts unchanged
@@ -212,7 +254,10 @@ absl::StatusOr<HybridStepResult> HybridOptimizer::Step(const HybridStepParams& p
   }
   FERRY_RETURN_IF_ERROR(trainer.Record(*grads_ready_));
   FERRY_RETURN_IF_ERROR(StepGpuGroups(params.lr, multiplier, trainer));
-  FERRY_RETURN_IF_ERROR(StepCpuGroups(params.lr, multiplier, *grads_ready_));
+  {
+    TraceSpan span(options_.tracer, "cpu_pipeline", "optim");
+    FERRY_RETURN_IF_ERROR(StepCpuGroups(params.lr, multiplier, *grads_ready_));
+  }
   if (!pending_.empty()) FERRY_RETURN_IF_ERROR(pending_.back()->MakeStreamWait(trainer));
   FERRY_RETURN_IF_ERROR(trainer.Record(*step_done_));
   for (Group& g : groups_) ++g.step;
@@ -246,6 +291,16 @@ absl::Status HybridOptimizer::StepGpuGroups(float lr, double grad_multiplier, St
     }
   }
   if (tensors.empty()) return absl::OkStatus();
+  // The launch as the host sees it; the kernel runs on the trainer's stream after it.
+  TraceSpan span(options_.tracer, "gpu_adam.launch", "optim");
+  if (span.on()) {
+    double bytes = 0.0;
+    for (const AdamTensorArgs& t : tensors) {
+      bytes += static_cast<double>(t.numel) * static_cast<double>(24 + DTypeSize(t.grad_dtype) + DTypeSize(t.param_dtype));
+    }
+    span.Arg("bytes", bytes);
+    span.Arg("tensors", static_cast<double>(tensors.size()));
+  }
   return device_->LaunchAdam(tensors, scalars, trainer);
 }
 
@@ -278,8 +333,15 @@ absl::Status HybridOptimizer::StepCpuGroups(float lr, double grad_multiplier, Ev
   const size_t depth = grad_slots_.size();
   std::vector<std::unique_ptr<TransferBatch>> down(num_chunks), up(num_chunks);
   for (size_t k = 0; k < std::min(depth, num_chunks); ++k) {
-    FERRY_ASSIGN_OR_RETURN(down[k], SubmitGradChunk(k, grads_ready));
+    absl::StatusOr<std::unique_ptr<TransferBatch>> first = SubmitGradChunk(k, grads_ready);
+    if (!first.ok()) {
+      d2h_trace_.queue.clear();  // the batches it points to go away with `down`
+      return first.status();
+    }
+    down[k] = *std::move(first);
+    TraceSubmitted(d2h_trace_, down[k].get());
   }
+  Tracer* const tracer = options_.tracer;
   // A batch done without blocking: its events complete in stream order, so its last chunk tells.
   auto done = [](TransferBatch* batch) {
     if (batch == nullptr) return false;
@@ -292,8 +354,11 @@ absl::Status HybridOptimizer::StepCpuGroups(float lr, double grad_multiplier, Ev
   absl::Status status;
   size_t k = 0;
   while (k < num_chunks && status.ok()) {
-    status = down[k]->Wait();
-    if (status.ok() && k >= depth) status = up[k - depth]->Wait();  // its param slot is rewritten now
+    {
+      TraceSpan wait(tracer, "wait.copies", "optim");
+      status = down[k]->Wait();
+      if (status.ok() && k >= depth) status = up[k - depth]->Wait();  // its param slot is rewritten now
+    }
     if (!status.ok()) break;
     // Every further chunk that has already landed (and whose param slot is free) joins this round, so
     // CPU Adam runs as few parallel sections as the copies allow.
@@ -339,9 +404,27 @@ absl::Status HybridOptimizer::StepCpuGroups(float lr, double grad_multiplier, Ev
       for (size_t j = k; j < end; ++j) {
         for (const ChunkPiece& piece : grad_chunks_[j].pieces) touched.push_back(cpu_params_[piece.region]);
       }
+      TraceSpan acquire(tracer, "fence.acquire", "optim");
       fence_->Acquire(touched, pool_);
     }
-    status = cpu_adam_.Step(work);
+    TraceObserve(d2h_trace_, /*block=*/false);
+    TraceObserve(h2d_trace_, /*block=*/false);
+    {
+      TraceSpan round(tracer, "cpu_adam.round", "optim");
+      if (round.on()) {
+        double elements = 0.0, bytes = 0.0;
+        for (const CpuAdamTensor& t : work) {
+          elements += static_cast<double>(t.numel);
+          bytes += static_cast<double>(t.numel) * static_cast<double>(24 + DTypeSize(t.grad_dtype) + DTypeSize(t.param_dtype));
+        }
+        round.Arg("chunks", static_cast<double>(end - k));
+        round.Arg("elements", elements);
+        round.Arg("bytes", bytes);
+      }
+      status = cpu_adam_.Step(work);
+    }
+    TraceObserve(d2h_trace_, /*block=*/false);
+    TraceObserve(h2d_trace_, /*block=*/false);
     for (size_t j = k; j < end && status.ok(); ++j) {
       // The trainer's stream may still read the params until the grads are ready: the upload waits.
       absl::StatusOr<std::unique_ptr<TransferBatch>> upload = transfer_->HostToDevice(regions[j - k], &grads_ready);
@@ -350,6 +433,7 @@ absl::Status HybridOptimizer::StepCpuGroups(float lr, double grad_multiplier, Ev
         break;
       }
       up[j] = *std::move(upload);
+      TraceSubmitted(h2d_trace_, up[j].get());
       if (j + depth < num_chunks) {
         absl::StatusOr<std::unique_ptr<TransferBatch>> next = SubmitGradChunk(j + depth, grads_ready);
         if (!next.ok()) {
@@ -357,6 +441,7 @@ absl::Status HybridOptimizer::StepCpuGroups(float lr, double grad_multiplier, Ev
           break;
         }
         down[j + depth] = *std::move(next);
+        TraceSubmitted(d2h_trace_, down[j + depth].get());
       }
     }
     k = end;

@@ -5,6 +5,7 @@
 #define FERRY_OPTIM_HYBRID_OPTIMIZER_H_
 
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -21,6 +22,7 @@
 #include "optim/cpu_adam.h"
 #include "optim/state_fence.h"
 #include "shard/layout.h"
+#include "trace/tracer.h"
 #include "transfer/transfer.h"
 
 namespace ferry {
@@ -55,6 +57,7 @@ struct HybridOptions {
   size_t pipeline_depth = 4;     // staging slots: chunks in flight between D2H, CPU Adam and H2D
   NumaPolicy numa = NumaPolicy::kInterleave;
   int numa_node = -1;
+  Tracer* tracer = nullptr;      // borrowed; null: no tracing (see trace/tracer.h)
 };
 
 // The inputs of one step besides the grads.
@@ -222,6 +225,25 @@ class HybridOptimizer final {
   std::unique_ptr<Event> snapshot_done_;     // recorded on work_stream_ after SnapshotDeviceAsync's copies
   bool snapshot_pending_ = false;            // the next Step must order the trainer after snapshot_done_
   std::shared_ptr<StateFence> fence_;        // see set_state_fence
+
+  // Tracing (options_.tracer set): the pipeline's copies as host-observed spans on a lane per
+  // direction, from when the stream could start a chunk (its submission, or the end of the chunk
+  // before it) to when the host saw its event complete.
+  struct CopyTrace {
+    TransferBatch* batch;  // owned by the step's vectors, then by pending_
+    int64_t submit_ns;
+  };
+  struct LaneTrace {
+    const char* name = "";
+    int lane = 0;
+    int64_t last_end_ns = 0;
+    std::deque<CopyTrace> queue;
+  };
+  void TraceSubmitted(LaneTrace& lane, TransferBatch* batch);
+  // Records every queued chunk seen complete (in order); with `block`, waits for each.
+  void TraceObserve(LaneTrace& lane, bool block);
+  LaneTrace d2h_trace_{.name = "d2h.chunk"};
+  LaneTrace h2d_trace_{.name = "h2d.chunk"};
 };
 
 }  // namespace ferry

@@ -1,0 +1,240 @@
+// `ferry trace`: the per-stage summary of a trace written by EngineOptions::trace_path (FERRY_TRACE,
+// `ferry run --trace`, `ferry bench ... --trace`), beside each stage's ceiling, and its timeline as SVG.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/status/status.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "base/thread_pool.h"
+#include "device/device.h"
+#include "ferry/status.h"
+#include "lua/commands.h"
+#include "lua/verb_flags.h"
+#include "memory/pinned_arena.h"
+#include "trace/trace_file.h"
+
+ABSL_FLAG(std::string, ferry_trace_svg, "", "write the timeline as an SVG picture to this file");
+ABSL_FLAG(std::string, ferry_trace_ceiling, "",
+          "ceilings in GB/s, e.g. d2h=55,h2d=55,mem=120,disk=5 (keys: d2h, h2d, mem, disk); "
+          "those not given are measured on the spot when --measure allows");
+ABSL_FLAG(std::string, ferry_trace_measure, "auto",
+          "measure the missing ceilings here: auto (the pinned copy rates when a GPU is present, and the "
+          "host memory rate), on, off");
+ABSL_FLAG(int, ferry_trace_step, -1,
+          "the SVG shows the window of this step (0-based; -1: the last one); with --all the whole trace");
+ABSL_FLAG(bool, ferry_trace_all, false, "the SVG shows the whole trace rather than one step");
+
+namespace ferry::cli {
+namespace {
+
+double Now() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+const std::vector<VerbFlag>& TraceFlags() {
+  static const auto* flags = new std::vector<VerbFlag>{
+      {"svg", "ferry_trace_svg", "OUT.svg"},
+      {"ceiling", "ferry_trace_ceiling", "KEY=GBPS,..."},
+      {"measure", "ferry_trace_measure", "auto|on|off"},
+      {"step", "ferry_trace_step", "N"},
+      {"all", "ferry_trace_all"},
+  };
+  return *flags;
+}
+
+absl::StatusOr<std::map<std::string, double>> ParseCeilings(const std::string& text) {
+  std::map<std::string, double> out;
+  if (text.empty()) return out;
+  for (absl::string_view item : absl::StrSplit(text, ',', absl::SkipEmpty())) {
+    std::vector<std::string> kv = absl::StrSplit(item, absl::MaxSplits('=', 1));
+    double v = 0;
+    if (kv.size() != 2 || (kv[0] != "d2h" && kv[0] != "h2d" && kv[0] != "mem" && kv[0] != "disk") ||
+        !absl::SimpleAtod(kv[1], &v) || !(v > 0)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "ferry trace: --ceiling: expected KEY=GBPS with KEY one of d2h, h2d, mem, disk and GBPS > 0, got \"",
+          item, "\""));
+    }
+    out[kv[0]] = v;
+  }
+  return out;
+}
+
+// The host memory rate with every CPU of this process copying its slice of 1 GiB at once (memcpy:
+// read + write counted), best of three, in GB/s of traffic: what CPU Adam's threads can reach.
+double MeasureHostMemory() {
+  const size_t threads = ThreadPool::DefaultThreads();
+  const size_t bytes = size_t{1} << 30;
+  std::vector<char> a(bytes, 1), b(bytes, 2);
+  ThreadPool pool(threads);
+  const size_t slice = bytes / threads;
+  double best = 0;
+  for (int i = 0; i < 3; ++i) {
+    const double t0 = Now();
+    pool.ParallelFor(threads, [&](size_t k) { std::memcpy(b.data() + k * slice, a.data() + k * slice, slice); });
+    const double t = Now() - t0;
+    if (t > 0) best = std::max(best, 2.0 * static_cast<double>(slice * threads) / t / 1e9);
+  }
+  return best + static_cast<double>(b[bytes / 2] - 1) * 1e-12;  // keeps the copy observable
+}
+
+// Pinned copy rates between device memory and pinned host memory (256 MiB, best of three).
+absl::Status MeasurePinned(Device& device, double* d2h, double* h2d) {
+  const size_t bytes = size_t{256} << 20;
+  PinnedArenaOptions options;
+  options.capacity_bytes = bytes;
+  options.name = "ferry trace ceiling";
+  FERRY_ASSIGN_OR_RETURN(std::unique_ptr<PinnedArena> arena, PinnedArena::Create(&device, options));
+  FERRY_ASSIGN_OR_RETURN(HostSpan host, arena->Allocate(bytes));
+  FERRY_ASSIGN_OR_RETURN(DeviceBuffer dev, device.Allocate(bytes));
+  FERRY_ASSIGN_OR_RETURN(std::unique_ptr<Stream> stream, device.CreateStream());
+  for (CopyKind kind : {CopyKind::kDeviceToHost, CopyKind::kHostToDevice}) {
+    double best = 0;
+    for (int i = 0; i < 4; ++i) {  // the first is a warm-up
+      const double t0 = Now();
+      if (kind == CopyKind::kDeviceToHost) {
+        FERRY_RETURN_IF_ERROR(device.CopyAsync(host.data, dev.data(), bytes, kind, *stream));
+      } else {
+        FERRY_RETURN_IF_ERROR(device.CopyAsync(dev.data(), host.data, bytes, kind, *stream));
+      }
+      FERRY_RETURN_IF_ERROR(stream->Synchronize());
+      const double t = Now() - t0;
+      if (i > 0 && t > 0) best = std::max(best, static_cast<double>(bytes) / t / 1e9);
+    }
+    (kind == CopyKind::kDeviceToHost ? *d2h : *h2d) = best;
+  }
+  return arena->Release(host);
+}
+
+}  // namespace
+
+std::string TraceUsage() {
+  return absl::StrCat(
+      "usage: ferry trace FILE [--svg OUT.svg] [--ceiling KEY=GBPS,...] [flags]\n"
+      "\n"
+      "Summarizes a trace written by the engine (EngineOptions::trace_path, FERRY_TRACE=FILE,\n"
+      "`ferry run --trace FILE`, `ferry bench NAME --trace FILE`): per stage (span name) the count,\n"
+      "the total time (threads running at once add up), the wall time (the union of the spans),\n"
+      "the bytes, the rate (bytes / wall time) and its ratio to the stage's ceiling: d2h and h2d\n"
+      "(pinned copies), mem (host memory traffic of CPU Adam) and disk (checkpoint writes and reads).\n"
+      "Ceilings come from --ceiling (e.g. the figures of `ferry bench transfer` and `ferry bench adam`)\n"
+      "or are measured on the spot (--measure); the report says which. With --svg, the timeline\n"
+      "of one step (or, with --all, the whole trace) as an SVG picture: a row per thread and lane,\n"
+      "a box per span (hover for its duration and arguments), a time axis.\n"
+      "\n"
+      "flags:\n",
+      FlagsHelp(TraceFlags()));
+}
+
+int TraceCommand(const std::vector<std::string>& args, std::FILE* out, std::FILE* err) {
+  if (WantsHelp(args)) {
+    std::fputs(TraceUsage().c_str(), out);
+    return 0;
+  }
+  auto usage_error = [&](absl::string_view message) {
+    absl::FPrintF(err, "%s\n(ferry trace --help for usage)\n", message);
+    return 2;
+  };
+  absl::StatusOr<std::vector<std::string>> positional = ParseVerbFlags("trace", args, TraceFlags());
+  if (!positional.ok()) return usage_error(positional.status().message());
+  if (positional->size() != 1) {
+    return usage_error(absl::StrCat("ferry trace: expected one FILE, got ", positional->size(), " arguments"));
+  }
+  absl::StatusOr<std::map<std::string, double>> ceilings = ParseCeilings(absl::GetFlag(FLAGS_ferry_trace_ceiling));
+  if (!ceilings.ok()) return usage_error(ceilings.status().message());
+  const std::string measure = absl::GetFlag(FLAGS_ferry_trace_measure);
+  if (measure != "auto" && measure != "on" && measure != "off") {
+    return usage_error(absl::StrCat("ferry trace: --measure must be auto, on or off, got \"", measure, "\""));
+  }
+  absl::StatusOr<TraceFile> trace = ReadTraceFile((*positional)[0]);
+  if (!trace.ok()) {
+    absl::FPrintF(err, "ferry trace: %s\n", trace.status().message());
+    return 1;
+  }
+  std::map<std::string, std::string> source;  // key -> where its ceiling came from
+  for (const auto& [k, v] : *ceilings) source[k] = "given";
+  if (measure != "off") {
+    if (!ceilings->contains("mem")) {
+      (*ceilings)["mem"] = MeasureHostMemory();
+      source["mem"] = absl::StrCat("measured here: memcpy of 1 GiB on ", ThreadPool::DefaultThreads(), " threads");
+    }
+    if (!ceilings->contains("d2h") || !ceilings->contains("h2d")) {
+      absl::StatusOr<std::unique_ptr<Device>> device = CreateDevice();
+      if (device.ok() && ((*device)->backend() == Backend::kCuda || measure == "on")) {
+        double d2h = 0, h2d = 0;
+        absl::Status st = MeasurePinned(**device, &d2h, &h2d);
+        if (st.ok()) {
+          const std::string where = absl::StrCat("measured here: 256 MiB pinned copy on ", (*device)->name());
+          if (!ceilings->contains("d2h")) (*ceilings)["d2h"] = d2h, source["d2h"] = where;
+          if (!ceilings->contains("h2d")) (*ceilings)["h2d"] = h2d, source["h2d"] = where;
+        } else {
+          absl::FPrintF(err, "ferry trace: measuring the pinned copy rate: %s\n", st.message());
+        }
+      }
+    }
+  }
+  const std::vector<StageSummary> stages = Summarize(*trace, *ceilings);
+  absl::FPrintF(out, "trace %s: %d spans\n\n%s", (*positional)[0], trace->events.size(), FormatSummary(stages));
+  absl::FPrintF(out, "\nceilings (GB/s):");
+  if (ceilings->empty()) absl::FPrintF(out, " none (give --ceiling, or --measure on)");
+  absl::FPrintF(out, "\n");
+  for (const auto& [k, v] : *ceilings) absl::FPrintF(out, "  %-5s %8.2f  %s\n", k, v, source[k]);
+  bool observed = false;
+  for (const StageSummary& s : stages) observed = observed || s.name == "d2h.chunk" || s.name == "h2d.chunk";
+  if (observed) {
+    absl::FPrintF(out,
+                  "\nd2h.chunk and h2d.chunk are observed by the host: from when the stream could start a chunk\n"
+                  "to when the pipeline saw its event complete, so their times are upper bounds and their\n"
+                  "rates lower bounds while the pipeline is busy with CPU Adam (`ferry bench transfer` times\n"
+                  "the copies alone).\n");
+  }
+  for (const StageSummary& s : stages) {
+    if (s.name == "step" && s.count > 0) {
+      absl::FPrintF(out, "\nstep: %d steps, %.3f ms each on average\n", s.count, s.total_ms / static_cast<double>(s.count));
+    }
+  }
+  const std::string svg_path = absl::GetFlag(FLAGS_ferry_trace_svg);
+  if (!svg_path.empty()) {
+    SvgOptions svg;
+    svg.title = absl::StrCat("ferry trace ", (*positional)[0]);
+    if (!absl::GetFlag(FLAGS_ferry_trace_all)) {
+      const int step = absl::GetFlag(FLAGS_ferry_trace_step);
+      size_t count = 0;
+      for (const TraceFileEvent& e : trace->events) count += e.name == "step" ? 1 : 0;
+      if (count > 0) {
+        const size_t index = step < 0 ? count - 1 : static_cast<size_t>(step);
+        absl::StatusOr<std::pair<double, double>> window = EventWindow(*trace, "step", index);
+        if (!window.ok()) {
+          absl::FPrintF(err, "ferry trace: --step: %s\n", window.status().message());
+          return 2;
+        }
+        // A little margin either side, so the copies that finish after the step show.
+        const double margin = 0.02 * (window->second - window->first);
+        svg.from_us = window->first - margin;
+        svg.to_us = window->second + margin;
+        svg.title = absl::StrCat("ferry: step ", index, " of ", (*positional)[0]);
+      }
+    }
+    std::ofstream f(svg_path, std::ios::binary | std::ios::trunc);
+    f << RenderSvg(*trace, svg);
+    f.close();
+    if (!f) {
+      absl::FPrintF(err, "ferry trace: cannot write %s\n", svg_path);
+      return 1;
+    }
+    absl::FPrintF(out, "timeline written to %s\n", svg_path);
+  }
+  return 0;
+}
+
+}  // namespace ferry::cli

@@ -1,0 +1,75 @@
+// Reading a trace file back: the per-stage summary of `ferry trace` and its SVG timeline.
+#ifndef FERRY_TRACE_TRACE_FILE_H_
+#define FERRY_TRACE_TRACE_FILE_H_
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace ferry {
+
+// One complete event of a trace file (times in microseconds, as in the file).
+struct TraceFileEvent {
+  std::string name;
+  std::string cat;
+  int pid = 0;
+  int tid = 0;
+  double ts_us = 0.0;
+  double dur_us = 0.0;
+  std::map<std::string, double> args;  // numeric args only
+};
+
+struct TraceFile {
+  std::vector<TraceFileEvent> events;                  // "X" events, in file order
+  std::map<std::pair<int, int>, std::string> threads;  // (pid, tid) -> thread_name
+};
+
+// Parses trace-event JSON (an object with "traceEvents", or a bare array). Errors: NotFound for an
+// unreadable file, InvalidArgument for malformed JSON or events (naming the file and what is wrong).
+absl::StatusOr<TraceFile> ParseTrace(const std::string& json, const std::string& what = "trace");
+absl::StatusOr<TraceFile> ReadTraceFile(const std::string& path);
+
+// One stage of the summary: the events of one name.
+struct StageSummary {
+  std::string name;
+  int64_t count = 0;
+  double total_ms = 0.0;    // sum of the events' durations (threads running at once add up)
+  double wall_ms = 0.0;     // length of the union of their intervals (per rank)
+  double bytes = 0.0;       // sum of their "bytes" args
+  double gbps = 0.0;        // bytes / wall time (0 without bytes)
+  std::string ceiling_key;  // "d2h", "h2d", "mem", "disk" or empty
+  std::optional<double> ceiling_gbps;
+};
+
+// The ceiling a stage is compared with: d2h.chunk -> "d2h", h2d.chunk -> "h2d", cpu_adam.* -> "mem"
+// (host memory traffic of the update), ckpt.write / ckpt.read -> "disk", ckpt.stage -> "d2h"; else "".
+std::string CeilingKeyOf(const std::string& stage);
+
+// Every stage of `trace`, ordered by first appearance; `ceilings` (key -> GB/s) fills ceiling_gbps.
+std::vector<StageSummary> Summarize(const TraceFile& trace, const std::map<std::string, double>& ceilings);
+
+// The summary as a table (one line per stage, with the ratio to the ceiling where there is one).
+std::string FormatSummary(const std::vector<StageSummary>& stages);
+
+struct SvgOptions {
+  // The time window drawn, microseconds; both unset: the whole trace.
+  std::optional<double> from_us;
+  std::optional<double> to_us;
+  int width = 1600;    // pixels of the time axis area
+  std::string title = "ferry trace";
+};
+
+// The window [from, to) of the `index`-th (0-based) event named `name`; NotFound when absent.
+absl::StatusOr<std::pair<double, double>> EventWindow(const TraceFile& trace, const std::string& name, size_t index);
+
+// The timeline as a standalone SVG: one row per thread and lane (nested spans stacked beneath their
+// parents), a box per span (its name when it fits; hover for name, duration and args), a time axis.
+std::string RenderSvg(const TraceFile& trace, const SvgOptions& options);
+
+}  // namespace ferry
+
+#endif  // FERRY_TRACE_TRACE_FILE_H_

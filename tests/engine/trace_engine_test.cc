@@ -1,0 +1,178 @@
+// The engine's trace (EngineOptions::trace_path) over real steps, a save and a load: on the host
+// backend in CI, on CUDA where a GPU is present (the device layer picks it).
+#include <algorithm>
+#include <chrono>
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "device/device.h"
+#include "engine/engine_test_util.h"
+#include "ferry/engine.h"
+#include "gtest/gtest.h"
+#include "trace/trace_file.h"
+
+namespace ferry::engine_test {
+namespace {
+
+// The spans of one thread (not a lane) must nest: each one lies inside the one still open before it,
+// or after it. The file rounds ts and dur to 1 ns each.
+void ExpectProperNesting(const TraceFile& trace) {
+  constexpr double kEps = 0.005;  // microseconds
+  std::map<std::pair<int, int>, std::vector<const TraceFileEvent*>> rows;
+  for (const TraceFileEvent& e : trace.events) {
+    auto name = trace.threads.find({e.pid, e.tid});
+    if (name != trace.threads.end() && name->second.find("(observed)") != std::string::npos) continue;  // a lane
+    rows[{e.pid, e.tid}].push_back(&e);
+  }
+  for (auto& [row, events] : rows) {
+    std::stable_sort(events.begin(), events.end(), [](const TraceFileEvent* a, const TraceFileEvent* b) {
+      return a->ts_us != b->ts_us ? a->ts_us < b->ts_us : a->dur_us > b->dur_us;
+    });
+    std::vector<const TraceFileEvent*> open;
+    for (const TraceFileEvent* e : events) {
+      while (!open.empty() && e->ts_us >= open.back()->ts_us + open.back()->dur_us - kEps) open.pop_back();
+      if (!open.empty()) {
+        EXPECT_LE(e->ts_us + e->dur_us, open.back()->ts_us + open.back()->dur_us + kEps)
+            << "'" << e->name << "' at " << e->ts_us << " overlaps the end of '" << open.back()->name
+            << "' (thread " << row.second << ")";
+      }
+      open.push_back(e);
+    }
+  }
+}
+
+// The innermost span named `parent` on the same thread that contains `child`, or null.
+const TraceFileEvent* Parent(const TraceFile& trace, const TraceFileEvent& child, const std::string& parent) {
+  for (const TraceFileEvent& e : trace.events) {
+    if (e.name == parent && e.pid == child.pid && e.tid == child.tid && e.ts_us <= child.ts_us + 0.005 &&
+        child.ts_us + child.dur_us <= e.ts_us + e.dur_us + 0.005) {
+      return &e;
+    }
+  }
+  return nullptr;
+}
+
+TEST(TraceEngineTest, StepsSaveAndLoadAreTracedWithBytesAndNesting) {
+  TempDir tmp("ferry-trace-engine");
+  absl::StatusOr<std::unique_ptr<Device>> device = CreateDevice();
+  ASSERT_TRUE(device.ok()) << device.status();
+  const std::vector<int64_t> sizes = {300000, 200000, 123457};
+  Model model(device->get(), sizes, 7);
+  const std::string path = tmp.path() + "/trace.json";
+  constexpr int kSteps = 3;
+  double measured_step_ms = 0.0;
+  {
+    EngineOptions o;
+    o.policy_path = Policies() + "offload_all.lua";
+    o.device = std::string(BackendName((*device)->backend()));
+    o.transfer_chunk_bytes = 64 << 10;
+    o.cpu_threads = 3;
+    o.trace_path = path;
+    absl::StatusOr<std::unique_ptr<Engine>> created = Engine::Create(o);
+    ASSERT_TRUE(created.ok()) << created.status();
+    Engine& e = **created;
+    ASSERT_OK(model.Register(e));
+    ASSERT_OK(e.Finalize());
+    for (int s = 0; s < kSteps; ++s) {
+      model.SetGrads(100 + s);
+      const auto t0 = std::chrono::steady_clock::now();
+      ASSERT_OK(e.Step());
+      measured_step_ms += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+      ASSERT_OK(e.Synchronize());
+    }
+    absl::StatusOr<std::string> dir = e.SaveCheckpoint(tmp.path() + "/ckpt", kSteps);
+    ASSERT_TRUE(dir.ok()) << dir.status();
+    ASSERT_OK(e.WaitCheckpoint());
+    ASSERT_OK(e.LoadCheckpoint(tmp.path() + "/ckpt"));
+    EXPECT_FALSE(std::filesystem::exists(path)) << "written at destruction, not before";
+  }
+  absl::StatusOr<TraceFile> trace = ReadTraceFile(path);  // valid trace-event JSON, or this fails
+  ASSERT_TRUE(trace.ok()) << trace.status();
+
+  std::map<std::string, std::vector<const TraceFileEvent*>> by_name;
+  for (const TraceFileEvent& ev : trace->events) by_name[ev.name].push_back(&ev);
+  for (const char* name : {"step", "grad_stats", "cpu_pipeline", "d2h.chunk", "h2d.chunk", "cpu_adam.round",
+                           "cpu_adam.thread", "wait.copies", "ckpt.save", "ckpt.stage", "ckpt.write",
+                           "ckpt.write.piece", "ckpt.fsync", "ckpt.commit", "ckpt.load", "ckpt.read",
+                           "ckpt.read.segment", "ckpt.apply"}) {
+    EXPECT_FALSE(by_name[name].empty()) << "no '" << name << "' span";
+  }
+  EXPECT_EQ(by_name["step"].size(), static_cast<size_t>(kSteps));
+  // Bytes: every step moves every grad down and every param up (bf16: 2 bytes each).
+  const double model_bytes = 2.0 * static_cast<double>(sizes[0] + sizes[1] + sizes[2]);
+  std::vector<StageSummary> stages = Summarize(*trace, {});
+  std::map<std::string, StageSummary> stage;
+  for (const StageSummary& s : stages) stage[s.name] = s;
+  EXPECT_DOUBLE_EQ(stage["d2h.chunk"].bytes, kSteps * model_bytes);
+  EXPECT_DOUBLE_EQ(stage["h2d.chunk"].bytes, kSteps * model_bytes);
+  EXPECT_EQ(stage["d2h.chunk"].count, kSteps * static_cast<int64_t>((model_bytes + (64 << 10) - 1) / (64 << 10)));
+  EXPECT_DOUBLE_EQ(stage["grad_stats"].bytes, kSteps * model_bytes);
+  // CPU Adam: 24 B of state + 2 B grad + 2 B param per element per step, the rounds' and the
+  // threads' views agreeing.
+  EXPECT_DOUBLE_EQ(stage["cpu_adam.round"].bytes, kSteps * model_bytes / 2 * 28);
+  EXPECT_NEAR(stage["cpu_adam.thread"].bytes, kSteps * model_bytes / 2 * 28, 1.0);
+  // The save writes the params, masters and moments (14 B per element) plus the file's header; the
+  // load reads them back.
+  EXPECT_GT(stage["ckpt.write"].bytes, model_bytes / 2 * 14);
+  EXPECT_DOUBLE_EQ(stage["ckpt.stage"].bytes, model_bytes);  // the params (device-resident) are staged
+  EXPECT_DOUBLE_EQ(stage["ckpt.read"].bytes, model_bytes / 2 * 14);
+  for (const auto& [name, events] : by_name) {
+    for (const TraceFileEvent* ev : events) {
+      if (name == "d2h.chunk" || name == "h2d.chunk" || name == "ckpt.write" || name == "ckpt.read") {
+        EXPECT_GT(ev->args.at("bytes"), 0.0) << name;
+        EXPECT_GT(ev->args.at("GBps"), 0.0) << name;
+      }
+    }
+  }
+  // Nesting: children inside their parents on the same thread.
+  ExpectProperNesting(*trace);
+  for (const TraceFileEvent* round : by_name["cpu_adam.round"]) {
+    const TraceFileEvent* pipeline = Parent(*trace, *round, "cpu_pipeline");
+    ASSERT_NE(pipeline, nullptr);
+    EXPECT_NE(Parent(*trace, *pipeline, "step"), nullptr);
+  }
+  for (const TraceFileEvent* g : by_name["grad_stats"]) EXPECT_NE(Parent(*trace, *g, "step"), nullptr);
+  for (const TraceFileEvent* r : by_name["ckpt.read"]) EXPECT_NE(Parent(*trace, *r, "ckpt.load"), nullptr);
+  for (const TraceFileEvent* a : by_name["ckpt.apply"]) EXPECT_NE(Parent(*trace, *a, "ckpt.load"), nullptr);
+  for (const TraceFileEvent* f : by_name["ckpt.fsync"]) EXPECT_NE(Parent(*trace, *f, "ckpt.write"), nullptr);
+  // Thread names: the trainer, the CPU Adam workers and the observed streams.
+  std::set<std::string> names;
+  for (const auto& [key, name] : trace->threads) names.insert(name);
+  for (const char* name : {"trainer", "cpu adam worker", "d2h stream (observed)", "h2d stream (observed)"}) {
+    EXPECT_TRUE(names.contains(name)) << "no thread named '" << name << "'";
+  }
+  // The summary's step total agrees with the steps' wall time measured here: the span lies inside
+  // each call, so it is at most the measured time and misses only the call's entry and exit
+  // (tolerance: 5% or 0.5 ms per step, whichever is larger).
+  const double traced = stage["step"].total_ms;
+  EXPECT_LE(traced, measured_step_ms + 0.01);
+  EXPECT_GE(traced, measured_step_ms - std::max(0.05 * measured_step_ms, 0.5 * kSteps))
+      << "traced " << traced << " ms, measured " << measured_step_ms << " ms";
+}
+
+TEST(TraceEngineTest, OffWritesNothing) {
+  TempDir tmp("ferry-trace-engine-off");
+  absl::StatusOr<std::unique_ptr<Device>> device = CreateDevice();
+  ASSERT_TRUE(device.ok());
+  Model model(device->get(), {1000, 2000}, 3);
+  {
+    EngineOptions o;
+    o.policy_path = Policies() + "offload_all.lua";
+    o.device = std::string(BackendName((*device)->backend()));
+    absl::StatusOr<std::unique_ptr<Engine>> e = Engine::Create(o);
+    ASSERT_TRUE(e.ok());
+    ASSERT_OK(model.Register(**e));
+    ASSERT_OK((*e)->Finalize());
+    model.SetGrads(1);
+    ASSERT_OK((*e)->Step());
+    ASSERT_OK((*e)->Synchronize());
+  }
+  EXPECT_TRUE(std::filesystem::is_empty(tmp.path()));
+}
+
+}  // namespace
+}  // namespace ferry::engine_test

@@ -1,0 +1,193 @@
+#include "trace/tracer.h"
+
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <set>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
+#include "trace/trace_file.h"
+
+namespace ferry {
+namespace {
+
+using Json = nlohmann::json;
+
+void Spin(int64_t micros) {
+  const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(micros);
+  while (std::chrono::steady_clock::now() < until) {
+  }
+}
+
+std::string TempPath(const std::string& name) {
+  return (std::filesystem::temp_directory_path() / (name + "-" + std::to_string(::getpid()))).string();
+}
+
+TEST(TracerTest, OffRecordsNothingAndCostsNoClock) {
+  // A null tracer: the span is inert (no tracer to call; this must simply not crash).
+  TraceSpan span(nullptr, "step", "engine");
+  span.Arg("bytes", 1.0);
+  span.Detail("x");
+  EXPECT_FALSE(span.on());
+  span.End();
+}
+
+TEST(TracerTest, SpansNestOnTheirThreadWithArgsAndNames) {
+  Tracer tracer(TracerOptions{.path = "", .pid = 3, .process_name = "test"});
+  tracer.NameThread("trainer");
+  {
+    TraceSpan outer(&tracer, "outer", "test");
+    Spin(200);
+    {
+      TraceSpan inner(&tracer, "inner", "test");
+      inner.Arg("bytes", 1e6);
+      inner.Detail("file \"a\"\n");
+      Spin(300);
+    }
+    Spin(100);
+  }
+  std::thread worker([&] {
+    tracer.NameThread("worker");
+    TraceSpan w(&tracer, "work", "test");
+    Spin(100);
+  });
+  worker.join();
+  const int lane = tracer.Lane("d2h stream (observed)");
+  EXPECT_EQ(lane, tracer.Lane("d2h stream (observed)"));
+  const int64_t t0 = tracer.NowNs();
+  tracer.Complete("d2h.chunk", "transfer", t0, t0 + 5000, {{"bytes", 5000.0}}, {}, lane);
+  EXPECT_EQ(tracer.num_events(), 4u);
+
+  const std::string text = tracer.ToJson();
+  const Json doc = Json::parse(text);  // throws (fails the test) on invalid JSON
+  ASSERT_TRUE(doc.contains("traceEvents"));
+  std::map<std::string, Json> by_name;
+  std::map<int, std::string> thread_names;
+  for (const Json& e : doc["traceEvents"]) {
+    ASSERT_TRUE(e.contains("ph"));
+    ASSERT_EQ(e["pid"].get<int>(), 3);
+    if (e["ph"] == "M" && e["name"] == "thread_name") thread_names[e["tid"].get<int>()] = e["args"]["name"];
+    if (e["ph"] == "X") {
+      ASSERT_TRUE(e["ts"].is_number());
+      ASSERT_TRUE(e["dur"].is_number());
+      by_name[e["name"].get<std::string>()] = e;
+    }
+  }
+  ASSERT_EQ(by_name.size(), 4u);
+  const Json& outer = by_name["outer"];
+  const Json& inner = by_name["inner"];
+  EXPECT_EQ(outer["tid"], inner["tid"]);
+  EXPECT_EQ(thread_names[outer["tid"].get<int>()], "trainer");
+  EXPECT_EQ(thread_names[by_name["work"]["tid"].get<int>()], "worker");
+  EXPECT_EQ(thread_names[by_name["d2h.chunk"]["tid"].get<int>()], "d2h stream (observed)");
+  EXPECT_NE(by_name["work"]["tid"], outer["tid"]);
+  // Nesting: the child lies inside its parent.
+  const double ob = outer["ts"], oe = ob + outer["dur"].get<double>();
+  const double ib = inner["ts"], ie = ib + inner["dur"].get<double>();
+  EXPECT_LE(ob, ib);
+  EXPECT_LE(ie, oe);
+  EXPECT_GE(outer["dur"].get<double>(), 600.0);
+  EXPECT_GE(inner["dur"].get<double>(), 300.0);
+  // bytes get GB/s; the text argument survives escaping.
+  EXPECT_DOUBLE_EQ(inner["args"]["bytes"].get<double>(), 1e6);
+  EXPECT_NEAR(inner["args"]["GBps"].get<double>(), 1e6 / (inner["dur"].get<double>() * 1e3), 1e-6);
+  EXPECT_EQ(inner["args"]["detail"], "file \"a\"\n");
+  EXPECT_NEAR(by_name["d2h.chunk"]["args"]["GBps"].get<double>(), 1.0, 1e-9);  // 5000 B in 5 us
+}
+
+TEST(TracerTest, ManyThreadsMergeAndCapDrops) {
+  Tracer tracer(TracerOptions{.path = "", .pid = 0, .process_name = "t", .max_events = 1000});
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 8; ++t) {
+    threads.emplace_back([&] {
+      for (int i = 0; i < 200; ++i) TraceSpan s(&tracer, "x", "test");
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(tracer.num_events(), 1000u);
+  EXPECT_EQ(tracer.dropped(), 600u);
+  std::set<int> tids;
+  for (const TraceEvent& e : tracer.Events()) tids.insert(e.tid);
+  EXPECT_GE(tids.size(), 5u);  // the threads that got in before the cap (1000 / 200)
+  EXPECT_LE(tids.size(), 8u);
+  const Json doc = Json::parse(tracer.ToJson());
+  EXPECT_EQ(doc["otherData"]["dropped_events"].get<int>(), 600);
+}
+
+TEST(TracerTest, FlushWritesAtomicallyAndTheFileReadsBack) {
+  const std::string path = TempPath("ferry-trace-test") + ".json";
+  {
+    Tracer tracer(TracerOptions{.path = path, .pid = 0});
+    tracer.NameThread("trainer");
+    {
+      TraceSpan step(&tracer, "step", "engine");
+      TraceSpan d(&tracer, "cpu_adam.round", "optim");
+      d.Arg("bytes", 4e6);
+      Spin(200);
+    }
+    ASSERT_TRUE(tracer.Flush().ok());
+  }
+  EXPECT_FALSE(std::filesystem::exists(path + ".tmp"));
+  absl::StatusOr<TraceFile> trace = ReadTraceFile(path);
+  ASSERT_TRUE(trace.ok()) << trace.status();
+  ASSERT_EQ(trace->events.size(), 2u);
+  std::vector<StageSummary> stages = Summarize(*trace, {{"mem", 10.0}});
+  ASSERT_EQ(stages.size(), 2u);
+  EXPECT_EQ(stages[0].name, "step");
+  EXPECT_EQ(stages[1].name, "cpu_adam.round");
+  EXPECT_EQ(stages[1].ceiling_key, "mem");
+  ASSERT_TRUE(stages[1].ceiling_gbps.has_value());
+  EXPECT_NEAR(stages[1].gbps, 4e6 / (stages[1].wall_ms * 1e6), 1e-6);
+  const std::string table = FormatSummary(stages);
+  EXPECT_NE(table.find("cpu_adam.round"), std::string::npos);
+  EXPECT_NE(table.find("(mem 10.0)"), std::string::npos);
+  const std::string svg = RenderSvg(*trace, SvgOptions{});
+  EXPECT_EQ(svg.rfind("<svg", 0), 0u);
+  EXPECT_NE(svg.find("trainer"), std::string::npos);
+  EXPECT_NE(svg.find("</svg>"), std::string::npos);
+  std::filesystem::remove(path);
+  // An unwritable path is an error naming it.
+  Tracer bad(TracerOptions{.path = "/nonexistent-dir/x.json"});
+  absl::Status s = bad.Flush();
+  EXPECT_FALSE(s.ok());
+  EXPECT_NE(std::string(s.message()).find("/nonexistent-dir/x.json"), std::string::npos);
+}
+
+TEST(TraceFileTest, SummaryWallTimeIsTheUnionAndMalformedInputIsRefused) {
+  const std::string json = R"({"traceEvents":[
+    {"ph":"M","name":"thread_name","pid":0,"tid":1,"args":{"name":"a"}},
+    {"ph":"X","name":"cpu_adam.thread","pid":0,"tid":1,"ts":0,"dur":100,"args":{"bytes":1000}},
+    {"ph":"X","name":"cpu_adam.thread","pid":0,"tid":2,"ts":50,"dur":100,"args":{"bytes":1000}},
+    {"ph":"X","name":"cpu_adam.thread","pid":0,"tid":2,"ts":300,"dur":50}]})";
+  absl::StatusOr<TraceFile> t = ParseTrace(json);
+  ASSERT_TRUE(t.ok()) << t.status();
+  EXPECT_EQ(t->threads.at({0, 1}), "a");
+  std::vector<StageSummary> s = Summarize(*t, {});
+  ASSERT_EQ(s.size(), 1u);
+  EXPECT_EQ(s[0].count, 3);
+  EXPECT_DOUBLE_EQ(s[0].total_ms, 0.25);
+  EXPECT_DOUBLE_EQ(s[0].wall_ms, 0.2);  // [0,150) and [300,350)
+  EXPECT_DOUBLE_EQ(s[0].gbps, 2000.0 / 200e3);
+  EXPECT_FALSE(ParseTrace("{").ok());
+  EXPECT_FALSE(ParseTrace(R"({"traceEvents":[{"ph":"X","name":"a","ts":1}]})").ok());
+  absl::StatusOr<std::pair<double, double>> w = EventWindow(*t, "cpu_adam.thread", 2);
+  ASSERT_TRUE(w.ok());
+  EXPECT_DOUBLE_EQ(w->first, 300.0);
+  EXPECT_FALSE(EventWindow(*t, "step", 0).ok());
+}
+
+TEST(TracerTest, RankPaths) {
+  EXPECT_EQ(RankTracePath("t.json", 0, 1), "t.json");
+  EXPECT_EQ(RankTracePath("dir.x/t.json", 2, 4), "dir.x/t.rank-2.json");
+  EXPECT_EQ(RankTracePath("dir.x/trace", 1, 2), "dir.x/trace.rank-1");
+}
+
+}  // namespace
+}  // namespace ferry
