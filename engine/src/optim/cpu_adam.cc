@@ -249,6 +249,27 @@ absl::StatusOr<CpuAdamStepResult> CpuAdam::Step(absl::Span<const CpuAdamTensor> 
   return result;
 }
 
+namespace {
+
+// Task `task` of `num_tasks` over the joined range of `tensors` (ends[i]: the running end of tensor i):
+// the elements [total * task / num_tasks, total * (task + 1) / num_tasks), tensor by tensor.
+void RunTask(absl::Span<const CpuAdamTensor> tensors, absl::Span<const AdamScalars> scalars,
+             const std::vector<int64_t>& ends, int64_t total, int64_t num_tasks,
+             void (*range_fn)(const CpuAdamTensor&, const AdamScalars&, int64_t, int64_t), size_t task) {
+  const ScopedDefaultFloatEnv float_env;
+  const int64_t lo = total * static_cast<int64_t>(task) / num_tasks;
+  const int64_t hi = total * (static_cast<int64_t>(task) + 1) / num_tasks;
+  size_t i = static_cast<size_t>(std::upper_bound(ends.begin(), ends.end(), lo) - ends.begin());
+  for (int64_t at = lo; at < hi && i < tensors.size(); ++i) {
+    const int64_t start = ends[i] - tensors[i].numel;
+    const int64_t stop = std::min(ends[i], hi);
+    if (stop > at) range_fn(tensors[i], scalars[i], at - start, stop - start);
+    at = stop;
+  }
+}
+
+}  // namespace
+
 absl::Status CpuAdam::Run(absl::Span<const CpuAdamTensor> tensors, absl::Span<const AdamScalars> scalars) {
   // Work is the tensors' elements laid end to end, cut into equal contiguous ranges: each thread walks
   // memory sequentially, and a range covers several tensors when they are small.
@@ -262,16 +283,7 @@ absl::Status CpuAdam::Run(absl::Span<const CpuAdamTensor> tensors, absl::Span<co
   const AdamRangeFn range_fn = RangeFn(isa_);
   if (tracer_ != nullptr) return RunTraced(tensors, scalars, ends, total, num_tasks, range_fn);
   pool_->ParallelFor(static_cast<size_t>(num_tasks), [&](size_t task) {
-    const ScopedDefaultFloatEnv float_env;
-    const int64_t lo = total * static_cast<int64_t>(task) / num_tasks;
-    const int64_t hi = total * (static_cast<int64_t>(task) + 1) / num_tasks;
-    size_t i = static_cast<size_t>(std::upper_bound(ends.begin(), ends.end(), lo) - ends.begin());
-    for (int64_t at = lo; at < hi && i < tensors.size(); ++i) {
-      const int64_t start = ends[i] - tensors[i].numel;
-      const int64_t stop = std::min(ends[i], hi);
-      if (stop > at) range_fn(tensors[i], scalars[i], at - start, stop - start);
-      at = stop;
-    }
+    RunTask(tensors, scalars, ends, total, num_tasks, range_fn, task);
   });
   return absl::OkStatus();
 }
@@ -314,16 +326,9 @@ absl::Status CpuAdam::RunTraced(absl::Span<const CpuAdamTensor> tensors, absl::S
         slots[my_slot].start_ns = start_ns;
       }
     }
-    const ScopedDefaultFloatEnv float_env;
+    RunTask(tensors, scalars, ends, total, num_tasks, range_fn, task);
     const int64_t lo = total * static_cast<int64_t>(task) / num_tasks;
     const int64_t hi = total * (static_cast<int64_t>(task) + 1) / num_tasks;
-    size_t i = static_cast<size_t>(std::upper_bound(ends.begin(), ends.end(), lo) - ends.begin());
-    for (int64_t at = lo; at < hi && i < tensors.size(); ++i) {
-      const int64_t start = ends[i] - tensors[i].numel;
-      const int64_t stop = std::min(ends[i], hi);
-      if (stop > at) range_fn(tensors[i], scalars[i], at - start, stop - start);
-      at = stop;
-    }
     if (my_slot < slots.size()) {
       slots[my_slot].end_ns = tracer->NowNs();
       slots[my_slot].elements += hi - lo;
