@@ -131,6 +131,11 @@ struct StepOptions {
   // Check every grad for NaN/Inf first; when one is found the step is skipped for every group and
   // reported (EngineStats::last_step_skipped), never applied. Needed by loss_scale and max_grad_norm.
   bool check_finite = true;
+  // true: the trainer's stream waits in Step for every group's new params. false: Step returns with
+  // the stream waiting only for what it enqueued itself (the GPU groups' update), and the trainer
+  // calls WaitParams(groups, stream) before each group's params are first used (for example in a
+  // forward pre-hook), so its next forward starts before the last upload has landed.
+  bool wait_for_params = true;
 };
 
 // Where a group's optimizer state lives after Finalize.
@@ -158,6 +163,10 @@ struct EngineStats {
   // Offloaded state that steps copied aside because they overtook an asynchronous save's writer
   // (copy-on-write; the rest was written in place), summed over all saves.
   uint64_t checkpoint_copied_aside_bytes = 0;
+  // GradsReady: offloaded groups whose early update Step kept, and those it recomputed (clipping
+  // triggered, other StepOptions, or the early work failed), summed over all steps.
+  int64_t early_groups_kept = 0;
+  int64_t early_groups_recomputed = 0;
 };
 
 // How LoadCheckpoint treats a checkpoint that fails verification.
@@ -219,6 +228,34 @@ class Engine {
   // from one all-reduce of an exact sum of squares, so every rank takes the same decision and the
   // params are bit-identical for any world size over the same global tensors.
   virtual absl::Status Step(const StepOptions& options = {}, void* stream = nullptr) = 0;
+
+  // Starting the step during backward. The trainer announces that the grads of `groups` are final on
+  // `stream` (as for Step) and that its backward no longer reads their params, typically from a
+  // post-accumulate-grad hook or after a layer's backward; `options` are the coming Step's. Ferry
+  // starts those groups' work at once, in the background: for offloaded groups the D2H of their
+  // grads, CPU Adam and the upload of their new params. GPU groups are recorded and update in Step.
+  // The early work assumes the step neither clips nor finds a NaN/Inf, and does not change the
+  // optimizer state until Step has checked that: Step keeps an offloaded group's early update when
+  // its learning rate, step, loss scale and gradient multiplier are the same bits as the step's
+  // (no clip triggered, the same StepOptions), and otherwise recomputes the group from its
+  // unchanged state; when the step is skipped (NaN/Inf) it rewrites the params from the masters.
+  // So the params and state after Step are bit-identical to a Step without GradsReady, in every
+  // case. Groups never announced step in Step as before. The first call allocates as much pinned
+  // host memory again as the offloaded state (the early update's buffers), once.
+  // Errors (nothing started, the step in progress unchanged): before Finalize, an empty list, an
+  // unknown group (NotFound), a group announced twice in one step (InvalidArgument), options Step
+  // would refuse. Between the first GradsReady of a step and its Step, SaveCheckpoint,
+  // LoadCheckpoint, SyncFromModel, ReloadPolicy and VerifyMasters return FailedPrecondition (call
+  // Step first); a Step that fails drops the early work and restores the params (nothing changed).
+  // Several ranks: not collective; ranks may announce different groups (Step decides globally).
+  // REQUIRES: the announced grads stay unchanged until Step.
+  virtual absl::Status GradsReady(const std::vector<std::string>& groups, const StepOptions& options = {},
+                                  void* stream = nullptr) = 0;
+
+  // After a Step with wait_for_params = false: makes `stream` wait until the params of `groups` (all
+  // when empty) hold the step's values. Cheap (one stream wait per group). Errors: NotFound for an
+  // unknown group, FailedPrecondition between GradsReady and Step.
+  virtual absl::Status WaitParams(const std::vector<std::string>& groups, void* stream = nullptr) = 0;
 
   // Blocks until all work the engine has enqueued has finished.
   virtual absl::Status Synchronize() = 0;

@@ -274,11 +274,9 @@ absl::StatusOr<std::unique_ptr<HybridOptimizer>> EngineImpl::BuildOptimizer(cons
 absl::Status EngineImpl::Step(const StepOptions& options, void* stream) {
   FERRY_RETURN_IF_ERROR(RequireFinalized("Step"));
   FERRY_ASSIGN_OR_RETURN(std::unique_ptr<Stream> trainer, device_->WrapStream(stream));
-  const float lr = options.lr.value_or(options_.optimizer.lr);
   const double start = absl::ToDoubleSeconds(absl::Now() - absl::UnixEpoch());
   TraceSpan span(tracer_.get(), "step", "engine");
-  HybridStepParams params{.lr = lr, .loss_scale = options.loss_scale, .max_grad_norm = options.max_grad_norm,
-                          .check_finite = options.check_finite};
+  HybridStepParams params = StepParams(options);
   bool reduced = false;
   if (multi_rank()) {
     // One all-reduce makes the found-inf and clipping decisions global (every rank takes the same).
@@ -298,8 +296,41 @@ absl::Status EngineImpl::Step(const StepOptions& options, void* stream) {
   last_step_skipped_ = result.skipped;
   last_grad_norm_ = result.grad_norm;
   if (result.skipped) ++skipped_steps_;
+  early_kept_ += static_cast<int64_t>(result.early_committed);
+  early_recomputed_ += static_cast<int64_t>(result.early_recomputed);
   if (policy_ == nullptr || !policy_->has_hook("on_step")) return absl::OkStatus();
   return RunOnStep(absl::ToDoubleSeconds(absl::Now() - absl::UnixEpoch()) - start);
+}
+
+absl::Status EngineImpl::GradsReady(const std::vector<std::string>& groups, const StepOptions& options, void* stream) {
+  FERRY_RETURN_IF_ERROR(RequireFinalized("GradsReady"));
+  if (groups.empty()) return absl::InvalidArgumentError("GradsReady: name at least one group");
+  FERRY_ASSIGN_OR_RETURN(std::vector<size_t> idx, GroupIndices(groups));
+  FERRY_ASSIGN_OR_RETURN(std::unique_ptr<Stream> trainer, device_->WrapStream(stream));
+  TraceSpan span(tracer_.get(), "grads_ready", "engine");
+  span.Arg("groups", static_cast<double>(idx.size()));
+  absl::Status s = optimizer_->BeginGroups(idx, StepParams(options), *trainer);
+  if (!s.ok()) return absl::Status(s.code(), absl::StrCat("GradsReady: ", s.message()));
+  return absl::OkStatus();
+}
+
+absl::Status EngineImpl::WaitParams(const std::vector<std::string>& groups, void* stream) {
+  FERRY_RETURN_IF_ERROR(RequireFinalized("WaitParams"));
+  FERRY_ASSIGN_OR_RETURN(std::vector<size_t> idx, GroupIndices(groups));
+  FERRY_ASSIGN_OR_RETURN(std::unique_ptr<Stream> trainer, device_->WrapStream(stream));
+  return optimizer_->WaitParams(idx, *trainer);
+}
+
+absl::Status EngineImpl::RequireBetweenSteps(std::string_view what) const {
+  FERRY_RETURN_IF_ERROR(RequireFinalized(what));
+  if (!optimizer_->step_in_progress()) return absl::OkStatus();
+  std::vector<std::string> names;
+  for (size_t g = 0; g < group_names_.size(); ++g) {
+    if (optimizer_->announced(g)) names.push_back(absl::StrCat("'", group_names_[g], "'"));
+  }
+  return absl::FailedPreconditionError(absl::StrCat(
+      ToAbsl(what), " between GradsReady and Step: groups ", absl::StrJoin(names, ", "),
+      " were announced for a step that has not run yet; call Step first"));
 }
 
 absl::Status EngineImpl::RunOnStep(double step_seconds) {
@@ -342,7 +373,7 @@ absl::StatusOr<std::vector<size_t>> EngineImpl::GroupIndices(const std::vector<s
 }
 
 absl::Status EngineImpl::SyncFromModel(const std::vector<std::string>& groups, bool reset_optimizer) {
-  FERRY_RETURN_IF_ERROR(RequireFinalized("SyncFromModel"));
+  FERRY_RETURN_IF_ERROR(RequireBetweenSteps("SyncFromModel"));
   FERRY_ASSIGN_OR_RETURN(std::vector<size_t> idx, GroupIndices(groups));
   return optimizer_->SyncFromModel(idx, reset_optimizer);
 }
@@ -378,7 +409,7 @@ absl::Status EngineImpl::MoveTo(const ferry::Placement& placement) {
 }
 
 absl::Status EngineImpl::ReloadPolicy(const std::string& path, const std::map<std::string, std::string>& args) {
-  FERRY_RETURN_IF_ERROR(RequireFinalized("ReloadPolicy"));
+  FERRY_RETURN_IF_ERROR(RequireBetweenSteps("ReloadPolicy"));
   FERRY_ASSIGN_OR_RETURN(std::unique_ptr<Policy> policy, Policy::LoadFile(path));
   FERRY_ASSIGN_OR_RETURN(PolicyContext ctx, Context());
   ctx.args = args;
@@ -390,7 +421,7 @@ absl::Status EngineImpl::ReloadPolicy(const std::string& path, const std::map<st
 }
 
 absl::Status EngineImpl::VerifyMasters() {
-  FERRY_RETURN_IF_ERROR(RequireFinalized("VerifyMasters"));
+  FERRY_RETURN_IF_ERROR(RequireBetweenSteps("VerifyMasters"));
   return optimizer_->VerifyMasters();
 }
 
@@ -414,6 +445,8 @@ EngineStats EngineImpl::Stats() const {
   s.host_registrations = device_->host_registrations();
   s.pinned_host_calls = GetPinnedHostCounters().calls();
   s.skipped_steps = skipped_steps_;
+  s.early_groups_kept = early_kept_;
+  s.early_groups_recomputed = early_recomputed_;
   s.last_step_skipped = last_step_skipped_;
   s.last_grad_norm = last_grad_norm_;
   if (optimizer_ != nullptr) {

@@ -5,7 +5,7 @@ namespace ferry {
 namespace engine_internal {
 
 absl::StatusOr<std::string> EngineImpl::SaveCheckpoint(const std::string& root, int64_t step) {
-  FERRY_RETURN_IF_ERROR(RequireFinalized("SaveCheckpoint"));
+  FERRY_RETURN_IF_ERROR(RequireBetweenSteps("SaveCheckpoint"));
   if (step < 0) return absl::InvalidArgumentError(absl::StrCat("SaveCheckpoint: step must be >= 0, got ", step));
   TraceSpan save_span(tracer_.get(), "ckpt.save", "engine");
   save_span.Arg("step", static_cast<double>(step));
@@ -313,7 +313,7 @@ std::optional<absl::Status> EngineImpl::PollCheckpoint() {
 }
 
 absl::Status EngineImpl::LoadCheckpoint(const std::string& path, const LoadOptions& options) {
-  FERRY_RETURN_IF_ERROR(RequireFinalized("LoadCheckpoint"));
+  FERRY_RETURN_IF_ERROR(RequireBetweenSteps("LoadCheckpoint"));
   if (ckpt_writer_ != nullptr) ckpt_writer_->WaitIdle();  // a save in flight may be the one to load
   TraceSpan load_span(tracer_.get(), "ckpt.load", "engine");
   const absl::Status first = LoadCheckpointFrom(path);

@@ -163,6 +163,8 @@ class EngineImpl final : public Engine {
   absl::Status AddGroup(const std::string& group, const GroupOptions& options) override;
   absl::Status Finalize() override;
   absl::Status Step(const StepOptions& options, void* stream) override;
+  absl::Status GradsReady(const std::vector<std::string>& groups, const StepOptions& options, void* stream) override;
+  absl::Status WaitParams(const std::vector<std::string>& groups, void* stream) override;
   absl::Status Synchronize() override {
     return optimizer_ == nullptr ? absl::OkStatus() : optimizer_->Synchronize();
   }
@@ -191,6 +193,14 @@ class EngineImpl final : public Engine {
       return absl::FailedPreconditionError(absl::StrCat(ToAbsl(what), " before Finalize()"));
     }
     return absl::OkStatus();
+  }
+  // RequireFinalized, and no step in progress (GradsReady without its Step yet).
+  absl::Status RequireBetweenSteps(std::string_view what) const;
+  // The optimizer's inputs of a step with `options` (without the several-ranks reduction).
+  HybridStepParams StepParams(const StepOptions& options) const {
+    return HybridStepParams{.lr = options.lr.value_or(options_.optimizer.lr), .loss_scale = options.loss_scale,
+                            .max_grad_norm = options.max_grad_norm, .check_finite = options.check_finite,
+                            .wait_for_params = options.wait_for_params};
   }
   std::vector<GroupInfo> GroupInfos() const;
   // Group `g`'s optimizer settings, every field set: AddGroup's, else options_.optimizer's.
@@ -251,6 +261,8 @@ class EngineImpl final : public Engine {
   std::vector<bool> offloaded_;
   std::unique_ptr<HybridOptimizer> optimizer_;
   int64_t skipped_steps_ = 0;
+  int64_t early_kept_ = 0;        // EngineStats::early_groups_kept
+  int64_t early_recomputed_ = 0;  // EngineStats::early_groups_recomputed
   bool last_step_skipped_ = false;
   double last_grad_norm_ = 0.0;
   LoadReport last_load_;

@@ -24,6 +24,17 @@ namespace ferry {
 namespace cpu_adam_internal {
 
 void AdamRangeScalar(const CpuAdamTensor& t, const AdamScalars& s, int64_t begin, int64_t end) {
+  if (t.master_src != nullptr) {
+    // Out of place: the element's old state moves to its new place, then updates there.
+    for (int64_t i = begin; i < end; ++i) {
+      t.master[i] = t.master_src[i];
+      t.exp_avg[i] = t.exp_avg_src[i];
+      t.exp_avg_sq[i] = t.exp_avg_sq_src[i];
+      AdamStepElement(s, t.master, t.exp_avg, t.exp_avg_sq, t.grad, t.grad_dtype, t.param, t.param_dtype,
+                      static_cast<size_t>(i));
+    }
+    return;
+  }
   for (int64_t i = begin; i < end; ++i) {
     AdamStepElement(s, t.master, t.exp_avg, t.exp_avg_sq, t.grad, t.grad_dtype, t.param, t.param_dtype,
                     static_cast<size_t>(i));
@@ -200,6 +211,15 @@ absl::StatusOr<CpuAdamStepResult> CpuAdam::Step(absl::Span<const CpuAdamTensor> 
     FERRY_RETURN_IF_ERROR(CheckPointer(t.master, 4, i, "master", "CpuAdam::Step"));
     FERRY_RETURN_IF_ERROR(CheckPointer(t.exp_avg, 4, i, "exp_avg", "CpuAdam::Step"));
     FERRY_RETURN_IF_ERROR(CheckPointer(t.exp_avg_sq, 4, i, "exp_avg_sq", "CpuAdam::Step"));
+    if ((t.master_src == nullptr) != (t.exp_avg_src == nullptr) || (t.master_src == nullptr) != (t.exp_avg_sq_src == nullptr)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("CpuAdam::Step: tensor ", i, " sets some of master_src, exp_avg_src, exp_avg_sq_src but not all"));
+    }
+    if (t.master_src != nullptr) {
+      FERRY_RETURN_IF_ERROR(CheckPointer(t.master_src, 4, i, "master_src", "CpuAdam::Step"));
+      FERRY_RETURN_IF_ERROR(CheckPointer(t.exp_avg_src, 4, i, "exp_avg_src", "CpuAdam::Step"));
+      FERRY_RETURN_IF_ERROR(CheckPointer(t.exp_avg_sq_src, 4, i, "exp_avg_sq_src", "CpuAdam::Step"));
+    }
     FERRY_RETURN_IF_ERROR(CheckPointer(t.grad, DTypeSize(t.grad_dtype), i, "grad", "CpuAdam::Step"));
     if (t.param != nullptr) {
       FERRY_RETURN_IF_ERROR(CheckPointer(t.param, DTypeSize(t.param_dtype), i, "param", "CpuAdam::Step"));
@@ -263,7 +283,11 @@ void RunTask(absl::Span<const CpuAdamTensor> tensors, absl::Span<const AdamScala
   for (int64_t at = lo; at < hi && i < tensors.size(); ++i) {
     const int64_t start = ends[i] - tensors[i].numel;
     const int64_t stop = std::min(ends[i], hi);
-    if (stop > at) range_fn(tensors[i], scalars[i], at - start, stop - start);
+    // Out-of-place tensors take the scalar loop for now (see CpuAdamTensor::master_src).
+    if (stop > at) {
+      (tensors[i].master_src != nullptr ? &cpu_adam_internal::AdamRangeScalar : range_fn)(tensors[i], scalars[i],
+                                                                                         at - start, stop - start);
+    }
     at = stop;
   }
 }

@@ -41,6 +41,11 @@ struct CpuAdamTensor {
   DType grad_dtype = DType::kF32;
   DType param_dtype = DType::kF32;
   const AdamScalars* scalars = nullptr;  // this tensor's per-step scalars
+  // Out of place (a speculative step): when set, the state is read from these and the new state
+  // written to master, exp_avg and exp_avg_sq (which must not overlap them). All three or none.
+  const float* master_src = nullptr;
+  const float* exp_avg_src = nullptr;
+  const float* exp_avg_sq_src = nullptr;
 };
 
 // One gradient tensor of a gradient check. Host memory, aligned to its element size.

@@ -18,6 +18,13 @@ constexpr size_t kStageAlign = 256;
 
 size_t AlignUp(size_t n, size_t a) { return (n + a - 1) / a * a; }
 
+bool InArena(const PinnedArena* arena, const HostSpan& span) {
+  if (arena == nullptr) return false;
+  const char* base = static_cast<const char*>(arena->base());
+  const char* at = static_cast<const char*>(span.data);
+  return at >= base && at < base + arena->capacity();
+}
+
 }  // namespace
 
 float* HybridOptimizer::Group::state(StateKind kind) const {
@@ -36,13 +43,22 @@ HybridOptimizer::HybridOptimizer(Device* device, ThreadPool* pool, HybridOptions
 }
 
 HybridOptimizer::~HybridOptimizer() {
+  StopEarlyThread();
   WaitForStateReaders();  // a checkpoint may still read the offloaded state in place
   absl::Status s = Synchronize();
   if (!s.ok()) FERRY_LOG(ERROR) << "HybridOptimizer: pending work failed at destruction: " << s;
-  if (arena_ != nullptr) {
-    for (Group& g : groups_) {
-      if (!g.host_state.empty()) (void)arena_->Release(g.host_state);
+  for (Group& g : groups_) {
+    // After a commit either buffer may come from either arena.
+    for (HostSpan* span : {&g.host_state, &g.spare_state}) {
+      if (span->empty()) continue;
+      if (InArena(arena_.get(), *span)) {
+        (void)arena_->Release(*span);
+      } else if (InArena(spare_arena_.get(), *span)) {
+        (void)spare_arena_->Release(*span);
+      }
     }
+  }
+  if (arena_ != nullptr) {
     for (const HostSpan& slot : grad_slots_) (void)arena_->Release(slot);
     for (const HostSpan& slot : param_slots_) (void)arena_->Release(slot);
   }
@@ -79,7 +95,9 @@ absl::Status HybridOptimizer::Init(std::vector<OptimParam> params, std::vector<O
   }
   param_slot_.assign(params_.size(), 0);
   size_t arena_bytes = 0;
-  for (Group& g : groups_) {
+  std::vector<size_t> offloaded_groups;
+  for (size_t gi = 0; gi < groups_.size(); ++gi) {
+    Group& g = groups_[gi];
     std::vector<int64_t> numels;
     for (size_t p : g.params) numels.push_back(params_[p].numel);
     if (numels.empty()) continue;  // a group with no elements on this rank: no state, only a step count
@@ -88,43 +106,33 @@ absl::Status HybridOptimizer::Init(std::vector<OptimParam> params, std::vector<O
     const size_t state_bytes = 3 * static_cast<size_t>(g.layout.total_elements()) * sizeof(float);
     if (g.offloaded) {
       arena_bytes += AlignUp(state_bytes, kStageAlign);
-      for (size_t p : g.params) cpu_params_.push_back(p);
+      offloaded_groups.push_back(gi);
     } else {
       FERRY_ASSIGN_OR_RETURN(g.device_state, device_->Allocate(state_bytes));
     }
   }
-  // Params with 4-byte grads come first: every region's size is a multiple of its element size, and
-  // chunks are cut at multiples of 4 bytes of the concatenated regions, so with this order every chunk
-  // piece starts and ends on an element boundary.
-  std::stable_sort(cpu_params_.begin(), cpu_params_.end(), [&](size_t a, size_t b) {
-    return DTypeSize(params_[a].grad_dtype) > DTypeSize(params_[b].grad_dtype);
-  });
+  full_plan_ = PlanFor(offloaded_groups);
+  group_upload_.assign(groups_.size(), nullptr);
   FERRY_ASSIGN_OR_RETURN(work_stream_, device_->CreateStream());
   FERRY_ASSIGN_OR_RETURN(grads_ready_, device_->CreateEvent());
   FERRY_ASSIGN_OR_RETURN(step_done_, device_->CreateEvent());
   FERRY_ASSIGN_OR_RETURN(stats_ready_, device_->CreateEvent());
   FERRY_ASSIGN_OR_RETURN(snapshot_done_, device_->CreateEvent());
+  FERRY_ASSIGN_OR_RETURN(trainer_point_, device_->CreateEvent());
   for (const OptimParam& op : params_) grad_tensors_.push_back(GradTensorArgs{op.grad, op.numel, op.grad_dtype});
   FERRY_ASSIGN_OR_RETURN(grad_stats_workspace_, device_->Allocate(GradStatsWorkspaceBytes(grad_tensors_.size())));
-  if (!cpu_params_.empty()) {
+  if (!full_plan_.params.empty()) {
     const size_t chunk_bytes = options_.chunk_bytes / 4 * 4;  // whole elements of any dtype
     const size_t depth = std::max<size_t>(options_.pipeline_depth, 2);
-    std::vector<CopyRegion> grads;
-    for (size_t p : cpu_params_) {
-      const OptimParam& op = params_[p];
-      grads.push_back(CopyRegion{nullptr, op.grad, static_cast<size_t>(op.numel) * DTypeSize(op.grad_dtype)});
+    // A param slot holds the params of one chunk of grads, in any plan (the full one, or one over
+    // some groups): chunk_bytes times the largest param-to-grad size ratio.
+    size_t ratio = 1;
+    for (size_t p : full_plan_.params) {
+      ratio = std::max(ratio, (DTypeSize(params_[p].dtype) + DTypeSize(params_[p].grad_dtype) - 1) /
+                                  DTypeSize(params_[p].grad_dtype));
     }
-    grad_chunks_ = PlanChunks(grads, chunk_bytes);
-    size_t param_slot_bytes = 0;
-    for (const ChunkPlan& c : grad_chunks_) {
-      size_t bytes = 0;
-      for (const ChunkPiece& piece : c.pieces) {
-        const OptimParam& op = params_[cpu_params_[piece.region]];
-        bytes += piece.bytes / DTypeSize(op.grad_dtype) * DTypeSize(op.dtype);
-      }
-      param_slot_bytes = std::max(param_slot_bytes, bytes);
-    }
-    const size_t slots = std::min(depth, grad_chunks_.size());
+    const size_t param_slot_bytes = chunk_bytes * ratio;
+    const size_t slots = std::min(depth, full_plan_.chunks.size());
     arena_bytes += slots * (AlignUp(chunk_bytes, kStageAlign) + AlignUp(param_slot_bytes, kStageAlign)) +
                    4 * kStageAlign;
     PinnedArenaOptions arena_options;
@@ -158,6 +166,12 @@ float* HybridOptimizer::StatePtr(size_t p, StateKind kind) const {
   return g.state(kind) + param_slot_[p];
 }
 
+float* HybridOptimizer::SpareStatePtr(size_t p, StateKind kind) const {
+  const Group& g = groups_[params_[p].group];
+  return g.spare_state.as<float>() + static_cast<size_t>(g.layout.total_elements()) * static_cast<size_t>(kind) +
+         param_slot_[p];
+}
+
 absl::Status HybridOptimizer::WaitPending() {
   TraceObserve(d2h_trace_, /*block=*/true);
   TraceObserve(h2d_trace_, /*block=*/true);
@@ -167,10 +181,16 @@ absl::Status HybridOptimizer::WaitPending() {
     if (first.ok() && !s.ok()) first = s;
   }
   pending_.clear();
+  last_upload_ = nullptr;
+  std::fill(group_upload_.begin(), group_upload_.end(), nullptr);
   return first;
 }
 
 absl::Status HybridOptimizer::Synchronize() {
+  absl::Status early = WaitEarlyIdle();  // the early thread's copies are in pending_ afterwards
+  if (!early.ok() && !absl::IsCancelled(early)) {
+    FERRY_LOG(WARNING) << "work started early failed (the step recomputes it): " << early;
+  }
   absl::Status s = WaitPending();
   if (step_done_ != nullptr) {
     absl::Status e = step_done_->Synchronize();
@@ -183,7 +203,7 @@ absl::Status HybridOptimizer::Synchronize() {
   return s;
 }
 
-absl::StatusOr<HybridStepResult> HybridOptimizer::Step(const HybridStepParams& params, Stream& trainer) {
+absl::Status HybridOptimizer::CheckStepParams(const HybridStepParams& params) const {
   if (!(params.loss_scale > 0.0f) || !std::isfinite(params.loss_scale)) {
     return absl::InvalidArgumentError(absl::StrCat("Step: loss_scale must be positive and finite, got ", params.loss_scale));
   }
@@ -193,12 +213,41 @@ absl::StatusOr<HybridStepResult> HybridOptimizer::Step(const HybridStepParams& p
   if (!params.check_finite && params.max_grad_norm > 0.0f) {
     return absl::InvalidArgumentError("Step: max_grad_norm needs check_finite (the norm comes from the gradient check)");
   }
-  FERRY_RETURN_IF_ERROR(WaitPending());  // the previous step's staging is free again
-  if (snapshot_pending_) {
-    // A checkpoint's copies of the device-resident tensors go first (ordered on the device; the
-    // host does not wait).
-    FERRY_RETURN_IF_ERROR(trainer.WaitFor(*snapshot_done_));
-    snapshot_pending_ = false;
+  if (!std::isfinite(params.lr)) {
+    return absl::InvalidArgumentError(absl::StrCat("Step: the learning rate must be finite, got ", params.lr));
+  }
+  return absl::OkStatus();
+}
+
+AdamScalars HybridOptimizer::GroupScalars(size_t g, const HybridStepParams& params, double grad_multiplier) const {
+  AdamHyper h = groups_[g].hyper;  // per group: lr is the step's times the group's scale
+  h.lr = GroupLr(params.lr, groups_[g].lr_scale);
+  return MakeAdamScalars(h, groups_[g].step + 1, grad_multiplier);
+}
+
+absl::StatusOr<HybridStepResult> HybridOptimizer::Step(const HybridStepParams& params, Stream& trainer) {
+  // Bad inputs change nothing, an early step in progress included (Step may be called again).
+  FERRY_RETURN_IF_ERROR(CheckStepParams(params));
+  absl::StatusOr<HybridStepResult> result = StepChecked(params, trainer);
+  if (!result.ok() && step_in_progress()) {
+    // Failed before the announced groups were settled: their speculative work is dropped and their
+    // params are restored from the (unchanged) masters, so nothing was updated.
+    absl::Status undo = AbandonEarly(trainer);
+    if (!undo.ok()) FERRY_LOG(ERROR) << "restoring the params of the groups started early: " << undo;
+  }
+  return result;
+}
+
+absl::StatusOr<HybridStepResult> HybridOptimizer::StepChecked(const HybridStepParams& params, Stream& trainer) {
+  const bool early = step_in_progress();
+  if (!early) {
+    FERRY_RETURN_IF_ERROR(WaitPending());  // the previous step's staging is free again
+    if (snapshot_pending_) {
+      // A checkpoint's copies of the device-resident tensors go first (ordered on the device; the
+      // host does not wait).
+      FERRY_RETURN_IF_ERROR(trainer.WaitFor(*snapshot_done_));
+      snapshot_pending_ = false;
+    }
   }
   HybridStepResult result;
   double multiplier = 1.0 / static_cast<double>(params.loss_scale);
@@ -223,34 +272,72 @@ absl::StatusOr<HybridStepResult> HybridOptimizer::Step(const HybridStepParams& p
     }
     if (grad_stats_.found_inf != 0) {
       result.skipped = true;
-      return result;  // nothing enqueued that changes state; step counts unchanged
+    } else {
+      result.grad_norm = std::sqrt(grad_stats_.sum_sq) / static_cast<double>(params.loss_scale);
+      multiplier = AdamGradMultiplier(params.loss_scale, grad_stats_.sum_sq, params.max_grad_norm);
     }
-    result.grad_norm = std::sqrt(grad_stats_.sum_sq) / static_cast<double>(params.loss_scale);
-    multiplier = AdamGradMultiplier(params.loss_scale, grad_stats_.sum_sq, params.max_grad_norm);
   }
+  std::vector<AdamScalars> scalars(groups_.size());
+  for (size_t g = 0; g < groups_.size(); ++g) scalars[g] = GroupScalars(g, params, multiplier);
+  std::vector<size_t> cpu_groups;  // offloaded groups updated in place below
+  if (early) {
+    FERRY_ASSIGN_OR_RETURN(cpu_groups, SettleEarly(result.skipped, scalars, trainer, result));
+  } else if (!result.skipped) {
+    for (size_t g = 0; g < groups_.size(); ++g) {
+      if (groups_[g].offloaded) cpu_groups.push_back(g);
+    }
+  }
+  if (result.skipped) return result;  // nothing changed state; step counts unchanged
   FERRY_RETURN_IF_ERROR(trainer.Record(*grads_ready_));
-  FERRY_RETURN_IF_ERROR(StepGpuGroups(params.lr, multiplier, trainer));
+  FERRY_RETURN_IF_ERROR(StepGpuGroups(scalars, trainer));
   {
     TraceSpan span(options_.tracer, "cpu_pipeline", "optim");
-    FERRY_RETURN_IF_ERROR(StepCpuGroups(params.lr, multiplier, *grads_ready_));
+    const PipelinePlan plan = PlanFor(cpu_groups);
+    FERRY_RETURN_IF_ERROR(RunPipeline(PipelineRun{.plan = &plan, .scalars = &scalars, .ready = grads_ready_.get()}));
   }
-  if (!pending_.empty()) FERRY_RETURN_IF_ERROR(pending_.back()->MakeStreamWait(trainer));
-  FERRY_RETURN_IF_ERROR(trainer.Record(*step_done_));
+  FERRY_RETURN_IF_ERROR(FinishUploads(params.wait_for_params, trainer));
   for (Group& g : groups_) ++g.step;
   return result;
 }
 
-absl::Status HybridOptimizer::StepGpuGroups(float lr, double grad_multiplier, Stream& trainer) {
+absl::Status HybridOptimizer::FinishUploads(bool trainer_waits, Stream& trainer) {
+  if (trainer_waits || last_upload_ == nullptr) {
+    if (last_upload_ != nullptr) FERRY_RETURN_IF_ERROR(last_upload_->MakeStreamWait(trainer));
+    return trainer.Record(*step_done_);
+  }
+  // The trainer goes on (WaitParams orders its uses); step_done_ still marks the end of everything,
+  // for Synchronize, snapshots and syncs: recorded on the work stream after both.
+  FERRY_RETURN_IF_ERROR(trainer.Record(*trainer_point_));
+  FERRY_RETURN_IF_ERROR(work_stream_->WaitFor(*trainer_point_));
+  FERRY_RETURN_IF_ERROR(last_upload_->MakeStreamWait(*work_stream_));
+  return work_stream_->Record(*step_done_);
+}
+
+absl::Status HybridOptimizer::WaitParams(absl::Span<const size_t> groups, Stream& stream) {
+  if (step_in_progress()) {
+    return absl::FailedPreconditionError("WaitParams: groups were announced for a step that has not run yet");
+  }
+  for (size_t g : groups) {
+    if (g >= groups_.size()) return absl::InvalidArgumentError(absl::StrCat("WaitParams: no group ", g));
+  }
+  for (size_t g : groups) {
+    if (group_upload_[g] != nullptr) {
+      FERRY_RETURN_IF_ERROR(group_upload_[g]->MakeStreamWait(stream));
+    } else {
+      FERRY_RETURN_IF_ERROR(stream.WaitFor(*step_done_));  // GPU groups: updated before step_done_
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status HybridOptimizer::StepGpuGroups(const std::vector<AdamScalars>& group_scalars, Stream& trainer) {
   std::vector<AdamScalars> scalars;
   std::vector<AdamTensorArgs> tensors;
-  std::vector<uint32_t> group_scalars(groups_.size(), 0);
   for (size_t gi = 0; gi < groups_.size(); ++gi) {
     const Group& g = groups_[gi];
-    if (g.offloaded) continue;
-    AdamHyper h = g.hyper;  // per group: the kernel takes each tensor's scalars by scalars_index
-    h.lr = GroupLr(lr, g.lr_scale);
-    group_scalars[gi] = static_cast<uint32_t>(scalars.size());
-    scalars.push_back(MakeAdamScalars(h, g.step + 1, grad_multiplier));
+    if (g.offloaded || g.params.empty()) continue;
+    const uint32_t index = static_cast<uint32_t>(scalars.size());  // the kernel takes scalars per tensor
+    scalars.push_back(group_scalars[gi]);
     for (size_t p : g.params) {
       const OptimParam& op = params_[p];
       AdamTensorArgs t;
@@ -262,7 +349,7 @@ absl::Status HybridOptimizer::StepGpuGroups(float lr, double grad_multiplier, St
       t.numel = op.numel;
       t.grad_dtype = op.grad_dtype;
       t.param_dtype = op.dtype;
-      t.scalars_index = group_scalars[gi];
+      t.scalars_index = index;
       tensors.push_back(t);
     }
   }
@@ -280,7 +367,30 @@ absl::Status HybridOptimizer::StepGpuGroups(float lr, double grad_multiplier, St
   return device_->LaunchAdam(tensors, scalars, trainer);
 }
 
-size_t HybridOptimizer::pinned_bytes() const { return arena_ == nullptr ? 0 : arena_->capacity(); }
+HybridOptimizer::PipelinePlan HybridOptimizer::PlanFor(const std::vector<size_t>& groups) const {
+  PipelinePlan plan;
+  for (size_t g : groups) {
+    if (!groups_[g].offloaded) continue;
+    for (size_t p : groups_[g].params) plan.params.push_back(p);
+  }
+  // Params with 4-byte grads come first: every region's size is a multiple of its element size, and
+  // chunks are cut at multiples of 4 bytes of the concatenated regions, so with this order every chunk
+  // piece starts and ends on an element boundary.
+  std::stable_sort(plan.params.begin(), plan.params.end(), [&](size_t a, size_t b) {
+    return DTypeSize(params_[a].grad_dtype) > DTypeSize(params_[b].grad_dtype);
+  });
+  std::vector<CopyRegion> grads;
+  for (size_t p : plan.params) {
+    const OptimParam& op = params_[p];
+    grads.push_back(CopyRegion{nullptr, op.grad, static_cast<size_t>(op.numel) * DTypeSize(op.grad_dtype)});
+  }
+  if (!grads.empty()) plan.chunks = PlanChunks(grads, options_.chunk_bytes / 4 * 4);
+  return plan;
+}
+
+size_t HybridOptimizer::pinned_bytes() const {
+  return (arena_ == nullptr ? 0 : arena_->capacity()) + (spare_arena_ == nullptr ? 0 : spare_arena_->capacity());
+}
 
 size_t HybridOptimizer::gpu_state_bytes() const {
   size_t n = 0;

@@ -4,12 +4,16 @@
 #ifndef FERRY_OPTIM_HYBRID_OPTIMIZER_H_
 #define FERRY_OPTIM_HYBRID_OPTIMIZER_H_
 
+#include <atomic>
+#include <condition_variable>
 #include <cstdint>
 #include <deque>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -70,11 +74,18 @@ struct HybridStepParams {
   // decided, to replace it with the check over every rank's grads (an all-reduce); an error fails
   // the step with nothing updated. Null: the local check decides.
   std::function<absl::Status(GradStats&)> reduce_grad_stats;
+  // Whether the trainer's stream waits in Step for every new param (else it calls WaitParams).
+  bool wait_for_params = true;
 };
 
 struct HybridStepResult {
   bool skipped = false;      // a grad was NaN/Inf: nothing was updated
   double grad_norm = 0.0;    // global L2 norm of the unscaled grads (when checked)
+  // Offloaded groups started early (BeginGroups) whose speculative update this step kept, and those
+  // it discarded and recomputed (clipping triggered, other step inputs, or the early work failed).
+  // A skipped step counts its early groups as neither.
+  size_t early_committed = 0;
+  size_t early_recomputed = 0;
 };
 
 // Which per-parameter tensor of the optimizer state.
@@ -100,6 +111,30 @@ class HybridOptimizer final {
 
   // Waits for every copy and kernel the optimizer has enqueued.
   absl::Status Synchronize();
+
+  // ---- early steps (Engine::GradsReady) -------------------------------------------------------
+  // Starts this step's work for `groups` (indices) whose grads are final on `trainer` now, while the
+  // trainer goes on (typically with the rest of its backward): for offloaded groups a background
+  // thread copies their grads down, runs CPU Adam into the groups' spare state buffers and uploads
+  // the new params, each copy ordered after this point of `trainer`. The update assumes `params`
+  // and no clipping and no NaN/Inf (a speculation). The next Step validates it: the update is kept
+  // when the step's AdamScalars of each such group (learning rate, step, gradient multiplier) are
+  // the same bits; otherwise it is discarded and the group is recomputed from its unchanged state,
+  // and a skipped step restores the params from the masters. The result is the same bits as a Step
+  // without BeginGroups in every case. GPU groups are only recorded: they update in Step.
+  // The spare state buffers (as much pinned memory as the offloaded groups' state) are allocated at
+  // the first call. Errors (nothing started): an index out of range, a group announced twice in
+  // one step, invalid params. REQUIRES: the trainer does not change these grads, and its stream
+  // no longer reads these params, until Step.
+  absl::Status BeginGroups(absl::Span<const size_t> groups, const HybridStepParams& params, Stream& trainer);
+  // True between the first BeginGroups of a step and its Step.
+  bool step_in_progress() const { return !early_.order.empty(); }
+  // Whether group `g` was announced by BeginGroups in the step in progress.
+  bool announced(size_t g) const { return g < early_.announced.size() && early_.announced[g]; }
+  // Makes `stream` wait until the params of `groups` hold the values of the last Step (their
+  // uploads, or their GPU update, are done), so a trainer can start its next forward before the
+  // last groups' params arrived. Step's StepOptions decide whether Step itself waits for all.
+  absl::Status WaitParams(absl::Span<const size_t> groups, Stream& stream);
 
   // Re-reads the fp32 masters of `groups` (indices) from the params; with `reset_optimizer` zeroes
   // their m, v and step count.
@@ -166,6 +201,39 @@ class HybridOptimizer final {
   size_t gpu_state_bytes() const;
 
  private:
+  // A pipeline pass over offloaded params: their grads down chunk by chunk, then per chunk CPU Adam
+  // (or only the params' refresh from the masters) and the params up.
+  struct PipelinePlan {
+    std::vector<size_t> params;       // offloaded params, in pipeline order (4-byte grads first)
+    std::vector<ChunkPlan> chunks;    // over the concatenation of their grads
+  };
+  enum class PipelineMode : uint8_t {
+    kInPlace,       // CPU Adam updates the state in place
+    kToSpare,       // CPU Adam reads the state and writes the groups' spare buffers (speculation)
+    kRestoreParams  // no grads, no update: the params are rewritten from the masters
+  };
+  struct PipelineRun {
+    const PipelinePlan* plan = nullptr;
+    const std::vector<AdamScalars>* scalars = nullptr;  // per group (unused by kRestoreParams)
+    Event* ready = nullptr;           // every copy waits for it on the device
+    PipelineMode mode = PipelineMode::kInPlace;
+    const std::atomic<bool>* cancel = nullptr;  // checked between rounds: stop early (Cancelled)
+  };
+  // An announcement's work, queued for the early thread.
+  struct EarlyItem {
+    std::vector<size_t> groups;
+    Event* ready = nullptr;
+    std::vector<AdamScalars> scalars;  // per group (set for every group announced so far)
+  };
+  struct EarlyStep {
+    std::vector<size_t> order;          // groups announced this step, in order
+    std::vector<bool> announced;        // per group
+    std::vector<AdamScalars> scalars;   // per group: the speculation's (set for announced groups)
+    std::vector<uint8_t> done;          // per group: its speculative update completed (written by
+                                        // the early thread under early_mu_ while it works)
+    size_t events_used = 0;             // of early_events_
+  };
+
   struct Group {
     std::string name;
     bool offloaded = false;
@@ -175,14 +243,41 @@ class HybridOptimizer final {
     std::vector<size_t> params;  // indices into params_
     Layout layout;               // of this group's params, in elements
     HostSpan host_state;         // offloaded: [master | m | v], each layout.total_elements() floats
+    HostSpan spare_state;        // offloaded, once an early step ran: the same size; a speculative
+                                 // update writes it, and Step swaps it with host_state to keep it
     DeviceBuffer device_state;   // on GPU: the same on the device
     float* state(StateKind kind) const;
   };
 
   HybridOptimizer(Device* device, ThreadPool* pool, HybridOptions options);
   absl::Status Init(std::vector<OptimParam> params, std::vector<OptimGroup> groups);
-  absl::Status StepGpuGroups(float lr, double grad_multiplier, Stream& trainer);
-  absl::Status StepCpuGroups(float lr, double grad_multiplier, Event& grads_ready);
+  absl::Status CheckStepParams(const HybridStepParams& params) const;
+  absl::StatusOr<HybridStepResult> StepChecked(const HybridStepParams& params, Stream& trainer);
+  absl::Status StepGpuGroups(const std::vector<AdamScalars>& scalars, Stream& trainer);
+  // The end of a step: the trainer's stream waits for the last upload (or, when it does not,
+  // step_done_ is recorded after both on the work stream).
+  absl::Status FinishUploads(bool trainer_waits, Stream& trainer);
+  // Group g's scalars for the step in progress with gradient multiplier `grad_multiplier`.
+  AdamScalars GroupScalars(size_t g, const HybridStepParams& params, double grad_multiplier) const;
+  // The plan over the offloaded params of `groups` (every offloaded group: the cached full plan).
+  PipelinePlan PlanFor(const std::vector<size_t>& groups) const;
+  // Runs one pass; every batch it submitted goes to pending_ (its last upload: last_upload_).
+  absl::Status RunPipeline(const PipelineRun& run);
+  // The early thread's loop, and its wait: blocks until the queue is empty and nothing runs;
+  // returns the first error of the work since the last call.
+  void EarlyLoop();
+  absl::Status WaitEarlyIdle();
+  absl::Status EnsureSpareState();
+  // Step's part for the announced groups once the step's decision is known (see BeginGroups).
+  // Returns the offloaded groups Step must still update in place.
+  absl::StatusOr<std::vector<size_t>> SettleEarly(bool skipped, const std::vector<AdamScalars>& scalars,
+                                                  Stream& trainer, HybridStepResult& result);
+  // Drops the step in progress: stops the early work and rewrites the announced offloaded groups'
+  // params from their masters (trainer waits for them). Nothing of the state changed.
+  absl::Status AbandonEarly(Stream& trainer);
+  // Rewrites the params of offloaded `groups` from their masters (after grads_ready_ is recorded).
+  absl::Status RestoreParams(const std::vector<size_t>& groups, Stream& trainer);
+  void StopEarlyThread();
   absl::Status WaitPending();
   // Blocks until the state fence (if any) released everything.
   void WaitForStateReaders() {
@@ -190,11 +285,14 @@ class HybridOptimizer final {
   }
   // Pointer of param `p`'s `kind` state (host memory for offloaded groups, device memory otherwise).
   float* StatePtr(size_t p, StateKind kind) const;
+  // The same in the group's spare buffers (offloaded groups, once EnsureSpareState ran).
+  float* SpareStatePtr(size_t p, StateKind kind) const;
   absl::Status SyncParamsFromModel(const std::vector<size_t>& params);
   // Snapshot (to_host) or Restore: device copies on work_stream_, offloaded state by the pool.
   absl::Status CopyItems(absl::Span<const SnapshotItem> items, bool to_host);
   // Enqueues the D2H copy of grad chunk k into its ring slot.
-  absl::StatusOr<std::unique_ptr<TransferBatch>> SubmitGradChunk(size_t k, Event& grads_ready);
+  absl::StatusOr<std::unique_ptr<TransferBatch>> SubmitGradChunk(const PipelinePlan& plan, size_t k,
+                                                                  Event& grads_ready);
 
   Device* device_;
   ThreadPool* pool_;
@@ -208,11 +306,11 @@ class HybridOptimizer final {
   // their grad tensors), and the pinned staging ring: `pipeline_depth` grad slots of chunk_bytes and
   // as many param slots. Host memory per offloaded param is its 12 bytes of fp32 state; the staging
   // is a constant.
-  std::vector<size_t> cpu_params_;
-  std::vector<ChunkPlan> grad_chunks_;
+  PipelinePlan full_plan_;             // every offloaded param
   std::vector<HostSpan> grad_slots_;
   std::vector<HostSpan> param_slots_;
   std::unique_ptr<PinnedArena> arena_;
+  std::unique_ptr<PinnedArena> spare_arena_;  // the spare state buffers (EnsureSpareState)
   std::unique_ptr<Transfer> transfer_;
   std::unique_ptr<Stream> work_stream_;  // state init/copies of GPU groups
   std::unique_ptr<Event> grads_ready_;
@@ -222,6 +320,25 @@ class HybridOptimizer final {
   std::vector<GradTensorArgs> grad_tensors_; // every param's grad, in param order
   GradStats grad_stats_{};                   // host copy of the last check     // recorded on the trainer stream at the end of each Step
   std::vector<std::unique_ptr<TransferBatch>> pending_;  // the last step's copies, until finished
+  // Per group: the upload batch holding its params' last chunk in the last step (in pending_), for
+  // WaitParams; null when its params were not uploaded (GPU groups, skipped steps).
+  std::vector<TransferBatch*> group_upload_;
+  TransferBatch* last_upload_ = nullptr;  // the last upload batch submitted (in pending_), or null
+
+  // Early steps. The trainer's thread owns early_ and the events; the queue is shared with the early
+  // thread under early_mu_. While that thread works (early_busy_), it alone uses transfer_,
+  // cpu_adam_, the pool and the staging slots: every other user first calls WaitEarlyIdle.
+  EarlyStep early_;
+  std::vector<std::unique_ptr<Event>> early_events_;
+  std::thread early_thread_;
+  std::mutex early_mu_;
+  std::condition_variable early_cv_;
+  std::deque<EarlyItem> early_queue_;   // guarded by early_mu_
+  bool early_busy_ = false;             // guarded by early_mu_
+  bool early_exit_ = false;             // guarded by early_mu_
+  absl::Status early_status_;           // guarded by early_mu_: first error since WaitEarlyIdle
+  std::atomic<bool> early_cancel_{false};
+  std::unique_ptr<Event> trainer_point_;     // FinishUploads: the trainer's end of a step
   std::unique_ptr<Event> snapshot_done_;     // recorded on work_stream_ after SnapshotDeviceAsync's copies
   bool snapshot_pending_ = false;            // the next Step must order the trainer after snapshot_done_
   std::shared_ptr<StateFence> fence_;        // see set_state_fence

@@ -38,12 +38,13 @@ void HybridOptimizer::TraceObserve(LaneTrace& lane, bool block) {
   }
 }
 
-absl::StatusOr<std::unique_ptr<TransferBatch>> HybridOptimizer::SubmitGradChunk(size_t k, Event& grads_ready) {
+absl::StatusOr<std::unique_ptr<TransferBatch>> HybridOptimizer::SubmitGradChunk(const PipelinePlan& plan, size_t k,
+                                                                                 Event& grads_ready) {
   std::vector<CopyRegion> regions;
   char* slot = grad_slots_[k % grad_slots_.size()].as<char>();
   size_t at = 0;
-  for (const ChunkPiece& piece : grad_chunks_[k].pieces) {
-    const OptimParam& op = params_[cpu_params_[piece.region]];
+  for (const ChunkPiece& piece : plan.chunks[k].pieces) {
+    const OptimParam& op = params_[plan.params[piece.region]];
     regions.push_back(CopyRegion{slot + at, static_cast<const char*>(op.grad) + piece.offset, piece.bytes});
     at += piece.bytes;
   }
@@ -54,23 +55,23 @@ absl::StatusOr<std::unique_ptr<TransferBatch>> HybridOptimizer::SubmitGradChunk(
 //   D2H of chunk k+depth-1 | CPU Adam on chunk k | H2D of chunk k-1, all in flight at once.
 // Chunk k's grads land in grad slot k % depth; CPU Adam writes its new params into param slot k % depth,
 // which the H2D of chunk k reads. A grad slot is refilled once CPU Adam has read it; a param slot is
-// rewritten only after the H2D that read it completed.
-absl::Status HybridOptimizer::StepCpuGroups(float lr, double grad_multiplier, Event& grads_ready) {
-  if (cpu_params_.empty()) return absl::OkStatus();
-  std::vector<AdamScalars> scalars(groups_.size());
-  for (size_t gi = 0; gi < groups_.size(); ++gi) {
-    AdamHyper h = groups_[gi].hyper;
-    h.lr = GroupLr(lr, groups_[gi].lr_scale);
-    scalars[gi] = MakeAdamScalars(h, groups_[gi].step + 1, grad_multiplier);
-  }
-  const size_t num_chunks = grad_chunks_.size();
+// rewritten only after the H2D that read it completed. kRestoreParams copies no grads: each chunk's
+// params are the masters rounded to the params' dtype.
+absl::Status HybridOptimizer::RunPipeline(const PipelineRun& run) {
+  const PipelinePlan& plan = *run.plan;
+  if (plan.params.empty()) return absl::OkStatus();
+  // The uploads of an earlier pass may still read the param slots this pass is about to write.
+  if (last_upload_ != nullptr) FERRY_RETURN_IF_ERROR(last_upload_->Wait());
+  const bool with_grads = run.mode != PipelineMode::kRestoreParams;
+  const size_t num_chunks = plan.chunks.size();
   const size_t depth = grad_slots_.size();
   std::vector<std::unique_ptr<TransferBatch>> down(num_chunks), up(num_chunks);
-  for (size_t k = 0; k < std::min(depth, num_chunks); ++k) {
-    absl::StatusOr<std::unique_ptr<TransferBatch>> first = SubmitGradChunk(k, grads_ready);
+  absl::Status status;
+  for (size_t k = 0; with_grads && k < std::min(depth, num_chunks); ++k) {
+    absl::StatusOr<std::unique_ptr<TransferBatch>> first = SubmitGradChunk(plan, k, *run.ready);
     if (!first.ok()) {
-      d2h_trace_.queue.clear();  // the batches it points to go away with `down`
-      return first.status();
+      status = first.status();
+      break;
     }
     down[k] = *std::move(first);
     TraceSubmitted(d2h_trace_, down[k].get());
@@ -85,19 +86,22 @@ absl::Status HybridOptimizer::StepCpuGroups(float lr, double grad_multiplier, Ev
   };
   std::vector<CpuAdamTensor> work;
   std::vector<std::vector<CopyRegion>> regions(depth);
-  absl::Status status;
   size_t k = 0;
   while (k < num_chunks && status.ok()) {
+    if (run.cancel != nullptr && run.cancel->load(std::memory_order_relaxed)) {
+      status = absl::CancelledError("the step's early work was cancelled");
+      break;
+    }
     {
       TraceSpan wait(tracer, "wait.copies", "optim");
-      status = down[k]->Wait();
+      if (with_grads) status = down[k]->Wait();
       if (status.ok() && k >= depth) status = up[k - depth]->Wait();  // its param slot is rewritten now
     }
     if (!status.ok()) break;
     // Every further chunk that has already landed (and whose param slot is free) joins this round, so
     // CPU Adam runs as few parallel sections as the copies allow.
     size_t end = k + 1;
-    while (end < num_chunks && end < k + depth && done(down[end].get()) &&
+    while (end < num_chunks && end < k + depth && (!with_grads || done(down[end].get())) &&
            (end < depth || done(up[end - depth].get()))) {
       ++end;
     }
@@ -108,8 +112,8 @@ absl::Status HybridOptimizer::StepCpuGroups(float lr, double grad_multiplier, Ev
       std::vector<CopyRegion>& up_regions = regions[j - k];
       up_regions.clear();
       size_t grad_at = 0, param_at = 0;
-      for (const ChunkPiece& piece : grad_chunks_[j].pieces) {
-        const size_t p = cpu_params_[piece.region];
+      for (const ChunkPiece& piece : plan.chunks[j].pieces) {
+        const size_t p = plan.params[piece.region];
         const OptimParam& op = params_[p];
         const size_t gsize = DTypeSize(op.grad_dtype), psize = DTypeSize(op.dtype);
         FERRY_CHECK(piece.offset % gsize == 0 && piece.bytes % gsize == 0) << "chunk piece off element boundary";
@@ -119,31 +123,47 @@ absl::Status HybridOptimizer::StepCpuGroups(float lr, double grad_multiplier, Ev
         t.master = StatePtr(p, StateKind::kMaster) + e0;
         t.exp_avg = StatePtr(p, StateKind::kExpAvg) + e0;
         t.exp_avg_sq = StatePtr(p, StateKind::kExpAvgSq) + e0;
+        if (run.mode == PipelineMode::kToSpare) {
+          // Read the state in place, write the spare buffers.
+          t.master_src = t.master;
+          t.exp_avg_src = t.exp_avg;
+          t.exp_avg_sq_src = t.exp_avg_sq;
+          t.master = SpareStatePtr(p, StateKind::kMaster) + e0;
+          t.exp_avg = SpareStatePtr(p, StateKind::kExpAvg) + e0;
+          t.exp_avg_sq = SpareStatePtr(p, StateKind::kExpAvgSq) + e0;
+        }
         t.grad = grad_slot + grad_at;
         t.param = param_slot + param_at;
         t.numel = static_cast<int64_t>(n);
         t.grad_dtype = op.grad_dtype;
         t.param_dtype = op.dtype;
-        t.scalars = &scalars[op.group];
+        t.scalars = with_grads ? &(*run.scalars)[op.group] : nullptr;
         work.push_back(t);
         up_regions.push_back(CopyRegion{static_cast<char*>(op.param) + e0 * psize, param_slot + param_at, n * psize});
         grad_at += piece.bytes;
         param_at += n * psize;
       }
     }
-    if (fence_ != nullptr && !fence_->all_released()) {
+    if (with_grads && fence_ != nullptr && !fence_->all_released()) {
       // A checkpoint still reads some offloaded state in place: the state of these chunks' params is
-      // copied aside for it first (or, being written right now, waited for).
+      // copied aside for it first (or, being written right now, waited for). Also before a
+      // speculative update, which leaves that state as it is: conservative, and rare.
       std::vector<size_t> touched;
       for (size_t j = k; j < end; ++j) {
-        for (const ChunkPiece& piece : grad_chunks_[j].pieces) touched.push_back(cpu_params_[piece.region]);
+        for (const ChunkPiece& piece : plan.chunks[j].pieces) touched.push_back(plan.params[piece.region]);
       }
       TraceSpan acquire(tracer, "fence.acquire", "optim");
       fence_->Acquire(touched, pool_);
     }
     TraceObserve(d2h_trace_, /*block=*/false);
     TraceObserve(h2d_trace_, /*block=*/false);
-    {
+    if (!with_grads) {
+      // The params from the masters: the same rounding as every update's param output.
+      pool_->ParallelFor(work.size(), [&](size_t i) {
+        const CpuAdamTensor& t = work[i];
+        for (int64_t e = 0; e < t.numel; ++e) StoreFromF32(t.param, t.param_dtype, static_cast<size_t>(e), t.master[e]);
+      });
+    } else {
       TraceSpan round(tracer, "cpu_adam.round", "optim");
       if (round.on()) {
         double elements = 0.0, bytes = 0.0;
@@ -161,15 +181,17 @@ absl::Status HybridOptimizer::StepCpuGroups(float lr, double grad_multiplier, Ev
     TraceObserve(h2d_trace_, /*block=*/false);
     for (size_t j = k; j < end && status.ok(); ++j) {
       // The trainer's stream may still read the params until the grads are ready: the upload waits.
-      absl::StatusOr<std::unique_ptr<TransferBatch>> upload = transfer_->HostToDevice(regions[j - k], &grads_ready);
+      absl::StatusOr<std::unique_ptr<TransferBatch>> upload = transfer_->HostToDevice(regions[j - k], run.ready);
       if (!upload.ok()) {
         status = upload.status();
         break;
       }
       up[j] = *std::move(upload);
       TraceSubmitted(h2d_trace_, up[j].get());
-      if (j + depth < num_chunks) {
-        absl::StatusOr<std::unique_ptr<TransferBatch>> next = SubmitGradChunk(j + depth, grads_ready);
+      for (const ChunkPiece& piece : plan.chunks[j].pieces) group_upload_[params_[plan.params[piece.region]].group] = up[j].get();
+      last_upload_ = up[j].get();
+      if (with_grads && j + depth < num_chunks) {
+        absl::StatusOr<std::unique_ptr<TransferBatch>> next = SubmitGradChunk(plan, j + depth, *run.ready);
         if (!next.ok()) {
           status = next.status();
           break;

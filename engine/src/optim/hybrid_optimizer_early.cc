@@ -1,0 +1,262 @@
+// HybridOptimizer's early steps (see BeginGroups in hybrid_optimizer.h): offloaded groups whose grads
+// are final start their D2H, CPU Adam and H2D on a background thread during the trainer's backward,
+// speculating that the step neither clips nor skips. Step then keeps or recomputes each such group.
+//
+// Why it is exact: a speculative update reads the group's state and writes its spare buffers, so the
+// state itself never changes until Step has validated the speculation (the step's AdamScalars of the
+// group equal the ones the speculation used, bit for bit: the same learning rate, step and gradient
+// multiplier give the same update from the same grads and state). A kept update swaps the buffers; a
+// discarded one leaves them, and the group runs through the ordinary in-place pipeline, which rewrites
+// its params. A skipped step rewrites the params from the masters. Double buffering was chosen over
+// keeping a copy of the old state: the speculative pass then moves the same bytes as an in-place one
+// (read the state, write the state), where a copy adds a third stream of writes; both need as much
+// pinned memory again as the offloaded state.
+#include <algorithm>
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "base/logging.h"
+#include "ferry/status.h"
+#include "optim/hybrid_optimizer.h"
+
+namespace ferry {
+namespace {
+
+// Whether two sets of scalars give the same update: every field, bit for bit.
+bool SameScalars(const AdamScalars& a, const AdamScalars& b) {
+  const float fa[] = {a.lr, a.beta1, a.beta2, a.one_minus_beta1, a.one_minus_beta2, a.eps, a.weight_decay,
+                      a.inv_bias_correction1, a.inv_sqrt_bias_correction2, a.grad_multiplier};
+  const float fb[] = {b.lr, b.beta1, b.beta2, b.one_minus_beta1, b.one_minus_beta2, b.eps, b.weight_decay,
+                      b.inv_bias_correction1, b.inv_sqrt_bias_correction2, b.grad_multiplier};
+  return std::memcmp(fa, fb, sizeof(fa)) == 0 && a.mode == b.mode && a.bias_correction == b.bias_correction;
+}
+
+}  // namespace
+
+absl::Status HybridOptimizer::BeginGroups(absl::Span<const size_t> groups, const HybridStepParams& params,
+                                          Stream& trainer) {
+  FERRY_RETURN_IF_ERROR(CheckStepParams(params));
+  std::vector<bool> seen(groups_.size(), false);
+  for (size_t g : groups) {
+    if (g >= groups_.size()) return absl::InvalidArgumentError(absl::StrCat("no group ", g));
+    if (seen[g] || announced(g)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("group '", groups_[g].name, "' was already announced in this step"));
+    }
+    seen[g] = true;
+  }
+  std::vector<size_t> cpu_groups;  // offloaded groups with elements: work for the early thread
+  for (size_t g : groups) {
+    if (groups_[g].offloaded && !groups_[g].params.empty()) cpu_groups.push_back(g);
+  }
+  if (!step_in_progress()) {
+    // The first announcement of a step: the last step's copies are done (the staging is free).
+    FERRY_RETURN_IF_ERROR(WaitEarlyIdle());
+    FERRY_RETURN_IF_ERROR(WaitPending());
+    if (snapshot_pending_) {
+      // A checkpoint's copies of the params go before any of this step's uploads.
+      FERRY_RETURN_IF_ERROR(trainer.WaitFor(*snapshot_done_));
+      snapshot_pending_ = false;
+    }
+    early_.announced.assign(groups_.size(), false);
+    early_.scalars.assign(groups_.size(), AdamScalars{});
+    early_.done.assign(groups_.size(), 0);
+    early_.events_used = 0;
+  }
+  Event* ready = nullptr;
+  if (!cpu_groups.empty()) {
+    FERRY_RETURN_IF_ERROR(EnsureSpareState());
+    if (early_.events_used == early_events_.size()) {
+      FERRY_ASSIGN_OR_RETURN(std::unique_ptr<Event> event, device_->CreateEvent());
+      early_events_.push_back(std::move(event));
+    }
+    ready = early_events_[early_.events_used].get();
+    FERRY_RETURN_IF_ERROR(trainer.Record(*ready));
+    ++early_.events_used;
+  }
+  // The speculation: no clipping, no NaN/Inf (the multiplier Step uses when nothing clips).
+  const double multiplier = 1.0 / static_cast<double>(params.loss_scale);
+  for (size_t g : groups) {
+    early_.announced[g] = true;
+    early_.order.push_back(g);
+    early_.scalars[g] = GroupScalars(g, params, multiplier);
+    if (!groups_[g].offloaded || groups_[g].params.empty()) early_.done[g] = 1;  // nothing to start
+  }
+  if (cpu_groups.empty()) return absl::OkStatus();
+  {
+    std::lock_guard<std::mutex> lock(early_mu_);
+    early_queue_.push_back(EarlyItem{std::move(cpu_groups), ready, early_.scalars});
+  }
+  if (!early_thread_.joinable()) early_thread_ = std::thread([this] { EarlyLoop(); });
+  early_cv_.notify_all();
+  return absl::OkStatus();
+}
+
+void HybridOptimizer::EarlyLoop() {
+  if (options_.tracer != nullptr) options_.tracer->NameThread("ferry early step");
+  for (;;) {
+    std::vector<size_t> groups;
+    Event* ready = nullptr;
+    std::vector<AdamScalars> scalars;
+    {
+      std::unique_lock<std::mutex> lock(early_mu_);
+      early_cv_.wait(lock, [this] { return early_exit_ || !early_queue_.empty(); });
+      if (early_queue_.empty()) return;  // early_exit_
+      // Every announcement queued so far runs as one pass: its last event follows all the others'
+      // on the trainer's stream.
+      while (!early_queue_.empty()) {
+        EarlyItem& item = early_queue_.front();
+        groups.insert(groups.end(), item.groups.begin(), item.groups.end());
+        ready = item.ready;
+        scalars = std::move(item.scalars);  // the latest holds every group queued before it
+        early_queue_.pop_front();
+      }
+      early_busy_ = true;
+    }
+    absl::Status status;
+    if (early_cancel_.load(std::memory_order_relaxed)) {
+      status = absl::CancelledError("the step's early work was cancelled");
+    } else {
+      TraceSpan span(options_.tracer, "early.pipeline", "optim");
+      span.Arg("groups", static_cast<double>(groups.size()));
+      const PipelinePlan plan = PlanFor(groups);
+      status = RunPipeline(PipelineRun{.plan = &plan, .scalars = &scalars, .ready = ready,
+                                       .mode = PipelineMode::kToSpare, .cancel = &early_cancel_});
+    }
+    {
+      std::lock_guard<std::mutex> lock(early_mu_);
+      if (status.ok()) {
+        for (size_t g : groups) early_.done[g] = 1;
+      } else if (early_status_.ok()) {
+        early_status_ = status;
+      }
+      early_busy_ = false;
+    }
+    early_cv_.notify_all();
+  }
+}
+
+absl::Status HybridOptimizer::WaitEarlyIdle() {
+  std::unique_lock<std::mutex> lock(early_mu_);
+  early_cv_.wait(lock, [this] { return !early_busy_ && early_queue_.empty(); });
+  absl::Status status = std::move(early_status_);
+  early_status_ = absl::OkStatus();
+  return status;
+}
+
+void HybridOptimizer::StopEarlyThread() {
+  if (!early_thread_.joinable()) return;
+  {
+    std::lock_guard<std::mutex> lock(early_mu_);
+    early_exit_ = true;
+    early_cancel_.store(true);
+  }
+  early_cv_.notify_all();
+  early_thread_.join();
+}
+
+absl::Status HybridOptimizer::EnsureSpareState() {
+  if (spare_arena_ != nullptr) return absl::OkStatus();
+  size_t bytes = 0;
+  for (const Group& g : groups_) {
+    if (g.offloaded && !g.host_state.empty()) bytes += (g.host_state.bytes + 4095) / 4096 * 4096;
+  }
+  PinnedArenaOptions arena_options;
+  arena_options.capacity_bytes = std::max<size_t>(bytes, 4096);
+  arena_options.numa = options_.numa;
+  arena_options.numa_node = options_.numa_node;
+  arena_options.name = "optimizer spare state (early steps)";
+  FERRY_LOG(INFO) << "early steps: allocating " << bytes << " bytes of pinned host memory for the offloaded "
+                  << "groups' spare state (once)";
+  FERRY_ASSIGN_OR_RETURN(std::unique_ptr<PinnedArena> arena, PinnedArena::Create(device_, arena_options));
+  std::vector<HostSpan> spans(groups_.size());
+  absl::Status status;
+  for (size_t g = 0; g < groups_.size() && status.ok(); ++g) {
+    if (!groups_[g].offloaded || groups_[g].host_state.empty()) continue;
+    absl::StatusOr<HostSpan> span = arena->Allocate(groups_[g].host_state.bytes);
+    if (span.ok()) {
+      spans[g] = *span;
+    } else {
+      status = span.status();
+    }
+  }
+  if (!status.ok()) {
+    for (const HostSpan& span : spans) {
+      if (!span.empty()) (void)arena->Release(span);
+    }
+    return status;
+  }
+  for (size_t g = 0; g < groups_.size(); ++g) groups_[g].spare_state = spans[g];
+  spare_arena_ = std::move(arena);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<size_t>> HybridOptimizer::SettleEarly(bool skipped, const std::vector<AdamScalars>& scalars,
+                                                                 Stream& trainer, HybridStepResult& result) {
+  bool valid = !skipped;
+  std::vector<size_t> started;  // announced offloaded groups with elements
+  for (size_t g : early_.order) {
+    if (!groups_[g].offloaded || groups_[g].params.empty()) continue;
+    started.push_back(g);
+    if (!SameScalars(early_.scalars[g], scalars[g])) valid = false;
+  }
+  if (!valid) early_cancel_.store(true);  // stop what still runs: it is recomputed or undone
+  absl::Status early_status;
+  {
+    TraceSpan wait(options_.tracer, "early.wait", "optim");
+    early_status = WaitEarlyIdle();
+  }
+  early_cancel_.store(false);
+  if (!early_status.ok() && !absl::IsCancelled(early_status)) {
+    FERRY_LOG(WARNING) << "work started early failed; the step recomputes it: " << early_status;
+  }
+  std::vector<size_t> rest;
+  if (skipped) {
+    const absl::Status restored = RestoreParams(started, trainer);
+    early_ = EarlyStep{};
+    if (!restored.ok()) return restored;
+    return rest;
+  }
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    Group& group = groups_[g];
+    if (!group.offloaded) continue;
+    if (announced(g) && valid && early_.done[g] != 0) {
+      if (!group.params.empty()) {
+        std::swap(group.host_state, group.spare_state);
+        ++result.early_committed;
+      }
+    } else {
+      if (announced(g) && !group.params.empty()) ++result.early_recomputed;
+      rest.push_back(g);
+    }
+  }
+  early_ = EarlyStep{};
+  return rest;
+}
+
+absl::Status HybridOptimizer::RestoreParams(const std::vector<size_t>& groups, Stream& trainer) {
+  const PipelinePlan plan = PlanFor(groups);
+  if (plan.params.empty()) return absl::OkStatus();
+  FERRY_RETURN_IF_ERROR(trainer.Record(*grads_ready_));
+  FERRY_RETURN_IF_ERROR(
+      RunPipeline(PipelineRun{.plan = &plan, .ready = grads_ready_.get(), .mode = PipelineMode::kRestoreParams}));
+  return FinishUploads(/*trainer_waits=*/true, trainer);
+}
+
+absl::Status HybridOptimizer::AbandonEarly(Stream& trainer) {
+  std::vector<size_t> started;
+  for (size_t g : early_.order) {
+    if (groups_[g].offloaded && !groups_[g].params.empty()) started.push_back(g);
+  }
+  early_cancel_.store(true);
+  const absl::Status early_status = WaitEarlyIdle();
+  early_cancel_.store(false);
+  if (!early_status.ok() && !absl::IsCancelled(early_status)) {
+    FERRY_LOG(WARNING) << "work started early failed: " << early_status;
+  }
+  early_ = EarlyStep{};
+  return RestoreParams(started, trainer);
+}
+
+}  // namespace ferry
