@@ -315,7 +315,7 @@ absl::Status HybridOptimizer::FinishUploads(bool trainer_waits, Stream& trainer)
 
 absl::Status HybridOptimizer::WaitParams(absl::Span<const size_t> groups, Stream& stream) {
   if (step_in_progress()) {
-    return absl::FailedPreconditionError("WaitParams: groups were announced for a step that has not run yet");
+    return absl::FailedPreconditionError("WaitParams: groups were announced for a step that has not run yet; call Step first");
   }
   for (size_t g : groups) {
     if (g >= groups_.size()) return absl::InvalidArgumentError(absl::StrCat("WaitParams: no group ", g));
