@@ -147,12 +147,27 @@ typedef struct {
   float loss_scale;    /* the grads carry this loss scale (> 0, finite); default 1 */
   float max_grad_norm; /* > 0: clip the global L2 norm of the unscaled grads to this; default 0 (off) */
   int check_finite;    /* 1 (default): a NaN/Inf grad skips the whole step (see ferry_stats) */
+  int wait_for_params; /* 1 (default): the stream waits in the step for every new param; 0: call
+                          ferry_wait_params before each group's params are used */
 } ferry_step_options;
 
 /* Fills `options` with the defaults of ferry::StepOptions. */
 void ferry_step_options_init(ferry_step_options* options);
 /* One step with `options` (NULL: the defaults). stream: a cudaStream_t or NULL. */
 ferry_status ferry_step_with(ferry_engine* engine, const ferry_step_options* options, void* stream);
+
+/* ---- starting the step during backward (ferry::Engine::GradsReady, WaitParams) ------------------
+ * ferry_grads_ready: the grads of the `num_groups` groups named in `groups` are final on `stream`
+ * (and the backward no longer reads their params); `options` (NULL: the defaults) are the coming
+ * step's. Their step starts at once in the background; the next ferry_step / ferry_step_with keeps
+ * or recomputes it so that the result is bit-identical to a step without this call. Errors (nothing
+ * started): an unknown group, a group announced twice in one step, no groups. Between this call and
+ * the step, saves, loads, syncs, policy reloads and ferry_verify_masters are refused.
+ * ferry_wait_params: after a step with wait_for_params = 0, makes `stream` wait for the new params
+ * of the named groups (all when num_groups is 0). */
+ferry_status ferry_grads_ready(ferry_engine* engine, const char* const* groups, size_t num_groups,
+                               const ferry_step_options* options, void* stream);
+ferry_status ferry_wait_params(ferry_engine* engine, const char* const* groups, size_t num_groups, void* stream);
 
 /* ---- stats (ferry::EngineStats) ------------------------------------------------------------------ */
 typedef struct {
@@ -165,6 +180,8 @@ typedef struct {
   uint64_t pinned_bytes;        /* pinned host memory reserved */
   uint64_t gpu_state_bytes;     /* device memory held for GPU groups' fp32 state */
   uint64_t checkpoint_copied_aside_bytes;
+  int64_t early_groups_kept;       /* ferry_grads_ready: early group updates the step kept */
+  int64_t early_groups_recomputed; /* ... and recomputed (clipping triggered, other options) */
 } ferry_stats;
 
 ferry_status ferry_get_stats(ferry_engine* engine, ferry_stats* out);

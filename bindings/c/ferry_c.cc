@@ -272,18 +272,54 @@ void ferry_step_options_init(ferry_step_options* o) {
   o->loss_scale = d.loss_scale;
   o->max_grad_norm = d.max_grad_norm;
   o->check_finite = d.check_finite ? 1 : 0;
+  o->wait_for_params = d.wait_for_params ? 1 : 0;
 }
 
-ferry_status ferry_step_with(ferry_engine* engine, const ferry_step_options* options, void* stream) {
-  if (engine == nullptr) return NullHandle("ferry_step_with");
+namespace {
+
+ferry::StepOptions StepOptionsOf(const ferry_step_options* options) {
   ferry::StepOptions so;
   if (options != nullptr) {
     if (options->has_lr != 0) so.lr = options->lr;
     so.loss_scale = options->loss_scale;
     so.max_grad_norm = options->max_grad_norm;
     so.check_finite = options->check_finite != 0;
+    so.wait_for_params = options->wait_for_params != 0;
   }
-  return Report(engine->engine->Step(so, stream));
+  return so;
+}
+
+// `n` group names; InvalidArgument naming `fn` for a null list or name.
+absl::StatusOr<std::vector<std::string>> GroupNames(const char* fn, const char* const* groups, size_t n) {
+  if (n > 0 && groups == nullptr) return absl::InvalidArgumentError(absl::StrCat(fn, ": groups is NULL"));
+  std::vector<std::string> out;
+  for (size_t i = 0; i < n; ++i) {
+    if (groups[i] == nullptr) return absl::InvalidArgumentError(absl::StrCat(fn, ": groups[", i, "] is NULL"));
+    out.emplace_back(groups[i]);
+  }
+  return out;
+}
+
+}  // namespace
+
+ferry_status ferry_step_with(ferry_engine* engine, const ferry_step_options* options, void* stream) {
+  if (engine == nullptr) return NullHandle("ferry_step_with");
+  return Report(engine->engine->Step(StepOptionsOf(options), stream));
+}
+
+ferry_status ferry_grads_ready(ferry_engine* engine, const char* const* groups, size_t num_groups,
+                               const ferry_step_options* options, void* stream) {
+  if (engine == nullptr) return NullHandle("ferry_grads_ready");
+  absl::StatusOr<std::vector<std::string>> names = GroupNames("ferry_grads_ready", groups, num_groups);
+  if (!names.ok()) return Report(names.status());
+  return Report(engine->engine->GradsReady(*names, StepOptionsOf(options), stream));
+}
+
+ferry_status ferry_wait_params(ferry_engine* engine, const char* const* groups, size_t num_groups, void* stream) {
+  if (engine == nullptr) return NullHandle("ferry_wait_params");
+  absl::StatusOr<std::vector<std::string>> names = GroupNames("ferry_wait_params", groups, num_groups);
+  if (!names.ok()) return Report(names.status());
+  return Report(engine->engine->WaitParams(*names, stream));
 }
 
 ferry_status ferry_get_stats(ferry_engine* engine, ferry_stats* out) {
@@ -300,6 +336,8 @@ ferry_status ferry_get_stats(ferry_engine* engine, ferry_stats* out) {
   out->pinned_bytes = s.pinned_bytes;
   out->gpu_state_bytes = s.gpu_state_bytes;
   out->checkpoint_copied_aside_bytes = s.checkpoint_copied_aside_bytes;
+  out->early_groups_kept = s.early_groups_kept;
+  out->early_groups_recomputed = s.early_groups_recomputed;
   return Report(absl::OkStatus());
 }
 

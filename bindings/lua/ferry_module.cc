@@ -351,20 +351,52 @@ int LEngineAddGroup(lua_State* L) {
   return CheckOk(L, e->AddGroup(group, options));
 }
 
+// The step options in the table at `index` (if any), for `what`.
+StepOptions CheckStepOptions(lua_State* L, int index, const char* what) {
+  StepOptions so;
+  if (lua_istable(L, index)) {
+    CheckKeys(L, index, what, {"lr", "loss_scale", "max_grad_norm", "check_finite"});
+    lua_getfield(L, index, "lr");
+    if (!lua_isnil(L, -1)) so.lr = static_cast<float>(luaL_checknumber(L, -1));
+    lua_pop(L, 1);
+    so.loss_scale = static_cast<float>(OptNumber(L, index, "loss_scale", so.loss_scale));
+    so.max_grad_norm = static_cast<float>(OptNumber(L, index, "max_grad_norm", so.max_grad_norm));
+    so.check_finite = OptBool(L, index, "check_finite", so.check_finite);
+  }
+  return so;
+}
+
+// A list of group names: the table at `index`.
+std::vector<std::string> CheckGroupList(lua_State* L, int index, const char* what) {
+  luaL_checktype(L, index, LUA_TTABLE);
+  std::vector<std::string> out;
+  for (int i = 1;; ++i) {
+    lua_rawgeti(L, index, i);
+    if (lua_isnil(L, -1)) {
+      lua_pop(L, 1);
+      break;
+    }
+    if (lua_type(L, -1) != LUA_TSTRING) luaL_error(L, "%s: group %d is not a string", what, i);
+    out.emplace_back(lua_tostring(L, -1));
+    lua_pop(L, 1);
+  }
+  return out;
+}
+
+// e:grads_ready({ "group", ... }, { lr=, loss_scale=, max_grad_norm=, check_finite= }): the coming
+// step of these groups starts now (their grads are final); e:step completes it.
+int LEngineGradsReady(lua_State* L) {
+  Engine* e = CheckEngine(L, 1);
+  const std::vector<std::string> groups = CheckGroupList(L, 2, "grads_ready");
+  CheckOk(L, e->GradsReady(groups, CheckStepOptions(L, 3, "grads_ready"), nullptr));
+  return 0;
+}
+
 // e:step{ lr=, loss_scale=, max_grad_norm=, check_finite= } -> skipped (true when a NaN/Inf grad
 // skipped the step)
 int LEngineStep(lua_State* L) {
   Engine* e = CheckEngine(L, 1);
-  StepOptions so;
-  if (lua_istable(L, 2)) {
-    CheckKeys(L, 2, "step", {"lr", "loss_scale", "max_grad_norm", "check_finite"});
-    lua_getfield(L, 2, "lr");
-    if (!lua_isnil(L, -1)) so.lr = static_cast<float>(luaL_checknumber(L, -1));
-    lua_pop(L, 1);
-    so.loss_scale = static_cast<float>(OptNumber(L, 2, "loss_scale", so.loss_scale));
-    so.max_grad_norm = static_cast<float>(OptNumber(L, 2, "max_grad_norm", so.max_grad_norm));
-    so.check_finite = OptBool(L, 2, "check_finite", so.check_finite);
-  }
+  const StepOptions so = CheckStepOptions(L, 2, "step");
   CheckOk(L, e->Step(so, nullptr));
   CheckOk(L, e->Synchronize());
   lua_pushboolean(L, e->Stats().last_step_skipped);
@@ -496,6 +528,10 @@ int LEngineStats(lua_State* L) {
   lua_setfield(L, -2, "gpu_state_bytes");
   lua_pushnumber(L, static_cast<lua_Number>(s.checkpoint_copied_aside_bytes));
   lua_setfield(L, -2, "checkpoint_copied_aside_bytes");
+  lua_pushnumber(L, static_cast<lua_Number>(s.early_groups_kept));
+  lua_setfield(L, -2, "early_groups_kept");
+  lua_pushnumber(L, static_cast<lua_Number>(s.early_groups_recomputed));
+  lua_setfield(L, -2, "early_groups_recomputed");
   lua_pushnumber(L, static_cast<lua_Number>(s.skipped_steps));
   lua_setfield(L, -2, "skipped_steps");
   lua_pushboolean(L, s.last_step_skipped);
@@ -541,7 +577,7 @@ int OpenFerryModule(lua_State* L) {
       {"verify_masters", LEngineVerify}, {"placement", LEnginePlacement}, {"stats", LEngineStats},
       {"reload_policy", LEngineReloadPolicy},
       {"add_group", LEngineAddGroup}, {"wait_checkpoint", LEngineWaitCheckpoint},
-      {"poll_checkpoint", LEnginePollCheckpoint},
+      {"poll_checkpoint", LEnginePollCheckpoint}, {"grads_ready", LEngineGradsReady},
       {"close", LEngineClose},        {nullptr, nullptr}};
   static const luaL_Reg functions[] = {{"tensor", LTensor},         {"engine", LEngine},
                                        {"backend", LBackend},       {"device_name", LDeviceName},

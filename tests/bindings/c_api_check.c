@@ -216,7 +216,14 @@ int main(int argc, char** argv) {
   /* Steps with options: a schedule and a loss scale; stats report the unscaled grads' norm. */
   ferry_step_options so;
   ferry_step_options_init(&so);
-  EXPECT(so.has_lr == 0 && so.loss_scale == 1.0f && so.max_grad_norm == 0.0f && so.check_finite == 1);
+  EXPECT(so.has_lr == 0 && so.loss_scale == 1.0f && so.max_grad_norm == 0.0f && so.check_finite == 1 &&
+         so.wait_for_params == 1);
+  {
+    const char* unknown[] = {"no_such_group"};
+    EXPECT_ERROR(ferry_grads_ready(e, unknown, 1, &so, NULL), FERRY_NOT_FOUND, "no parameter group 'no_such_group'");
+    EXPECT_ERROR(ferry_grads_ready(e, NULL, 1, &so, NULL), FERRY_INVALID_ARGUMENT, "groups is NULL");
+    EXPECT_ERROR(ferry_wait_params(e, unknown, 1, NULL), FERRY_NOT_FOUND, "no_such_group");
+  }
   int t = 0;
   for (int step = 1; step <= 5; ++step) {
     const float scale = step % 2 == 0 ? 8.0f : 1.0f;
@@ -224,6 +231,13 @@ int main(int argc, char** argv) {
     so.has_lr = 1;
     so.lr = 0.01f * (1.0f + 0.1f * (float)step);
     so.loss_scale = scale;
+    if (step >= 3) {
+      /* Announced during "backward", in reverse order and over two calls: the same result. */
+      CHECK(ferry_grads_ready(e, &kGroups[NPARAMS - 1], 1, &so, NULL));
+      CHECK(ferry_grads_ready(e, kGroups, NPARAMS - 1, &so, NULL));
+      EXPECT_ERROR(ferry_grads_ready(e, kGroups, 1, &so, NULL), FERRY_INVALID_ARGUMENT, "already announced");
+      EXPECT_ERROR(ferry_verify_masters(e), FERRY_FAILED_PRECONDITION, "call Step first");
+    }
     CHECK(ferry_step_with(e, &so, NULL));
     CHECK(ferry_synchronize(e));
     reference_step(&m, so.lr, ++t, scale);
