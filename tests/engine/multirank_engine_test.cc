@@ -30,12 +30,14 @@ struct RunSetup {
   float loss_scale = 2.0f;
   int inf_step = 3;  // this step's grads hold one +Inf (held by one rank): skipped on every rank
   std::map<std::string, GroupOptions> groups;  // Engine::AddGroup on every rank
+  bool early = false;  // announce groups with GradsReady before each Step (a different subset per rank)
 };
 
 
 absl::StatusOr<Rank> MakeRank(int rank, int world, std::shared_ptr<Comm> comm, const RunSetup& setup,
                               absl::Duration timeout = absl::Seconds(30)) {
   Rank r;
+  r.engine_rank = rank;
   FERRY_ASSIGN_OR_RETURN(r.device, CreateDevice({}));
   r.model = std::make_unique<ShardedModel>(r.device.get(), MixedModel(), RangesOf(rank, world, setup.range_seed),
                                            kInitSeed);
@@ -62,8 +64,17 @@ absl::Status TrainSteps(Rank& r, const RunSetup& setup, int first, int last) {
     const float scale = step % 3 == 0 ? 50.0f : 0.5f;  // every third step's norm is clipped
     FERRY_RETURN_IF_ERROR(r.model->SetGrads(100 + static_cast<uint64_t>(step), scale * setup.loss_scale,
                                             step == setup.inf_step ? 3 : -1, 1234));
-    FERRY_RETURN_IF_ERROR(r.engine->Step(
-        {.lr = 1e-2f / static_cast<float>(step), .loss_scale = setup.loss_scale, .max_grad_norm = setup.max_grad_norm}));
+    const StepOptions options{.lr = 1e-2f / static_cast<float>(step), .loss_scale = setup.loss_scale,
+                              .max_grad_norm = setup.max_grad_norm};
+    if (setup.early) {
+      // Reverse order; each rank leaves out other groups (rank r: every (r + 2)-th, shifted by the step).
+      const std::vector<GroupPlacement> groups = r.engine->Placement();
+      for (size_t g = groups.size(); g-- > 0;) {
+        if ((g + static_cast<size_t>(step)) % static_cast<size_t>(r.engine_rank + 2) == 0) continue;
+        FERRY_RETURN_IF_ERROR(r.engine->GradsReady({groups[g].group}, options));
+      }
+    }
+    FERRY_RETURN_IF_ERROR(r.engine->Step(options));
   }
   return r.engine->Synchronize();
 }
@@ -100,6 +111,9 @@ GlobalParams Assemble(const std::vector<std::vector<std::vector<char>>>& per_ran
   return out;
 }
 
+// Early group updates (kept or recomputed) of every Train so far, summed over the ranks.
+std::atomic<int64_t> early_updates{0};
+
 // Trains `world` ranks for steps [1, steps]; the assembled params.
 GlobalParams Train(int world, const RunSetup& setup, int steps) {
   std::vector<std::vector<std::vector<char>>> shards(static_cast<size_t>(world));
@@ -108,6 +122,7 @@ GlobalParams Train(int world, const RunSetup& setup, int steps) {
     FERRY_RETURN_IF_ERROR(r.engine->Finalize());
     FERRY_RETURN_IF_ERROR(TrainSteps(r, setup, 1, steps));
     EngineStats stats = r.engine->Stats();
+    early_updates += stats.early_groups_kept + stats.early_groups_recomputed;
     if (stats.skipped_steps != (setup.inf_step >= 1 && setup.inf_step <= steps ? 1 : 0)) {
       return absl::InternalError(absl::StrCat("rank ", rank, ": ", stats.skipped_steps, " skipped steps"));
     }
@@ -146,6 +161,24 @@ TEST_P(WorldSizeTest, OneToFourRanksGiveBitIdenticalParams) {
 
 INSTANTIATE_TEST_SUITE_P(Placements, WorldSizeTest,
                          ::testing::Values("all_gpu.lua", "offload_all.lua", "offload_fraction.lua"));
+
+// GradsReady on several ranks, each announcing other groups (the decision to keep or recompute is
+// global, from the step's one all-reduce): the same bits as one rank that only steps.
+TEST(MultiRankEngineTest, EarlyAnnouncementsOnSomeRanksAreBitIdentical) {
+  for (const char* policy : {"offload_all.lua", "offload_fraction.lua"}) {
+    RunSetup setup;
+    setup.policy = policy;
+    const GlobalParams one = Train(1, setup, 6);
+    for (int world = 1; world <= 3; ++world) {
+      RunSetup s = setup;
+      s.early = true;
+      s.range_seed = 40 + static_cast<uint64_t>(world);
+      const int64_t before = early_updates.load();
+      ExpectSameParams(one, Train(world, s, 6), absl::StrCat(policy, ", ", world, " ranks announcing early"));
+      EXPECT_GT(early_updates.load(), before) << "the early path ran";
+    }
+  }
+}
 
 // Per-group settings with shards: 1 and 3 ranks give the same bits, and the settings changed the run.
 TEST(MultiRankEngineTest, PerGroupSettingsAreBitIdenticalForAnyWorldSize) {

@@ -147,6 +147,7 @@ struct Rank {
   std::unique_ptr<Device> device;
   std::unique_ptr<ShardedModel> model;
   std::unique_ptr<Engine> engine;
+  int engine_rank = 0;  // this rank's index
 };
 
 }  // namespace ferry::engine_test
