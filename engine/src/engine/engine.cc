@@ -277,8 +277,9 @@ absl::Status EngineImpl::Step(const StepOptions& options, void* stream) {
   const float lr = options.lr.value_or(options_.optimizer.lr);
   const double start = absl::ToDoubleSeconds(absl::Now() - absl::UnixEpoch());
   TraceSpan span(tracer_.get(), "step", "engine");
-  HybridStepParams params{.lr = lr, .loss_scale = options.loss_scale, .max_grad_norm = options.max_grad_norm,
-                          .check_finite = options.check_finite};
+  FERRY_ASSIGN_OR_RETURN(std::vector<std::optional<float>> group_lr, GroupLrs(options));
+  HybridStepParams params{.lr = lr, .group_lr = std::move(group_lr), .loss_scale = options.loss_scale,
+                          .max_grad_norm = options.max_grad_norm, .check_finite = options.check_finite};
   bool reduced = false;
   if (multi_rank()) {
     // One all-reduce makes the found-inf and clipping decisions global (every rank takes the same).
@@ -300,6 +301,28 @@ absl::Status EngineImpl::Step(const StepOptions& options, void* stream) {
   if (result.skipped) ++skipped_steps_;
   if (policy_ == nullptr || !policy_->has_hook("on_step")) return absl::OkStatus();
   return RunOnStep(absl::ToDoubleSeconds(absl::Now() - absl::UnixEpoch()) - start);
+}
+
+absl::StatusOr<std::vector<std::optional<float>>> EngineImpl::GroupLrs(const StepOptions& options) const {
+  std::vector<std::optional<float>> out;
+  if (options.group_lr.empty()) return out;
+  out.resize(group_names_.size());
+  for (const auto& [name, lr] : options.group_lr) {
+    auto it = group_index_.find(name);
+    if (it == group_index_.end()) {
+      return absl::InvalidArgumentError(absl::StrCat("Step: group_lr names no parameter group '", name, "' (groups: ",
+                                                     absl::StrJoin(group_names_, ", "), ")"));
+    }
+    if (out[it->second].has_value()) {
+      return absl::InvalidArgumentError(absl::StrCat("Step: group_lr names group '", name, "' twice"));
+    }
+    if (!(std::isfinite(lr) && lr >= 0.0f)) {
+      return absl::InvalidArgumentError(absl::StrCat("Step: group_lr of group '", name, "' is ", lr,
+                                                     "; it must be >= 0 and finite"));
+    }
+    out[it->second] = lr;
+  }
+  return out;
 }
 
 absl::Status EngineImpl::RunOnStep(double step_seconds) {
@@ -392,6 +415,46 @@ absl::Status EngineImpl::ReloadPolicy(const std::string& path, const std::map<st
 absl::Status EngineImpl::VerifyMasters() {
   FERRY_RETURN_IF_ERROR(RequireFinalized("VerifyMasters"));
   return optimizer_->VerifyMasters();
+}
+
+absl::StatusOr<std::pair<int64_t, StateKind>> EngineImpl::StateOf(const std::string& param, std::string_view kind) const {
+  FERRY_RETURN_IF_ERROR(RequireFinalized("ReadState/WriteState"));
+  auto it = param_index_.find(param);
+  if (it == param_index_.end()) return absl::InvalidArgumentError(absl::StrCat("no param '", param, "'"));
+  for (const auto& [k, name] : kStateKinds) {
+    if (kind == name) return std::make_pair(params_[it->second].opt, k);
+  }
+  return absl::InvalidArgumentError(absl::StrCat("unknown state kind '", ToAbsl(kind), "' of param '", param,
+                                                 "' (known: master, exp_avg, exp_avg_sq)"));
+}
+
+absl::Status EngineImpl::ReadState(const std::string& param, std::string_view kind, float* host) {
+  FERRY_ASSIGN_OR_RETURN(auto state, StateOf(param, kind));
+  if (state.first < 0) return absl::OkStatus();
+  return optimizer_->ReadState(static_cast<size_t>(state.first), state.second, host);
+}
+
+absl::Status EngineImpl::WriteState(const std::string& param, std::string_view kind, const float* host) {
+  FERRY_ASSIGN_OR_RETURN(auto state, StateOf(param, kind));
+  if (state.first < 0) return absl::OkStatus();
+  return optimizer_->WriteState(static_cast<size_t>(state.first), state.second, host);
+}
+
+absl::StatusOr<int64_t> EngineImpl::GroupStep(const std::string& group) const {
+  FERRY_RETURN_IF_ERROR(RequireFinalized("GroupStep"));
+  FERRY_ASSIGN_OR_RETURN(std::vector<size_t> idx, GroupIndices({group}));
+  return optimizer_->group_step(idx[0]);
+}
+
+absl::Status EngineImpl::SetGroupStep(const std::string& group, int64_t step) {
+  FERRY_RETURN_IF_ERROR(RequireFinalized("SetGroupStep"));
+  FERRY_ASSIGN_OR_RETURN(std::vector<size_t> idx, GroupIndices({group}));
+  if (step < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("SetGroupStep('", group, "', ", step, "): the step must be >= 0"));
+  }
+  // The step is read when a Step enqueues its work: no work in flight needs it.
+  optimizer_->set_group_step(idx[0], step);
+  return absl::OkStatus();
 }
 
 std::vector<GroupPlacement> EngineImpl::Placement() const {

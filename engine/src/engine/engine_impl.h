@@ -180,6 +180,10 @@ class EngineImpl final : public Engine {
   // Calls the policy's on_step hook after a step and applies the moves it asks for.
   absl::Status RunOnStep(double step_seconds);
   absl::Status VerifyMasters() override;
+  absl::Status ReadState(const std::string& param, std::string_view kind, float* host) override;
+  absl::Status WriteState(const std::string& param, std::string_view kind, const float* host) override;
+  absl::StatusOr<int64_t> GroupStep(const std::string& group) const override;
+  absl::Status SetGroupStep(const std::string& group, int64_t step) override;
   std::vector<GroupPlacement> Placement() const override;
   EngineStats Stats() const override;
   std::string DeviceName() const override { return device_->name(); }
@@ -193,6 +197,11 @@ class EngineImpl final : public Engine {
     return absl::OkStatus();
   }
   std::vector<GroupInfo> GroupInfos() const;
+  // The optimizer's index of `param` (-1: an empty local range) and the state `kind` names, for
+  // ReadState/WriteState.
+  absl::StatusOr<std::pair<int64_t, StateKind>> StateOf(const std::string& param, std::string_view kind) const;
+  // Each group's learning rate override of a step (HybridStepParams::group_lr) from StepOptions::group_lr.
+  absl::StatusOr<std::vector<std::optional<float>>> GroupLrs(const StepOptions& options) const;
   // Group `g`'s optimizer settings, every field set: AddGroup's, else options_.optimizer's.
   GroupOptions ResolvedGroupOptions(size_t g) const;
   // A new optimizer with `placement`; its masters come from the params (m = v = 0).

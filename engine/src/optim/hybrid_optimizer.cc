@@ -193,6 +193,17 @@ absl::StatusOr<HybridStepResult> HybridOptimizer::Step(const HybridStepParams& p
   if (!params.check_finite && params.max_grad_norm > 0.0f) {
     return absl::InvalidArgumentError("Step: max_grad_norm needs check_finite (the norm comes from the gradient check)");
   }
+  if (params.group_lr.size() > groups_.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("Step: ", params.group_lr.size(), " group learning rates for ",
+                                                   groups_.size(), " groups"));
+  }
+  for (size_t gi = 0; gi < params.group_lr.size(); ++gi) {
+    const std::optional<float>& lr = params.group_lr[gi];
+    if (lr && !(std::isfinite(*lr) && *lr >= 0.0f)) {
+      return absl::InvalidArgumentError(absl::StrCat("Step: the learning rate of group '", groups_[gi].name, "' is ",
+                                                     *lr, "; it must be >= 0 and finite"));
+    }
+  }
   FERRY_RETURN_IF_ERROR(WaitPending());  // the previous step's staging is free again
   if (snapshot_pending_) {
     // A checkpoint's copies of the device-resident tensors go first (ordered on the device; the
@@ -229,10 +240,15 @@ absl::StatusOr<HybridStepResult> HybridOptimizer::Step(const HybridStepParams& p
     multiplier = AdamGradMultiplier(params.loss_scale, grad_stats_.sum_sq, params.max_grad_norm);
   }
   FERRY_RETURN_IF_ERROR(trainer.Record(*grads_ready_));
-  FERRY_RETURN_IF_ERROR(StepGpuGroups(params.lr, multiplier, trainer));
+  std::vector<float> lrs(groups_.size());
+  for (size_t gi = 0; gi < groups_.size(); ++gi) {
+    const bool own = gi < params.group_lr.size() && params.group_lr[gi].has_value();
+    lrs[gi] = own ? *params.group_lr[gi] : GroupLr(params.lr, groups_[gi].lr_scale);
+  }
+  FERRY_RETURN_IF_ERROR(StepGpuGroups(lrs, multiplier, trainer));
   {
     TraceSpan span(options_.tracer, "cpu_pipeline", "optim");
-    FERRY_RETURN_IF_ERROR(StepCpuGroups(params.lr, multiplier, *grads_ready_));
+    FERRY_RETURN_IF_ERROR(StepCpuGroups(lrs, multiplier, *grads_ready_));
   }
   if (!pending_.empty()) FERRY_RETURN_IF_ERROR(pending_.back()->MakeStreamWait(trainer));
   FERRY_RETURN_IF_ERROR(trainer.Record(*step_done_));
@@ -240,7 +256,7 @@ absl::StatusOr<HybridStepResult> HybridOptimizer::Step(const HybridStepParams& p
   return result;
 }
 
-absl::Status HybridOptimizer::StepGpuGroups(float lr, double grad_multiplier, Stream& trainer) {
+absl::Status HybridOptimizer::StepGpuGroups(const std::vector<float>& lrs, double grad_multiplier, Stream& trainer) {
   std::vector<AdamScalars> scalars;
   std::vector<AdamTensorArgs> tensors;
   std::vector<uint32_t> group_scalars(groups_.size(), 0);
@@ -248,7 +264,7 @@ absl::Status HybridOptimizer::StepGpuGroups(float lr, double grad_multiplier, St
     const Group& g = groups_[gi];
     if (g.offloaded) continue;
     AdamHyper h = g.hyper;  // per group: the kernel takes each tensor's scalars by scalars_index
-    h.lr = GroupLr(lr, g.lr_scale);
+    h.lr = lrs[gi];
     group_scalars[gi] = static_cast<uint32_t>(scalars.size());
     scalars.push_back(MakeAdamScalars(h, g.step + 1, grad_multiplier));
     for (size_t p : g.params) {

@@ -63,6 +63,9 @@ struct HybridOptions {
 // The inputs of one step besides the grads.
 struct HybridStepParams {
   float lr = 1e-3f;
+  // Empty, or one entry per group: a set entry is that group's learning rate at this step, replacing
+  // GroupLr(lr, lr_scale) (torch-style absolute per-group rates, set by a scheduler each step).
+  std::vector<std::optional<float>> group_lr;
   float loss_scale = 1.0f;    // grads are divided by it
   float max_grad_norm = 0.0f; // > 0: global-norm clipping across every group
   bool check_finite = true;   // NaN/Inf in any grad skips the whole step
@@ -181,8 +184,9 @@ class HybridOptimizer final {
 
   HybridOptimizer(Device* device, ThreadPool* pool, HybridOptions options);
   absl::Status Init(std::vector<OptimParam> params, std::vector<OptimGroup> groups);
-  absl::Status StepGpuGroups(float lr, double grad_multiplier, Stream& trainer);
-  absl::Status StepCpuGroups(float lr, double grad_multiplier, Event& grads_ready);
+  // `lrs`: each group's learning rate at this step (see HybridStepParams::group_lr).
+  absl::Status StepGpuGroups(const std::vector<float>& lrs, double grad_multiplier, Stream& trainer);
+  absl::Status StepCpuGroups(const std::vector<float>& lrs, double grad_multiplier, Event& grads_ready);
   absl::Status WaitPending();
   // Blocks until the state fence (if any) released everything.
   void WaitForStateReaders() {

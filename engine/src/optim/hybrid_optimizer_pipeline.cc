@@ -55,12 +55,12 @@ absl::StatusOr<std::unique_ptr<TransferBatch>> HybridOptimizer::SubmitGradChunk(
 // Chunk k's grads land in grad slot k % depth; CPU Adam writes its new params into param slot k % depth,
 // which the H2D of chunk k reads. A grad slot is refilled once CPU Adam has read it; a param slot is
 // rewritten only after the H2D that read it completed.
-absl::Status HybridOptimizer::StepCpuGroups(float lr, double grad_multiplier, Event& grads_ready) {
+absl::Status HybridOptimizer::StepCpuGroups(const std::vector<float>& lrs, double grad_multiplier, Event& grads_ready) {
   if (cpu_params_.empty()) return absl::OkStatus();
   std::vector<AdamScalars> scalars(groups_.size());
   for (size_t gi = 0; gi < groups_.size(); ++gi) {
     AdamHyper h = groups_[gi].hyper;
-    h.lr = GroupLr(lr, groups_[gi].lr_scale);
+    h.lr = lrs[gi];
     scalars[gi] = MakeAdamScalars(h, groups_[gi].step + 1, grad_multiplier);
   }
   const size_t num_chunks = grad_chunks_.size();
