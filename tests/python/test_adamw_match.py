@@ -5,9 +5,11 @@ The bounds asserted (and why):
   fp32 params: Ferry runs AdamW's formulas in fp32 with a different (but equally rounded) order of
     operations: the decay joins the update (p -= lr * (wd * p + m_hat / denom), fused multiply-adds)
     where torch first scales p by (1 - lr * wd), and m_hat is m times 1 / (1 - beta1^t) where torch
-    divides lr by it. Each step the two differ by about one rounding of p, so after 100 steps they
-    are equal to within FP32_ULPS units in the last place of the param (measured: a few ulps); the
-    same run against a float64 AdamW shows both are that close to exact arithmetic.
+    divides lr by it. So they are not bit-identical: each step rounds p differently, by up to an
+    ulp, and these roundings add up like a random walk. The bound: after 100 steps, the largest
+    difference in a tensor is within FP32_ULPS units in the last place at the tensor's scale (its
+    largest |p|; params start N(0, 1)). Measured: at most 13 (torch 1.13, CPU). Against a float64
+    AdamW, Ferry is as close as torch or closer (measured 1.5e-6 vs 2.9e-6 at |p| <= 3.7).
   bf16 params: Ferry keeps fp32 masters and writes round-to-nearest bf16 params; the reference is
     torch's AdamW on fp32 copies of the params (the masters), rounded to bf16 after each step:
     equal to within one bf16 ulp (the fp32 masters differ by a few fp32 ulps, which moves a
@@ -25,17 +27,18 @@ import ferry.torch
 from conftest import clone_params, grads_for, groups_of, make_params, set_grads
 
 STEPS = 100
-FP32_ULPS = 16  # the bound asserted (see the module's comment; measured max is printed by -s)
+FP32_ULPS = 32  # the bound asserted (see the module's comment; the measured max is printed with -s)
 BETAS = (0.9, 0.95)
 
 
 def ulps(a, b):
-    """|a - b| in units of the last place of fp32 at max(|a|, |b|) (elementwise, as float64)."""
+    """max |a - b| over a tensor, in units of the last place of fp32 at the tensor's scale (its
+    largest magnitude): the rounding of p in each step is an error of up to half that unit."""
     a = a.detach().double().cpu()
     b = b.detach().double().cpu()
-    mag = torch.maximum(a.abs(), b.abs()).float()
-    ulp = (torch.nextafter(mag, torch.tensor(math.inf)) - mag).double()
-    return (a - b).abs() / ulp
+    mag = torch.tensor(max(a.abs().max().item(), b.abs().max().item()), dtype=torch.float32)
+    ulp = (torch.nextafter(mag, torch.tensor(math.inf)) - mag).item()
+    return (a - b).abs().max() / ulp
 
 
 def bf16_ulps(a, b):

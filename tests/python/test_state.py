@@ -98,14 +98,18 @@ def test_checkpoint_resume_is_bit_identical(device, dtype, tmp_root):
     train(oa, a, 10, sched=sa)
     d = oa.save_checkpoint(tmp_root, 10)
     oa.wait_checkpoint()
-    sched_state = sa.state_dict()
+    # The schedule is the trainer's to save: the scheduler's state and the groups' current lrs (which
+    # torch keeps in the optimizer's state_dict, Ferry's checkpoint does not).
+    sched_state = roundtrip({"sched": sa.state_dict(), "lr": [g["lr"] for g in oa.param_groups]})
     train(oa, a, 10, first=11, sched=sa)
 
     b = clone_params(make_params(device, seed=99), dtype)  # other values: the checkpoint replaces them
     ob = ferry.torch.Optimizer(groups_of(b), policy="offload_fraction", policy_args={"fraction": 0.5})
     sb = torch.optim.lr_scheduler.LambdaLR(ob, lambda s: 1.0 / (1 + s))
     assert ob.load_checkpoint(tmp_root) == d
-    sb.load_state_dict(sched_state)
+    sb.load_state_dict(sched_state["sched"])
+    for g, lr in zip(ob.param_groups, sched_state["lr"]):
+        g["lr"] = lr
     assert ob.stats()["step"] == 10
     train(ob, b, 10, first=11, sched=sb)
     for x, y in zip(a, b):

@@ -343,9 +343,9 @@ class Optimizer(torch.optim.Optimizer):
         for k, entry in plan:
             numel = self._params[k].numel()
             for kind in ("exp_avg", "exp_avg_sq", "master"):
-                if entry is None and kind == "master":
-                    continue
-                t = torch.zeros(numel, dtype=torch.float32) if entry is None or kind not in entry else \
+                if kind == "master" and (entry is None or kind not in entry):
+                    continue  # the master synced from the param above
+                t = torch.zeros(numel, dtype=torch.float32) if entry is None else \
                     entry[kind].detach().to(device="cpu", dtype=torch.float32).contiguous()
                 self._engine.write_state("p%d" % k, kind, t.data_ptr())
         for gi, (group, saved) in enumerate(zip(self.param_groups, saved_groups)):
