@@ -89,7 +89,8 @@ class Optimizer(torch.optim.Optimizer):
             engine.add_group(self._groups[gi], weight_decay=float(group["weight_decay"]), beta1=float(b1),
                              beta2=float(b2), eps=float(group["eps"]))
             self._fixed.append({k: group[k] for k in _FIXED})
-        # The grad buffers the engine reads: p.grad points at them from now on.
+        # The grad buffers the engine reads: p.grad points at them once the engine is built (nothing
+        # changes when building it fails).
         self._grads = []
         k = 0
         with torch.no_grad():
@@ -98,12 +99,13 @@ class Optimizer(torch.optim.Optimizer):
                     buf = torch.zeros_like(p, memory_format=torch.contiguous_format)
                     if p.grad is not None:
                         buf.copy_(p.grad)
-                    p.grad = buf
                     self._grads.append(buf)
                     engine.add_param("p%d" % k, self._groups[gi], list(p.shape) or [1], _DTYPES[p.dtype],
                                      p.data_ptr(), buf.data_ptr())
                     k += 1
         engine.finalize()
+        for p, buf in zip(self._params, self._grads):
+            p.grad = buf
         self._signature = [self._signature_of(p) for p in self._params]
         self._group_sizes = [len(g["params"]) for g in self.param_groups]
         self._engine = engine
