@@ -33,10 +33,14 @@ set -euo pipefail
 #   libopenmpi-dev openmpi-bin  the MPI comm and its mpirun tests (optional to the build: without MPI
 #                        CMake leaves the MPI comm out; installed here so that CI runs those tests)
 #   python3              the test that loads the installed libferry.so through ctypes (tests/install)
+#   pybind11-dev         the `ferry` Python package's extension module (bindings/python)
+#   python3-dev          the Python headers that extension compiles against
+#   python3-torch        the Python package's tests and sample (ferry.torch.Optimizer vs torch.optim.AdamW)
+#   python3-pytest       runs those tests (tests/python)
 readonly REQUIRED=(
   build-essential cmake ninja-build pkg-config libluajit-5.1-dev libabsl-dev libnuma-dev
   libgtest-dev libgmock-dev nlohmann-json3-dev libxxhash-dev clang libclang-rt-dev python3
-  libopenmpi-dev openmpi-bin
+  libopenmpi-dev openmpi-bin pybind11-dev python3-dev python3-torch python3-pytest
 )
 
 dry_run=0

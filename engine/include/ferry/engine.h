@@ -23,6 +23,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -123,6 +124,11 @@ struct StepOptions {
   // This step's learning rate (the global schedule; default OptimizerOptions::lr); each group steps
   // with it times its GroupOptions::lr_scale.
   std::optional<float> lr;
+  // This step's learning rate of the named groups, replacing lr times lr_scale for them: torch-style
+  // absolute per-group rates, which a scheduler may change at every step (the Python binding sets
+  // every group's). Each >= 0 and finite. Errors (nothing stepped): InvalidArgument naming an unknown
+  // group, a group named twice or a bad value.
+  std::vector<std::pair<std::string, float>> group_lr;
   // Mixed precision: the grads carry this loss scale and are divided by it (> 0, finite).
   float loss_scale = 1.0f;
   // > 0: clip the global L2 norm of the unscaled grads of every group to this, computed across all
@@ -308,6 +314,20 @@ class Engine {
   // Refreshes the fp32 masters of `groups` (all when empty) from the params' current values; with
   // `reset_optimizer`, also zeroes their moments and step. For a trainer that loaded weights itself.
   virtual absl::Status SyncFromModel(const std::vector<std::string>& groups, bool reset_optimizer) = 0;
+
+  // One param's optimizer state as fp32, for bindings that export or import it (torch's state_dict):
+  // `kind` is "master", "exp_avg" or "exp_avg_sq"; `host` is host memory of the param's local
+  // elements (the whole tensor on one rank; nothing for an empty local range). Synchronous: waits for
+  // the engine's work. Errors: before Finalize, an unknown param or kind (InvalidArgument, nothing
+  // read or written).
+  virtual absl::Status ReadState(const std::string& param, std::string_view kind, float* host) = 0;
+  // Replaces that state from `host`; the param itself is unchanged (SyncFromModel goes the other way).
+  // Waits for an asynchronous save still reading the state.
+  virtual absl::Status WriteState(const std::string& param, std::string_view kind, const float* host) = 0;
+  // The number of optimizer steps group `group` has taken (its bias correction's step), and setting it
+  // (>= 0). Errors: before Finalize, an unknown group (NotFound), a negative step (InvalidArgument).
+  virtual absl::StatusOr<int64_t> GroupStep(const std::string& group) const = 0;
+  virtual absl::Status SetGroupStep(const std::string& group, int64_t step) = 0;
 
   // Checks that every param equals its fp32 master rounded to the param's dtype; the first mismatch is
   // reported as FailedPrecondition naming the group, tensor and element.

@@ -276,7 +276,13 @@ absl::Status EngineImpl::Step(const StepOptions& options, void* stream) {
   FERRY_ASSIGN_OR_RETURN(std::unique_ptr<Stream> trainer, device_->WrapStream(stream));
   const double start = absl::ToDoubleSeconds(absl::Now() - absl::UnixEpoch());
   TraceSpan span(tracer_.get(), "step", "engine");
-  HybridStepParams params = StepParams(options);
+  absl::StatusOr<HybridStepParams> step_params = StepParams(options);
+  if (!step_params.ok()) {
+    if (!multi_rank() || !options.check_finite) return step_params.status();
+    GradStats none{};  // the other ranks wait in the step's all-reduce: they fail too, naming this rank
+    return ReduceGradStats(none, step_params.status());
+  }
+  HybridStepParams params = *std::move(step_params);
   bool reduced = false;
   if (multi_rank()) {
     // One all-reduce makes the found-inf and clipping decisions global (every rank takes the same).
@@ -309,7 +315,8 @@ absl::Status EngineImpl::GradsReady(const std::vector<std::string>& groups, cons
   FERRY_ASSIGN_OR_RETURN(std::unique_ptr<Stream> trainer, device_->WrapStream(stream));
   TraceSpan span(tracer_.get(), "grads_ready", "engine");
   span.Arg("groups", static_cast<double>(idx.size()));
-  absl::Status s = optimizer_->BeginGroups(idx, StepParams(options), *trainer);
+  FERRY_ASSIGN_OR_RETURN(HybridStepParams params, StepParams(options));
+  absl::Status s = optimizer_->BeginGroups(idx, params, *trainer);
   if (!s.ok()) return absl::Status(s.code(), absl::StrCat("GradsReady: ", s.message()));
   return absl::OkStatus();
 }
@@ -331,6 +338,35 @@ absl::Status EngineImpl::RequireBetweenSteps(std::string_view what) const {
   return absl::FailedPreconditionError(absl::StrCat(
       ToAbsl(what), " between GradsReady and Step: groups ", absl::StrJoin(names, ", "),
       " were announced for a step that has not run yet; call Step first"));
+}
+
+absl::StatusOr<HybridStepParams> EngineImpl::StepParams(const StepOptions& options) const {
+  FERRY_ASSIGN_OR_RETURN(std::vector<std::optional<float>> group_lr, GroupLrs(options));
+  return HybridStepParams{.lr = options.lr.value_or(options_.optimizer.lr), .group_lr = std::move(group_lr),
+                          .loss_scale = options.loss_scale, .max_grad_norm = options.max_grad_norm,
+                          .check_finite = options.check_finite, .wait_for_params = options.wait_for_params};
+}
+
+absl::StatusOr<std::vector<std::optional<float>>> EngineImpl::GroupLrs(const StepOptions& options) const {
+  std::vector<std::optional<float>> out;
+  if (options.group_lr.empty()) return out;
+  out.resize(group_names_.size());
+  for (const auto& [name, lr] : options.group_lr) {
+    auto it = group_index_.find(name);
+    if (it == group_index_.end()) {
+      return absl::InvalidArgumentError(absl::StrCat("Step: group_lr names no parameter group '", name, "' (groups: ",
+                                                     absl::StrJoin(group_names_, ", "), ")"));
+    }
+    if (out[it->second].has_value()) {
+      return absl::InvalidArgumentError(absl::StrCat("Step: group_lr names group '", name, "' twice"));
+    }
+    if (!(std::isfinite(lr) && lr >= 0.0f)) {
+      return absl::InvalidArgumentError(absl::StrCat("Step: group_lr of group '", name, "' is ", lr,
+                                                     "; it must be >= 0 and finite"));
+    }
+    out[it->second] = lr;
+  }
+  return out;
 }
 
 absl::Status EngineImpl::RunOnStep(double step_seconds) {
@@ -423,6 +459,46 @@ absl::Status EngineImpl::ReloadPolicy(const std::string& path, const std::map<st
 absl::Status EngineImpl::VerifyMasters() {
   FERRY_RETURN_IF_ERROR(RequireBetweenSteps("VerifyMasters"));
   return optimizer_->VerifyMasters();
+}
+
+absl::StatusOr<std::pair<int64_t, StateKind>> EngineImpl::StateOf(const std::string& param, std::string_view kind) const {
+  FERRY_RETURN_IF_ERROR(RequireFinalized("ReadState/WriteState"));
+  auto it = param_index_.find(param);
+  if (it == param_index_.end()) return absl::InvalidArgumentError(absl::StrCat("no param '", param, "'"));
+  for (const auto& [k, name] : kStateKinds) {
+    if (kind == name) return std::make_pair(params_[it->second].opt, k);
+  }
+  return absl::InvalidArgumentError(absl::StrCat("unknown state kind '", ToAbsl(kind), "' of param '", param,
+                                                 "' (known: master, exp_avg, exp_avg_sq)"));
+}
+
+absl::Status EngineImpl::ReadState(const std::string& param, std::string_view kind, float* host) {
+  FERRY_ASSIGN_OR_RETURN(auto state, StateOf(param, kind));
+  if (state.first < 0) return absl::OkStatus();
+  return optimizer_->ReadState(static_cast<size_t>(state.first), state.second, host);
+}
+
+absl::Status EngineImpl::WriteState(const std::string& param, std::string_view kind, const float* host) {
+  FERRY_ASSIGN_OR_RETURN(auto state, StateOf(param, kind));
+  if (state.first < 0) return absl::OkStatus();
+  return optimizer_->WriteState(static_cast<size_t>(state.first), state.second, host);
+}
+
+absl::StatusOr<int64_t> EngineImpl::GroupStep(const std::string& group) const {
+  FERRY_RETURN_IF_ERROR(RequireFinalized("GroupStep"));
+  FERRY_ASSIGN_OR_RETURN(std::vector<size_t> idx, GroupIndices({group}));
+  return optimizer_->group_step(idx[0]);
+}
+
+absl::Status EngineImpl::SetGroupStep(const std::string& group, int64_t step) {
+  FERRY_RETURN_IF_ERROR(RequireFinalized("SetGroupStep"));
+  FERRY_ASSIGN_OR_RETURN(std::vector<size_t> idx, GroupIndices({group}));
+  if (step < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("SetGroupStep('", group, "', ", step, "): the step must be >= 0"));
+  }
+  // The step is read when a Step enqueues its work: no work in flight needs it.
+  optimizer_->set_group_step(idx[0], step);
+  return absl::OkStatus();
 }
 
 std::vector<GroupPlacement> EngineImpl::Placement() const {

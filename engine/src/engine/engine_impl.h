@@ -182,6 +182,10 @@ class EngineImpl final : public Engine {
   // Calls the policy's on_step hook after a step and applies the moves it asks for.
   absl::Status RunOnStep(double step_seconds);
   absl::Status VerifyMasters() override;
+  absl::Status ReadState(const std::string& param, std::string_view kind, float* host) override;
+  absl::Status WriteState(const std::string& param, std::string_view kind, const float* host) override;
+  absl::StatusOr<int64_t> GroupStep(const std::string& group) const override;
+  absl::Status SetGroupStep(const std::string& group, int64_t step) override;
   std::vector<GroupPlacement> Placement() const override;
   EngineStats Stats() const override;
   std::string DeviceName() const override { return device_->name(); }
@@ -197,12 +201,14 @@ class EngineImpl final : public Engine {
   // RequireFinalized, and no step in progress (GradsReady without its Step yet).
   absl::Status RequireBetweenSteps(std::string_view what) const;
   // The optimizer's inputs of a step with `options` (without the several-ranks reduction).
-  HybridStepParams StepParams(const StepOptions& options) const {
-    return HybridStepParams{.lr = options.lr.value_or(options_.optimizer.lr), .loss_scale = options.loss_scale,
-                            .max_grad_norm = options.max_grad_norm, .check_finite = options.check_finite,
-                            .wait_for_params = options.wait_for_params};
-  }
+  // InvalidArgument for a bad StepOptions::group_lr.
+  absl::StatusOr<HybridStepParams> StepParams(const StepOptions& options) const;
   std::vector<GroupInfo> GroupInfos() const;
+  // The optimizer's index of `param` (-1: an empty local range) and the state `kind` names, for
+  // ReadState/WriteState.
+  absl::StatusOr<std::pair<int64_t, StateKind>> StateOf(const std::string& param, std::string_view kind) const;
+  // Each group's learning rate override of a step (HybridStepParams::group_lr) from StepOptions::group_lr.
+  absl::StatusOr<std::vector<std::optional<float>>> GroupLrs(const StepOptions& options) const;
   // Group `g`'s optimizer settings, every field set: AddGroup's, else options_.optimizer's.
   GroupOptions ResolvedGroupOptions(size_t g) const;
   // A new optimizer with `placement`; its masters come from the params (m = v = 0).

@@ -216,15 +216,27 @@ absl::Status HybridOptimizer::CheckStepParams(const HybridStepParams& params) co
   if (!std::isfinite(params.lr)) {
     return absl::InvalidArgumentError(absl::StrCat("Step: the learning rate must be finite, got ", params.lr));
   }
+  if (params.group_lr.size() > groups_.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("Step: ", params.group_lr.size(), " group learning rates for ",
+                                                   groups_.size(), " groups"));
+  }
+  for (size_t gi = 0; gi < params.group_lr.size(); ++gi) {
+    const std::optional<float>& lr = params.group_lr[gi];
+    if (lr && !(std::isfinite(*lr) && *lr >= 0.0f)) {
+      return absl::InvalidArgumentError(absl::StrCat("Step: the learning rate of group '", groups_[gi].name, "' is ",
+                                                     *lr, "; it must be >= 0 and finite"));
+    }
+  }
   return absl::OkStatus();
 }
 
 AdamScalars HybridOptimizer::GroupScalars(size_t g, const HybridStepParams& params, double grad_multiplier) const {
-  AdamHyper h = groups_[g].hyper;  // per group: lr is the step's times the group's scale
-  h.lr = GroupLr(params.lr, groups_[g].lr_scale);
+  // Per group: the step's lr times the group's scale, or the group's own lr of this step.
+  AdamHyper h = groups_[g].hyper;
+  const bool own = g < params.group_lr.size() && params.group_lr[g].has_value();
+  h.lr = own ? *params.group_lr[g] : GroupLr(params.lr, groups_[g].lr_scale);
   return MakeAdamScalars(h, groups_[g].step + 1, grad_multiplier);
 }
-
 absl::StatusOr<HybridStepResult> HybridOptimizer::Step(const HybridStepParams& params, Stream& trainer) {
   // Bad inputs change nothing, an early step in progress included (Step may be called again).
   FERRY_RETURN_IF_ERROR(CheckStepParams(params));

@@ -67,6 +67,9 @@ struct HybridOptions {
 // The inputs of one step besides the grads.
 struct HybridStepParams {
   float lr = 1e-3f;
+  // Empty, or one entry per group: a set entry is that group's learning rate at this step, replacing
+  // GroupLr(lr, lr_scale) (torch-style absolute per-group rates, set by a scheduler each step).
+  std::vector<std::optional<float>> group_lr;
   float loss_scale = 1.0f;    // grads are divided by it
   float max_grad_norm = 0.0f; // > 0: global-norm clipping across every group
   bool check_finite = true;   // NaN/Inf in any grad skips the whole step

@@ -1,0 +1,98 @@
+"""Errors of ferry.torch.Optimizer: Python exceptions that name the param, group or file at fault,
+raised before anything changed."""
+import pytest
+import torch
+
+import ferry
+import ferry.torch
+from conftest import grads_for, groups_of, make_params, set_grads
+
+
+def leaf(t):
+    return t.detach().requires_grad_()
+
+
+def test_non_contiguous_param(device):
+    ok = make_params(device)
+    bad = leaf(torch.randn(6, 4, device=device).t())
+    with pytest.raises(ValueError, match=r"param 5 \(param_groups\[0\]\['params'\]\[5\]\) is not contiguous"):
+        ferry.torch.Optimizer(ok + [bad])
+
+
+def test_param_on_another_device(device):
+    other = torch.device("meta") if device.type == "cpu" else torch.device("cpu")
+    params = make_params(device) + [leaf(torch.empty(3, device=other))]
+    with pytest.raises(ValueError, match=r"param 5 .* is on %s" % other.type):
+        ferry.torch.Optimizer(params)
+    with pytest.raises(ValueError, match=r"is on meta: Ferry takes CPU tensors"):
+        ferry.torch.Optimizer([leaf(torch.empty(3, device="meta"))])
+
+
+def test_unsupported_dtype(device):
+    params = make_params(device) + [leaf(torch.randn(4, dtype=torch.float64, device=device))]
+    with pytest.raises(TypeError, match=r"param 5 .* has dtype torch.float64"):
+        ferry.torch.Optimizer(params)
+
+
+def test_empty_and_bad_arguments(device):
+    with pytest.raises(ValueError, match="empty parameter list"):
+        ferry.torch.Optimizer([])
+    with pytest.raises(ValueError, match="Invalid learning rate"):
+        ferry.torch.Optimizer(make_params(device), lr=-1.0)
+    with pytest.raises(FileNotFoundError, match="no shipped policy 'no_such_policy'"):
+        ferry.torch.Optimizer(make_params(device), policy="no_such_policy")
+
+
+def test_policy_error_is_a_ferry_error_with_its_message(device, tmp_path):
+    bad = tmp_path / "bad.lua"
+    bad.write_text("return { place = function(groups, ctx) error('no room at the inn') end }\n")
+    with pytest.raises(ferry.FerryError, match="no room at the inn") as info:
+        ferry.torch.Optimizer(make_params(device), policy=str(bad))
+    assert isinstance(info.value, RuntimeError) and info.value.code
+
+
+def test_params_changed_after_construction(device):
+    params = make_params(device)
+    opt = ferry.torch.Optimizer(params)
+    params[2].data = torch.randn(17, 5, device=device)  # new storage, as model.to() or re-init can do
+    set_grads(params, grads_for(params, 1))
+    with pytest.raises(RuntimeError, match=r"param 2 \(param_groups\[0\]\['params'\]\[2\]\) changed after"):
+        opt.step()
+    params = make_params(device)
+    opt = ferry.torch.Optimizer(params)
+    opt.param_groups[0]["params"].append(leaf(torch.randn(3, device=device)))
+    with pytest.raises(RuntimeError, match="has 6 params, the optimizer was built with 5"):
+        opt.step()
+    with pytest.raises(RuntimeError, match="add_param_group after construction"):
+        opt.add_param_group({"params": [leaf(torch.randn(3, device=device))]})
+
+
+def test_fixed_group_settings_changed(device):
+    params = make_params(device)
+    opt = ferry.torch.Optimizer(groups_of(params))
+    opt.param_groups[1]["weight_decay"] = 0.5
+    set_grads(params, grads_for(params, 1))
+    before = [p.detach().clone() for p in params]
+    with pytest.raises(ValueError, match=r"param_groups\[1\]\['weight_decay'\] changed from 0.0 to 0.5"):
+        opt.step()
+    for p, b in zip(params, before):
+        assert torch.equal(p.detach(), b)
+
+
+def test_engine_errors_map_to_python_exceptions(device, tmp_path):
+    params = make_params(device)
+    opt = ferry.torch.Optimizer(groups_of(params))
+    opt.param_groups[2]["lr"] = float("nan")
+    set_grads(params, grads_for(params, 1))
+    with pytest.raises(ValueError, match="group 'group2'") as info:
+        opt.step()
+    assert isinstance(info.value, ferry.InvalidArgumentError) and info.value.code == "INVALID_ARGUMENT"
+    assert opt.stats()["step"] == 0
+    with pytest.raises(ValueError, match="loss_scale"):
+        opt.param_groups[2]["lr"] = 1e-3
+        opt.step(loss_scale=0.0)
+    with pytest.raises(FileNotFoundError) as info:
+        opt.load_checkpoint(str(tmp_path / "nothing-here"))
+    assert isinstance(info.value, ferry.FerryError)
+    with pytest.raises(ValueError, match="unknown state kind 'moment'"):
+        opt.engine.read_state("p0", "moment", 0)
