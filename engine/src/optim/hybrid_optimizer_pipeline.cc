@@ -202,6 +202,13 @@ absl::Status HybridOptimizer::RunPipeline(const PipelineRun& run) {
     }
     k = end;
   }
+  if (!status.ok()) {
+    // Stopped early: grad copies still in flight read the trainer's grads, which it may change once
+    // the step returns. They finish first (at most `depth` chunks).
+    for (size_t j = k; j < num_chunks; ++j) {
+      if (down[j] != nullptr) (void)down[j]->Wait();
+    }
+  }
   // Everything submitted stays alive until it completed (WaitPending at the next call).
   for (auto& batch : down) {
     if (batch != nullptr) pending_.push_back(std::move(batch));
