@@ -108,6 +108,9 @@ class Optimizer(torch.optim.Optimizer):
             p.grad = buf
         self._signature = [self._signature_of(p) for p in self._params]
         self._group_sizes = [len(g["params"]) for g in self.param_groups]
+        self._group_start = [sum(self._group_sizes[:gi]) for gi in range(len(self._group_sizes))]
+        self._group_of = [self._groups[gi] for gi, n in enumerate(self._group_sizes) for _ in range(n)]
+        self._announced = set()  # groups given to grads_ready() since the last step()
         self._engine = engine
 
     # ---- construction checks ------------------------------------------------------------------------
@@ -203,6 +206,10 @@ class Optimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         lrs = self._check_unchanged()
+        options = dict(self._step_defaults)
+        for key, value in (("loss_scale", loss_scale), ("max_grad_norm", max_grad_norm), ("check_finite", check_finite)):
+            if value is not None:
+                options[key] = value
         skipped = []
         for k, p in enumerate(self._params):
             g = p.grad
@@ -218,17 +225,56 @@ class Optimizer(torch.optim.Optimizer):
                 p.grad = buf
         if len(skipped) == len(self._params):
             return loss
+        if skipped and self._announced:
+            announced = [self._where[k] for k in skipped if self._group_of[k] in self._announced]
+            if announced:
+                raise RuntimeError("%s: no grad at step(), but its group was announced by grads_ready()"
+                                   % ", ".join(announced))
         saved = self._save_skipped(skipped) if skipped else None
+        self._engine.step(group_lr=lrs, **self._engine_options(options), stream=self._stream())
+        self._announced = set()
+        if saved is not None:
+            self._restore_skipped(saved)
+        return loss
+
+    @staticmethod
+    def _engine_options(options):
+        return {"loss_scale": float(options["loss_scale"]), "max_grad_norm": float(options["max_grad_norm"]),
+                "check_finite": bool(options["check_finite"])}
+
+    @torch.no_grad()
+    def grads_ready(self, groups=None, *, loss_scale=None, max_grad_norm=None, check_finite=None):
+        """Starts the coming step of param groups whose grads are final (indices into param_groups;
+        None: every group not announced yet), during backward: call it after the last backward that
+        accumulates into them (for example from a hook), with the options step() will get. Offloaded
+        groups then copy their grads down, run CPU Adam and upload new params in the background, on
+        the current stream's order; step() completes the step and keeps that work only when it is
+        exact (no clipping triggered, the same lr and options), so the result is the same bits as
+        without this call. Until step(), do not change these grads or read these params. Every param
+        of an announced group must have a grad."""
+        if groups is None:
+            groups = [gi for gi in range(len(self._groups)) if self._groups[gi] not in self._announced]
+        elif isinstance(groups, int):
+            groups = [groups]
+        lrs = self._check_unchanged()
         options = dict(self._step_defaults)
         for key, value in (("loss_scale", loss_scale), ("max_grad_norm", max_grad_norm), ("check_finite", check_finite)):
             if value is not None:
                 options[key] = value
-        self._engine.step(group_lr=lrs, loss_scale=float(options["loss_scale"]),
-                          max_grad_norm=float(options["max_grad_norm"]), check_finite=bool(options["check_finite"]),
-                          stream=self._stream())
-        if saved is not None:
-            self._restore_skipped(saved)
-        return loss
+        names = []
+        for gi in groups:
+            if not 0 <= gi < len(self._groups):
+                raise IndexError("grads_ready: no param group %d (%d groups)" % (gi, len(self._groups)))
+            names.append(self._groups[gi])
+            for k in range(self._group_start[gi], self._group_start[gi] + self._group_sizes[gi]):
+                p, buf = self._params[k], self._grads[k]
+                if p.grad is None:
+                    raise RuntimeError("grads_ready: %s has no grad" % self._where[k])
+                if p.grad is not buf:
+                    buf.copy_(p.grad)  # on the current stream, before the announcement
+                    p.grad = buf
+        self._engine.grads_ready(names, group_lr=lrs, **self._engine_options(options), stream=self._stream())
+        self._announced.update(names)
 
     def _save_skipped(self, skipped):
         """What a step would change of the params without grads: values, state, and the step count of

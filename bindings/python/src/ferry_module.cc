@@ -123,6 +123,14 @@ class PyEngine {
     return {s.last_step_skipped, s.last_grad_norm};
   }
 
+  void GradsReady(const std::vector<std::string>& groups, StepOptions options, uintptr_t stream) {
+    Locked([&] { return engine_->GradsReady(groups, options, Ptr(stream)); });
+  }
+
+  void WaitParams(const std::vector<std::string>& groups, uintptr_t stream) {
+    Locked([&] { return engine_->WaitParams(groups, Ptr(stream)); });
+  }
+
   // `steps` Steps with the same options in a C++ loop, each followed by Synchronize, without the
   // GIL: the C++ step time of this engine, for comparing with the Python call. Returns each step's
   // seconds.
@@ -238,6 +246,8 @@ class PyEngine {
     d["host_registrations"] = s.host_registrations;
     d["pinned_host_calls"] = s.pinned_host_calls;
     d["checkpoint_copied_aside_bytes"] = s.checkpoint_copied_aside_bytes;
+    d["early_groups_kept"] = s.early_groups_kept;
+    d["early_groups_recomputed"] = s.early_groups_recomputed;
     return d;
   }
 
@@ -262,9 +272,9 @@ class PyEngine {
 };
 
 StepOptions MakeStepOptions(std::optional<float> lr, const std::vector<std::pair<std::string, float>>& group_lr,
-                            float loss_scale, float max_grad_norm, bool check_finite) {
+                            float loss_scale, float max_grad_norm, bool check_finite, bool wait_for_params = true) {
   return StepOptions{.lr = lr, .group_lr = group_lr, .loss_scale = loss_scale, .max_grad_norm = max_grad_norm,
-                     .check_finite = check_finite};
+                     .check_finite = check_finite, .wait_for_params = wait_for_params};
 }
 
 // The Python exception class of each status code (see the file comment).
@@ -342,13 +352,29 @@ PYBIND11_MODULE(_ferry, m) {
       .def(
           "step",
           [](PyEngine& e, std::optional<float> lr, const std::vector<std::pair<std::string, float>>& group_lr,
-             float loss_scale, float max_grad_norm, bool check_finite, uintptr_t stream) {
-            return e.Step(MakeStepOptions(lr, group_lr, loss_scale, max_grad_norm, check_finite), stream);
+             float loss_scale, float max_grad_norm, bool check_finite, bool wait_for_params, uintptr_t stream) {
+            return e.Step(MakeStepOptions(lr, group_lr, loss_scale, max_grad_norm, check_finite, wait_for_params),
+                          stream);
           },
           py::kw_only(), py::arg("lr") = py::none(),
           py::arg("group_lr") = std::vector<std::pair<std::string, float>>{}, py::arg("loss_scale") = 1.0f,
+          py::arg("max_grad_norm") = 0.0f, py::arg("check_finite") = true, py::arg("wait_for_params") = true,
+          py::arg("stream") = 0, "One step; returns (skipped, grad_norm).")
+      .def(
+          "grads_ready",
+          [](PyEngine& e, const std::vector<std::string>& groups, std::optional<float> lr,
+             const std::vector<std::pair<std::string, float>>& group_lr, float loss_scale, float max_grad_norm,
+             bool check_finite, uintptr_t stream) {
+            e.GradsReady(groups, MakeStepOptions(lr, group_lr, loss_scale, max_grad_norm, check_finite), stream);
+          },
+          py::arg("groups"), py::kw_only(), py::arg("lr") = py::none(),
+          py::arg("group_lr") = std::vector<std::pair<std::string, float>>{}, py::arg("loss_scale") = 1.0f,
           py::arg("max_grad_norm") = 0.0f, py::arg("check_finite") = true, py::arg("stream") = 0,
-          "One step; returns (skipped, grad_norm).")
+          "The grads of `groups` are final on `stream`: their step starts now (Engine::GradsReady); the "
+          "options are the coming step's.")
+      .def("wait_params", &PyEngine::WaitParams, py::arg("groups") = std::vector<std::string>{}, py::kw_only(),
+           py::arg("stream") = 0,
+           "After a step with wait_for_params=False: `stream` waits for the new params of `groups` (all when empty).")
       .def(
           "run_steps",
           [](PyEngine& e, int64_t steps, std::optional<float> lr,

@@ -479,6 +479,7 @@ absl::Status EngineImpl::ReadState(const std::string& param, std::string_view ki
 }
 
 absl::Status EngineImpl::WriteState(const std::string& param, std::string_view kind, const float* host) {
+  FERRY_RETURN_IF_ERROR(RequireBetweenSteps("WriteState"));
   FERRY_ASSIGN_OR_RETURN(auto state, StateOf(param, kind));
   if (state.first < 0) return absl::OkStatus();
   return optimizer_->WriteState(static_cast<size_t>(state.first), state.second, host);
@@ -491,7 +492,7 @@ absl::StatusOr<int64_t> EngineImpl::GroupStep(const std::string& group) const {
 }
 
 absl::Status EngineImpl::SetGroupStep(const std::string& group, int64_t step) {
-  FERRY_RETURN_IF_ERROR(RequireFinalized("SetGroupStep"));
+  FERRY_RETURN_IF_ERROR(RequireBetweenSteps("SetGroupStep"));
   FERRY_ASSIGN_OR_RETURN(std::vector<size_t> idx, GroupIndices({group}));
   if (step < 0) {
     return absl::InvalidArgumentError(absl::StrCat("SetGroupStep('", group, "', ", step, "): the step must be >= 0"));
