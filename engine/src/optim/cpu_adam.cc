@@ -24,8 +24,16 @@ namespace ferry {
 namespace cpu_adam_internal {
 
 void AdamRangeScalar(const CpuAdamTensor& t, const AdamScalars& s, int64_t begin, int64_t end) {
+  if (!t.state.all_f32()) {
+    AdamStepRangeTyped(s, t.state, t.rounding, t.master, t.exp_avg, t.exp_avg_sq, t.grad, t.grad_dtype, t.param,
+                       t.param_dtype, begin, end);
+    return;
+  }
+  float* const master = static_cast<float*>(t.master);
+  float* const exp_avg = static_cast<float*>(t.exp_avg);
+  float* const exp_avg_sq = static_cast<float*>(t.exp_avg_sq);
   for (int64_t i = begin; i < end; ++i) {
-    AdamStepElement(s, t.master, t.exp_avg, t.exp_avg_sq, t.grad, t.grad_dtype, t.param, t.param_dtype,
+    AdamStepElement(s, master, exp_avg, exp_avg_sq, t.grad, t.grad_dtype, t.param, t.param_dtype,
                     static_cast<size_t>(i));
   }
 }
@@ -58,6 +66,7 @@ class ScopedDefaultFloatEnv {
 };
 
 bool ValidDType(DType t) { return t == DType::kF32 || t == DType::kBF16 || t == DType::kF16; }
+bool ValidStateDType(DType t) { return t == DType::kF32 || t == DType::kBF16; }
 
 absl::Status CheckPointer(const void* p, size_t alignment, size_t index, absl::string_view what,
                           absl::string_view op) {
@@ -197,9 +206,13 @@ absl::StatusOr<CpuAdamStepResult> CpuAdam::Step(absl::Span<const CpuAdamTensor> 
       return absl::InvalidArgumentError(absl::StrCat("CpuAdam::Step: tensor ", i, " has an invalid mode ",
                                                      static_cast<int>(t.scalars->mode)));
     }
-    FERRY_RETURN_IF_ERROR(CheckPointer(t.master, 4, i, "master", "CpuAdam::Step"));
-    FERRY_RETURN_IF_ERROR(CheckPointer(t.exp_avg, 4, i, "exp_avg", "CpuAdam::Step"));
-    FERRY_RETURN_IF_ERROR(CheckPointer(t.exp_avg_sq, 4, i, "exp_avg_sq", "CpuAdam::Step"));
+    if (!ValidStateDType(t.state.master) || !ValidStateDType(t.state.moments) ||
+        (t.state.rounding != StateRounding::kNearest && t.state.rounding != StateRounding::kStochastic)) {
+      return absl::InvalidArgumentError(absl::StrCat("CpuAdam::Step: tensor ", i, " has an invalid state format"));
+    }
+    FERRY_RETURN_IF_ERROR(CheckPointer(t.master, DTypeSize(t.state.master), i, "master", "CpuAdam::Step"));
+    FERRY_RETURN_IF_ERROR(CheckPointer(t.exp_avg, DTypeSize(t.state.moments), i, "exp_avg", "CpuAdam::Step"));
+    FERRY_RETURN_IF_ERROR(CheckPointer(t.exp_avg_sq, DTypeSize(t.state.moments), i, "exp_avg_sq", "CpuAdam::Step"));
     FERRY_RETURN_IF_ERROR(CheckPointer(t.grad, DTypeSize(t.grad_dtype), i, "grad", "CpuAdam::Step"));
     if (t.param != nullptr) {
       FERRY_RETURN_IF_ERROR(CheckPointer(t.param, DTypeSize(t.param_dtype), i, "param", "CpuAdam::Step"));
@@ -295,7 +308,7 @@ absl::Status CpuAdam::RunTraced(absl::Span<const CpuAdamTensor> tensors, absl::S
   double traffic = 0.0;
   for (const CpuAdamTensor& t : tensors) {
     traffic += static_cast<double>(t.numel) *
-               (24.0 + static_cast<double>(DTypeSize(t.grad_dtype)) +
+               (2.0 * static_cast<double>(t.state.bytes_per_element()) + static_cast<double>(DTypeSize(t.grad_dtype)) +
                 (t.param != nullptr ? static_cast<double>(DTypeSize(t.param_dtype)) : 0.0));
   }
   const double bytes_per_element = traffic / static_cast<double>(total);

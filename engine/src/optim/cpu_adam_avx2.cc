@@ -20,6 +20,7 @@
 
 #include "base/adam_element.h"
 #include "base/adam_math.h"
+#include "base/adam_state.h"
 #include "ferry/dtype.h"
 
 namespace ferry::cpu_adam_internal {
@@ -140,14 +141,17 @@ inline void StoreParam(void* param, int64_t i, __m256 p) {
 
 template <AdamMode M, int G, int P, bool kStream>
 inline void Block(const AdamCoeffs<F32x8>& c, const CpuAdamTensor& t, int64_t i) {
-  F32x8 p{_mm256_loadu_ps(t.master + i)};
-  F32x8 m{_mm256_loadu_ps(t.exp_avg + i)};
-  F32x8 v{_mm256_loadu_ps(t.exp_avg_sq + i)};
+  float* const master = static_cast<float*>(t.master);
+  float* const exp_avg = static_cast<float*>(t.exp_avg);
+  float* const exp_avg_sq = static_cast<float*>(t.exp_avg_sq);
+  F32x8 p{_mm256_loadu_ps(master + i)};
+  F32x8 m{_mm256_loadu_ps(exp_avg + i)};
+  F32x8 v{_mm256_loadu_ps(exp_avg_sq + i)};
   const F32x8 g{LoadGrad<G>(t.grad, i)};
   simd::AdamUpdateGeneric<M>(c, p, m, v, g);
-  _mm256_storeu_ps(t.master + i, p.v);
-  _mm256_storeu_ps(t.exp_avg + i, m.v);
-  _mm256_storeu_ps(t.exp_avg_sq + i, v.v);
+  _mm256_storeu_ps(master + i, p.v);
+  _mm256_storeu_ps(exp_avg + i, m.v);
+  _mm256_storeu_ps(exp_avg_sq + i, v.v);
   if constexpr (P != kNoParam) StoreParam<P, kStream>(t.param, i, p.v);
 }
 
@@ -172,6 +176,165 @@ void Range(const CpuAdamTensor& t, const AdamScalars& s, int64_t begin, int64_t 
   AdamRangeScalar(t, s, i, end);
 }
 
+// ---- typed state (bf16 master and/or moments; base/adam_state.h) ----
+
+// The state format as a template argument: which tensors are bf16 and whether rounding is stochastic.
+constexpr int kMasterBf16 = 1;
+constexpr int kMomentsBf16 = 2;
+constexpr int kStochastic = 4;
+
+template <bool kBf16>
+inline __m256 LoadState(const void* base, int64_t i) {
+  if constexpr (kBf16) {
+    return Bf16x8ToF32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(base) + i)));
+  } else {
+    return _mm256_loadu_ps(static_cast<const float*>(base) + i);
+  }
+}
+
+// RoundingMix32 per lane.
+inline __m256i Mix32(__m256i x) {
+  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+  x = _mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int>(0x7feb352du)));
+  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
+  x = _mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int>(0x846ca68bu)));
+  return _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+}
+
+// F32ToBF16Stochastic per lane, with the random bits of RoundingBits(key, lo).
+inline __m128i Bf16Stochastic(__m256 x, __m256i lo, uint32_t key) {
+  const __m256i bits = Mix32(_mm256_xor_si256(lo, _mm256_set1_epi32(static_cast<int>(key))));
+  const __m256i u = _mm256_castps_si256(x);
+  const __m256i abs = _mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff));
+  const __m256i nan = _mm256_cmpgt_epi32(abs, _mm256_set1_epi32(0x7f800000));
+  const __m256i rounded =
+      _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_and_si256(bits, _mm256_set1_epi32(0xffff))), 16);
+  const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+  const __m256i r = _mm256_blendv_epi8(rounded, quiet, nan);
+  return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+
+template <bool kSr>
+inline __m128i StateBf16(__m256 x, __m256i lo, uint32_t key) {
+  if constexpr (kSr) {
+    return Bf16Stochastic(x, lo, key);
+  } else {
+    return Bf16Software(x);
+  }
+}
+
+template <bool kBf16, bool kSr>
+inline void StoreState(void* base, int64_t i, __m256 x, __m256i lo, uint32_t key) {
+  if constexpr (kBf16) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(base) + i), StateBf16<kSr>(x, lo, key));
+  } else {
+    _mm256_storeu_ps(static_cast<float*>(base) + i, x);
+  }
+}
+
+// `lo`: the low words of the 8 elements' global indices. With a bf16 master, P is kBF16 or kNoParam:
+// the param takes the master's bits.
+template <AdamMode M, int G, int P, int SF, bool kStream>
+inline void BlockTyped(const AdamCoeffs<F32x8>& c, const CpuAdamTensor& t, int64_t i, __m256i lo,
+                       const StateKindKeys& keys) {
+  constexpr bool kM16 = (SF & kMasterBf16) != 0;
+  constexpr bool kV16 = (SF & kMomentsBf16) != 0;
+  constexpr bool kSr = (SF & kStochastic) != 0;
+  F32x8 p{LoadState<kM16>(t.master, i)};
+  F32x8 m{LoadState<kV16>(t.exp_avg, i)};
+  F32x8 v{LoadState<kV16>(t.exp_avg_sq, i)};
+  const F32x8 g{LoadGrad<G>(t.grad, i)};
+  simd::AdamUpdateGeneric<M>(c, p, m, v, g);
+  if constexpr (kM16) {
+    const __m128i h = StateBf16<kSr>(p.v, lo, keys.master);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(t.master) + i), h);
+    if constexpr (P != kNoParam) {
+      __m128i* dst = reinterpret_cast<__m128i*>(static_cast<uint16_t*>(t.param) + i);
+      if constexpr (kStream) {
+        _mm_stream_si128(dst, h);
+      } else {
+        _mm_storeu_si128(dst, h);
+      }
+    }
+  } else {
+    _mm256_storeu_ps(static_cast<float*>(t.master) + i, p.v);
+    if constexpr (P != kNoParam) StoreParam<P, kStream>(t.param, i, p.v);
+  }
+  StoreState<kV16, kSr>(t.exp_avg, i, m.v, lo, keys.exp_avg);
+  StoreState<kV16, kSr>(t.exp_avg_sq, i, v.v, lo, keys.exp_avg_sq);
+}
+
+template <AdamMode M, int G, int P, int SF>
+void RangeTyped(const CpuAdamTensor& t, const AdamScalars& s, int64_t begin, int64_t end) {
+  const AdamCoeffs<F32x8> c = Broadcast(s);
+  constexpr bool kStream = P != kNoParam;
+  int64_t i = begin;
+  while (i < end) {
+    // A stretch of global indices sharing their high word (all of the range but for > 2^32 elements).
+    const uint64_t gi = static_cast<uint64_t>(t.rounding.index0 + i);
+    const uint64_t room = (uint64_t{1} << 32) - (gi & 0xffffffffull);
+    const int64_t stop = static_cast<uint64_t>(end - i) < room ? end : i + static_cast<int64_t>(room);
+    if constexpr (P != kNoParam) {
+      // Streaming stores need aligned lines: the elements before the param's next 64-byte boundary
+      // go through the scalar loop.
+      constexpr int64_t kSize = P == kF32 ? 4 : 2;
+      const uintptr_t addr = reinterpret_cast<uintptr_t>(t.param) + static_cast<uintptr_t>(i * kSize);
+      int64_t head = static_cast<int64_t>((64 - addr % 64) % 64) / kSize;
+      if (head > stop - i) head = stop - i;
+      AdamRangeScalar(t, s, i, i + head);
+      i += head;
+    }
+    const uint64_t g0 = static_cast<uint64_t>(t.rounding.index0 + i);
+    const StateKindKeys keys = (SF & kStochastic) != 0 ? KindKeysFor(t.rounding.tensor_key, static_cast<uint32_t>(g0 >> 32))
+                                                       : StateKindKeys{0, 0, 0};
+    __m256i lo = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(g0))),
+                                  _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    for (; i + 8 <= stop; i += 8) {
+      BlockTyped<M, G, P, SF, kStream>(c, t, i, lo, keys);
+      lo = _mm256_add_epi32(lo, _mm256_set1_epi32(8));
+    }
+    if constexpr (P != kNoParam) _mm_sfence();  // streaming stores are visible before the task ends
+    AdamRangeScalar(t, s, i, stop);
+    i = stop;
+  }
+}
+
+template <AdamMode M, int G, int SF>
+AdamRangeFn SelectParamTyped(const CpuAdamTensor& t) {
+  if ((SF & kMasterBf16) != 0) {
+    // A bf16 master serves bf16 params (the policy allows nothing else); others take the scalar loop.
+    if (t.param == nullptr) return &RangeTyped<M, G, kNoParam, SF>;
+    if (t.param_dtype == DType::kBF16) return &RangeTyped<M, G, kBF16, SF>;
+    return &AdamRangeScalar;
+  }
+  if (t.param == nullptr) return &RangeTyped<M, G, kNoParam, SF>;
+  switch (t.param_dtype) {
+    case DType::kF32: return &RangeTyped<M, G, kF32, SF>;
+    case DType::kBF16: return &RangeTyped<M, G, kBF16, SF>;
+    case DType::kF16: break;
+  }
+  return &RangeTyped<M, G, static_cast<int>(DType::kF16), SF>;
+}
+
+template <AdamMode M, int G>
+AdamRangeFn SelectParam(const CpuAdamTensor& t);
+
+template <AdamMode M, int G>
+AdamRangeFn SelectState(const CpuAdamTensor& t) {
+  int sf = (t.state.master == DType::kBF16 ? kMasterBf16 : 0) | (t.state.moments == DType::kBF16 ? kMomentsBf16 : 0);
+  if (sf != 0 && t.state.rounding == StateRounding::kStochastic) sf |= kStochastic;
+  switch (sf) {
+    case kMasterBf16: return SelectParamTyped<M, G, kMasterBf16>(t);
+    case kMasterBf16 | kStochastic: return SelectParamTyped<M, G, kMasterBf16 | kStochastic>(t);
+    case kMomentsBf16: return SelectParamTyped<M, G, kMomentsBf16>(t);
+    case kMomentsBf16 | kStochastic: return SelectParamTyped<M, G, kMomentsBf16 | kStochastic>(t);
+    case kMasterBf16 | kMomentsBf16: return SelectParamTyped<M, G, kMasterBf16 | kMomentsBf16>(t);
+    case kMasterBf16 | kMomentsBf16 | kStochastic:
+      return SelectParamTyped<M, G, kMasterBf16 | kMomentsBf16 | kStochastic>(t);
+    default: return SelectParam<M, G>(t);
+  }
+}
+
 template <AdamMode M, int G>
 AdamRangeFn SelectParam(const CpuAdamTensor& t) {
   if (t.param == nullptr) return &Range<M, G, kNoParam>;
@@ -186,11 +349,11 @@ AdamRangeFn SelectParam(const CpuAdamTensor& t) {
 template <AdamMode M>
 AdamRangeFn SelectGrad(const CpuAdamTensor& t) {
   switch (t.grad_dtype) {
-    case DType::kF32: return SelectParam<M, kF32>(t);
-    case DType::kBF16: return SelectParam<M, kBF16>(t);
+    case DType::kF32: return SelectState<M, kF32>(t);
+    case DType::kBF16: return SelectState<M, kBF16>(t);
     case DType::kF16: break;
   }
-  return SelectParam<M, static_cast<int>(DType::kF16)>(t);
+  return SelectState<M, static_cast<int>(DType::kF16)>(t);
 }
 
 AdamRangeFn Select(const CpuAdamTensor& t, const AdamScalars& s) {

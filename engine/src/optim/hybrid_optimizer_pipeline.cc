@@ -116,9 +116,11 @@ absl::Status HybridOptimizer::StepCpuGroups(float lr, double grad_multiplier, Ev
         const size_t e0 = piece.offset / gsize;
         const size_t n = piece.bytes / gsize;
         CpuAdamTensor t;
-        t.master = StatePtr(p, StateKind::kMaster) + e0;
-        t.exp_avg = StatePtr(p, StateKind::kExpAvg) + e0;
-        t.exp_avg_sq = StatePtr(p, StateKind::kExpAvgSq) + e0;
+        t.master = StatePtr(p, StateKind::kMaster, e0);
+        t.exp_avg = StatePtr(p, StateKind::kExpAvg, e0);
+        t.exp_avg_sq = StatePtr(p, StateKind::kExpAvgSq, e0);
+        t.state = groups_[op.group].format;
+        t.rounding = RoundingKey(p, e0);
         t.grad = grad_slot + grad_at;
         t.param = param_slot + param_at;
         t.numel = static_cast<int64_t>(n);
@@ -149,7 +151,8 @@ absl::Status HybridOptimizer::StepCpuGroups(float lr, double grad_multiplier, Ev
         double elements = 0.0, bytes = 0.0;
         for (const CpuAdamTensor& t : work) {
           elements += static_cast<double>(t.numel);
-          bytes += static_cast<double>(t.numel) * static_cast<double>(24 + DTypeSize(t.grad_dtype) + DTypeSize(t.param_dtype));
+          bytes += static_cast<double>(t.numel) *
+                   static_cast<double>(2 * t.state.bytes_per_element() + DTypeSize(t.grad_dtype) + DTypeSize(t.param_dtype));
         }
         round.Arg("chunks", static_cast<double>(end - k));
         round.Arg("elements", elements);
