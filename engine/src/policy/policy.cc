@@ -216,6 +216,69 @@ absl::Status ReadStringArray(lua_State* L, int idx, const Checker& c, std::strin
   return absl::OkStatus();
 }
 
+// A group's place() value given as a table (absolute index `idx`): { device = "cpu"|"gpu", moments =
+// "fp32"|"bf16", master = "fp32"|"bf16", rounding = "nearest"|"stochastic" }. Checks every field, and
+// that a bf16 master is asked only for bf16 params (`dtype`, the group's).
+absl::Status ReadGroupTable(lua_State* L, int idx, const Checker& c, std::string_view group, DType dtype,
+                            PlaceKind* kind, StateFormat* format) {
+  const std::string where = absl::StrCat("group ", Quote(group));
+  lua_pushnil(L);
+  while (lua_next(L, idx) != 0) {
+    constexpr std::string_view kFields[] = {"device", "moments", "master", "rounding"};
+    const bool known = lua_type(L, -2) == LUA_TSTRING &&
+                       std::find(std::begin(kFields), std::end(kFields), StringAt(L, -2)) != std::end(kFields);
+    if (!known) {
+      return c.Error(absl::StrCat(where, " has unknown field ", Describe(L, -2),
+                                  "; expected only \"device\", \"moments\", \"master\" and \"rounding\""));
+    }
+    lua_pop(L, 1);
+  }
+  StateFormat f;
+  auto dtype_field = [&](const char* field, DType* out) -> absl::Status {
+    lua_getfield(L, idx, field);
+    if (lua_isnil(L, -1)) {
+      lua_pop(L, 1);
+      return absl::OkStatus();
+    }
+    if (IsString(L, -1, "fp32")) {
+      *out = DType::kF32;
+    } else if (IsString(L, -1, "bf16")) {
+      *out = DType::kBF16;
+    } else {
+      const std::string found = Describe(L, -1);
+      lua_pop(L, 1);
+      return c.Error(absl::StrCat(where, ": ", field, " is ", found, "; expected \"fp32\" or \"bf16\""));
+    }
+    lua_pop(L, 1);
+    return absl::OkStatus();
+  };
+  lua_getfield(L, idx, "device");
+  if (!IsString(L, -1, "cpu") && !IsString(L, -1, "gpu")) {
+    const std::string found = Describe(L, -1);
+    lua_pop(L, 1);
+    return c.Error(absl::StrCat(where, ": device is ", found, "; expected \"cpu\" or \"gpu\""));
+  }
+  *kind = IsString(L, -1, "cpu") ? PlaceKind::kCpu : PlaceKind::kGpu;
+  lua_pop(L, 1);
+  FERRY_RETURN_IF_ERROR(dtype_field("moments", &f.moments));
+  FERRY_RETURN_IF_ERROR(dtype_field("master", &f.master));
+  lua_getfield(L, idx, "rounding");
+  if (IsString(L, -1, "stochastic")) {
+    f.rounding = StateRounding::kStochastic;
+  } else if (!lua_isnil(L, -1) && !IsString(L, -1, "nearest")) {
+    const std::string found = Describe(L, -1);
+    lua_pop(L, 1);
+    return c.Error(absl::StrCat(where, ": rounding is ", found, "; expected \"nearest\" or \"stochastic\""));
+  }
+  lua_pop(L, 1);
+  if (f.master == DType::kBF16 && dtype != DType::kBF16) {
+    return c.Error(absl::StrCat(where, ": master = \"bf16\" needs bf16 params, but its params are ",
+                                AV(DTypeName(dtype)), " (a bf16 master would lose their precision)"));
+  }
+  *format = f;
+  return absl::OkStatus();
+}
+
 // Host inputs: names non-empty and unique. Returns name -> position.
 absl::StatusOr<absl::flat_hash_map<std::string, size_t>> IndexNames(
     const Checker& c, std::string_view what, const std::vector<std::string>& names) {
@@ -302,6 +365,7 @@ absl::StatusOr<Placement> Policy::Place(absl::Span<const GroupInfo> groups,
     return placement;
   }
   std::vector<std::optional<PlaceKind>> kinds(groups.size());
+  std::vector<std::optional<StateFormat>> formats(groups.size());
   std::optional<std::string> numa;
   auto push_args = [&](lua_State* L) {
     PushGroups(L, groups);
@@ -322,7 +386,8 @@ absl::StatusOr<Placement> Policy::Place(absl::Span<const GroupInfo> groups,
       }
       const std::string_view key = StringAt(L, -2);
       auto it = index.find(AV(key));
-      const bool placement_value = IsString(L, -1, "cpu") || IsString(L, -1, "gpu");
+      const bool placement_value =
+          IsString(L, -1, "cpu") || IsString(L, -1, "gpu") || lua_type(L, -1) == LUA_TTABLE;
       if (key == "numa" && (it == index.end() || !placement_value)) {
         // The NUMA mode (a group named "numa" is placed with "cpu"/"gpu" under the same key).
         const bool valid = lua_type(L, -1) == LUA_TSTRING &&
@@ -339,7 +404,14 @@ absl::StatusOr<Placement> Policy::Place(absl::Span<const GroupInfo> groups,
                                     groups.size(), " groups passed to place()"));
       } else if (!placement_value) {
         return c.Error(absl::StrCat("group ", Quote(key), " has placement ", Describe(L, -1),
-                                    "; expected \"cpu\" or \"gpu\""));
+                                    "; expected \"cpu\" or \"gpu\" (or a table {device=, moments=, "
+                                    "master=, rounding=})"));
+      } else if (lua_type(L, -1) == LUA_TTABLE) {
+        PlaceKind kind = PlaceKind::kGpu;
+        StateFormat format;
+        FERRY_RETURN_IF_ERROR(ReadGroupTable(L, lua_gettop(L), c, key, groups[it->second].dtype, &kind, &format));
+        kinds[it->second] = kind;
+        formats[it->second] = format;
       } else {
         kinds[it->second] = IsString(L, -1, "cpu") ? PlaceKind::kCpu : PlaceKind::kGpu;
       }
@@ -358,7 +430,10 @@ absl::StatusOr<Placement> Policy::Place(absl::Span<const GroupInfo> groups,
   };
   c.set_location(lua_->HookLocation("place"));
   FERRY_RETURN_IF_ERROR(lua_->CallHook("place", push_args, read));
-  for (size_t i = 0; i < names.size(); ++i) placement.groups.emplace(names[i], *kinds[i]);
+  for (size_t i = 0; i < names.size(); ++i) {
+    placement.groups.emplace(names[i], *kinds[i]);
+    if (formats[i].has_value()) placement.state.emplace(names[i], *formats[i]);
+  }
   placement.numa = std::move(numa);
   return placement;
 }
