@@ -19,6 +19,7 @@
 #include "engine/engine_test_util.h"
 #include "ferry/engine.h"
 #include "ferry/status.h"
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
 namespace ferry::engine_test {

@@ -231,8 +231,8 @@ TEST_P(CpuAdamBf16IsaTest, EqualsScalarBitForBit) {
 INSTANTIATE_TEST_SUITE_P(Isas, CpuAdamBf16IsaTest,
                          ::testing::Values(CpuAdamIsa::kScalar, CpuAdamIsa::kAvx2, CpuAdamIsa::kAvx512,
                                            CpuAdamIsa::kAvx512Bf16),
-                         [](const ::testing::TestParamInfo<CpuAdamIsa>& info) {
-                           return std::string(CpuAdamIsaName(info.param));
+                         [](const ::testing::TestParamInfo<CpuAdamIsa>& param) {
+                           return std::string(CpuAdamIsaName(param.param));
                          });
 
 // The thread count and the split into ranges do not change a bit (the rounding counter is the global
