@@ -49,7 +49,7 @@ std::unique_ptr<Engine> MakeEngine(const std::string& policy, const std::map<std
 
 TEST(Bf16StateEngineTest, PlacementReportsPrecisionAndBytes) {
   std::unique_ptr<Device> device = *CreateDevice({.backend = "host"});
-  const std::vector<int64_t> sizes = {1000, 3000};  // aligned to 16 elements: 1008 + 3008
+  const std::vector<int64_t> sizes = {1000, 3000};  // a group each
   Model model(device.get(), sizes, 1);
   std::unique_ptr<Engine> fp32 = MakeEngine(Policies() + "offload_all.lua");
   ASSERT_TRUE(model.Register(*fp32).ok());
@@ -60,23 +60,24 @@ TEST(Bf16StateEngineTest, PlacementReportsPrecisionAndBytes) {
   const std::vector<GroupPlacement> a = fp32->Placement(), b = bf16->Placement();
   ASSERT_EQ(b.size(), 2u);
   EXPECT_EQ(a[0].moments_dtype, DType::kF32);
-  EXPECT_EQ(a[0].host_state_bytes, 12 * 1008);
+  EXPECT_EQ(a[0].host_state_bytes, 12 * 1000);
   EXPECT_EQ(b[0].moments_dtype, DType::kBF16);
   EXPECT_EQ(b[0].master_dtype, DType::kF32);
   EXPECT_TRUE(b[0].stochastic_rounding);
-  EXPECT_EQ(b[0].host_state_bytes, 8 * 1008);
-  EXPECT_EQ(b[1].host_state_bytes, 8 * 3008);
+  EXPECT_EQ(b[0].host_state_bytes, 8 * 1000);
+  EXPECT_EQ(b[1].host_state_bytes, 8 * 3000);
   EXPECT_EQ(b[1].device_state_bytes, 0);
-  // Pinned memory: the state shrank by 4 B per (aligned) element; the staging ring is the same.
-  EXPECT_EQ(fp32->Stats().pinned_bytes - bf16->Stats().pinned_bytes, size_t{4} * (1008 + 3008));
+  // Pinned memory: the state shrank by 4 B per element; the staging ring is the same (the arena is
+  // reserved in whole pages).
+  EXPECT_NEAR(static_cast<double>(fp32->Stats().pinned_bytes - bf16->Stats().pinned_bytes), 4.0 * (1000 + 3000), 4096);
 
   std::unique_ptr<Engine> gpu = MakeEngine(Policies() + "offload_bf16_moments.lua", {{"device", "gpu"}, {"master", "bf16"}});
   ASSERT_TRUE(model.Register(*gpu).ok());
   ASSERT_TRUE(gpu->Finalize().ok());
   const std::vector<GroupPlacement> c = gpu->Placement();
   EXPECT_EQ(c[0].master_dtype, DType::kBF16);
-  EXPECT_EQ(c[0].device_state_bytes, 6 * 1008);
-  EXPECT_EQ(gpu->Stats().gpu_state_bytes, size_t{6} * (1008 + 3008));
+  EXPECT_EQ(c[0].device_state_bytes, 6 * 1000);
+  EXPECT_EQ(gpu->Stats().gpu_state_bytes, size_t{6} * (1000 + 3000));
   EXPECT_EQ(gpu->Stats().pinned_bytes, 0u);
 }
 
@@ -386,13 +387,22 @@ double Train(const Problem& problem, const std::string& policy, const std::map<s
     for (size_t t = 0; t < sizes.size(); ++t) {
       EXPECT_TRUE(device->Copy(grads[t].data(), g[t].data(), g[t].size() * 4, CopyKind::kHostToDevice).ok());
     }
-    EXPECT_TRUE(e->Step({.lr = lr}).ok());
+    // Linear decay to 5% of `lr`: the final loss is the problem's floor, not Adam's jitter at lr.
+    const float scale = 1.0f - 0.95f * static_cast<float>(step - 1) / static_cast<float>(steps);
+    EXPECT_TRUE(e->Step({.lr = lr * scale}).ok());
   }
   return tail;
 }
 
-// The loss with bf16 state ends within 10% (plus an absolute 2e-4, the scale of the bf16 params'
-// own rounding) of the loss with fp32 state, and both learned (the loss fell 50x from the start).
+// Tolerances, on the mean loss of the last 10 steps against fp32 state (bit-reproducible runs, so
+// they cannot flake; measured values in brackets):
+//  - bf16 moments, stochastic rounding: within 10% (+1e-4 absolute, the scale of the bf16 params' own
+//    rounding) [regression +5%, MLP -1%]: unbiased rounding keeps Adam's statistics.
+//  - bf16 moments, rounding to nearest: within 2x [+60%, +18%]: v moves only by whole half bf16
+//    steps, so it lags the gradients' scale (the reason stochastic rounding is offered).
+//  - bf16 master and moments, stochastic: within 2x [+58%, +14%]: the params walk at random by bf16
+//    steps.
+// And fp32 state learned: its loss fell at least 50x from the first steps'.
 void ExpectConverges(const Problem& problem, int steps, float lr) {
   const std::string bf16 = Policies() + "offload_bf16_moments.lua";
   const double start = Train(problem, Policies() + "offload_all.lua", {}, 10, lr);
@@ -404,14 +414,14 @@ void ExpectConverges(const Problem& problem, int steps, float lr) {
               "(stochastic), bf16 master+moments %.4g\n",
               start, steps, fp32, rne, sr, all_sr);
   EXPECT_LT(fp32, start / 50);
-  for (double loss : {rne, sr}) EXPECT_LE(loss, fp32 * 1.1 + 2e-4);
-  // A bf16 master steps in bf16 increments: stochastic rounding still converges, to within 2x.
-  EXPECT_LE(all_sr, fp32 * 2 + 1e-3);
+  EXPECT_LE(sr, fp32 * 1.1 + 1e-4);
+  EXPECT_LE(rne, fp32 * 2);
+  EXPECT_LE(all_sr, fp32 * 2 + 1e-4);
 }
 
-TEST(Bf16StateEngineTest, LinearRegressionConvergesToTheFp32Loss) { ExpectConverges(LinearRegression(), 400, 2e-2f); }
+TEST(Bf16StateEngineTest, LinearRegressionConvergesToTheFp32Loss) { ExpectConverges(LinearRegression(), 800, 5e-2f); }
 
-TEST(Bf16StateEngineTest, SmallMlpConvergesToTheFp32Loss) { ExpectConverges(SmallMlp(), 600, 1e-2f); }
+TEST(Bf16StateEngineTest, SmallMlpConvergesToTheFp32Loss) { ExpectConverges(SmallMlp(), 1000, 2e-2f); }
 
 }  // namespace
 }  // namespace ferry::engine_test

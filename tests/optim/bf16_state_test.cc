@@ -318,34 +318,41 @@ ErrorStats ErrorAgainstFloat64(const StateFormat& f) {
   return e;
 }
 
-// The bounds, relative to the largest displacement (lr x 1,000 steps = 1):
-//  - fp32 state: float32 rounding only: <= 1e-4.
-//  - bf16 moments, stochastic: m and v carry unbiased noise of at most one bf16 step (2^-7 relative)
-//    per update, averaged by the EMAs; the update's error is a zero-mean walk of ~2^-8 x sqrt(steps
-//    / (1 - beta1)) steps of lr: max <= 2%, mean <= 0.5%.
-//  - bf16 moments, nearest: v cannot move by less than half a bf16 step (2^-8 relative), while the
-//    EMA changes it by 0.1% per step: v sticks, then jumps, and the update is off by up to ~15%
-//    of itself for a stretch; max <= 10%, mean <= 3%. (Why stochastic rounding is offered.)
-//  - bf16 master and moments, stochastic: the master's rounding noise (2^-8 of |p| ~ 0.004) adds to
-//    the above: max <= 2% + 1%, mean <= 1%.
+// The bounds, relative to the largest displacement Adam allows (lr x 1,000 steps = 1); measured on
+// this fixed data (x86-64, any path: the results are bit-identical) in brackets:
+//  - fp32 state: float32 rounding only: max <= 1e-4 [2.8e-6].
+//  - bf16 moments: each store rounds m and v by at most one bf16 step (2^-8 relative, nearest: half
+//    of it), the EMAs average these errors over ~1 / (1 - beta) steps, so each update is off by
+//    about 2^-8 of itself, mostly at random: its sum over 1,000 steps stays a few percent of the
+//    displacement. Bounds: max <= 5%, mean <= 1% with stochastic rounding [1.7%, 0.27%]; max <= 5%,
+//    mean <= 1.5% rounding to nearest [1.6%, 0.41%].
+//  - bf16 master and moments, stochastic: the master itself now walks at random by up to one bf16
+//    step (2^-7 for |p| < 2) per update with probability ~ update / step: a walk of standard
+//    deviation <= 2^-7 x 0.5 x sqrt(1,000) = 0.12, so max <= 50% over 4,096 elements (4 sigma),
+//    mean <= 6% [26%, 2.5%].
+//  - bf16 master, rounding to nearest: every update below half a bf16 step (lr = 1e-3 against a half
+//    step of 2e-3 for |p| in [0.5, 1)) is lost, every step: the error is systematic, mean >= 10%.
+//    This is why a bf16 master wants stochastic rounding.
 TEST(CpuAdamBf16Test, ErrorAgainstFloat64Over1000Steps) {
   const ErrorStats fp32 = ErrorAgainstFloat64(StateFormat{});
   const ErrorStats sr = ErrorAgainstFloat64({DType::kF32, DType::kBF16, StateRounding::kStochastic});
   const ErrorStats rne = ErrorAgainstFloat64({DType::kF32, DType::kBF16, StateRounding::kNearest});
   const ErrorStats all_sr = ErrorAgainstFloat64({DType::kBF16, DType::kBF16, StateRounding::kStochastic});
+  const ErrorStats all_rne = ErrorAgainstFloat64({DType::kBF16, DType::kBF16, StateRounding::kNearest});
   std::printf("error / (lr x steps), max and mean: fp32 %.2e %.2e; bf16 moments sr %.2e %.2e, nearest %.2e %.2e; "
-              "bf16 master+moments sr %.2e %.2e\n",
+              "bf16 master+moments sr %.2e %.2e, nearest %.2e %.2e\n",
               fp32.max_err, fp32.mean_err, sr.max_err, sr.mean_err, rne.max_err, rne.mean_err, all_sr.max_err,
-              all_sr.mean_err);
+              all_sr.mean_err, all_rne.max_err, all_rne.mean_err);
   EXPECT_LE(fp32.max_err, 1e-4);
-  EXPECT_LE(sr.max_err, 0.02);
-  EXPECT_LE(sr.mean_err, 0.005);
-  EXPECT_LE(rne.max_err, 0.10);
-  EXPECT_LE(rne.mean_err, 0.03);
-  EXPECT_LE(all_sr.max_err, 0.03);
-  EXPECT_LE(all_sr.mean_err, 0.01);
+  EXPECT_LE(sr.max_err, 0.05);
+  EXPECT_LE(sr.mean_err, 0.01);
+  EXPECT_LE(rne.max_err, 0.05);
+  EXPECT_LE(rne.mean_err, 0.015);
+  EXPECT_LE(all_sr.max_err, 0.5);
+  EXPECT_LE(all_sr.mean_err, 0.06);
+  EXPECT_GE(all_rne.mean_err, 0.1) << "a bf16 master rounded to nearest should lose the small updates";
   // bf16 state is not fp32 state: the errors are real (and the test could fail).
-  EXPECT_GT(sr.mean_err, fp32.mean_err);
+  EXPECT_GT(sr.mean_err, 10 * fp32.mean_err);
 }
 
 }  // namespace
