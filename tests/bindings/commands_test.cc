@@ -218,6 +218,22 @@ TEST(CheckCommandTest, WarnsWhenTheStateDoesNotFit) {
                                "(absent: engine default), on_step (absent: engine default)\n"));
 }
 
+// Per-group state precision: the table's last column and the bytes follow it (8 B per element with
+// bf16 moments, 6 B with a bf16 master; a bf16 master only for the bf16 group).
+TEST(CheckCommandTest, ShowsStatePrecisionAndBytesPerGroup) {
+  Result r = Check({kPolicies + "offload_bf16_moments.lua", "--model", "a:1000,b:3000:f32", "--arg", "master=bf16",
+                    "--arg", "rounding=stochastic"});
+  EXPECT_EQ(r.status, 0) << r.err;
+  EXPECT_THAT(Row(r.out, "  a "), ElementsAre("a", "1000", "bf16", "cpu", "4000", "6000", "bf16/bf16+sr"));
+  EXPECT_THAT(Row(r.out, "  b "), ElementsAre("b", "3000", "f32", "cpu", "24000", "24000", "fp32/bf16+sr"));
+  EXPECT_THAT(r.out, HasSubstr("writes: model 14000 B, master 14000 B, optimizer 16000 B"));
+  Result gpu = Check({kPolicies + "offload_bf16_moments.lua", "--model", "a:1000", "--arg", "device=gpu"});
+  EXPECT_THAT(Row(gpu.out, "  a "), ElementsAre("a", "1000", "bf16", "gpu", "12000", "0", "fp32/bf16"));
+  Result bad = Check({kPolicies + "offload_bf16_moments.lua", "--model", "a:1000", "--arg", "rounding=up"});
+  EXPECT_EQ(bad.status, 1);
+  EXPECT_THAT(bad.out + bad.err, HasSubstr("args.rounding must be one of nearest, stochastic"));
+}
+
 TEST(CheckCommandTest, ShippedPoliciesOnADescribedModel) {
   // memory_budget: 12 B per element of 1000 + 3000 + 500 = 54000 B; 40000 available: b goes.
   Result budget = Check({kPolicies + "memory_budget.lua", "--model", "a:1000,b:3000,c:500",

@@ -266,6 +266,20 @@ TEST(MultiRankEngineTest, SaveWithAnyWorldSizeLoadWithAnyOther) {
   }
 }
 
+// bf16 state (moments and masters, stochastic rounding) saved with W ranks and resumed with W': the
+// same bits as one rank that never stopped (the state is saved as bf16, no conversion on load).
+TEST(MultiRankEngineTest, Bf16StateSavesAndResumesWithAnyWorldSize) {
+  RunSetup setup;
+  setup.policy = "offload_bf16_moments.lua";
+  setup.policy_args = {{"master", "bf16"}, {"rounding", "stochastic"}};
+  const GlobalParams reference = Train(1, setup, 6);
+  for (const auto& [w, w2] : std::vector<std::pair<int, int>>{{1, 3}, {2, 1}, {3, 4}}) {
+    TempDir dir;
+    ExpectSameParams(reference, SaveAndResume(dir.path() + "/ckpt", w, w2, setup, 4, 6),
+                     absl::StrCat("bf16 state, saved by ", w, ", loaded by ", w2));
+  }
+}
+
 TEST(MultiRankEngineTest, AsyncSavesCommitOnlyWhenEveryRankIsDone) {
   TempDir dir;
   RunSetup setup;

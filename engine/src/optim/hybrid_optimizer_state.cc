@@ -194,7 +194,26 @@ absl::Status HybridOptimizer::CopyItems(absl::Span<const SnapshotItem> items, bo
     size_t numel = 0;
   };
   std::deque<Conversion> conversions;  // stable addresses: copies in flight point into them
-  for (const SnapshotItem& item : items) {
+  std::vector<Conversion*> conversion_of(items.size(), nullptr);
+  for (size_t i = 0; i < items.size(); ++i) {
+    const SnapshotItem& item = items[i];
+    if (item.is_param || item.dtype == state_dtype(item.param, item.kind)) continue;
+    Conversion& c = conversions.emplace_back();
+    c.item = item.dst;
+    c.item_dtype = item.dtype;
+    c.stored_dtype = state_dtype(item.param, item.kind);
+    c.numel = static_cast<size_t>(params_[item.param].numel);
+    c.stored.resize(c.numel * DTypeSize(c.stored_dtype));
+    conversion_of[i] = &c;
+  }
+  if (!to_host) {
+    pool_->ParallelFor(conversions.size(), [&](size_t k) {
+      Conversion& c = conversions[k];
+      ConvertState(c.stored.data(), c.stored_dtype, c.item, c.item_dtype, c.numel);
+    });
+  }
+  for (size_t i = 0; i < items.size(); ++i) {
+    const SnapshotItem& item = items[i];
     const OptimParam& op = params_[item.param];
     if (item.is_param) {
       const size_t pbytes = static_cast<size_t>(op.numel) * DTypeSize(op.dtype);
@@ -206,21 +225,10 @@ absl::Status HybridOptimizer::CopyItems(absl::Span<const SnapshotItem> items, bo
       }
       continue;
     }
-    const DType stored = state_dtype(item.param, item.kind);
-    const size_t n = static_cast<size_t>(op.numel);
-    const size_t bytes = n * DTypeSize(stored);
+    const size_t bytes = static_cast<size_t>(op.numel) * DTypeSize(state_dtype(item.param, item.kind));
     char* state = StatePtr(item.param, item.kind);
     char* host = static_cast<char*>(item.dst);
-    if (item.dtype != stored) {
-      Conversion& c = conversions.emplace_back();
-      c.stored.resize(bytes);
-      c.item = item.dst;
-      c.item_dtype = item.dtype;
-      c.stored_dtype = stored;
-      c.numel = n;
-      if (!to_host) ConvertState(c.stored.data(), stored, item.dst, item.dtype, n);
-      host = c.stored.data();
-    }
+    if (conversion_of[i] != nullptr) host = conversion_of[i]->stored.data();
     if (!groups_[op.group].offloaded) {
       absl::Status st = to_host ? device_->CopyAsync(host, state, bytes, CopyKind::kDeviceToHost, *work_stream_)
                                 : device_->CopyAsync(state, host, bytes, CopyKind::kHostToDevice, *work_stream_);

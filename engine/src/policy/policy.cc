@@ -267,8 +267,7 @@ absl::StatusOr<Placement> Policy::Place(absl::Span<const GroupInfo> groups,
                                     groups.size(), " groups passed to place()"));
       } else if (!placement_value) {
         return c.Error(absl::StrCat("group ", Quote(key), " has placement ", Describe(L, -1),
-                                    "; expected \"cpu\" or \"gpu\" (or a table {device=, moments=, "
-                                    "master=, rounding=})"));
+                                    "; expected \"cpu\" or \"gpu\""));
       } else if (lua_type(L, -1) == LUA_TTABLE) {
         PlaceKind kind = PlaceKind::kGpu;
         StateFormat format;
