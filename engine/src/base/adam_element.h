@@ -44,9 +44,10 @@ FERRY_ADAM_HD void AdamStepElementTyped(const AdamScalars& s, const StateFormat&
   const bool sr = f.rounding == StateRounding::kStochastic;
   const bool moments16 = f.moments != DType::kF32;
   const bool master16 = f.master != DType::kF32;
+  const uint32_t moment_bits = sr && moments16 ? RoundingBits(keys.moments, lo) : 0u;
   StoreState(master, f.master, k, p, f.rounding, sr && master16 ? RoundingBits(keys.master, lo) : 0u);
-  StoreState(exp_avg, f.moments, k, m, f.rounding, sr && moments16 ? RoundingBits(keys.exp_avg, lo) : 0u);
-  StoreState(exp_avg_sq, f.moments, k, v, f.rounding, sr && moments16 ? RoundingBits(keys.exp_avg_sq, lo) : 0u);
+  StoreState(exp_avg, f.moments, k, m, f.rounding, moment_bits);
+  StoreState(exp_avg_sq, f.moments, k, v, f.rounding, moment_bits >> 16);
   if (param != nullptr) StoreFromF32(param, param_dtype, k, master16 ? LoadAsF32(master, f.master, k) : p);
 }
 
@@ -63,7 +64,7 @@ FERRY_ADAM_HD void AdamStepRangeTyped(const AdamScalars& s, const StateFormat& f
     // The stretch of elements sharing `hi`: up to the next multiple of 2^32 of the global index.
     const uint64_t room = (uint64_t{1} << 32) - (g & 0xffffffffull);
     const int64_t stop = static_cast<uint64_t>(end - i) < room ? end : i + static_cast<int64_t>(room);
-    const StateKindKeys keys = f.stochastic() ? KindKeysFor(key.tensor_key, hi) : StateKindKeys{0, 0, 0};
+    const StateKindKeys keys = f.stochastic() ? KindKeysFor(key.tensor_key, hi) : StateKindKeys{0, 0};
     for (; i < stop; ++i) {
       AdamStepElementTyped(s, f, master, exp_avg, exp_avg_sq, grad, grad_dtype, param, param_dtype,
                            static_cast<size_t>(i), keys, static_cast<uint32_t>(key.index0 + i));

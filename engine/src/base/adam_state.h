@@ -6,7 +6,7 @@
 // Round to nearest even is ferry/dtype.h's F32ToBF16. Stochastic rounding adds 16 random bits below the
 // bf16 mantissa and truncates: a value is rounded up with probability (its distance to the bf16 below)
 // / (the bf16 spacing), so the rounding is unbiased and small updates are not lost on average. The
-// random bits come from a counter-based hash of (seed, param identity, optimizer step, state kind,
+// random bits come from a counter-based hash of (seed, param identity, optimizer step, master or moments,
 // GLOBAL element index): nothing of the thread split, the pipeline's chunks, the world size or the
 // placement enters, so any split of the same tensors rounds identically.
 #ifndef FERRY_BASE_ADAM_STATE_H_
@@ -49,10 +49,10 @@ struct StateFormat {
   friend bool operator!=(const StateFormat& a, const StateFormat& b) { return !(a == b); }
 };
 
-// The three state tensors, in storage order; the index names them in the rounding hash.
-inline constexpr int kStateMaster = 0;
-inline constexpr int kStateExpAvg = 1;
-inline constexpr int kStateExpAvgSq = 2;
+// The streams of the rounding hash: one for the master, one for both moments (m rounds with the low
+// 16 bits of an element's random word, v with the high 16 bits: one hash per element serves both).
+inline constexpr int kRoundMaster = 0;
+inline constexpr int kRoundMoments = 1;
 
 // ---- the counter-based generator -------------------------------------------------------------------
 
@@ -92,15 +92,16 @@ FERRY_STATE_HD uint64_t RoundingTensorKey(uint64_t seed, uint64_t param_id, int6
                        RoundingMix64(static_cast<uint64_t>(step) * 0xd1b54a32d192ed03ull));
 }
 
-// The 32-bit key of state `kind` (kStateMaster, ...) for the global elements whose index has high word
-// `hi` (index >> 32); kernels compute it once per stretch of 2^32 elements.
+// The 32-bit key of stream `kind` (kRoundMaster, kRoundMoments) for the global elements whose index
+// has high word `hi` (index >> 32); kernels compute it once per stretch of 2^32 elements.
 FERRY_STATE_HD uint32_t RoundingKindKey(uint64_t tensor_key, int kind, uint32_t hi) {
   return static_cast<uint32_t>(
       RoundingMix64(tensor_key ^ (((static_cast<uint64_t>(hi) << 2) | static_cast<uint64_t>(kind)) * 0x9e3779b97f4a7c15ull)) >>
       32);
 }
 
-// The random bits of global element (hi << 32 | lo) under its kind key.
+// The random word of global element (hi << 32 | lo) under its stream's key: a master takes its low
+// 16 bits; m the low and v the high 16 bits of the moments' word.
 FERRY_STATE_HD uint32_t RoundingBits(uint32_t kind_key, uint32_t lo) { return RoundingMix32(lo ^ kind_key); }
 
 // fp32 -> bf16, stochastically with the low 16 bits of `bits`: NaN as F32ToBF16 (quiet, sign and top
@@ -131,13 +132,12 @@ struct StateRoundingKey {
   int64_t index0 = 0;
 };
 
-// The three kind keys of global elements with high word `hi`.
+// The stream keys of global elements with high word `hi`.
 struct StateKindKeys {
-  uint32_t master, exp_avg, exp_avg_sq;
+  uint32_t master, moments;
 };
 FERRY_STATE_HD StateKindKeys KindKeysFor(uint64_t tensor_key, uint32_t hi) {
-  return StateKindKeys{RoundingKindKey(tensor_key, kStateMaster, hi), RoundingKindKey(tensor_key, kStateExpAvg, hi),
-                       RoundingKindKey(tensor_key, kStateExpAvgSq, hi)};
+  return StateKindKeys{RoundingKindKey(tensor_key, kRoundMaster, hi), RoundingKindKey(tensor_key, kRoundMoments, hi)};
 }
 
 }  // namespace ferry

@@ -201,9 +201,13 @@ inline __m256i Mix32(__m256i x) {
   return _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
 }
 
-// F32ToBF16Stochastic per lane, with the random bits of RoundingBits(key, lo).
-inline __m128i Bf16Stochastic(__m256 x, __m256i lo, uint32_t key) {
-  const __m256i bits = Mix32(_mm256_xor_si256(lo, _mm256_set1_epi32(static_cast<int>(key))));
+// RoundingBits(key, lo) per lane.
+inline __m256i RandomWords(__m256i lo, uint32_t key) {
+  return Mix32(_mm256_xor_si256(lo, _mm256_set1_epi32(static_cast<int>(key))));
+}
+
+// F32ToBF16Stochastic per lane with the low 16 bits of `bits`.
+inline __m128i Bf16Stochastic(__m256 x, __m256i bits) {
   const __m256i u = _mm256_castps_si256(x);
   const __m256i abs = _mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff));
   const __m256i nan = _mm256_cmpgt_epi32(abs, _mm256_set1_epi32(0x7f800000));
@@ -214,19 +218,20 @@ inline __m128i Bf16Stochastic(__m256 x, __m256i lo, uint32_t key) {
   return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
 }
 
+// `bits`: the lanes' random words (used only by stochastic rounding).
 template <bool kSr>
-inline __m128i StateBf16(__m256 x, __m256i lo, uint32_t key) {
+inline __m128i StateBf16(__m256 x, __m256i bits) {
   if constexpr (kSr) {
-    return Bf16Stochastic(x, lo, key);
+    return Bf16Stochastic(x, bits);
   } else {
     return Bf16Software(x);
   }
 }
 
 template <bool kBf16, bool kSr>
-inline void StoreState(void* base, int64_t i, __m256 x, __m256i lo, uint32_t key) {
+inline void StoreState(void* base, int64_t i, __m256 x, __m256i bits) {
   if constexpr (kBf16) {
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(base) + i), StateBf16<kSr>(x, lo, key));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(base) + i), StateBf16<kSr>(x, bits));
   } else {
     _mm256_storeu_ps(static_cast<float*>(base) + i, x);
   }
@@ -246,7 +251,7 @@ inline void BlockTyped(const AdamCoeffs<F32x8>& c, const CpuAdamTensor& t, int64
   const F32x8 g{LoadGrad<G>(t.grad, i)};
   simd::AdamUpdateGeneric<M>(c, p, m, v, g);
   if constexpr (kM16) {
-    const __m128i h = StateBf16<kSr>(p.v, lo, keys.master);
+    const __m128i h = StateBf16<kSr>(p.v, kSr ? RandomWords(lo, keys.master) : lo);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(t.master) + i), h);
     if constexpr (P != kNoParam) {
       __m128i* dst = reinterpret_cast<__m128i*>(static_cast<uint16_t*>(t.param) + i);
@@ -260,8 +265,9 @@ inline void BlockTyped(const AdamCoeffs<F32x8>& c, const CpuAdamTensor& t, int64
     _mm256_storeu_ps(static_cast<float*>(t.master) + i, p.v);
     if constexpr (P != kNoParam) StoreParam<P, kStream>(t.param, i, p.v);
   }
-  StoreState<kV16, kSr>(t.exp_avg, i, m.v, lo, keys.exp_avg);
-  StoreState<kV16, kSr>(t.exp_avg_sq, i, v.v, lo, keys.exp_avg_sq);
+  const __m256i moment_bits = kSr && kV16 ? RandomWords(lo, keys.moments) : lo;  // m: low 16, v: high 16
+  StoreState<kV16, kSr>(t.exp_avg, i, m.v, moment_bits);
+  StoreState<kV16, kSr>(t.exp_avg_sq, i, v.v, _mm256_srli_epi32(moment_bits, 16));
 }
 
 template <AdamMode M, int G, int P, int SF>
@@ -286,7 +292,7 @@ void RangeTyped(const CpuAdamTensor& t, const AdamScalars& s, int64_t begin, int
     }
     const uint64_t g0 = static_cast<uint64_t>(t.rounding.index0 + i);
     const StateKindKeys keys = (SF & kStochastic) != 0 ? KindKeysFor(t.rounding.tensor_key, static_cast<uint32_t>(g0 >> 32))
-                                                       : StateKindKeys{0, 0, 0};
+                                                       : StateKindKeys{0, 0};
     __m256i lo = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(g0))),
                                   _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
     for (; i + 8 <= stop; i += 8) {

@@ -223,9 +223,13 @@ inline __m512i Mix32(__m512i x) {
   return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
 }
 
-// F32ToBF16Stochastic per lane, with the random bits of RoundingBits(key, lo).
-inline __m256i Bf16Stochastic(__m512 x, __m512i lo, uint32_t key) {
-  const __m512i bits = Mix32(_mm512_xor_si512(lo, _mm512_set1_epi32(static_cast<int>(key))));
+// RoundingBits(key, lo) per lane.
+inline __m512i RandomWords(__m512i lo, uint32_t key) {
+  return Mix32(_mm512_xor_si512(lo, _mm512_set1_epi32(static_cast<int>(key))));
+}
+
+// F32ToBF16Stochastic per lane with the low 16 bits of `bits`.
+inline __m256i Bf16Stochastic(__m512 x, __m512i bits) {
   const __m512i u = _mm512_castps_si512(x);
   const __m512i abs = _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff));
   const __mmask16 nan = _mm512_cmpgt_epi32_mask(abs, _mm512_set1_epi32(0x7f800000));
@@ -235,19 +239,20 @@ inline __m256i Bf16Stochastic(__m512 x, __m512i lo, uint32_t key) {
   return _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, rounded, quiet));
 }
 
+// `bits`: the lanes' random words (used only by stochastic rounding).
 template <bool kSr, bool kHwBf16>
-inline __m256i StateBf16(__m512 x, __m512i lo, uint32_t key) {
+inline __m256i StateBf16(__m512 x, __m512i bits) {
   if constexpr (kSr) {
-    return Bf16Stochastic(x, lo, key);
+    return Bf16Stochastic(x, bits);
   } else {
     return To16<kBF16, kHwBf16>(x);
   }
 }
 
 template <bool kBf16, bool kSr, bool kHwBf16>
-inline void StoreState(void* base, int64_t i, __m512 x, __mmask16 k, __m512i lo, uint32_t key) {
+inline void StoreState(void* base, int64_t i, __m512 x, __mmask16 k, __m512i bits) {
   if constexpr (kBf16) {
-    _mm256_mask_storeu_epi16(static_cast<uint16_t*>(base) + i, k, StateBf16<kSr, kHwBf16>(x, lo, key));
+    _mm256_mask_storeu_epi16(static_cast<uint16_t*>(base) + i, k, StateBf16<kSr, kHwBf16>(x, bits));
   } else {
     _mm512_mask_storeu_ps(static_cast<float*>(base) + i, k, x);
   }
@@ -267,7 +272,7 @@ inline void BlockTyped(const AdamCoeffs<F32x16>& c, const CpuAdamTensor& t, int6
   const F32x16 g{LoadGrad<G>(t.grad, i, k)};
   simd::AdamUpdateGeneric<M>(c, p, m, v, g);
   if constexpr (kM16) {
-    const __m256i h = StateBf16<kSr, kHwBf16>(p.v, lo, keys.master);
+    const __m256i h = StateBf16<kSr, kHwBf16>(p.v, kSr ? RandomWords(lo, keys.master) : lo);
     _mm256_mask_storeu_epi16(static_cast<uint16_t*>(t.master) + i, k, h);
     if constexpr (P != kNoParam) {
       if constexpr (kStream) {
@@ -286,8 +291,9 @@ inline void BlockTyped(const AdamCoeffs<F32x16>& c, const CpuAdamTensor& t, int6
       }
     }
   }
-  StoreState<kV16, kSr, kHwBf16>(t.exp_avg, i, m.v, k, lo, keys.exp_avg);
-  StoreState<kV16, kSr, kHwBf16>(t.exp_avg_sq, i, v.v, k, lo, keys.exp_avg_sq);
+  const __m512i moment_bits = kSr && kV16 ? RandomWords(lo, keys.moments) : lo;  // m: low 16, v: high 16
+  StoreState<kV16, kSr, kHwBf16>(t.exp_avg, i, m.v, k, moment_bits);
+  StoreState<kV16, kSr, kHwBf16>(t.exp_avg_sq, i, v.v, k, _mm512_srli_epi32(moment_bits, 16));
 }
 
 template <AdamMode M, int G, int P, int SF, bool kHwBf16>
@@ -301,7 +307,7 @@ void RangeTyped(const CpuAdamTensor& t, const AdamScalars& s, int64_t begin, int
     const uint64_t room = (uint64_t{1} << 32) - (g0 & 0xffffffffull);
     const int64_t stop = static_cast<uint64_t>(end - i) < room ? end : i + static_cast<int64_t>(room);
     const StateKindKeys keys = (SF & kStochastic) != 0 ? KindKeysFor(t.rounding.tensor_key, static_cast<uint32_t>(g0 >> 32))
-                                                       : StateKindKeys{0, 0, 0};
+                                                       : StateKindKeys{0, 0};
     const uint32_t lo0 = static_cast<uint32_t>(g0);
     const int64_t seg = i;
     auto lo_at = [&](int64_t at) {

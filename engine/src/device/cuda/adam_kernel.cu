@@ -144,8 +144,8 @@ __device__ __forceinline__ void Group4Typed(const AdamScalars& s, const AdamTens
     for (int j = 0; j < 4; ++j) {
       if (f.master != DType::kF32) bp[j] = RoundingBits(keys.master, lo + static_cast<uint32_t>(j));
       if (f.moments != DType::kF32) {
-        bm[j] = RoundingBits(keys.exp_avg, lo + static_cast<uint32_t>(j));
-        bv[j] = RoundingBits(keys.exp_avg_sq, lo + static_cast<uint32_t>(j));
+        bm[j] = RoundingBits(keys.moments, lo + static_cast<uint32_t>(j));  // m: low 16 bits, v: high 16
+        bv[j] = bm[j] >> 16;
       }
     }
   }
@@ -172,7 +172,7 @@ __device__ __forceinline__ void ChunkTyped(const AdamScalars& s, const AdamTenso
   const int64_t tid = threadIdx.x;
   const uint32_t chunk_hi = static_cast<uint32_t>(static_cast<uint64_t>(t.index0 + begin) >> 32);
   const StateKindKeys keys =
-      (t.state & kAdamStochastic) != 0 ? KindKeysFor(t.round_key, chunk_hi) : StateKindKeys{0, 0, 0};
+      (t.state & kAdamStochastic) != 0 ? KindKeysFor(t.round_key, chunk_hi) : StateKindKeys{0, 0};
   const bool one_hi = static_cast<uint32_t>(static_cast<uint64_t>(t.index0 + end - 1) >> 32) == chunk_hi;
   if (t.vec_head != kAdamNoVector && one_hi) {
     const int64_t first_group = begin + t.vec_head < end ? begin + t.vec_head : end;
