@@ -172,7 +172,7 @@ ferry_status ferry_get_stats(ferry_engine* engine, ferry_stats* out);
 /* ---- placement listing (ferry::Engine::Placement) ------------------------------------------------ */
 typedef struct {
   const char* group;     /* valid as long as the engine */
-  int offloaded;         /* 1: fp32 master and moments in pinned host memory; 0: on the GPU */
+  int offloaded;         /* 1: master and moments in pinned host memory; 0: on the GPU */
   int64_t numel;         /* elements this rank holds */
   int64_t num_params;
   int64_t global_numel;
