@@ -140,10 +140,16 @@ struct TypedTensor {
     }
     NewGrads(rng());
   }
-  void NewGrads(uint64_t seed) {
+  // Fresh random grads; with `specials`, a few NaN and Inf among them (their state turns NaN, and
+  // every path must round NaN as F32ToBF16 does).
+  void NewGrads(uint64_t seed, bool specials = false) {
     std::mt19937_64 rng(seed);
     std::normal_distribution<float> normal(0.0f, 1.0f);
     for (size_t i = 0; i < static_cast<size_t>(n); ++i) StoreFromF32(grad.data(), grad_dtype, i, 0.3f * normal(rng));
+    if (!specials) return;
+    for (int k = 0; k < 3; ++k) {
+      StoreFromF32(grad.data(), grad_dtype, rng() % static_cast<uint64_t>(n), k == 0 ? -INFINITY : NAN);
+    }
   }
   // Elements [begin, end) as a CpuAdamTensor range (its own element 0 at `begin`).
   CpuAdamTensor Range(int64_t begin, int64_t end, const AdamScalars* s, uint64_t key) {
@@ -183,8 +189,9 @@ std::string FormatName(const StateFormat& f) {
 class CpuAdamBf16IsaTest : public ::testing::TestWithParam<CpuAdamIsa> {};
 
 // Every format, grad dtype and param dtype (bf16 masters: bf16 params or none), tensors of odd sizes,
-// ranges starting at odd offsets, and global indices crossing a multiple of 2^32: the path under test
-// equals the scalar path bit for bit over 6 steps.
+// ranges starting at odd offsets, global indices crossing a multiple of 2^32, and NaN and Inf grads at
+// step 3 (so NaN state from then on): the path under test equals the scalar path bit for bit over 6
+// steps.
 TEST_P(CpuAdamBf16IsaTest, EqualsScalarBitForBit) {
   const CpuAdamIsa isa = GetParam();
   if (!CpuSupportsAdamIsa(isa)) GTEST_SKIP() << "this CPU lacks " << CpuAdamIsaName(isa);
@@ -209,8 +216,8 @@ TEST_P(CpuAdamBf16IsaTest, EqualsScalarBitForBit) {
           const uint64_t tseed = rng();
           TypedTensor a(f, gd, pd, with_param, n, index0, tseed), b(f, gd, pd, with_param, n, index0, tseed);
           for (int step = 1; step <= 6; ++step) {
-            a.NewGrads(tseed + static_cast<uint64_t>(step));
-            b.NewGrads(tseed + static_cast<uint64_t>(step));
+            a.NewGrads(tseed + static_cast<uint64_t>(step), /*specials=*/step == 3);
+            b.NewGrads(tseed + static_cast<uint64_t>(step), /*specials=*/step == 3);
             AdamHyper h;
             h.weight_decay = 0.01f;
             h.mode = step % 2 == 0 ? AdamMode::kAdamW : AdamMode::kAdamL2;
