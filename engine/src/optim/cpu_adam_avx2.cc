@@ -228,19 +228,42 @@ inline __m128i StateBf16(__m256 x, __m256i bits) {
   }
 }
 
-template <bool kBf16, bool kSr>
-inline void StoreState(void* base, int64_t i, __m256 x, __m256i bits) {
-  if constexpr (kBf16) {
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(base) + i), StateBf16<kSr>(x, bits));
+// m and v rounded to bf16 together: one pack for both, and the NaN handling only when a lane of
+// either is NaN (checked once; rare). The same bits as Bf16Software / Bf16Stochastic lane by lane;
+// stochastic rounding takes m's random bits from the low and v's from the high half of `bits`.
+template <bool kSr>
+__attribute__((always_inline)) inline void StoreMomentsBf16(void* m_base, void* v_base, int64_t i, __m256 m, __m256 v, __m256i bits) {
+  const __m256i um = _mm256_castps_si256(m), uv = _mm256_castps_si256(v);
+  __m256i add_m, add_v;  // added below the cut before truncating
+  if constexpr (kSr) {
+    add_m = _mm256_and_si256(bits, _mm256_set1_epi32(0xffff));
+    add_v = _mm256_srli_epi32(bits, 16);
   } else {
-    _mm256_storeu_ps(static_cast<float*>(base) + i, x);
+    const __m256i one = _mm256_set1_epi32(1), half = _mm256_set1_epi32(0x7fff);
+    add_m = _mm256_add_epi32(_mm256_and_si256(_mm256_srli_epi32(um, 16), one), half);
+    add_v = _mm256_add_epi32(_mm256_and_si256(_mm256_srli_epi32(uv, 16), one), half);
   }
+  __m256i rm = _mm256_srli_epi32(_mm256_add_epi32(um, add_m), 16);
+  __m256i rv = _mm256_srli_epi32(_mm256_add_epi32(uv, add_v), 16);
+  const __m256 unordered = _mm256_or_ps(_mm256_cmp_ps(m, m, _CMP_UNORD_Q), _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  if (_mm256_movemask_ps(unordered) != 0) {
+    const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff), inf = _mm256_set1_epi32(0x7f800000);
+    const __m256i quiet = _mm256_set1_epi32(0x40);
+    rm = _mm256_blendv_epi8(rm, _mm256_or_si256(_mm256_srli_epi32(um, 16), quiet),
+                            _mm256_cmpgt_epi32(_mm256_and_si256(um, abs_mask), inf));
+    rv = _mm256_blendv_epi8(rv, _mm256_or_si256(_mm256_srli_epi32(uv, 16), quiet),
+                            _mm256_cmpgt_epi32(_mm256_and_si256(uv, abs_mask), inf));
+  }
+  // packus works within 128-bit lanes: [m0..3 v0..3 | m4..7 v4..7] -> [m0..7 | v0..7].
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(rm, rv), 0xD8);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(m_base) + i), _mm256_castsi256_si128(packed));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(v_base) + i), _mm256_extracti128_si256(packed, 1));
 }
 
 // `lo`: the low words of the 8 elements' global indices. With a bf16 master, P is kBF16 or kNoParam:
 // the param takes the master's bits.
 template <AdamMode M, int G, int P, int SF, bool kStream>
-inline void BlockTyped(const AdamCoeffs<F32x8>& c, const CpuAdamTensor& t, int64_t i, __m256i lo,
+__attribute__((always_inline)) inline void BlockTyped(const AdamCoeffs<F32x8>& c, const CpuAdamTensor& t, int64_t i, __m256i lo,
                        const StateKindKeys& keys) {
   constexpr bool kM16 = (SF & kMasterBf16) != 0;
   constexpr bool kV16 = (SF & kMomentsBf16) != 0;
@@ -265,9 +288,12 @@ inline void BlockTyped(const AdamCoeffs<F32x8>& c, const CpuAdamTensor& t, int64
     _mm256_storeu_ps(static_cast<float*>(t.master) + i, p.v);
     if constexpr (P != kNoParam) StoreParam<P, kStream>(t.param, i, p.v);
   }
-  const __m256i moment_bits = kSr && kV16 ? RandomWords(lo, keys.moments) : lo;  // m: low 16, v: high 16
-  StoreState<kV16, kSr>(t.exp_avg, i, m.v, moment_bits);
-  StoreState<kV16, kSr>(t.exp_avg_sq, i, v.v, _mm256_srli_epi32(moment_bits, 16));
+  if constexpr (kV16) {
+    StoreMomentsBf16<kSr>(t.exp_avg, t.exp_avg_sq, i, m.v, v.v, kSr ? RandomWords(lo, keys.moments) : lo);
+  } else {
+    _mm256_storeu_ps(static_cast<float*>(t.exp_avg) + i, m.v);
+    _mm256_storeu_ps(static_cast<float*>(t.exp_avg_sq) + i, v.v);
+  }
 }
 
 template <AdamMode M, int G, int P, int SF>
