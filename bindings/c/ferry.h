@@ -178,7 +178,7 @@ typedef struct {
   uint64_t host_registrations;
   uint64_t pinned_host_calls;
   uint64_t pinned_bytes;        /* pinned host memory reserved */
-  uint64_t gpu_state_bytes;     /* device memory held for GPU groups' fp32 state */
+  uint64_t gpu_state_bytes;     /* device memory held for GPU groups' state (master, m, v) */
   uint64_t checkpoint_copied_aside_bytes;
   int64_t early_groups_kept;       /* ferry_grads_ready: early group updates the step kept */
   int64_t early_groups_recomputed; /* ... and recomputed (clipping triggered, other options) */
@@ -189,13 +189,19 @@ ferry_status ferry_get_stats(ferry_engine* engine, ferry_stats* out);
 /* ---- placement listing (ferry::Engine::Placement) ------------------------------------------------ */
 typedef struct {
   const char* group;     /* valid as long as the engine */
-  int offloaded;         /* 1: fp32 master and moments in pinned host memory; 0: on the GPU */
+  int offloaded;         /* 1: master and moments in pinned host memory; 0: on the GPU */
   int64_t numel;         /* elements this rank holds */
   int64_t num_params;
   int64_t global_numel;
   /* the group's optimizer settings (ferry_add_group's, else the engine's) */
   float lr_scale, weight_decay, beta1, beta2, eps;
   int adamw;
+  /* the precision of its state, as the policy's place() chose (FERRY_F32 or FERRY_BF16) */
+  ferry_dtype master_dtype;
+  ferry_dtype moments_dtype;
+  int stochastic_rounding;      /* 1: bf16 state rounded stochastically (deterministic); 0: nearest even */
+  uint64_t host_state_bytes;    /* bytes of its state in pinned host memory (offloaded), else 0 */
+  uint64_t device_state_bytes;  /* bytes of its state in device memory (on the GPU), else 0 */
 } ferry_group_info;
 
 /* The number of parameter groups, in order of first appearance. */

@@ -371,6 +371,11 @@ ferry_status ferry_group_info_at(ferry_engine* engine, size_t index, ferry_group
   out->beta2 = g.options.beta2.value_or(0.0f);
   out->eps = g.options.eps.value_or(0.0f);
   out->adamw = g.options.adamw.value_or(true) ? 1 : 0;
+  out->master_dtype = g.master_dtype == ferry::DType::kBF16 ? FERRY_BF16 : FERRY_F32;
+  out->moments_dtype = g.moments_dtype == ferry::DType::kBF16 ? FERRY_BF16 : FERRY_F32;
+  out->stochastic_rounding = g.stochastic_rounding ? 1 : 0;
+  out->host_state_bytes = static_cast<uint64_t>(g.host_state_bytes);
+  out->device_state_bytes = static_cast<uint64_t>(g.device_state_bytes);
   return Report(absl::OkStatus());
 }
 

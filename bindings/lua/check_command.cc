@@ -50,7 +50,6 @@ ABSL_FLAG(double, ferry_check_step_seconds, 1.0, "stats.step_seconds of each on_
 namespace ferry::cli {
 namespace {
 
-constexpr int64_t kStateBytesPerParam = 12;  // fp32 master + exp_avg + exp_avg_sq
 constexpr char kDefaultModel[] = "gpt:12:768:50257";
 
 const std::vector<VerbFlag>& CheckFlags() {
@@ -231,22 +230,28 @@ std::string Names(const std::vector<std::string>& names, size_t total) {
 
 const char* Bool(bool b) { return b ? "true" : "false"; }
 
+// A state format as one word: "<master>/<moments>", "+sr" with stochastic rounding.
+std::string StateWord(const StateFormat& f) {
+  return absl::StrCat(ToAbsl(StateDTypeName(f.master)), "/", ToAbsl(StateDTypeName(f.moments)), f.stochastic() ? "+sr" : "");
+}
+
 void PrintPlacementTable(std::FILE* out, const std::vector<GroupInfo>& groups,
-                         const std::vector<PlaceKind>& kinds, const PolicyContext& ctx) {
+                         const std::vector<PlaceKind>& kinds, const std::vector<StateFormat>& formats,
+                         const PolicyContext& ctx) {
   size_t width = 5;
   for (const GroupInfo& g : groups) width = std::max(width, g.name.size());
   const int w = static_cast<int>(width);
-  absl::FPrintF(out, "  %-*s %14s %-5s %-6s %16s %16s\n", w, "group", "numel", "dtype", "device",
-                "gpu_bytes", "cpu_bytes");
+  absl::FPrintF(out, "  %-*s %14s %-5s %-6s %16s %16s %s\n", w, "group", "numel", "dtype", "device",
+                "gpu_bytes", "cpu_bytes", "master/moments");
   int64_t numel = 0, gpu = 0, cpu = 0, gpu_state = 0, cpu_groups = 0;
   for (size_t i = 0; i < groups.size(); ++i) {
     const GroupInfo& g = groups[i];
     const bool on_cpu = kinds[i] == PlaceKind::kCpu;
-    const int64_t state = kStateBytesPerParam * g.numel;
+    const int64_t state = static_cast<int64_t>(formats[i].bytes_per_element()) * g.numel;
     const int64_t g_gpu = 2 * g.bytes + (on_cpu ? 0 : state);
     const int64_t g_cpu = on_cpu ? state : 0;
-    absl::FPrintF(out, "  %-*s %14d %-5s %-6s %16d %16d\n", w, g.name, g.numel,
-                  ToAbsl(DTypeName(g.dtype)), ToAbsl(PlaceKindName(kinds[i])), g_gpu, g_cpu);
+    absl::FPrintF(out, "  %-*s %14d %-5s %-6s %16d %16d %s\n", w, g.name, g.numel,
+                  ToAbsl(DTypeName(g.dtype)), ToAbsl(PlaceKindName(kinds[i])), g_gpu, g_cpu, StateWord(formats[i]));
     numel += g.numel;
     gpu += g_gpu;
     cpu += g_cpu;
@@ -256,9 +261,10 @@ void PrintPlacementTable(std::FILE* out, const std::vector<GroupInfo>& groups,
   absl::FPrintF(out, "  %-*s %14d %-5s %-6s %16d %16d\n", w, "total", numel, "",
                 absl::StrCat(cpu_groups, "/", groups.size()), gpu, cpu);
   absl::FPrintF(out,
-                "  (device: where the fp32 master and Adam moments live; gpu_bytes: params and grads,\n"
-                "  2 x the dtype's size per element, plus 12 B per element of state on the GPU;\n"
-                "  cpu_bytes: 12 B per element of state in pinned host memory)\n");
+                "  (device: where the master and Adam moments live; gpu_bytes: params and grads,\n"
+                "  2 x the dtype's size per element, plus the state on the GPU; cpu_bytes: the state in\n"
+                "  pinned host memory; state per element: 12 B with fp32 master/moments, 8 B with bf16\n"
+                "  moments, 6 B with a bf16 master too; +sr: stochastic rounding)\n");
   absl::FPrintF(out, "  GPU: %s in all; the optimizer state placed there is %s", HumanBytes(gpu),
                 HumanBytes(gpu_state));
   if (gpu_state <= ctx.gpu_free_bytes) {
@@ -431,10 +437,15 @@ int CheckCommand(const std::vector<std::string>& args, std::FILE* out, std::FILE
   // place()
   absl::FPrintF(out, "\nplace():\n");
   std::vector<PlaceKind> kinds(model.size(), PlaceKind::kGpu);
+  std::vector<StateFormat> formats(model.size());
   absl::StatusOr<Placement> placement = policy.Place(model, ctx);
   if (placement.ok()) {
-    for (size_t i = 0; i < model.size(); ++i) kinds[i] = placement->groups.at(model[i].name);
-    PrintPlacementTable(out, model, kinds, ctx);
+    for (size_t i = 0; i < model.size(); ++i) {
+      kinds[i] = placement->groups.at(model[i].name);
+      auto f = placement->state.find(model[i].name);
+      if (f != placement->state.end()) formats[i] = f->second;
+    }
+    PrintPlacementTable(out, model, kinds, formats, ctx);
     absl::FPrintF(out, "  numa: %s\n", placement->numa.value_or("(the engine's choice)"));
   } else {
     report.Error(placement.status());
@@ -449,8 +460,8 @@ int CheckCommand(const std::vector<std::string>& args, std::FILE* out, std::FILE
     info.groups.push_back(model[i].name);
     if (kinds[i] == PlaceKind::kCpu) info.offloaded.push_back(model[i].name);
     info.model_bytes += model[i].bytes;
-    info.master_bytes += 4 * model[i].numel;
-    info.optimizer_bytes += 8 * model[i].numel;
+    info.master_bytes += static_cast<int64_t>(DTypeSize(formats[i].master)) * model[i].numel;
+    info.optimizer_bytes += 2 * static_cast<int64_t>(DTypeSize(formats[i].moments)) * model[i].numel;
   }
   absl::FPrintF(out, "\ncheckpoint(step=%d):\n", ckpt_step);
   absl::StatusOr<CheckpointPlan> plan = policy.Checkpoint(info, ctx);
@@ -460,14 +471,15 @@ int CheckCommand(const std::vector<std::string>& args, std::FILE* out, std::FILE
     if (plan->skip_master) skip.push_back("master");
     for (const std::string& g : plan->skip_groups) skip.push_back(absl::StrCat("group ", g));
     int64_t model_bytes = 0, master_bytes = 0, optimizer_bytes = 0;
-    for (const GroupInfo& g : model) {
+    for (size_t i = 0; i < model.size(); ++i) {
+      const GroupInfo& g = model[i];
       if (std::find(plan->skip_groups.begin(), plan->skip_groups.end(), g.name) !=
           plan->skip_groups.end()) {
         continue;
       }
       model_bytes += g.bytes;
-      master_bytes += plan->skip_master ? 0 : 4 * g.numel;
-      optimizer_bytes += plan->skip_optimizer ? 0 : 8 * g.numel;
+      master_bytes += plan->skip_master ? 0 : static_cast<int64_t>(DTypeSize(formats[i].master)) * g.numel;
+      optimizer_bytes += plan->skip_optimizer ? 0 : 2 * static_cast<int64_t>(DTypeSize(formats[i].moments)) * g.numel;
     }
     absl::FPrintF(out, "  skip: %s\n", skip.empty() ? "nothing" : absl::StrJoin(skip, ", "));
     absl::FPrintF(out, "  writes: model %d B, master %d B, optimizer %d B: %s in all\n",
@@ -541,9 +553,10 @@ int CheckCommand(const std::vector<std::string>& args, std::FILE* out, std::FILE
       stats.step = s;
       stats.step_seconds = step_seconds;
       stats.gpu_state_bytes = stats.pinned_bytes = 0;
-      for (const GroupStepInfo& g : stats.groups) {
+      for (size_t i = 0; i < stats.groups.size(); ++i) {
+        const GroupStepInfo& g = stats.groups[i];
         (g.placement == PlaceKind::kGpu ? stats.gpu_state_bytes : stats.pinned_bytes) +=
-            kStateBytesPerParam * g.numel;
+            static_cast<int64_t>(formats[i].bytes_per_element()) * g.numel;
       }
       absl::StatusOr<MoveRequest> request = policy.OnStep(stats, ctx);
       if (!request.ok()) {

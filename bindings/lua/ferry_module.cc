@@ -482,7 +482,8 @@ int LEngineVerify(lua_State* L) {
 }
 
 // e:placement() -> { {group=, device="cpu"|"gpu", numel=, params=, lr_scale=, weight_decay=, beta1=,
-// beta2=, eps=, adamw=}, ... } in registration order
+// beta2=, eps=, adamw=, master="fp32"|"bf16", moments="fp32"|"bf16", rounding="nearest"|"stochastic",
+// state_bytes=}, ... } in registration order (state_bytes: host memory when offloaded, else device)
 int LEnginePlacement(lua_State* L) {
   std::vector<GroupPlacement> pl = CheckEngine(L, 1)->Placement();
   lua_createtable(L, static_cast<int>(pl.size()), 0);
@@ -496,6 +497,14 @@ int LEnginePlacement(lua_State* L) {
     lua_setfield(L, -2, "numel");
     lua_pushnumber(L, static_cast<lua_Number>(pl[i].num_params));
     lua_setfield(L, -2, "params");
+    lua_pushstring(L, pl[i].master_dtype == DType::kBF16 ? "bf16" : "fp32");
+    lua_setfield(L, -2, "master");
+    lua_pushstring(L, pl[i].moments_dtype == DType::kBF16 ? "bf16" : "fp32");
+    lua_setfield(L, -2, "moments");
+    lua_pushstring(L, pl[i].stochastic_rounding ? "stochastic" : "nearest");
+    lua_setfield(L, -2, "rounding");
+    lua_pushnumber(L, static_cast<lua_Number>(pl[i].host_state_bytes + pl[i].device_state_bytes));
+    lua_setfield(L, -2, "state_bytes");
     const GroupOptions& go = pl[i].options;
     lua_pushnumber(L, go.lr_scale.value_or(1.0f));
     lua_setfield(L, -2, "lr_scale");

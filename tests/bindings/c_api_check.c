@@ -209,6 +209,9 @@ int main(int argc, char** argv) {
     EXPECT(info.lr_scale == (float)kSettings[g].lr_scale && info.weight_decay == (float)kSettings[g].weight_decay);
     EXPECT(info.beta1 == (float)kSettings[g].beta1 && info.beta2 == (float)kSettings[g].beta2);
     EXPECT(info.eps == (float)kSettings[g].eps && info.adamw == kSettings[g].adamw);
+    /* No policy: fp32 master and moments on the GPU, 12 bytes per element of device memory. */
+    EXPECT(info.master_dtype == FERRY_F32 && info.moments_dtype == FERRY_F32 && info.stochastic_rounding == 0);
+    EXPECT(info.host_state_bytes == 0 && info.device_state_bytes == (uint64_t)(12 * kNumel[g]));
   }
   ferry_group_info none;
   EXPECT(ferry_group_info_at(e, num_groups, &none) != FERRY_OK);

@@ -189,9 +189,9 @@ TEST(CheckCommandTest, PlacementTableCheckpointPlanAndAfterLoad) {
   EXPECT_THAT(r.out, HasSubstr("ctx: rank 0, world_size 1, gpu_free_bytes 1048576 (1.0 MiB), "
                                "pinned_budget_bytes 0, numa_nodes 1, args {fraction=0.25}\n"));
   // group, numel, dtype, device, gpu_bytes (params + grads + 12 B/element on the GPU), cpu_bytes.
-  EXPECT_THAT(Row(r.out, "  a "), ElementsAre("a", "1000", "bf16", "cpu", "4000", "12000"));
-  EXPECT_THAT(Row(r.out, "  b "), ElementsAre("b", "3000", "f32", "gpu", "60000", "0"));
-  EXPECT_THAT(Row(r.out, "  c "), ElementsAre("c", "500", "f16", "gpu", "8000", "0"));
+  EXPECT_THAT(Row(r.out, "  a "), ElementsAre("a", "1000", "bf16", "cpu", "4000", "12000", "fp32/fp32"));
+  EXPECT_THAT(Row(r.out, "  b "), ElementsAre("b", "3000", "f32", "gpu", "60000", "0", "fp32/fp32"));
+  EXPECT_THAT(Row(r.out, "  c "), ElementsAre("c", "500", "f16", "gpu", "8000", "0", "fp32/fp32"));
   EXPECT_THAT(Row(r.out, "  total "), ElementsAre("total", "4500", "1/3", "72000", "12000"));
   EXPECT_THAT(r.out, HasSubstr("the optimizer state placed there is 41.0 KiB, within "
                                "gpu_free_bytes (1.0 MiB)"));
@@ -212,10 +212,26 @@ TEST(CheckCommandTest, WarnsWhenTheStateDoesNotFit) {
   Result r = Check({kPolicies + "all_gpu.lua", "--model", "a:1000", "--gpu_free", "10000",
                     "--pinned_budget=1"});
   EXPECT_EQ(r.status, 0) << r.err;
-  EXPECT_THAT(Row(r.out, "  a "), ElementsAre("a", "1000", "bf16", "gpu", "16000", "0"));
+  EXPECT_THAT(Row(r.out, "  a "), ElementsAre("a", "1000", "bf16", "gpu", "16000", "0", "fp32/fp32"));
   EXPECT_THAT(r.out, HasSubstr("warning: the GPU state exceeds gpu_free_bytes (9.8 KiB) by 2.0 KiB"));
   EXPECT_THAT(r.out, HasSubstr("hooks: place, checkpoint (absent: engine default), after_load "
                                "(absent: engine default), on_step (absent: engine default)\n"));
+}
+
+// Per-group state precision: the table's last column and the bytes follow it (8 B per element with
+// bf16 moments, 6 B with a bf16 master; a bf16 master only for the bf16 group).
+TEST(CheckCommandTest, ShowsStatePrecisionAndBytesPerGroup) {
+  Result r = Check({kPolicies + "offload_bf16_moments.lua", "--model", "a:1000,b:3000:f32", "--arg", "master=bf16",
+                    "--arg", "rounding=stochastic"});
+  EXPECT_EQ(r.status, 0) << r.err;
+  EXPECT_THAT(Row(r.out, "  a "), ElementsAre("a", "1000", "bf16", "cpu", "4000", "6000", "bf16/bf16+sr"));
+  EXPECT_THAT(Row(r.out, "  b "), ElementsAre("b", "3000", "f32", "cpu", "24000", "24000", "fp32/bf16+sr"));
+  EXPECT_THAT(r.out, HasSubstr("writes: model 14000 B, master 14000 B, optimizer 16000 B"));
+  Result gpu = Check({kPolicies + "offload_bf16_moments.lua", "--model", "a:1000", "--arg", "device=gpu"});
+  EXPECT_THAT(Row(gpu.out, "  a "), ElementsAre("a", "1000", "bf16", "gpu", "12000", "0", "fp32/bf16"));
+  Result bad = Check({kPolicies + "offload_bf16_moments.lua", "--model", "a:1000", "--arg", "rounding=up"});
+  EXPECT_EQ(bad.status, 1);
+  EXPECT_THAT(bad.out + bad.err, HasSubstr("args.rounding must be one of nearest, stochastic"));
 }
 
 TEST(CheckCommandTest, ShippedPoliciesOnADescribedModel) {
@@ -223,9 +239,9 @@ TEST(CheckCommandTest, ShippedPoliciesOnADescribedModel) {
   Result budget = Check({kPolicies + "memory_budget.lua", "--model", "a:1000,b:3000,c:500",
                          "--arg", "budget=40000", "--arg", "reserve=0"});
   EXPECT_EQ(budget.status, 0) << budget.err;
-  EXPECT_THAT(Row(budget.out, "  a "), ElementsAre("a", "1000", "bf16", "gpu", "16000", "0"));
-  EXPECT_THAT(Row(budget.out, "  b "), ElementsAre("b", "3000", "bf16", "cpu", "12000", "36000"));
-  EXPECT_THAT(Row(budget.out, "  c "), ElementsAre("c", "500", "bf16", "gpu", "8000", "0"));
+  EXPECT_THAT(Row(budget.out, "  a "), ElementsAre("a", "1000", "bf16", "gpu", "16000", "0", "fp32/fp32"));
+  EXPECT_THAT(Row(budget.out, "  b "), ElementsAre("b", "3000", "bf16", "cpu", "12000", "36000", "fp32/fp32"));
+  EXPECT_THAT(Row(budget.out, "  c "), ElementsAre("c", "500", "bf16", "gpu", "8000", "0", "fp32/fp32"));
 
   // skip_optimizer_on_save: offloading, so model-only; the resume re-initialises Adam.
   Result skip = Check({kPolicies + "skip_optimizer_on_save.lua", "--model", "a:1000,b:3000,c:500",
@@ -524,7 +540,7 @@ TEST_F(FerryBinaryTest, VerbsHelpAndExitStatuses) {
   }
   Result check = RunFerry("check scripts/policies/offload_all.lua --model a:10,b:20");
   EXPECT_EQ(check.status, 0) << check.err;
-  EXPECT_THAT(Row(check.out, "  b "), ElementsAre("b", "20", "bf16", "cpu", "80", "240"));
+  EXPECT_THAT(Row(check.out, "  b "), ElementsAre("b", "20", "bf16", "cpu", "80", "240", "fp32/fp32"));
   Result broken = RunFerry("check tests/policy/testdata/runtime_error.lua");
   EXPECT_EQ(broken.status, 1);
   EXPECT_THAT(broken.err, HasSubstr("runtime_error.lua:9: attempt to index field 'missing'"));

@@ -515,8 +515,8 @@ inline void CheckAdamRuntimeInputs(Device& device) {
     for (int c = 0; c < 2; ++c) {
       AdamTensorArgs a;
       a.master = t.state[c].as<float>();
-      a.exp_avg = a.master + t.n;
-      a.exp_avg_sq = a.master + 2 * t.n;
+      a.exp_avg = static_cast<float*>(a.master) + t.n;
+      a.exp_avg_sq = static_cast<float*>(a.master) + 2 * t.n;
       a.grad = t.grad.data();
       a.param = t.param[c].data();
       a.numel = t.n;

@@ -198,6 +198,32 @@ TEST(MultiRankEngineTest, PerGroupSettingsAreBitIdenticalForAnyWorldSize) {
   for (int world : {2, 3}) ExpectSameParams(one, Train(world, setup, 5), absl::StrCat(world, " ranks"));
 }
 
+// bf16 state: the stochastic rounding counts global elements, so 1 to 4 ranks give the same bits,
+// offloaded or on the GPU, with fp32 or bf16 masters; CPU and GPU placements agree too; and the bf16
+// run differs from the fp32 one (the state precision is real).
+TEST(MultiRankEngineTest, Bf16StateIsBitIdenticalForAnyWorldSizeAndPlacement) {
+  RunSetup fp32;
+  fp32.policy = "offload_all.lua";
+  const GlobalParams reference = Train(1, fp32, 6);
+  for (const char* master : {"fp32", "bf16"}) {
+    GlobalParams by_device[2];
+    for (int d = 0; d < 2; ++d) {
+      RunSetup setup;
+      setup.policy = "offload_bf16_moments.lua";
+      setup.policy_args = {{"device", d == 0 ? "cpu" : "gpu"}, {"master", master}, {"rounding", "stochastic"}};
+      by_device[d] = Train(1, setup, 6);
+      EXPECT_FALSE(by_device[d][0] == reference[0]) << master << ": bf16 state gave the fp32 run's bits";
+      for (int world = 2; world <= 4; ++world) {
+        RunSetup s = setup;
+        s.range_seed = 5 + static_cast<uint64_t>(world) * 10;
+        ExpectSameParams(by_device[d], Train(world, s, 6),
+                         absl::StrCat(world, " ranks, ", setup.policy_args["device"], ", master ", master));
+      }
+    }
+    ExpectSameParams(by_device[0], by_device[1], absl::StrCat("cpu vs gpu placement, master ", master));
+  }
+}
+
 // Every rank must give every group the same settings: one rank that differs fails Finalize on every
 // rank, naming it, the group and the setting.
 TEST(MultiRankEngineTest, RanksWithDifferentGroupSettingsAreRefused) {
@@ -270,6 +296,20 @@ TEST(MultiRankEngineTest, SaveWithAnyWorldSizeLoadWithAnyOther) {
       for (int r = 0; r < w; ++r) EXPECT_TRUE(std::filesystem::exists((*reader)->dir() + "/" + RankFileName(r)));
       EXPECT_FALSE(std::filesystem::exists((*reader)->dir() + "/" + RankFileName(w)));
     }
+  }
+}
+
+// bf16 state (moments and masters, stochastic rounding) saved with W ranks and resumed with W': the
+// same bits as one rank that never stopped (the state is saved as bf16, no conversion on load).
+TEST(MultiRankEngineTest, Bf16StateSavesAndResumesWithAnyWorldSize) {
+  RunSetup setup;
+  setup.policy = "offload_bf16_moments.lua";
+  setup.policy_args = {{"master", "bf16"}, {"rounding", "stochastic"}};
+  const GlobalParams reference = Train(1, setup, 6);
+  for (const auto& [w, w2] : std::vector<std::pair<int, int>>{{1, 3}, {2, 1}, {3, 4}}) {
+    TempDir dir;
+    ExpectSameParams(reference, SaveAndResume(dir.path() + "/ckpt", w, w2, setup, 4, 6),
+                     absl::StrCat("bf16 state, saved by ", w, ", loaded by ", w2));
   }
 }
 

@@ -101,8 +101,8 @@ TEST_F(CpuAdamGpuTest, CpuPathsEqualCudaBitForBit) {
     for (Tensor& t : tensors) {
       AdamTensorArgs a;
       a.master = t.d_state.as<float>();
-      a.exp_avg = a.master + t.n;
-      a.exp_avg_sq = a.master + 2 * t.n;
+      a.exp_avg = static_cast<float*>(a.master) + t.n;
+      a.exp_avg_sq = static_cast<float*>(a.master) + 2 * t.n;
       a.grad = t.d_grad.data();
       a.param = t.d_param.data();
       a.numel = t.n;

@@ -257,6 +257,44 @@ TEST(PolicyTest, NumaFieldAndGroupNamedNuma) {
   EXPECT_FALSE(p.numa.has_value());
 }
 
+// place() may give a group a table with its state precision; strings keep fp32 state.
+TEST(PolicyTest, PlaceTablesGiveStatePrecision) {
+  auto policy = MustLoad(R"lua(
+    return { place = function(groups, ctx)
+      local m = ctx.args.mode
+      if m == "master16" then
+        return { embed = "gpu", layer0 = { device = "cpu", master = "bf16" }, head = "gpu" }
+      end
+      if m == "meta" then  -- fields are read raw: __index cannot supply the device
+        return { embed = setmetatable({}, { __index = function() return "cpu" end }), layer0 = "gpu", head = "gpu" }
+      end
+      return {
+        embed = { device = "cpu", moments = "bf16", master = "bf16", rounding = "stochastic" },
+        layer0 = { device = "gpu", moments = "bf16" },
+        head = "cpu",
+      }
+    end }
+  )lua");
+  ASSERT_NE(policy, nullptr);
+  const std::vector<GroupInfo> groups = ThreeGroups();
+  ASSERT_OK_AND_MOVE(p, policy->Place(groups, Ctx()));
+  EXPECT_EQ(p.groups.at("embed"), PlaceKind::kCpu);
+  EXPECT_EQ(p.groups.at("layer0"), PlaceKind::kGpu);
+  EXPECT_EQ(p.groups.at("head"), PlaceKind::kCpu);
+  ASSERT_EQ(p.state.size(), 2u);
+  EXPECT_TRUE(p.state.at("embed") == (StateFormat{DType::kBF16, DType::kBF16, StateRounding::kStochastic}));
+  EXPECT_TRUE(p.state.at("layer0") == (StateFormat{DType::kF32, DType::kBF16, StateRounding::kNearest}));
+  EXPECT_EQ(DescribeStateFormat(p.state.at("embed")), "bf16 master+moments, stochastic");
+  EXPECT_EQ(DescribeStateFormat(StateFormat{}), "fp32");
+  absl::StatusOr<Placement> bad = policy->Place(groups, Ctx({{"mode", "master16"}}));
+  ASSERT_FALSE(bad.ok());
+  EXPECT_THAT(Msg(bad.status()), HasSubstr("test.lua: place(): group \"layer0\": master = \"bf16\" needs bf16 "
+                                           "params, but its params are f16"));
+  bad = policy->Place(groups, Ctx({{"mode", "meta"}}));
+  ASSERT_FALSE(bad.ok());
+  EXPECT_THAT(Msg(bad.status()), HasSubstr("group \"embed\": device is nil; expected \"cpu\" or \"gpu\""));
+}
+
 // ---- wrong results: each error, then the same object still works --------------------------------
 
 class WrongResultTest : public ::testing::Test {

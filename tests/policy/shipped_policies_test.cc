@@ -10,6 +10,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "policy/policy.h"
@@ -243,6 +244,32 @@ TEST(ShippedPoliciesTest, AllGpuAndOffloadAll) {
   absl::StatusOr<Placement> none = offload_all->Place(model, Args({}));
   ASSERT_TRUE(none.ok()) << none.status();
   EXPECT_FALSE(none->numa.has_value());
+}
+
+// ---- offload_bf16_moments.lua --------------------------------------------------------------------
+
+TEST(ShippedPoliciesTest, OffloadBf16Moments) {
+  std::vector<GroupInfo> model = Model();
+  model[5].dtype = DType::kF32;  // head: fp32 params keep an fp32 master
+  auto policy = MustLoad("offload_bf16_moments.lua");
+  ASSERT_NE(policy, nullptr);
+  absl::StatusOr<Placement> p = policy->Place(model, Args({}));
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(Offloaded(*p, model), (Names{"embed", "layer0", "layer1", "layer2", "layer3", "head"}));
+  ASSERT_EQ(p->state.size(), model.size());
+  for (const GroupInfo& g : model) {
+    EXPECT_TRUE(p->state.at(g.name) == (StateFormat{DType::kF32, DType::kBF16, StateRounding::kNearest})) << g.name;
+  }
+  p = policy->Place(model, Args({{"device", "gpu"}, {"master", "bf16"}, {"rounding", "stochastic"}}));
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(Offloaded(*p, model), Names{});
+  EXPECT_TRUE(p->state.at("embed") == (StateFormat{DType::kBF16, DType::kBF16, StateRounding::kStochastic}));
+  EXPECT_TRUE(p->state.at("head") == (StateFormat{DType::kF32, DType::kBF16, StateRounding::kStochastic}));
+  for (const auto& [arg, value] : std::map<std::string, std::string>{{"device", "disk"}, {"master", "fp16"}}) {
+    absl::StatusOr<Placement> bad = policy->Place(model, Args({{arg, value}}));
+    ASSERT_FALSE(bad.ok());
+    EXPECT_THAT(std::string(bad.status().message()), HasSubstr(absl::StrCat("args.", arg, " must be one of")));
+  }
 }
 
 // ---- memory_budget.lua ---------------------------------------------------------------------------

@@ -144,15 +144,25 @@ struct StepOptions {
   bool wait_for_params = true;
 };
 
-// Where a group's optimizer state lives after Finalize.
+// Where a group's optimizer state lives after Finalize, and in which precision.
 struct GroupPlacement {
   std::string group;
-  bool offloaded = false;  // true: fp32 master + m + v in pinned host memory, updated by CPU Adam
+  bool offloaded = false;  // true: master + m + v in pinned host memory, updated by CPU Adam
   int64_t numel = 0;         // elements this rank holds
   int64_t num_params = 0;
   int64_t global_numel = 0;  // elements of the group's global tensors (= numel for one rank)
   // The group's optimizer settings, every field set: AddGroup's, else EngineOptions::optimizer's.
   GroupOptions options;
+  // The precision of its state, as the policy's place() chose: the master (kF32, or kBF16 for bf16
+  // params) and the moments (kF32 or kBF16); bf16 values rounded to nearest even, or stochastically
+  // (deterministic: a counter-based hash of the param, its global element, the step and the kind).
+  DType master_dtype = DType::kF32;
+  DType moments_dtype = DType::kF32;
+  bool stochastic_rounding = false;
+  // Bytes of its state on this rank (its aligned layout): in pinned host memory when offloaded, in
+  // device memory otherwise (the other is 0). 12 per element with fp32 state, 8 with bf16 moments.
+  int64_t host_state_bytes = 0;
+  int64_t device_state_bytes = 0;
 };
 
 struct EngineStats {
@@ -164,8 +174,8 @@ struct EngineStats {
   int64_t skipped_steps = 0;        // steps skipped because a grad was NaN/Inf
   bool last_step_skipped = false;
   double last_grad_norm = 0.0;      // global L2 norm of the unscaled grads at the last checked step
-  size_t pinned_bytes = 0;          // pinned host memory reserved
-  size_t gpu_state_bytes = 0;       // device memory held for GPU groups' fp32 state
+  size_t pinned_bytes = 0;          // pinned host memory reserved (offloaded state and the staging ring)
+  size_t gpu_state_bytes = 0;       // device memory held for GPU groups' state (master, m, v)
   // Offloaded state that steps copied aside because they overtook an asynchronous save's writer
   // (copy-on-write; the rest was written in place), summed over all saves.
   uint64_t checkpoint_copied_aside_bytes = 0;
@@ -192,6 +202,11 @@ struct LoadReport {
   // this engine". The engine keeps its own settings; each line is also logged as a warning.
   // Checkpoints of the format before per-group settings record none: nothing is compared.
   std::vector<std::string> optimizer_differences;
+  // One line for every group whose state the checkpoint stores in another dtype than this engine
+  // keeps it in, e.g. "group 'fc1': exp_avg bf16 in the checkpoint, fp32 in this engine: converted".
+  // Loading converts explicitly (bf16 -> fp32 exactly, fp32 -> bf16 rounded to nearest even); each
+  // line is also logged as a warning.
+  std::vector<std::string> state_conversions;
 };
 
 // Engine: one thread at a time (a trainer drives it from its training loop).

@@ -116,10 +116,14 @@ absl::Status ValidateAdamArgs(absl::Span<const AdamTensorArgs> tensors,
                                                      static_cast<int>(t.grad_dtype), ", param ",
                                                      static_cast<int>(t.param_dtype), ")"));
     }
+    const bool state_ok = (t.state.master == DType::kF32 || t.state.master == DType::kBF16) &&
+                          (t.state.moments == DType::kF32 || t.state.moments == DType::kBF16) &&
+                          (t.state.rounding == StateRounding::kNearest || t.state.rounding == StateRounding::kStochastic);
+    if (!state_ok) return absl::InvalidArgumentError(absl::StrCat(what, ": invalid state format"));
     if (t.numel == 0) continue;
-    FERRY_RETURN_IF_ERROR(CheckPointer(t.master, 4, absl::StrCat(what, " master")));
-    FERRY_RETURN_IF_ERROR(CheckPointer(t.exp_avg, 4, absl::StrCat(what, " exp_avg")));
-    FERRY_RETURN_IF_ERROR(CheckPointer(t.exp_avg_sq, 4, absl::StrCat(what, " exp_avg_sq")));
+    FERRY_RETURN_IF_ERROR(CheckPointer(t.master, DTypeSize(t.state.master), absl::StrCat(what, " master")));
+    FERRY_RETURN_IF_ERROR(CheckPointer(t.exp_avg, DTypeSize(t.state.moments), absl::StrCat(what, " exp_avg")));
+    FERRY_RETURN_IF_ERROR(CheckPointer(t.exp_avg_sq, DTypeSize(t.state.moments), absl::StrCat(what, " exp_avg_sq")));
     FERRY_RETURN_IF_ERROR(CheckPointer(t.grad, DTypeSize(t.grad_dtype), absl::StrCat(what, " grad")));
     if (t.param != nullptr) {
       FERRY_RETURN_IF_ERROR(

@@ -24,6 +24,7 @@
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "base/adam_math.h"
+#include "base/adam_state.h"
 #include "ferry/dtype.h"
 
 namespace ferry {
@@ -96,15 +97,19 @@ class DeviceBuffer {
 
 // One tensor of a fused multi-tensor Adam launch. All pointers are device memory.
 struct AdamTensorArgs {
-  float* master = nullptr;     // fp32 master weights, updated in place
-  float* exp_avg = nullptr;    // m
-  float* exp_avg_sq = nullptr; // v
+  void* master = nullptr;      // master weights (`state.master`: fp32, or bf16), updated in place
+  void* exp_avg = nullptr;     // m (`state.moments`)
+  void* exp_avg_sq = nullptr;  // v (`state.moments`)
   const void* grad = nullptr;  // gradient, `grad_dtype`
   void* param = nullptr;       // model param, written as master rounded to `param_dtype`; may be null
   int64_t numel = 0;
   DType grad_dtype = DType::kF32;
   DType param_dtype = DType::kF32;
   uint32_t scalars_index = 0;  // index into the launch's `scalars`
+  // How the state is stored (base/adam_state.h); with stochastic rounding, this step's key of the
+  // param and the global index of element 0 (bit-identical to CpuAdam on the same key and indices).
+  StateFormat state;
+  StateRoundingKey rounding;
 };
 
 // Per-step inputs of Device::LaunchAdamWith that the kernel reads from device memory when it runs,

@@ -245,6 +245,8 @@ absl::StatusOr<std::unique_ptr<HybridOptimizer>> EngineImpl::BuildOptimizer(cons
     }
     groups[g].name = group_names_[g];
     groups[g].offloaded = offloaded[g] = it->second == PlaceKind::kCpu;
+    auto state = placement.state.find(group_names_[g]);
+    if (state != placement.state.end()) groups[g].state = state->second;
     const GroupOptions go = ResolvedGroupOptions(g);
     AdamHyper h = hopt.hyper;
     h.beta1 = *go.beta1;
@@ -263,7 +265,7 @@ absl::StatusOr<std::unique_ptr<HybridOptimizer>> EngineImpl::BuildOptimizer(cons
     if (p.numel == 0) continue;
     p.opt = static_cast<int64_t>(params.size());
     params.push_back(OptimParam{p.spec.name, p.group, p.numel, p.spec.dtype, p.spec.grad_dtype.value_or(p.spec.dtype),
-                                p.spec.param, p.spec.grad});
+                                p.spec.param, p.spec.grad, p.spec.shard_begin});
   }
   FERRY_ASSIGN_OR_RETURN(std::unique_ptr<HybridOptimizer> optimizer,
                          HybridOptimizer::Create(device_.get(), &pool_, std::move(params), std::move(groups), hopt));
@@ -382,7 +384,11 @@ absl::Status EngineImpl::RunOnStep(double step_seconds) {
   FERRY_ASSIGN_OR_RETURN(PolicyContext ctx, Context());
   absl::StatusOr<MoveRequest> request = policy_->OnStep(stats, ctx);
   absl::Status s = request.ok() ? absl::OkStatus() : request.status();
-  if (s.ok() && !request->empty()) s = MoveTo(PlacementAfter(stats, *request));
+  if (s.ok() && !request->empty()) {
+    ferry::Placement next = PlacementAfter(stats, *request);
+    for (size_t g = 0; g < group_names_.size(); ++g) next.state[group_names_[g]] = optimizer_->group_state(g);  // moves keep it
+    s = MoveTo(next);
+  }
   if (!s.ok()) {
     return absl::Status(s.code(), absl::StrCat("the step was applied, but its on_step hook failed and the placement "
                                                "is unchanged: ", s.message()));
@@ -418,11 +424,14 @@ absl::Status EngineImpl::MoveTo(const ferry::Placement& placement) {
   bool changed = false;
   for (size_t g = 0; g < group_names_.size(); ++g) {
     changed = changed || (placement.groups.at(group_names_[g]) == PlaceKind::kCpu) != offloaded_[g];
+    auto state = placement.state.find(group_names_[g]);
+    changed = changed || (state == placement.state.end() ? StateFormat{} : state->second) != optimizer_->group_state(g);
   }
   if (changed) {
     // Build the new placement beside the old one, copy every group's state and step count across
     // exactly, then swap: on any error the old optimizer stays in force. A save in flight may read
-    // the old optimizer's state in place: it finishes first.
+    // the old optimizer's state in place: it finishes first. A group whose state precision changes
+    // is converted on the way (through fp32: exact from bf16, rounded to nearest even into bf16).
     if (ckpt_writer_ != nullptr) ckpt_writer_->WaitIdle();
     FERRY_RETURN_IF_ERROR(optimizer_->Synchronize());
     std::vector<bool> offloaded;
@@ -508,6 +517,14 @@ std::vector<GroupPlacement> EngineImpl::Placement() const {
     out[g].group = group_names_[g];
     out[g].offloaded = g < offloaded_.size() && offloaded_[g];
     out[g].options = ResolvedGroupOptions(g);
+    if (optimizer_ != nullptr) {
+      const StateFormat& f = optimizer_->group_state(g);
+      out[g].master_dtype = f.master;
+      out[g].moments_dtype = f.moments;
+      out[g].stochastic_rounding = f.stochastic();
+      const int64_t bytes = static_cast<int64_t>(optimizer_->group_state_bytes(g));
+      (out[g].offloaded ? out[g].host_state_bytes : out[g].device_state_bytes) = bytes;
+    }
   }
   for (const ParamRecord& p : params_) {
     out[p.group].numel += p.numel;

@@ -21,9 +21,10 @@ absl::StatusOr<std::string> EngineImpl::SaveCheckpoint(const std::string& root, 
     info.reason = "save";
     info.groups = group_names_;
     for (const ParamRecord& p : params_) {  // the whole checkpoint's bytes, over every rank
+      const StateFormat& f = optimizer_->group_state(p.group);
       info.model_bytes += p.global_numel * static_cast<int64_t>(DTypeSize(p.spec.dtype));
-      info.master_bytes += p.global_numel * 4;
-      info.optimizer_bytes += p.global_numel * 8;
+      info.master_bytes += p.global_numel * static_cast<int64_t>(DTypeSize(f.master));
+      info.optimizer_bytes += p.global_numel * 2 * static_cast<int64_t>(DTypeSize(f.moments));
     }
     for (size_t g = 0; g < group_names_.size(); ++g) {
       if (offloaded_[g]) info.offloaded.push_back(group_names_[g]);
@@ -80,8 +81,12 @@ absl::StatusOr<std::string> EngineImpl::SaveCheckpoint(const std::string& root, 
       if ((is_master && plan.skip_master) || (!is_master && plan.skip_optimizer)) continue;
       // An fp32 param is its master, bit for bit (the param is the master rounded to f32): written once.
       if (is_master && p.spec.dtype == DType::kF32) continue;
-      tensors.push_back(TensorRecord{StateTensorName(p.spec.name, kStateKinds[k].second), DType::kF32, p.spec.shape,
-                                     nullptr, static_cast<size_t>(p.global_numel) * sizeof(float),
+      // Each state tensor in the dtype it is stored in (the group's state format; the same on every
+      // rank, as the policy places every rank's shards alike).
+      const StateFormat& f = optimizer_->group_state(p.group);
+      const DType dtype = is_master ? f.master : f.moments;
+      tensors.push_back(TensorRecord{StateTensorName(p.spec.name, kStateKinds[k].second), dtype, p.spec.shape,
+                                     nullptr, static_cast<size_t>(p.global_numel) * DTypeSize(dtype),
                                      kStateKinds[k].second, group});
       sources.push_back({i, k});
     }
@@ -122,7 +127,7 @@ absl::StatusOr<std::string> EngineImpl::SaveCheckpoint(const std::string& root, 
     const int64_t opt = params_[src.param].opt;
     if (opt < 0) continue;  // this rank holds none of it
     if (!ckpt->staged[k]) {
-      const char* state = reinterpret_cast<const char*>(
+      const char* state = static_cast<const char*>(
           optimizer_->offloaded_state(static_cast<size_t>(opt), kStateKinds[src.kind].first));
       tensors[k].data = state;
       ckpt->region[k] = regions.size();
@@ -134,6 +139,7 @@ absl::StatusOr<std::string> EngineImpl::SaveCheckpoint(const std::string& root, 
     item.param = static_cast<size_t>(opt);
     item.is_param = src.kind < 0;
     if (src.kind >= 0) item.kind = kStateKinds[src.kind].first;
+    item.dtype = tensors[k].dtype;  // state: as stored, no conversion
     item.dst = staging + staged_offset[k];
     tensors[k].data = item.dst;
     items.push_back(item);
@@ -228,6 +234,8 @@ std::map<std::string, std::string> EngineImpl::CheckpointMetadata() const {
     metadata[absl::StrCat("ferry.group.", group_names_[g], ".placement")] = offloaded_[g] ? "cpu" : "gpu";
     metadata[absl::StrCat("ferry.group.", group_names_[g], ".optimizer")] =
         FormatGroupSettings(ResolvedGroupOptions(g), o.bias_correction);
+    // The state's precision (informational: each state tensor's dtype is in its own record).
+    metadata[absl::StrCat("ferry.group.", group_names_[g], ".state")] = DescribeStateFormat(optimizer_->group_state(g));
   }
   return metadata;
 }
@@ -403,7 +411,11 @@ absl::Status EngineImpl::LoadCheckpointLocal(const std::string& path, LoadPhase*
     bool master_from_param = false;  // the master of an fp32 param: the param's bytes
     size_t param_at = 0;             // offsets into the staging
     size_t state_at[3] = {0, 0, 0};
+    DType state_dtype[3] = {DType::kF32, DType::kF32, DType::kF32};  // as the checkpoint stores it
   };
+  // Groups and kinds whose state the checkpoint stores in another dtype than this engine: converted
+  // (explicitly, by Restore) and reported.
+  std::map<std::pair<size_t, int>, std::pair<DType, DType>> conversions;
   // Checkpoints store the master of an fp32 param only as the param itself (see SaveCheckpoint).
   bool masters_aliased = false;
   for (const SkipRecord& r : reader->skipped()) masters_aliased = masters_aliased || r.what == "master of f32 params";
@@ -455,14 +467,18 @@ absl::Status EngineImpl::LoadCheckpointLocal(const std::string& path, LoadPhase*
         else group_optimizer[p.group] = false;
         continue;
       }
-      if (s->dtype != DType::kF32 || s->shape != p.spec.shape) {
+      if ((s->dtype != DType::kF32 && s->dtype != DType::kBF16) || s->shape != p.spec.shape) {
         return absl::InvalidArgumentError(absl::StrCat(dir, ": tensor '", name, "' is ", ToAbsl(DTypeName(s->dtype)), "[",
-                                                       absl::StrJoin(s->shape, ","), "]; expected f32[",
+                                                       absl::StrJoin(s->shape, ","), "]; expected f32 or bf16[",
                                                        absl::StrJoin(p.spec.shape, ","), "]"));
       }
-      l.state_at[k] = place(name, static_cast<uint64_t>(p.spec.shard_begin) * sizeof(float),
-                            static_cast<size_t>(p.numel) * sizeof(float));
+      const uint64_t ses = DTypeSize(s->dtype);
+      l.state_at[k] = place(name, static_cast<uint64_t>(p.spec.shard_begin) * ses, static_cast<size_t>(p.numel) * ses);
+      l.state_dtype[k] = s->dtype;
       l.has_state[k] = true;
+      const StateFormat& mine = optimizer_->group_state(p.group);
+      const DType engine_dtype = kStateKinds[k].first == StateKind::kMaster ? mine.master : mine.moments;
+      if (s->dtype != engine_dtype) conversions[{p.group, k}] = {s->dtype, engine_dtype};
     }
   }
   FERRY_ASSIGN_OR_RETURN(char* staging, EnsureStaging(staged_bytes));
@@ -505,6 +521,11 @@ absl::Status EngineImpl::LoadCheckpointLocal(const std::string& path, LoadPhase*
           absl::StrCat("group '", group_names_[g], "': ", field, " ", saved, " in the checkpoint, ", now, " in this engine"));
     }
   }
+  for (const auto& [where, dtypes] : conversions) {
+    report.state_conversions.push_back(absl::StrCat("group '", group_names_[where.first], "': ", kStateKinds[where.second].second,
+                                                    " ", ToAbsl(StateDTypeName(dtypes.first)), " in the checkpoint, ",
+                                                    ToAbsl(StateDTypeName(dtypes.second)), " in this engine: converted"));
+  }
   event.kind = event.optimizer_loaded ? LoadKind::kCheckpoint : LoadKind::kModelOnly;
   SyncPlan sync;
   if (policy_ != nullptr) {
@@ -531,7 +552,10 @@ absl::Status EngineImpl::LoadCheckpointLocal(const std::string& path, LoadPhase*
     const size_t opt = static_cast<size_t>(params_[i].opt);
     restore.push_back({.param = opt, .is_param = true, .dst = staging + l.param_at});
     for (int k = 0; k < 3; ++k) {
-      if (l.has_state[k]) restore.push_back({.param = opt, .kind = kStateKinds[k].first, .dst = staging + l.state_at[k]});
+      if (l.has_state[k]) {
+        restore.push_back(
+            {.param = opt, .kind = kStateKinds[k].first, .dst = staging + l.state_at[k], .dtype = l.state_dtype[k]});
+      }
     }
   }
   FERRY_RETURN_IF_ERROR(ckpt_staging_->Ready());  // registered: the device copies run at the pinned rate
@@ -564,6 +588,9 @@ absl::Status EngineImpl::LoadCheckpointLocal(const std::string& path, LoadPhase*
   }
   for (const std::string& d : report.optimizer_differences) {
     FERRY_LOG(WARNING) << "LoadCheckpoint(" << dir << "): the optimizer settings differ: " << d;
+  }
+  for (const std::string& c : report.state_conversions) {
+    FERRY_LOG(WARNING) << "LoadCheckpoint(" << dir << "): the state precision differs: " << c;
   }
   last_load_ = std::move(report);
   return absl::OkStatus();

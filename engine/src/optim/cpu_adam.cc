@@ -25,18 +25,27 @@ namespace cpu_adam_internal {
 
 void AdamRangeScalar(const CpuAdamTensor& t, const AdamScalars& s, int64_t begin, int64_t end) {
   if (t.master_src != nullptr) {
-    // Out of place: the element's old state moves to its new place, then updates there.
-    for (int64_t i = begin; i < end; ++i) {
-      t.master[i] = t.master_src[i];
-      t.exp_avg[i] = t.exp_avg_src[i];
-      t.exp_avg_sq[i] = t.exp_avg_sq_src[i];
-      AdamStepElement(s, t.master, t.exp_avg, t.exp_avg_sq, t.grad, t.grad_dtype, t.param, t.param_dtype,
-                      static_cast<size_t>(i));
-    }
+    // Out of place, element by element: the old state moves to its new place, then updates there.
+    const size_t ms = DTypeSize(t.state.master), vs = DTypeSize(t.state.moments);
+    const size_t b = static_cast<size_t>(begin), n = static_cast<size_t>(end - begin);
+    std::memcpy(static_cast<char*>(t.master) + b * ms, static_cast<const char*>(t.master_src) + b * ms, n * ms);
+    std::memcpy(static_cast<char*>(t.exp_avg) + b * vs, static_cast<const char*>(t.exp_avg_src) + b * vs, n * vs);
+    std::memcpy(static_cast<char*>(t.exp_avg_sq) + b * vs, static_cast<const char*>(t.exp_avg_sq_src) + b * vs, n * vs);
+    CpuAdamTensor in_place = t;
+    in_place.master_src = in_place.exp_avg_src = in_place.exp_avg_sq_src = nullptr;
+    AdamRangeScalar(in_place, s, begin, end);
     return;
   }
+  if (!t.state.all_f32()) {
+    AdamStepRangeTyped(s, t.state, t.rounding, t.master, t.exp_avg, t.exp_avg_sq, t.grad, t.grad_dtype, t.param,
+                       t.param_dtype, begin, end);
+    return;
+  }
+  float* const master = static_cast<float*>(t.master);
+  float* const exp_avg = static_cast<float*>(t.exp_avg);
+  float* const exp_avg_sq = static_cast<float*>(t.exp_avg_sq);
   for (int64_t i = begin; i < end; ++i) {
-    AdamStepElement(s, t.master, t.exp_avg, t.exp_avg_sq, t.grad, t.grad_dtype, t.param, t.param_dtype,
+    AdamStepElement(s, master, exp_avg, exp_avg_sq, t.grad, t.grad_dtype, t.param, t.param_dtype,
                     static_cast<size_t>(i));
   }
 }
@@ -69,6 +78,7 @@ class ScopedDefaultFloatEnv {
 };
 
 bool ValidDType(DType t) { return t == DType::kF32 || t == DType::kBF16 || t == DType::kF16; }
+bool ValidStateDType(DType t) { return t == DType::kF32 || t == DType::kBF16; }
 
 absl::Status CheckPointer(const void* p, size_t alignment, size_t index, absl::string_view what,
                           absl::string_view op) {
@@ -208,17 +218,21 @@ absl::StatusOr<CpuAdamStepResult> CpuAdam::Step(absl::Span<const CpuAdamTensor> 
       return absl::InvalidArgumentError(absl::StrCat("CpuAdam::Step: tensor ", i, " has an invalid mode ",
                                                      static_cast<int>(t.scalars->mode)));
     }
-    FERRY_RETURN_IF_ERROR(CheckPointer(t.master, 4, i, "master", "CpuAdam::Step"));
-    FERRY_RETURN_IF_ERROR(CheckPointer(t.exp_avg, 4, i, "exp_avg", "CpuAdam::Step"));
-    FERRY_RETURN_IF_ERROR(CheckPointer(t.exp_avg_sq, 4, i, "exp_avg_sq", "CpuAdam::Step"));
+    if (!ValidStateDType(t.state.master) || !ValidStateDType(t.state.moments) ||
+        (t.state.rounding != StateRounding::kNearest && t.state.rounding != StateRounding::kStochastic)) {
+      return absl::InvalidArgumentError(absl::StrCat("CpuAdam::Step: tensor ", i, " has an invalid state format"));
+    }
+    FERRY_RETURN_IF_ERROR(CheckPointer(t.master, DTypeSize(t.state.master), i, "master", "CpuAdam::Step"));
+    FERRY_RETURN_IF_ERROR(CheckPointer(t.exp_avg, DTypeSize(t.state.moments), i, "exp_avg", "CpuAdam::Step"));
+    FERRY_RETURN_IF_ERROR(CheckPointer(t.exp_avg_sq, DTypeSize(t.state.moments), i, "exp_avg_sq", "CpuAdam::Step"));
     if ((t.master_src == nullptr) != (t.exp_avg_src == nullptr) || (t.master_src == nullptr) != (t.exp_avg_sq_src == nullptr)) {
       return absl::InvalidArgumentError(
           absl::StrCat("CpuAdam::Step: tensor ", i, " sets some of master_src, exp_avg_src, exp_avg_sq_src but not all"));
     }
     if (t.master_src != nullptr) {
-      FERRY_RETURN_IF_ERROR(CheckPointer(t.master_src, 4, i, "master_src", "CpuAdam::Step"));
-      FERRY_RETURN_IF_ERROR(CheckPointer(t.exp_avg_src, 4, i, "exp_avg_src", "CpuAdam::Step"));
-      FERRY_RETURN_IF_ERROR(CheckPointer(t.exp_avg_sq_src, 4, i, "exp_avg_sq_src", "CpuAdam::Step"));
+      FERRY_RETURN_IF_ERROR(CheckPointer(t.master_src, DTypeSize(t.state.master), i, "master_src", "CpuAdam::Step"));
+      FERRY_RETURN_IF_ERROR(CheckPointer(t.exp_avg_src, DTypeSize(t.state.moments), i, "exp_avg_src", "CpuAdam::Step"));
+      FERRY_RETURN_IF_ERROR(CheckPointer(t.exp_avg_sq_src, DTypeSize(t.state.moments), i, "exp_avg_sq_src", "CpuAdam::Step"));
     }
     FERRY_RETURN_IF_ERROR(CheckPointer(t.grad, DTypeSize(t.grad_dtype), i, "grad", "CpuAdam::Step"));
     if (t.param != nullptr) {
@@ -283,11 +297,7 @@ void RunTask(absl::Span<const CpuAdamTensor> tensors, absl::Span<const AdamScala
   for (int64_t at = lo; at < hi && i < tensors.size(); ++i) {
     const int64_t start = ends[i] - tensors[i].numel;
     const int64_t stop = std::min(ends[i], hi);
-    // Out-of-place tensors take the scalar loop for now (see CpuAdamTensor::master_src).
-    if (stop > at) {
-      (tensors[i].master_src != nullptr ? &cpu_adam_internal::AdamRangeScalar : range_fn)(tensors[i], scalars[i],
-                                                                                         at - start, stop - start);
-    }
+    if (stop > at) range_fn(tensors[i], scalars[i], at - start, stop - start);
     at = stop;
   }
 }
@@ -319,7 +329,7 @@ absl::Status CpuAdam::RunTraced(absl::Span<const CpuAdamTensor> tensors, absl::S
   double traffic = 0.0;
   for (const CpuAdamTensor& t : tensors) {
     traffic += static_cast<double>(t.numel) *
-               (24.0 + static_cast<double>(DTypeSize(t.grad_dtype)) +
+               (2.0 * static_cast<double>(t.state.bytes_per_element()) + static_cast<double>(DTypeSize(t.grad_dtype)) +
                 (t.param != nullptr ? static_cast<double>(DTypeSize(t.param_dtype)) : 0.0));
   }
   const double bytes_per_element = traffic / static_cast<double>(total);

@@ -23,6 +23,7 @@
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "base/adam_math.h"
+#include "base/adam_state.h"
 #include "base/thread_pool.h"
 #include "trace/tracer.h"
 #include "ferry/dtype.h"
@@ -32,20 +33,26 @@ namespace ferry {
 // One contiguous range of a tensor to update. All pointers are host memory, aligned to their element
 // size.
 struct CpuAdamTensor {
-  float* master = nullptr;
-  float* exp_avg = nullptr;
-  float* exp_avg_sq = nullptr;
+  void* master = nullptr;      // `state.master` (fp32 unless the state format says bf16)
+  void* exp_avg = nullptr;     // `state.moments`
+  void* exp_avg_sq = nullptr;  // `state.moments`
   const void* grad = nullptr;  // `grad_dtype`
   void* param = nullptr;       // written as master rounded to `param_dtype`; may be null
   int64_t numel = 0;
   DType grad_dtype = DType::kF32;
   DType param_dtype = DType::kF32;
   const AdamScalars* scalars = nullptr;  // this tensor's per-step scalars
-  // Out of place (a speculative step): when set, the state is read from these and the new state
-  // written to master, exp_avg and exp_avg_sq (which must not overlap them). All three or none.
-  const float* master_src = nullptr;
-  const float* exp_avg_src = nullptr;
-  const float* exp_avg_sq_src = nullptr;
+  // How the state is stored (base/adam_state.h). With stochastic rounding, `rounding` gives this
+  // step's key of the param and the global index of this range's element 0 (so any split of a tensor
+  // into ranges, threads or ranks rounds the same).
+  StateFormat state;
+  StateRoundingKey rounding;
+  // Out of place (a speculative step): when set, the state is read from these (in `state`'s dtypes)
+  // and the new state written to master, exp_avg and exp_avg_sq (which must not overlap them). All
+  // three or none.
+  const void* master_src = nullptr;
+  const void* exp_avg_src = nullptr;
+  const void* exp_avg_sq_src = nullptr;
 };
 
 // One gradient tensor of a gradient check. Host memory, aligned to its element size.

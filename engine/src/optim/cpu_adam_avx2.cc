@@ -20,6 +20,7 @@
 
 #include "base/adam_element.h"
 #include "base/adam_math.h"
+#include "base/adam_state.h"
 #include "ferry/dtype.h"
 
 namespace ferry::cpu_adam_internal {
@@ -140,14 +141,17 @@ inline void StoreParam(void* param, int64_t i, __m256 p) {
 
 template <AdamMode M, int G, int P, bool kStream>
 inline void Block(const AdamCoeffs<F32x8>& c, const CpuAdamTensor& t, int64_t i) {
-  F32x8 p{_mm256_loadu_ps(t.master + i)};
-  F32x8 m{_mm256_loadu_ps(t.exp_avg + i)};
-  F32x8 v{_mm256_loadu_ps(t.exp_avg_sq + i)};
+  float* const master = static_cast<float*>(t.master);
+  float* const exp_avg = static_cast<float*>(t.exp_avg);
+  float* const exp_avg_sq = static_cast<float*>(t.exp_avg_sq);
+  F32x8 p{_mm256_loadu_ps(static_cast<const float*>(t.master_src) + i)};
+  F32x8 m{_mm256_loadu_ps(static_cast<const float*>(t.exp_avg_src) + i)};
+  F32x8 v{_mm256_loadu_ps(static_cast<const float*>(t.exp_avg_sq_src) + i)};
   const F32x8 g{LoadGrad<G>(t.grad, i)};
   simd::AdamUpdateGeneric<M>(c, p, m, v, g);
-  _mm256_storeu_ps(t.master + i, p.v);
-  _mm256_storeu_ps(t.exp_avg + i, m.v);
-  _mm256_storeu_ps(t.exp_avg_sq + i, v.v);
+  _mm256_storeu_ps(master + i, p.v);
+  _mm256_storeu_ps(exp_avg + i, m.v);
+  _mm256_storeu_ps(exp_avg_sq + i, v.v);
   if constexpr (P != kNoParam) StoreParam<P, kStream>(t.param, i, p.v);
 }
 
@@ -167,9 +171,202 @@ void Range(const CpuAdamTensor& t, const AdamScalars& s, int64_t begin, int64_t 
     i += head;
   }
   constexpr bool kStream = P != kNoParam;
-  for (; i + 8 <= end; i += 8) Block<M, G, P, kStream>(c, t, i);
+  const CpuAdamTensor b = WithSources(t);
+  for (; i + 8 <= end; i += 8) Block<M, G, P, kStream>(c, b, i);
   if constexpr (P != kNoParam) _mm_sfence();  // streaming stores are visible before the task ends
   AdamRangeScalar(t, s, i, end);
+}
+
+// ---- typed state (bf16 master and/or moments; base/adam_state.h) ----
+
+// The state format as a template argument: which tensors are bf16 and whether rounding is stochastic.
+constexpr int kMasterBf16 = 1;
+constexpr int kMomentsBf16 = 2;
+constexpr int kStochastic = 4;
+
+template <bool kBf16>
+inline __m256 LoadState(const void* base, int64_t i) {
+  if constexpr (kBf16) {
+    return Bf16x8ToF32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(base) + i)));
+  } else {
+    return _mm256_loadu_ps(static_cast<const float*>(base) + i);
+  }
+}
+
+// RoundingMix32 per lane.
+inline __m256i Mix32(__m256i x) {
+  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+  x = _mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int>(0x7feb352du)));
+  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
+  x = _mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int>(0x846ca68bu)));
+  return _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+}
+
+// RoundingBits(key, lo) per lane.
+inline __m256i RandomWords(__m256i lo, uint32_t key) {
+  return Mix32(_mm256_xor_si256(lo, _mm256_set1_epi32(static_cast<int>(key))));
+}
+
+// F32ToBF16Stochastic per lane with the low 16 bits of `bits`.
+inline __m128i Bf16Stochastic(__m256 x, __m256i bits) {
+  const __m256i u = _mm256_castps_si256(x);
+  const __m256i abs = _mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff));
+  const __m256i nan = _mm256_cmpgt_epi32(abs, _mm256_set1_epi32(0x7f800000));
+  const __m256i rounded =
+      _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_and_si256(bits, _mm256_set1_epi32(0xffff))), 16);
+  const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+  const __m256i r = _mm256_blendv_epi8(rounded, quiet, nan);
+  return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+
+// `bits`: the lanes' random words (used only by stochastic rounding).
+template <bool kSr>
+inline __m128i StateBf16(__m256 x, __m256i bits) {
+  if constexpr (kSr) {
+    return Bf16Stochastic(x, bits);
+  } else {
+    return Bf16Software(x);
+  }
+}
+
+// m and v rounded to bf16 together: one pack for both, and the NaN handling only when a lane of
+// either is NaN (checked once; rare). The same bits as Bf16Software / Bf16Stochastic lane by lane;
+// stochastic rounding takes m's random bits from the low and v's from the high half of `bits`.
+template <bool kSr>
+__attribute__((always_inline)) inline void StoreMomentsBf16(void* m_base, void* v_base, int64_t i, __m256 m, __m256 v, __m256i bits) {
+  const __m256i um = _mm256_castps_si256(m), uv = _mm256_castps_si256(v);
+  __m256i add_m, add_v;  // added below the cut before truncating
+  if constexpr (kSr) {
+    add_m = _mm256_and_si256(bits, _mm256_set1_epi32(0xffff));
+    add_v = _mm256_srli_epi32(bits, 16);
+  } else {
+    const __m256i one = _mm256_set1_epi32(1), half = _mm256_set1_epi32(0x7fff);
+    add_m = _mm256_add_epi32(_mm256_and_si256(_mm256_srli_epi32(um, 16), one), half);
+    add_v = _mm256_add_epi32(_mm256_and_si256(_mm256_srli_epi32(uv, 16), one), half);
+  }
+  __m256i rm = _mm256_srli_epi32(_mm256_add_epi32(um, add_m), 16);
+  __m256i rv = _mm256_srli_epi32(_mm256_add_epi32(uv, add_v), 16);
+  const __m256 unordered = _mm256_or_ps(_mm256_cmp_ps(m, m, _CMP_UNORD_Q), _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  if (_mm256_movemask_ps(unordered) != 0) {
+    const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff), inf = _mm256_set1_epi32(0x7f800000);
+    const __m256i quiet = _mm256_set1_epi32(0x40);
+    rm = _mm256_blendv_epi8(rm, _mm256_or_si256(_mm256_srli_epi32(um, 16), quiet),
+                            _mm256_cmpgt_epi32(_mm256_and_si256(um, abs_mask), inf));
+    rv = _mm256_blendv_epi8(rv, _mm256_or_si256(_mm256_srli_epi32(uv, 16), quiet),
+                            _mm256_cmpgt_epi32(_mm256_and_si256(uv, abs_mask), inf));
+  }
+  // packus works within 128-bit lanes: [m0..3 v0..3 | m4..7 v4..7] -> [m0..7 | v0..7].
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(rm, rv), 0xD8);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(m_base) + i), _mm256_castsi256_si128(packed));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(v_base) + i), _mm256_extracti128_si256(packed, 1));
+}
+
+// `lo`: the low words of the 8 elements' global indices. With a bf16 master, P is kBF16 or kNoParam:
+// the param takes the master's bits.
+template <AdamMode M, int G, int P, int SF, bool kStream>
+__attribute__((always_inline)) inline void BlockTyped(const AdamCoeffs<F32x8>& c, const CpuAdamTensor& t, int64_t i, __m256i lo,
+                       const StateKindKeys& keys) {
+  constexpr bool kM16 = (SF & kMasterBf16) != 0;
+  constexpr bool kV16 = (SF & kMomentsBf16) != 0;
+  constexpr bool kSr = (SF & kStochastic) != 0;
+  F32x8 p{LoadState<kM16>(t.master_src, i)};
+  F32x8 m{LoadState<kV16>(t.exp_avg_src, i)};
+  F32x8 v{LoadState<kV16>(t.exp_avg_sq_src, i)};
+  const F32x8 g{LoadGrad<G>(t.grad, i)};
+  simd::AdamUpdateGeneric<M>(c, p, m, v, g);
+  if constexpr (kM16) {
+    const __m128i h = StateBf16<kSr>(p.v, kSr ? RandomWords(lo, keys.master) : lo);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(t.master) + i), h);
+    if constexpr (P != kNoParam) {
+      __m128i* dst = reinterpret_cast<__m128i*>(static_cast<uint16_t*>(t.param) + i);
+      if constexpr (kStream) {
+        _mm_stream_si128(dst, h);
+      } else {
+        _mm_storeu_si128(dst, h);
+      }
+    }
+  } else {
+    _mm256_storeu_ps(static_cast<float*>(t.master) + i, p.v);
+    if constexpr (P != kNoParam) StoreParam<P, kStream>(t.param, i, p.v);
+  }
+  if constexpr (kV16) {
+    StoreMomentsBf16<kSr>(t.exp_avg, t.exp_avg_sq, i, m.v, v.v, kSr ? RandomWords(lo, keys.moments) : lo);
+  } else {
+    _mm256_storeu_ps(static_cast<float*>(t.exp_avg) + i, m.v);
+    _mm256_storeu_ps(static_cast<float*>(t.exp_avg_sq) + i, v.v);
+  }
+}
+
+template <AdamMode M, int G, int P, int SF>
+void RangeTyped(const CpuAdamTensor& t, const AdamScalars& s, int64_t begin, int64_t end) {
+  const AdamCoeffs<F32x8> c = Broadcast(s);
+  const CpuAdamTensor b = WithSources(t);
+  constexpr bool kStream = P != kNoParam;
+  int64_t i = begin;
+  while (i < end) {
+    // A stretch of global indices sharing their high word (all of the range but for > 2^32 elements).
+    const uint64_t gi = static_cast<uint64_t>(t.rounding.index0 + i);
+    const uint64_t room = (uint64_t{1} << 32) - (gi & 0xffffffffull);
+    const int64_t stop = static_cast<uint64_t>(end - i) < room ? end : i + static_cast<int64_t>(room);
+    if constexpr (P != kNoParam) {
+      // Streaming stores need aligned lines: the elements before the param's next 64-byte boundary
+      // go through the scalar loop.
+      constexpr int64_t kSize = P == kF32 ? 4 : 2;
+      const uintptr_t addr = reinterpret_cast<uintptr_t>(t.param) + static_cast<uintptr_t>(i * kSize);
+      int64_t head = static_cast<int64_t>((64 - addr % 64) % 64) / kSize;
+      if (head > stop - i) head = stop - i;
+      AdamRangeScalar(t, s, i, i + head);
+      i += head;
+    }
+    const uint64_t g0 = static_cast<uint64_t>(t.rounding.index0 + i);
+    const StateKindKeys keys = (SF & kStochastic) != 0 ? KindKeysFor(t.rounding.tensor_key, static_cast<uint32_t>(g0 >> 32))
+                                                       : StateKindKeys{0, 0};
+    __m256i lo = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(g0))),
+                                  _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    for (; i + 8 <= stop; i += 8) {
+      BlockTyped<M, G, P, SF, kStream>(c, b, i, lo, keys);
+      lo = _mm256_add_epi32(lo, _mm256_set1_epi32(8));
+    }
+    if constexpr (P != kNoParam) _mm_sfence();  // streaming stores are visible before the task ends
+    AdamRangeScalar(t, s, i, stop);
+    i = stop;
+  }
+}
+
+template <AdamMode M, int G, int SF>
+AdamRangeFn SelectParamTyped(const CpuAdamTensor& t) {
+  if ((SF & kMasterBf16) != 0) {
+    // A bf16 master serves bf16 params (the policy allows nothing else); others take the scalar loop.
+    if (t.param == nullptr) return &RangeTyped<M, G, kNoParam, SF>;
+    if (t.param_dtype == DType::kBF16) return &RangeTyped<M, G, kBF16, SF>;
+    return &AdamRangeScalar;
+  }
+  if (t.param == nullptr) return &RangeTyped<M, G, kNoParam, SF>;
+  switch (t.param_dtype) {
+    case DType::kF32: return &RangeTyped<M, G, kF32, SF>;
+    case DType::kBF16: return &RangeTyped<M, G, kBF16, SF>;
+    case DType::kF16: break;
+  }
+  return &RangeTyped<M, G, static_cast<int>(DType::kF16), SF>;
+}
+
+template <AdamMode M, int G>
+AdamRangeFn SelectParam(const CpuAdamTensor& t);
+
+template <AdamMode M, int G>
+AdamRangeFn SelectState(const CpuAdamTensor& t) {
+  int sf = (t.state.master == DType::kBF16 ? kMasterBf16 : 0) | (t.state.moments == DType::kBF16 ? kMomentsBf16 : 0);
+  if (sf != 0 && t.state.rounding == StateRounding::kStochastic) sf |= kStochastic;
+  switch (sf) {
+    case kMasterBf16: return SelectParamTyped<M, G, kMasterBf16>(t);
+    case kMasterBf16 | kStochastic: return SelectParamTyped<M, G, kMasterBf16 | kStochastic>(t);
+    case kMomentsBf16: return SelectParamTyped<M, G, kMomentsBf16>(t);
+    case kMomentsBf16 | kStochastic: return SelectParamTyped<M, G, kMomentsBf16 | kStochastic>(t);
+    case kMasterBf16 | kMomentsBf16: return SelectParamTyped<M, G, kMasterBf16 | kMomentsBf16>(t);
+    case kMasterBf16 | kMomentsBf16 | kStochastic:
+      return SelectParamTyped<M, G, kMasterBf16 | kMomentsBf16 | kStochastic>(t);
+    default: return SelectParam<M, G>(t);
+  }
 }
 
 template <AdamMode M, int G>
@@ -186,11 +383,11 @@ AdamRangeFn SelectParam(const CpuAdamTensor& t) {
 template <AdamMode M>
 AdamRangeFn SelectGrad(const CpuAdamTensor& t) {
   switch (t.grad_dtype) {
-    case DType::kF32: return SelectParam<M, kF32>(t);
-    case DType::kBF16: return SelectParam<M, kBF16>(t);
+    case DType::kF32: return SelectState<M, kF32>(t);
+    case DType::kBF16: return SelectState<M, kBF16>(t);
     case DType::kF16: break;
   }
-  return SelectParam<M, static_cast<int>(DType::kF16)>(t);
+  return SelectState<M, static_cast<int>(DType::kF16)>(t);
 }
 
 AdamRangeFn Select(const CpuAdamTensor& t, const AdamScalars& s) {

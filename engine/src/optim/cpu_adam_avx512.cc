@@ -20,6 +20,7 @@
 
 #include "base/adam_element.h"
 #include "base/adam_math.h"
+#include "base/adam_state.h"
 #include "ferry/dtype.h"
 
 namespace ferry::cpu_adam_internal {
@@ -152,14 +153,17 @@ inline void StoreParamStreaming(void* param, int64_t i, __m512 p) {
 
 template <AdamMode M, int G, int P, bool kHwBf16, bool kStream>
 inline void Block(const AdamCoeffs<F32x16>& c, const CpuAdamTensor& t, int64_t i, __mmask16 k) {
-  F32x16 p{_mm512_maskz_loadu_ps(k, t.master + i)};
-  F32x16 m{_mm512_maskz_loadu_ps(k, t.exp_avg + i)};
-  F32x16 v{_mm512_maskz_loadu_ps(k, t.exp_avg_sq + i)};
+  float* const master = static_cast<float*>(t.master);
+  float* const exp_avg = static_cast<float*>(t.exp_avg);
+  float* const exp_avg_sq = static_cast<float*>(t.exp_avg_sq);
+  F32x16 p{_mm512_maskz_loadu_ps(k, static_cast<const float*>(t.master_src) + i)};
+  F32x16 m{_mm512_maskz_loadu_ps(k, static_cast<const float*>(t.exp_avg_src) + i)};
+  F32x16 v{_mm512_maskz_loadu_ps(k, static_cast<const float*>(t.exp_avg_sq_src) + i)};
   const F32x16 g{LoadGrad<G>(t.grad, i, k)};
   simd::AdamUpdateGeneric<M>(c, p, m, v, g);
-  _mm512_mask_storeu_ps(t.master + i, k, p.v);
-  _mm512_mask_storeu_ps(t.exp_avg + i, k, m.v);
-  _mm512_mask_storeu_ps(t.exp_avg_sq + i, k, v.v);
+  _mm512_mask_storeu_ps(master + i, k, p.v);
+  _mm512_mask_storeu_ps(exp_avg + i, k, m.v);
+  _mm512_mask_storeu_ps(exp_avg_sq + i, k, v.v);
   if constexpr (P != kNoParam) {
     if constexpr (kStream) {
       StoreParamStreaming<P, kHwBf16>(t.param, i, p.v);
@@ -170,8 +174,9 @@ inline void Block(const AdamCoeffs<F32x16>& c, const CpuAdamTensor& t, int64_t i
 }
 
 template <AdamMode M, int G, int P, bool kHwBf16>
-void Range(const CpuAdamTensor& t, const AdamScalars& s, int64_t begin, int64_t end) {
+void Range(const CpuAdamTensor& t_in, const AdamScalars& s, int64_t begin, int64_t end) {
   const AdamCoeffs<F32x16> c = Broadcast(s);
+  const CpuAdamTensor t = WithSources(t_in);
   int64_t i = begin;
   if constexpr (P != kNoParam) {
     // The param is only written: streaming stores skip reading its lines first (2-4 bytes per element
@@ -193,6 +198,183 @@ void Range(const CpuAdamTensor& t, const AdamScalars& s, int64_t begin, int64_t 
   if constexpr (P != kNoParam) _mm_sfence();  // streaming stores are visible before the task ends
 }
 
+// ---- typed state (bf16 master and/or moments; base/adam_state.h) ----
+
+// The state format as a template argument: which tensors are bf16 and whether rounding is stochastic.
+constexpr int kMasterBf16 = 1;
+constexpr int kMomentsBf16 = 2;
+constexpr int kStochastic = 4;
+
+template <bool kBf16>
+inline __m512 LoadState(const void* base, int64_t i, __mmask16 k) {
+  if constexpr (kBf16) {
+    const __m256i h = _mm256_maskz_loadu_epi16(k, static_cast<const uint16_t*>(base) + i);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  } else {
+    return _mm512_maskz_loadu_ps(k, static_cast<const float*>(base) + i);
+  }
+}
+
+// RoundingMix32 per lane.
+inline __m512i Mix32(__m512i x) {
+  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+  x = _mm512_mullo_epi32(x, _mm512_set1_epi32(static_cast<int>(0x7feb352du)));
+  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));
+  x = _mm512_mullo_epi32(x, _mm512_set1_epi32(static_cast<int>(0x846ca68bu)));
+  return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+}
+
+// RoundingBits(key, lo) per lane.
+inline __m512i RandomWords(__m512i lo, uint32_t key) {
+  return Mix32(_mm512_xor_si512(lo, _mm512_set1_epi32(static_cast<int>(key))));
+}
+
+// F32ToBF16Stochastic per lane with the low 16 bits of `bits`.
+inline __m256i Bf16Stochastic(__m512 x, __m512i bits) {
+  const __m512i u = _mm512_castps_si512(x);
+  const __m512i abs = _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff));
+  const __mmask16 nan = _mm512_cmpgt_epi32_mask(abs, _mm512_set1_epi32(0x7f800000));
+  const __m512i rounded =
+      _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_and_si512(bits, _mm512_set1_epi32(0xffff))), 16);
+  const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+  return _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, rounded, quiet));
+}
+
+// `bits`: the lanes' random words (used only by stochastic rounding).
+template <bool kSr, bool kHwBf16>
+inline __m256i StateBf16(__m512 x, __m512i bits) {
+  if constexpr (kSr) {
+    return Bf16Stochastic(x, bits);
+  } else {
+    return To16<kBF16, kHwBf16>(x);
+  }
+}
+
+template <bool kBf16, bool kSr, bool kHwBf16>
+inline void StoreState(void* base, int64_t i, __m512 x, __mmask16 k, __m512i bits) {
+  if constexpr (kBf16) {
+    _mm256_mask_storeu_epi16(static_cast<uint16_t*>(base) + i, k, StateBf16<kSr, kHwBf16>(x, bits));
+  } else {
+    _mm512_mask_storeu_ps(static_cast<float*>(base) + i, k, x);
+  }
+}
+
+// `lo`: the low words of the 16 elements' global indices. With a bf16 master, P is kBF16 or
+// kNoParam: the param takes the master's bits.
+template <AdamMode M, int G, int P, int SF, bool kHwBf16, bool kStream>
+inline void BlockTyped(const AdamCoeffs<F32x16>& c, const CpuAdamTensor& t, int64_t i, __mmask16 k, __m512i lo,
+                       const StateKindKeys& keys) {
+  constexpr bool kM16 = (SF & kMasterBf16) != 0;
+  constexpr bool kV16 = (SF & kMomentsBf16) != 0;
+  constexpr bool kSr = (SF & kStochastic) != 0;
+  F32x16 p{LoadState<kM16>(t.master_src, i, k)};
+  F32x16 m{LoadState<kV16>(t.exp_avg_src, i, k)};
+  F32x16 v{LoadState<kV16>(t.exp_avg_sq_src, i, k)};
+  const F32x16 g{LoadGrad<G>(t.grad, i, k)};
+  simd::AdamUpdateGeneric<M>(c, p, m, v, g);
+  if constexpr (kM16) {
+    const __m256i h = StateBf16<kSr, kHwBf16>(p.v, kSr ? RandomWords(lo, keys.master) : lo);
+    _mm256_mask_storeu_epi16(static_cast<uint16_t*>(t.master) + i, k, h);
+    if constexpr (P != kNoParam) {
+      if constexpr (kStream) {
+        _mm256_stream_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(t.param) + i), h);
+      } else {
+        _mm256_mask_storeu_epi16(static_cast<uint16_t*>(t.param) + i, k, h);
+      }
+    }
+  } else {
+    _mm512_mask_storeu_ps(static_cast<float*>(t.master) + i, k, p.v);
+    if constexpr (P != kNoParam) {
+      if constexpr (kStream) {
+        StoreParamStreaming<P, kHwBf16>(t.param, i, p.v);
+      } else {
+        StoreParamMasked<P, kHwBf16>(t.param, i, p.v, k);
+      }
+    }
+  }
+  const __m512i moment_bits = kSr && kV16 ? RandomWords(lo, keys.moments) : lo;  // m: low 16, v: high 16
+  StoreState<kV16, kSr, kHwBf16>(t.exp_avg, i, m.v, k, moment_bits);
+  StoreState<kV16, kSr, kHwBf16>(t.exp_avg_sq, i, v.v, k, _mm512_srli_epi32(moment_bits, 16));
+}
+
+template <AdamMode M, int G, int P, int SF, bool kHwBf16>
+void RangeTyped(const CpuAdamTensor& t_in, const AdamScalars& s, int64_t begin, int64_t end) {
+  const AdamCoeffs<F32x16> c = Broadcast(s);
+  const CpuAdamTensor t = WithSources(t_in);
+  const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  int64_t i = begin;
+  while (i < end) {
+    // A stretch of global indices sharing their high word (all of the range but for > 2^32 elements).
+    const uint64_t g0 = static_cast<uint64_t>(t.rounding.index0 + i);
+    const uint64_t room = (uint64_t{1} << 32) - (g0 & 0xffffffffull);
+    const int64_t stop = static_cast<uint64_t>(end - i) < room ? end : i + static_cast<int64_t>(room);
+    const StateKindKeys keys = (SF & kStochastic) != 0 ? KindKeysFor(t.rounding.tensor_key, static_cast<uint32_t>(g0 >> 32))
+                                                       : StateKindKeys{0, 0};
+    const uint32_t lo0 = static_cast<uint32_t>(g0);
+    const int64_t seg = i;
+    auto lo_at = [&](int64_t at) {
+      return _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(lo0 + static_cast<uint32_t>(at - seg))), lanes);
+    };
+    int64_t at = i;
+    if constexpr (P != kNoParam) {
+      // Streaming stores need aligned lines: the elements up to the param's next 64-byte boundary take
+      // ordinary masked stores.
+      constexpr int64_t kSize = P == kF32 ? 4 : 2;
+      const uintptr_t addr = reinterpret_cast<uintptr_t>(t.param) + static_cast<uintptr_t>(at * kSize);
+      int64_t head = static_cast<int64_t>((64 - addr % 64) % 64) / kSize;
+      if (head > stop - at) head = stop - at;
+      while (head > 0) {
+        const int64_t n = head < 16 ? head : 16;
+        BlockTyped<M, G, P, SF, kHwBf16, false>(c, t, at, FirstLanes(n), lo_at(at), keys);
+        at += n;
+        head -= n;
+      }
+    }
+    for (; at + 16 <= stop; at += 16) {
+      BlockTyped<M, G, P, SF, kHwBf16, P != kNoParam>(c, t, at, static_cast<__mmask16>(0xFFFF), lo_at(at), keys);
+    }
+    if (at < stop) BlockTyped<M, G, P, SF, kHwBf16, false>(c, t, at, FirstLanes(stop - at), lo_at(at), keys);
+    if constexpr (P != kNoParam) _mm_sfence();  // streaming stores are visible before the task ends
+    i = stop;
+  }
+}
+
+template <AdamMode M, int G, int SF, bool kHwBf16>
+AdamRangeFn SelectParamTyped(const CpuAdamTensor& t) {
+  if ((SF & kMasterBf16) != 0) {
+    // A bf16 master serves bf16 params (the policy allows nothing else); others take the scalar loop.
+    if (t.param == nullptr) return &RangeTyped<M, G, kNoParam, SF, kHwBf16>;
+    if (t.param_dtype == DType::kBF16) return &RangeTyped<M, G, kBF16, SF, kHwBf16>;
+    return &AdamRangeScalar;
+  }
+  if (t.param == nullptr) return &RangeTyped<M, G, kNoParam, SF, kHwBf16>;
+  switch (t.param_dtype) {
+    case DType::kF32: return &RangeTyped<M, G, kF32, SF, kHwBf16>;
+    case DType::kBF16: return &RangeTyped<M, G, kBF16, SF, kHwBf16>;
+    case DType::kF16: break;
+  }
+  return &RangeTyped<M, G, static_cast<int>(DType::kF16), SF, kHwBf16>;
+}
+
+template <AdamMode M, int G, bool kHwBf16>
+AdamRangeFn SelectParam(const CpuAdamTensor& t);
+
+template <AdamMode M, int G, bool kHwBf16>
+AdamRangeFn SelectState(const CpuAdamTensor& t) {
+  int sf = (t.state.master == DType::kBF16 ? kMasterBf16 : 0) | (t.state.moments == DType::kBF16 ? kMomentsBf16 : 0);
+  if (sf != 0 && t.state.rounding == StateRounding::kStochastic) sf |= kStochastic;
+  switch (sf) {
+    case kMasterBf16: return SelectParamTyped<M, G, kMasterBf16, kHwBf16>(t);
+    case kMasterBf16 | kStochastic: return SelectParamTyped<M, G, kMasterBf16 | kStochastic, kHwBf16>(t);
+    case kMomentsBf16: return SelectParamTyped<M, G, kMomentsBf16, kHwBf16>(t);
+    case kMomentsBf16 | kStochastic: return SelectParamTyped<M, G, kMomentsBf16 | kStochastic, kHwBf16>(t);
+    case kMasterBf16 | kMomentsBf16: return SelectParamTyped<M, G, kMasterBf16 | kMomentsBf16, kHwBf16>(t);
+    case kMasterBf16 | kMomentsBf16 | kStochastic:
+      return SelectParamTyped<M, G, kMasterBf16 | kMomentsBf16 | kStochastic, kHwBf16>(t);
+    default: return SelectParam<M, G, kHwBf16>(t);
+  }
+}
+
 template <AdamMode M, int G, bool kHwBf16>
 AdamRangeFn SelectParam(const CpuAdamTensor& t) {
   if (t.param == nullptr) return &Range<M, G, kNoParam, kHwBf16>;
@@ -207,11 +389,11 @@ AdamRangeFn SelectParam(const CpuAdamTensor& t) {
 template <AdamMode M, bool kHwBf16>
 AdamRangeFn SelectGrad(const CpuAdamTensor& t) {
   switch (t.grad_dtype) {
-    case DType::kF32: return SelectParam<M, kF32, kHwBf16>(t);
-    case DType::kBF16: return SelectParam<M, kBF16, kHwBf16>(t);
+    case DType::kF32: return SelectState<M, kF32, kHwBf16>(t);
+    case DType::kBF16: return SelectState<M, kBF16, kHwBf16>(t);
     case DType::kF16: break;
   }
-  return SelectParam<M, static_cast<int>(DType::kF16), kHwBf16>(t);
+  return SelectState<M, static_cast<int>(DType::kF16), kHwBf16>(t);
 }
 
 template <bool kHwBf16>

@@ -18,6 +18,18 @@ using AdamRangeFn = void (*)(const CpuAdamTensor& t, const AdamScalars& s, int64
 
 void AdamRangeScalar(const CpuAdamTensor& t, const AdamScalars& s, int64_t begin, int64_t end);
 
+// `t` with its *_src pointing at its own state when it is not out of place: the SIMD blocks always
+// load the state from *_src and store it to master/exp_avg/exp_avg_sq.
+inline CpuAdamTensor WithSources(const CpuAdamTensor& t) {
+  CpuAdamTensor r = t;
+  if (r.master_src == nullptr) {
+    r.master_src = r.master;
+    r.exp_avg_src = r.exp_avg;
+    r.exp_avg_sq_src = r.exp_avg_sq;
+  }
+  return r;
+}
+
 // Defined only on x86-64 builds; REQUIRE the CPU features their names say.
 void AdamRangeAvx2(const CpuAdamTensor& t, const AdamScalars& s, int64_t begin, int64_t end);
 void AdamRangeAvx512(const CpuAdamTensor& t, const AdamScalars& s, int64_t begin, int64_t end);

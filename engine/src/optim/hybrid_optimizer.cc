@@ -8,12 +8,13 @@
 #include "base/logging.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "base/absl_compat.h"
 #include "ferry/status.h"
 
 namespace ferry {
 namespace {
 
-constexpr int64_t kAlignElements = 16;  // 64-byte alignment of every tensor's fp32 state
+constexpr int64_t kAlignElements = 16;  // 64-byte alignment of every tensor's fp32 state (32 for bf16)
 constexpr size_t kStageAlign = 256;
 
 size_t AlignUp(size_t n, size_t a) { return (n + a - 1) / a * a; }
@@ -27,10 +28,16 @@ bool InArena(const PinnedArena* arena, const HostSpan& span) {
 
 }  // namespace
 
-float* HybridOptimizer::Group::state(StateKind kind) const {
-  float* base = offloaded ? host_state.as<float>() : device_state.as<float>();
+char* HybridOptimizer::Group::state(StateKind kind, bool spare) const {
+  char* base = spare ? spare_state.as<char>() : offloaded ? host_state.as<char>() : device_state.as<char>();
   if (base == nullptr) return nullptr;
-  return base + static_cast<size_t>(layout.total_elements()) * static_cast<size_t>(kind);
+  const size_t n = static_cast<size_t>(layout.total_elements());
+  switch (kind) {
+    case StateKind::kMaster: return base;
+    case StateKind::kExpAvg: return base + n * DTypeSize(format.master);
+    case StateKind::kExpAvgSq: break;
+  }
+  return base + n * (DTypeSize(format.master) + DTypeSize(format.moments));
 }
 
 HybridOptimizer::HybridOptimizer(Device* device, ThreadPool* pool, HybridOptions options)
@@ -84,6 +91,12 @@ absl::Status HybridOptimizer::Init(std::vector<OptimParam> params, std::vector<O
     groups_[g].offloaded = groups[g].offloaded;
     groups_[g].hyper = groups[g].hyper.value_or(options_.hyper);
     groups_[g].lr_scale = groups[g].lr_scale;
+    groups_[g].format = groups[g].state;
+    const StateFormat& f = groups_[g].format;
+    if ((f.master != DType::kF32 && f.master != DType::kBF16) || (f.moments != DType::kF32 && f.moments != DType::kBF16) ||
+        (f.rounding != StateRounding::kNearest && f.rounding != StateRounding::kStochastic)) {
+      return absl::InvalidArgumentError(absl::StrCat("group '", groups_[g].name, "': invalid state format"));
+    }
   }
   for (size_t p = 0; p < params_.size(); ++p) {
     const OptimParam& op = params_[p];
@@ -91,7 +104,12 @@ absl::Status HybridOptimizer::Init(std::vector<OptimParam> params, std::vector<O
       return absl::InvalidArgumentError(absl::StrCat("param '", op.name, "' names group ", op.group,
                                                      " of ", groups_.size()));
     }
+    if (groups_[op.group].format.master == DType::kBF16 && op.dtype != DType::kBF16) {
+      return absl::InvalidArgumentError(absl::StrCat("group '", groups_[op.group].name, "': a bf16 master needs bf16 params, but '",
+                                                     op.name, "' is ", ToAbsl(DTypeName(op.dtype))));
+    }
     groups_[op.group].params.push_back(p);
+    param_ids_.push_back(RoundingParamId(op.name.data(), op.name.size()));
   }
   param_slot_.assign(params_.size(), 0);
   size_t arena_bytes = 0;
@@ -103,7 +121,7 @@ absl::Status HybridOptimizer::Init(std::vector<OptimParam> params, std::vector<O
     if (numels.empty()) continue;  // a group with no elements on this rank: no state, only a step count
     FERRY_ASSIGN_OR_RETURN(g.layout, Layout::Pack(numels, kAlignElements));
     for (size_t i = 0; i < g.params.size(); ++i) param_slot_[g.params[i]] = g.layout.slots()[i].offset;
-    const size_t state_bytes = 3 * static_cast<size_t>(g.layout.total_elements()) * sizeof(float);
+    const size_t state_bytes = static_cast<size_t>(g.layout.total_elements()) * g.format.bytes_per_element();
     if (g.offloaded) {
       arena_bytes += AlignUp(state_bytes, kStageAlign);
       offloaded_groups.push_back(gi);
@@ -143,8 +161,8 @@ absl::Status HybridOptimizer::Init(std::vector<OptimParam> params, std::vector<O
     FERRY_ASSIGN_OR_RETURN(arena_, PinnedArena::Create(device_, arena_options));
     for (Group& g : groups_) {
       if (!g.offloaded || g.params.empty()) continue;
-      FERRY_ASSIGN_OR_RETURN(g.host_state,
-                             arena_->Allocate(3 * static_cast<size_t>(g.layout.total_elements()) * sizeof(float)));
+      FERRY_ASSIGN_OR_RETURN(g.host_state, arena_->Allocate(static_cast<size_t>(g.layout.total_elements()) *
+                                                            g.format.bytes_per_element()));
     }
     for (size_t i = 0; i < slots; ++i) {
       FERRY_ASSIGN_OR_RETURN(HostSpan grad_slot, arena_->Allocate(chunk_bytes, kStageAlign));
@@ -161,15 +179,24 @@ absl::Status HybridOptimizer::Init(std::vector<OptimParam> params, std::vector<O
   return SyncFromModel(all, /*reset_optimizer=*/true);
 }
 
-float* HybridOptimizer::StatePtr(size_t p, StateKind kind) const {
+char* HybridOptimizer::StatePtr(size_t p, StateKind kind, size_t e) const {
   const Group& g = groups_[params_[p].group];
-  return g.state(kind) + param_slot_[p];
+  const size_t es = DTypeSize(kind == StateKind::kMaster ? g.format.master : g.format.moments);
+  return g.state(kind) + (static_cast<size_t>(param_slot_[p]) + e) * es;
 }
 
-float* HybridOptimizer::SpareStatePtr(size_t p, StateKind kind) const {
+StateRoundingKey HybridOptimizer::RoundingKey(size_t p, size_t e0) const {
   const Group& g = groups_[params_[p].group];
-  return g.spare_state.as<float>() + static_cast<size_t>(g.layout.total_elements()) * static_cast<size_t>(kind) +
-         param_slot_[p];
+  StateRoundingKey key;
+  key.index0 = params_[p].shard_begin + static_cast<int64_t>(e0);
+  if (g.format.stochastic()) key.tensor_key = RoundingTensorKey(options_.rounding_seed, param_ids_[p], g.step + 1);
+  return key;
+}
+
+char* HybridOptimizer::SpareStatePtr(size_t p, StateKind kind, size_t e) const {
+  const Group& g = groups_[params_[p].group];
+  const size_t es = DTypeSize(kind == StateKind::kMaster ? g.format.master : g.format.moments);
+  return g.state(kind, /*spare=*/true) + (static_cast<size_t>(param_slot_[p]) + e) * es;
 }
 
 absl::Status HybridOptimizer::WaitPending() {
@@ -356,6 +383,8 @@ absl::Status HybridOptimizer::StepGpuGroups(const std::vector<AdamScalars>& grou
       t.master = StatePtr(p, StateKind::kMaster);
       t.exp_avg = StatePtr(p, StateKind::kExpAvg);
       t.exp_avg_sq = StatePtr(p, StateKind::kExpAvgSq);
+      t.state = g.format;
+      t.rounding = RoundingKey(p, 0);
       t.grad = op.grad;
       t.param = op.param;
       t.numel = op.numel;
@@ -371,7 +400,8 @@ absl::Status HybridOptimizer::StepGpuGroups(const std::vector<AdamScalars>& grou
   if (span.on()) {
     double bytes = 0.0;
     for (const AdamTensorArgs& t : tensors) {
-      bytes += static_cast<double>(t.numel) * static_cast<double>(24 + DTypeSize(t.grad_dtype) + DTypeSize(t.param_dtype));
+      bytes += static_cast<double>(t.numel) * static_cast<double>(2 * t.state.bytes_per_element() + DTypeSize(t.grad_dtype) +
+                                                                  DTypeSize(t.param_dtype));
     }
     span.Arg("bytes", bytes);
     span.Arg("tensors", static_cast<double>(tensors.size()));

@@ -19,6 +19,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "base/adam_math.h"
+#include "base/adam_state.h"
 #include "base/thread_pool.h"
 #include "device/device.h"
 #include "ferry/dtype.h"
@@ -40,6 +41,9 @@ struct OptimParam {
   DType grad_dtype = DType::kBF16;
   void* param = nullptr;
   void* grad = nullptr;
+  // The global index of the local element 0 (ParamSpec::shard_begin): the stochastic rounding counter
+  // counts global elements, so any world size rounds the same.
+  int64_t shard_begin = 0;
 };
 
 struct OptimGroup {
@@ -47,6 +51,11 @@ struct OptimGroup {
   bool offloaded = false;
   std::optional<AdamHyper> hyper;  // this group's hyper-parameters; null: HybridOptions::hyper (hyper.lr unused)
   float lr_scale = 1.0f;           // the group steps with the step's lr times this (see GroupLr)
+  // How the group's master and moments are stored (fp32 by default; bf16 moments, and a bf16 master
+  // for bf16 params, as the policy asks) and how values are rounded into bf16. A bf16 master is a
+  // copy of its own in the state (host or device), never the param itself: an offloaded group needs
+  // one anyway, and the layout stays the same for both placements; the param is written from it.
+  StateFormat state;
 };
 
 // The learning rate of a group with `lr_scale` at a step with learning rate `lr`: the product in
@@ -62,6 +71,7 @@ struct HybridOptions {
   NumaPolicy numa = NumaPolicy::kInterleave;
   int numa_node = -1;
   Tracer* tracer = nullptr;      // borrowed; null: no tracing (see trace/tracer.h)
+  uint64_t rounding_seed = 0;    // seed of the stochastic rounding of bf16 state (base/adam_state.h)
 };
 
 // The inputs of one step besides the grads.
@@ -148,9 +158,12 @@ class HybridOptimizer final {
   absl::Status VerifyMasters();
 
   // Copies of one param's state to/from host memory `host` (numel floats for state, numel elements of
-  // the param's dtype for the param). Synchronous.
+  // the param's dtype for the param). Synchronous. State stored as bf16 is widened exactly on reads
+  // and rounded to nearest even on writes.
   absl::Status ReadState(size_t param, StateKind kind, float* host);
   absl::Status WriteState(size_t param, StateKind kind, const float* host);
+  // The same in the state's stored dtype (state_dtype): numel elements of it, copied as they are.
+  absl::Status ReadStateRaw(size_t param, StateKind kind, void* host);
   absl::Status ReadParam(size_t param, void* host);
 
   // One tensor of a snapshot: param `param`'s state `kind`, or (with `is_param`) the param itself.
@@ -159,6 +172,10 @@ class HybridOptimizer final {
     bool is_param = false;
     StateKind kind = StateKind::kMaster;
     void* dst = nullptr;  // host memory (pinned for full speed) of the tensor's size
+    // The dtype of a state item's `dst` (kF32 or kBF16). When it differs from the state's stored
+    // dtype (state_dtype) the copy converts: widening exactly, narrowing to nearest even. Ignored
+    // for params.
+    DType dtype = DType::kF32;
   };
   // Copies every item at once: device-resident tensors through one stream of D2H copies while the
   // host-resident (offloaded) state is copied by the thread pool, then waits for both. Equivalent to
@@ -175,7 +192,8 @@ class HybridOptimizer final {
   // after the last Step's work, and returns. Every later change of those tensors is ordered after
   // the copies on the device (the next Step makes the trainer's stream wait for them; the other
   // writers use the work stream), so the trainer never waits for them on the host. Offloaded state
-  // is refused (InvalidArgument): a checkpoint reads it in place under a StateFence instead.
+  // is refused (InvalidArgument): a checkpoint reads it in place under a StateFence instead; so is a
+  // state item whose dtype is not the stored one (no conversion here).
   // REQUIRES: each `dst` stays valid until WaitSnapshot returned.
   absl::Status SnapshotDeviceAsync(absl::Span<const SnapshotItem> items);
   // Blocks until the copies of the last SnapshotDeviceAsync have landed. Safe to call from any
@@ -187,11 +205,21 @@ class HybridOptimizer final {
   // the whole fence. Replaces an earlier fence; null removes it.
   void set_state_fence(std::shared_ptr<StateFence> fence) { fence_ = std::move(fence); }
 
-  // Host memory of param `param`'s `kind` state when its group is offloaded (valid while this
-  // optimizer lives), else nullptr. Read it only while no Step or write of the state runs (or under
-  // a StateFence).
-  const float* offloaded_state(size_t param, StateKind kind) const {
+  // Host memory of param `param`'s `kind` state (numel elements of state_dtype) when its group is
+  // offloaded (valid while this optimizer lives), else nullptr. Read it only while no Step or write
+  // of the state runs (or under a StateFence).
+  const void* offloaded_state(size_t param, StateKind kind) const {
     return groups_[params_[param].group].offloaded ? StatePtr(param, kind) : nullptr;
+  }
+  // The dtype param `param`'s `kind` state is stored in.
+  DType state_dtype(size_t param, StateKind kind) const {
+    const StateFormat& f = groups_[params_[param].group].format;
+    return kind == StateKind::kMaster ? f.master : f.moments;
+  }
+  const StateFormat& group_state(size_t g) const { return groups_[g].format; }
+  // Bytes of group g's state (host memory when offloaded, device memory otherwise), 0 with no elements.
+  size_t group_state_bytes(size_t g) const {
+    return static_cast<size_t>(groups_[g].layout.total_elements()) * groups_[g].format.bytes_per_element();
   }
   int64_t group_step(size_t group) const { return groups_[group].step; }
   void set_group_step(size_t group, int64_t step) { groups_[group].step = step; }
@@ -242,14 +270,16 @@ class HybridOptimizer final {
     bool offloaded = false;
     AdamHyper hyper;         // lr unused: the step's lr times lr_scale
     float lr_scale = 1.0f;
+    StateFormat format;
     int64_t step = 0;
     std::vector<size_t> params;  // indices into params_
     Layout layout;               // of this group's params, in elements
-    HostSpan host_state;         // offloaded: [master | m | v], each layout.total_elements() floats
+    HostSpan host_state;         // offloaded: [master | m | v], each layout.total_elements() elements
+                                 // of its stored dtype (format.master, format.moments)
     HostSpan spare_state;        // offloaded, once an early step ran: the same size; a speculative
                                  // update writes it, and Step swaps it with host_state to keep it
     DeviceBuffer device_state;   // on GPU: the same on the device
-    float* state(StateKind kind) const;
+    char* state(StateKind kind, bool spare = false) const;  // spare: in spare_state
   };
 
   HybridOptimizer(Device* device, ThreadPool* pool, HybridOptions options);
@@ -286,10 +316,14 @@ class HybridOptimizer final {
   void WaitForStateReaders() {
     if (fence_ != nullptr) fence_->WaitAll();
   }
-  // Pointer of param `p`'s `kind` state (host memory for offloaded groups, device memory otherwise).
-  float* StatePtr(size_t p, StateKind kind) const;
+  // Pointer of param `p`'s `kind` state (host memory for offloaded groups, device memory otherwise),
+  // at element `e`.
+  char* StatePtr(size_t p, StateKind kind, size_t e = 0) const;
+  // Stochastic rounding: param `p`'s key at the step its group computes next, for local elements
+  // from `e0` on.
+  StateRoundingKey RoundingKey(size_t p, size_t e0) const;
   // The same in the group's spare buffers (offloaded groups, once EnsureSpareState ran).
-  float* SpareStatePtr(size_t p, StateKind kind) const;
+  char* SpareStatePtr(size_t p, StateKind kind, size_t e = 0) const;
   absl::Status SyncParamsFromModel(const std::vector<size_t>& params);
   // Snapshot (to_host) or Restore: device copies on work_stream_, offloaded state by the pool.
   absl::Status CopyItems(absl::Span<const SnapshotItem> items, bool to_host);
@@ -304,11 +338,12 @@ class HybridOptimizer final {
   std::vector<OptimParam> params_;
   std::vector<Group> groups_;
   std::vector<int64_t> param_slot_;  // param -> element offset within its group's layout
+  std::vector<uint64_t> param_ids_;  // param -> RoundingParamId of its name
 
   // Offloaded params in pipeline order, the chunks of their grads (a plan over the concatenation of
   // their grad tensors), and the pinned staging ring: `pipeline_depth` grad slots of chunk_bytes and
-  // as many param slots. Host memory per offloaded param is its 12 bytes of fp32 state; the staging
-  // is a constant.
+  // as many param slots. Host memory per offloaded param is its state (12 bytes of fp32 state, 8 with
+  // bf16 moments, 6 all bf16); the staging is a constant.
   PipelinePlan full_plan_;             // every offloaded param
   std::vector<HostSpan> grad_slots_;
   std::vector<HostSpan> param_slots_;

@@ -120,17 +120,19 @@ absl::Status HybridOptimizer::RunPipeline(const PipelineRun& run) {
         const size_t e0 = piece.offset / gsize;
         const size_t n = piece.bytes / gsize;
         CpuAdamTensor t;
-        t.master = StatePtr(p, StateKind::kMaster) + e0;
-        t.exp_avg = StatePtr(p, StateKind::kExpAvg) + e0;
-        t.exp_avg_sq = StatePtr(p, StateKind::kExpAvgSq) + e0;
+        t.master = StatePtr(p, StateKind::kMaster, e0);
+        t.exp_avg = StatePtr(p, StateKind::kExpAvg, e0);
+        t.exp_avg_sq = StatePtr(p, StateKind::kExpAvgSq, e0);
+        t.state = groups_[op.group].format;
+        t.rounding = RoundingKey(p, e0);
         if (run.mode == PipelineMode::kToSpare) {
           // Read the state in place, write the spare buffers.
           t.master_src = t.master;
           t.exp_avg_src = t.exp_avg;
           t.exp_avg_sq_src = t.exp_avg_sq;
-          t.master = SpareStatePtr(p, StateKind::kMaster) + e0;
-          t.exp_avg = SpareStatePtr(p, StateKind::kExpAvg) + e0;
-          t.exp_avg_sq = SpareStatePtr(p, StateKind::kExpAvgSq) + e0;
+          t.master = SpareStatePtr(p, StateKind::kMaster, e0);
+          t.exp_avg = SpareStatePtr(p, StateKind::kExpAvg, e0);
+          t.exp_avg_sq = SpareStatePtr(p, StateKind::kExpAvgSq, e0);
         }
         t.grad = grad_slot + grad_at;
         t.param = param_slot + param_at;
@@ -169,7 +171,8 @@ absl::Status HybridOptimizer::RunPipeline(const PipelineRun& run) {
         double elements = 0.0, bytes = 0.0;
         for (const CpuAdamTensor& t : work) {
           elements += static_cast<double>(t.numel);
-          bytes += static_cast<double>(t.numel) * static_cast<double>(24 + DTypeSize(t.grad_dtype) + DTypeSize(t.param_dtype));
+          bytes += static_cast<double>(t.numel) *
+                   static_cast<double>(2 * t.state.bytes_per_element() + DTypeSize(t.grad_dtype) + DTypeSize(t.param_dtype));
         }
         round.Arg("chunks", static_cast<double>(end - k));
         round.Arg("elements", elements);

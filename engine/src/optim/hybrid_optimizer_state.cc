@@ -5,11 +5,14 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <deque>
 #include <utility>
+#include <vector>
 
 #include "base/logging.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "base/absl_compat.h"
 #include "ferry/status.h"
 
 namespace ferry {
@@ -26,8 +29,8 @@ absl::Status HybridOptimizer::SyncParamsFromModel(const std::vector<size_t>& par
       host_params.push_back(p);
       host_regions.push_back(CopyRegion{nullptr, op.param, static_cast<size_t>(op.numel) * DTypeSize(op.dtype)});
     } else {
-      FERRY_RETURN_IF_ERROR(device_->LaunchConvert(StatePtr(p, StateKind::kMaster), DType::kF32, op.param,
-                                                   op.dtype, op.numel, *work_stream_));
+      FERRY_RETURN_IF_ERROR(device_->LaunchConvert(StatePtr(p, StateKind::kMaster), state_dtype(p, StateKind::kMaster),
+                                                   op.param, op.dtype, op.numel, *work_stream_));
     }
   }
   FERRY_RETURN_IF_ERROR(work_stream_->Synchronize());
@@ -66,12 +69,13 @@ absl::Status HybridOptimizer::SyncParamsFromModel(const std::vector<size_t>& par
     for (const ChunkPiece& piece : chunks[k].pieces) {
       const OptimParam& op = params_[host_params[piece.region]];
       const size_t esize = DTypeSize(op.dtype);
-      float* master = StatePtr(host_params[piece.region], StateKind::kMaster) + piece.offset / esize;
+      const DType master_dtype = state_dtype(host_params[piece.region], StateKind::kMaster);
+      char* master = StatePtr(host_params[piece.region], StateKind::kMaster, piece.offset / esize);
       const char* src = slot + at;
       const size_t n = piece.bytes / esize;
       pool_->ParallelFor((n + 65535) / 65536, [&](size_t block) {
         const size_t end = std::min(n, (block + 1) * 65536);
-        for (size_t e = block * 65536; e < end; ++e) master[e] = LoadAsF32(src, op.dtype, e);
+        for (size_t e = block * 65536; e < end; ++e) StoreFromF32(master, master_dtype, e, LoadAsF32(src, op.dtype, e));
       });
       at += piece.bytes;
     }
@@ -89,7 +93,7 @@ absl::Status HybridOptimizer::SyncFromModel(const std::vector<size_t>& groups, b
   if (!reset_optimizer) return absl::OkStatus();
   for (size_t g : groups) {
     Group& grp = groups_[g];
-    const size_t bytes = 2 * static_cast<size_t>(grp.layout.total_elements()) * sizeof(float);
+    const size_t bytes = 2 * static_cast<size_t>(grp.layout.total_elements()) * DTypeSize(grp.format.moments);
     if (bytes == 0) {
       // no state on this rank
     } else if (grp.offloaded) {
@@ -102,10 +106,24 @@ absl::Status HybridOptimizer::SyncFromModel(const std::vector<size_t>& groups, b
   return work_stream_->Synchronize();
 }
 
-absl::Status HybridOptimizer::ReadState(size_t param, StateKind kind, float* host) {
+namespace {
+
+// Converts n elements between state dtypes (kF32, kBF16): widening is exact, narrowing rounds to
+// nearest even (ferry/dtype.h). Equal dtypes copy.
+void ConvertState(void* dst, DType dst_dtype, const void* src, DType src_dtype, size_t n) {
+  if (dst_dtype == src_dtype) {
+    std::memcpy(dst, src, n * DTypeSize(dst_dtype));
+    return;
+  }
+  for (size_t e = 0; e < n; ++e) StoreFromF32(dst, dst_dtype, e, LoadAsF32(src, src_dtype, e));
+}
+
+}  // namespace
+
+absl::Status HybridOptimizer::ReadStateRaw(size_t param, StateKind kind, void* host) {
   FERRY_RETURN_IF_ERROR(Synchronize());
   const OptimParam& op = params_[param];
-  const size_t bytes = static_cast<size_t>(op.numel) * sizeof(float);
+  const size_t bytes = static_cast<size_t>(op.numel) * DTypeSize(state_dtype(param, kind));
   if (groups_[op.group].offloaded) {
     std::memcpy(host, StatePtr(param, kind), bytes);
     return absl::OkStatus();
@@ -114,22 +132,51 @@ absl::Status HybridOptimizer::ReadState(size_t param, StateKind kind, float* hos
   return work_stream_->Synchronize();
 }
 
+absl::Status HybridOptimizer::ReadState(size_t param, StateKind kind, float* host) {
+  const DType stored = state_dtype(param, kind);
+  if (stored == DType::kF32) return ReadStateRaw(param, kind, host);
+  std::vector<uint16_t> raw(static_cast<size_t>(params_[param].numel));
+  FERRY_RETURN_IF_ERROR(ReadStateRaw(param, kind, raw.data()));
+  ConvertState(host, DType::kF32, raw.data(), stored, raw.size());
+  return absl::OkStatus();
+}
+
 absl::Status HybridOptimizer::WriteState(size_t param, StateKind kind, const float* host) {
   WaitForStateReaders();
   FERRY_RETURN_IF_ERROR(Synchronize());
   const OptimParam& op = params_[param];
-  const size_t bytes = static_cast<size_t>(op.numel) * sizeof(float);
+  const DType stored = state_dtype(param, kind);
+  const size_t n = static_cast<size_t>(op.numel);
+  std::vector<char> narrowed;
+  const void* src = host;
+  if (stored != DType::kF32) {
+    narrowed.resize(n * DTypeSize(stored));
+    ConvertState(narrowed.data(), stored, host, DType::kF32, n);
+    src = narrowed.data();
+  }
+  const size_t bytes = n * DTypeSize(stored);
   if (groups_[op.group].offloaded) {
-    std::memcpy(StatePtr(param, kind), host, bytes);
+    std::memcpy(StatePtr(param, kind), src, bytes);
     return absl::OkStatus();
   }
-  FERRY_RETURN_IF_ERROR(device_->CopyAsync(StatePtr(param, kind), host, bytes, CopyKind::kHostToDevice, *work_stream_));
+  FERRY_RETURN_IF_ERROR(device_->CopyAsync(StatePtr(param, kind), src, bytes, CopyKind::kHostToDevice, *work_stream_));
   return work_stream_->Synchronize();
 }
 
 absl::Status HybridOptimizer::CopyItems(absl::Span<const SnapshotItem> items, bool to_host) {
   if (!to_host) WaitForStateReaders();
   FERRY_RETURN_IF_ERROR(Synchronize());
+  const char* const op_name = to_host ? "Snapshot" : "Restore";
+  for (const SnapshotItem& item : items) {
+    if (item.param >= params_.size() || item.dst == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat(op_name, ": bad item for param ", item.param));
+    }
+    if (!item.is_param && item.dtype != DType::kF32 && item.dtype != DType::kBF16) {
+      return absl::InvalidArgumentError(absl::StrCat(op_name, ": the item for param '", params_[item.param].name,
+                                                     "' has dtype ", ToAbsl(DTypeName(item.dtype)),
+                                                     "; state is f32 or bf16"));
+    }
+  }
   struct Piece {
     char* dst;
     const char* src;
@@ -137,11 +184,36 @@ absl::Status HybridOptimizer::CopyItems(absl::Span<const SnapshotItem> items, bo
   };
   std::vector<Piece> host_pieces;
   constexpr size_t kPiece = size_t{16} << 20;
-  for (const SnapshotItem& item : items) {
-    if (item.param >= params_.size() || item.dst == nullptr) {
-      FERRY_RETURN_IF_ERROR(work_stream_->Synchronize());  // nothing enqueued may outlive the caller's buffers
-      return absl::InvalidArgumentError(absl::StrCat(to_host ? "Snapshot" : "Restore", ": bad item for param ", item.param));
-    }
+  // Items whose dtype differs from the stored one go through a buffer of the stored dtype: converted
+  // into it before a restore, out of it after a snapshot (both explicit, see SnapshotItem::dtype).
+  struct Conversion {
+    std::vector<char> stored;  // numel elements of the stored dtype
+    void* item = nullptr;      // the caller's buffer, numel elements of item_dtype
+    DType item_dtype = DType::kF32;
+    DType stored_dtype = DType::kF32;
+    size_t numel = 0;
+  };
+  std::deque<Conversion> conversions;  // stable addresses: copies in flight point into them
+  std::vector<Conversion*> conversion_of(items.size(), nullptr);
+  for (size_t i = 0; i < items.size(); ++i) {
+    const SnapshotItem& item = items[i];
+    if (item.is_param || item.dtype == state_dtype(item.param, item.kind)) continue;
+    Conversion& c = conversions.emplace_back();
+    c.item = item.dst;
+    c.item_dtype = item.dtype;
+    c.stored_dtype = state_dtype(item.param, item.kind);
+    c.numel = static_cast<size_t>(params_[item.param].numel);
+    c.stored.resize(c.numel * DTypeSize(c.stored_dtype));
+    conversion_of[i] = &c;
+  }
+  if (!to_host) {
+    pool_->ParallelFor(conversions.size(), [&](size_t k) {
+      Conversion& c = conversions[k];
+      ConvertState(c.stored.data(), c.stored_dtype, c.item, c.item_dtype, c.numel);
+    });
+  }
+  for (size_t i = 0; i < items.size(); ++i) {
+    const SnapshotItem& item = items[i];
     const OptimParam& op = params_[item.param];
     if (item.is_param) {
       const size_t pbytes = static_cast<size_t>(op.numel) * DTypeSize(op.dtype);
@@ -153,9 +225,10 @@ absl::Status HybridOptimizer::CopyItems(absl::Span<const SnapshotItem> items, bo
       }
       continue;
     }
-    const size_t bytes = static_cast<size_t>(op.numel) * sizeof(float);
-    char* state = reinterpret_cast<char*>(StatePtr(item.param, item.kind));
+    const size_t bytes = static_cast<size_t>(op.numel) * DTypeSize(state_dtype(item.param, item.kind));
+    char* state = StatePtr(item.param, item.kind);
     char* host = static_cast<char*>(item.dst);
+    if (conversion_of[i] != nullptr) host = conversion_of[i]->stored.data();
     if (!groups_[op.group].offloaded) {
       absl::Status st = to_host ? device_->CopyAsync(host, state, bytes, CopyKind::kDeviceToHost, *work_stream_)
                                 : device_->CopyAsync(state, host, bytes, CopyKind::kHostToDevice, *work_stream_);
@@ -173,7 +246,14 @@ absl::Status HybridOptimizer::CopyItems(absl::Span<const SnapshotItem> items, bo
   pool_->ParallelFor(host_pieces.size(), [&](size_t k) {
     std::memcpy(host_pieces[k].dst, host_pieces[k].src, host_pieces[k].bytes);
   });
-  return work_stream_->Synchronize();
+  FERRY_RETURN_IF_ERROR(work_stream_->Synchronize());
+  if (to_host) {
+    pool_->ParallelFor(conversions.size(), [&](size_t k) {
+      const Conversion& c = conversions[k];
+      ConvertState(c.item, c.item_dtype, c.stored.data(), c.stored_dtype, c.numel);
+    });
+  }
+  return absl::OkStatus();
 }
 
 absl::Status HybridOptimizer::Snapshot(absl::Span<const SnapshotItem> items) { return CopyItems(items, true); }
@@ -191,6 +271,11 @@ absl::Status HybridOptimizer::SnapshotDeviceAsync(absl::Span<const SnapshotItem>
                                                      params_[item.param].name,
                                                      "' is offloaded; it is read in place, not copied"));
     }
+    if (!item.is_param && item.dtype != state_dtype(item.param, item.kind)) {
+      return absl::InvalidArgumentError(absl::StrCat("SnapshotDeviceAsync: the item for param '", params_[item.param].name,
+                                                     "' asks for ", ToAbsl(DTypeName(item.dtype)), " but the state is ",
+                                                     ToAbsl(DTypeName(state_dtype(item.param, item.kind)))));
+    }
   }
   // After the last step's work on the trainer's stream (its kernels, and its uploads of the
   // offloaded groups' params, which the trainer's stream waited for).
@@ -202,8 +287,8 @@ absl::Status HybridOptimizer::SnapshotDeviceAsync(absl::Span<const SnapshotItem>
             ? device_->CopyAsync(item.dst, op.param, static_cast<size_t>(op.numel) * DTypeSize(op.dtype),
                                  CopyKind::kDeviceToHost, *work_stream_)
             : device_->CopyAsync(item.dst, StatePtr(item.param, item.kind),
-                                 static_cast<size_t>(op.numel) * sizeof(float), CopyKind::kDeviceToHost,
-                                 *work_stream_);
+                                 static_cast<size_t>(op.numel) * DTypeSize(state_dtype(item.param, item.kind)),
+                                 CopyKind::kDeviceToHost, *work_stream_);
     if (!st.ok()) {
       (void)work_stream_->Synchronize();  // nothing enqueued may outlive the caller's buffers
       return st;

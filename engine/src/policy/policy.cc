@@ -17,6 +17,7 @@
 #include "base/errors.h"
 #include "ferry/status.h"
 #include "policy/lua_runtime.h"
+#include "policy/lua_values.h"
 
 #if __has_include(<luajit-2.1/lua.hpp>)
 #include <luajit-2.1/lua.hpp>
@@ -30,35 +31,20 @@ namespace {
 
 constexpr std::string_view kNumaModes[] = {"interleave", "bind", "preferred", "local"};
 
-// Debian's Abseil has its own absl::string_view, which std::string_view does not convert to.
-absl::string_view AV(std::string_view s) { return absl::string_view(s.data(), s.size()); }
+using policy_internal::AV;
+using policy_internal::Checker;
+using policy_internal::Describe;
+using policy_internal::IsString;
+using policy_internal::Quote;
+using policy_internal::RawGetField;
+using policy_internal::SetBool;
+using policy_internal::SetNumber;
+using policy_internal::SetString;
+using policy_internal::SetStringArray;
+using policy_internal::StringAt;
 
 // ---- host -> Lua (raw operations on fresh tables; no metamethods can run)
 // -------------------------
-
-void SetString(lua_State* L, const char* key, std::string_view value) {
-  lua_pushlstring(L, value.data(), value.size());
-  lua_setfield(L, -2, key);
-}
-void SetNumber(lua_State* L, const char* key, int64_t value) {
-  lua_pushnumber(L, static_cast<lua_Number>(value));
-  lua_setfield(L, -2, key);
-}
-void SetBool(lua_State* L, const char* key, bool value) {
-  lua_pushboolean(L, value ? 1 : 0);
-  lua_setfield(L, -2, key);
-}
-void PushStringArray(lua_State* L, const std::vector<std::string>& values) {
-  lua_createtable(L, static_cast<int>(values.size()), 0);
-  for (size_t i = 0; i < values.size(); ++i) {
-    lua_pushlstring(L, values[i].data(), values[i].size());
-    lua_rawseti(L, -2, static_cast<int>(i + 1));
-  }
-}
-void SetStringArray(lua_State* L, const char* key, const std::vector<std::string>& values) {
-  PushStringArray(L, values);
-  lua_setfield(L, -2, key);
-}
 
 void PushGroups(lua_State* L, absl::Span<const GroupInfo> groups) {
   lua_createtable(L, static_cast<int>(groups.size()), 0);
@@ -102,66 +88,6 @@ std::vector<std::string> GroupNames(absl::Span<const GroupInfo> groups) {
 
 // ---- Lua -> host: validation
 // ----------------------------------------------------------------------
-
-// A Lua string as it appears in messages: quoted, escaped, truncated.
-std::string Quote(std::string_view s) {
-  constexpr size_t kMax = 80;
-  if (s.size() > kMax) return absl::StrCat("\"", absl::CHexEscape(AV(s.substr(0, kMax))), "...\"");
-  return absl::StrCat("\"", absl::CHexEscape(AV(s)), "\"");
-}
-
-// Describes the value at `idx` without running any metamethod: "\"disk\"", "the number 3", "nil",
-// "the boolean true", "a table", ...
-std::string Describe(lua_State* L, int idx) {
-  switch (lua_type(L, idx)) {
-    case LUA_TNIL: return "nil";
-    case LUA_TSTRING: {
-      size_t len = 0;
-      const char* s = lua_tolstring(L, idx, &len);
-      return Quote(std::string_view(s, len));
-    }
-    case LUA_TNUMBER:
-      return absl::StrFormat("the number %.14g", lua_tonumber(L, idx));  // as Lua prints it
-    case LUA_TBOOLEAN: return lua_toboolean(L, idx) ? "the boolean true" : "the boolean false";
-    default: return absl::StrCat("a ", luaL_typename(L, idx));
-  }
-}
-
-// The string at `idx` (REQUIRES: lua_type == LUA_TSTRING).
-std::string_view StringAt(lua_State* L, int idx) {
-  size_t len = 0;
-  const char* s = lua_tolstring(L, idx, &len);
-  return std::string_view(s, len);
-}
-
-bool IsString(lua_State* L, int idx, std::string_view value) {
-  return lua_type(L, idx) == LUA_TSTRING && StringAt(L, idx) == value;
-}
-
-// Pushes t[key] read raw (the table at absolute index `t`).
-void RawGetField(lua_State* L, int t, const char* key) {
-  lua_pushstring(L, key);
-  lua_rawget(L, t);
-}
-
-// Builds the errors of one hook call: "<policy>: <hook>(): <detail>", and for a wrong result
-// " (hook defined at <file>:<line>)" after it.
-class Checker final {
- public:
-  Checker(std::string_view policy, std::string_view hook) : policy_(policy), hook_(hook) {}
-  // Called once the hook is known to exist, before its result is read.
-  void set_location(std::string location) { location_ = std::move(location); }
-  absl::Status Error(std::string_view detail) const {
-    return absl::InvalidArgumentError(
-        absl::StrCat(AV(policy_), ": ", AV(hook_), "(): ", AV(detail),
-                     location_.empty() ? "" : absl::StrCat(" (hook defined at ", location_, ")")));
-  }
-
- private:
-  std::string_view policy_;
-  std::string_view hook_;
-  std::string location_;
-};
 
 // Every key of the result table at `idx` must be a string among `fields`.
 absl::Status CheckFields(lua_State* L, int idx, const Checker& c,
@@ -302,6 +228,7 @@ absl::StatusOr<Placement> Policy::Place(absl::Span<const GroupInfo> groups,
     return placement;
   }
   std::vector<std::optional<PlaceKind>> kinds(groups.size());
+  std::vector<std::optional<StateFormat>> formats(groups.size());
   std::optional<std::string> numa;
   auto push_args = [&](lua_State* L) {
     PushGroups(L, groups);
@@ -322,7 +249,8 @@ absl::StatusOr<Placement> Policy::Place(absl::Span<const GroupInfo> groups,
       }
       const std::string_view key = StringAt(L, -2);
       auto it = index.find(AV(key));
-      const bool placement_value = IsString(L, -1, "cpu") || IsString(L, -1, "gpu");
+      const bool placement_value =
+          IsString(L, -1, "cpu") || IsString(L, -1, "gpu") || lua_type(L, -1) == LUA_TTABLE;
       if (key == "numa" && (it == index.end() || !placement_value)) {
         // The NUMA mode (a group named "numa" is placed with "cpu"/"gpu" under the same key).
         const bool valid = lua_type(L, -1) == LUA_TSTRING &&
@@ -340,6 +268,13 @@ absl::StatusOr<Placement> Policy::Place(absl::Span<const GroupInfo> groups,
       } else if (!placement_value) {
         return c.Error(absl::StrCat("group ", Quote(key), " has placement ", Describe(L, -1),
                                     "; expected \"cpu\" or \"gpu\""));
+      } else if (lua_type(L, -1) == LUA_TTABLE) {
+        PlaceKind kind = PlaceKind::kGpu;
+        StateFormat format;
+        FERRY_RETURN_IF_ERROR(
+            policy_internal::ReadPlaceTable(L, lua_gettop(L), c, key, groups[it->second].dtype, &kind, &format));
+        kinds[it->second] = kind;
+        formats[it->second] = format;
       } else {
         kinds[it->second] = IsString(L, -1, "cpu") ? PlaceKind::kCpu : PlaceKind::kGpu;
       }
@@ -358,7 +293,10 @@ absl::StatusOr<Placement> Policy::Place(absl::Span<const GroupInfo> groups,
   };
   c.set_location(lua_->HookLocation("place"));
   FERRY_RETURN_IF_ERROR(lua_->CallHook("place", push_args, read));
-  for (size_t i = 0; i < names.size(); ++i) placement.groups.emplace(names[i], *kinds[i]);
+  for (size_t i = 0; i < names.size(); ++i) {
+    placement.groups.emplace(names[i], *kinds[i]);
+    if (formats[i].has_value()) placement.state.emplace(names[i], *formats[i]);
+  }
   placement.numa = std::move(numa);
   return placement;
 }

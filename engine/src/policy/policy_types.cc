@@ -26,4 +26,19 @@ Placement PlacementAfter(const StepStats& stats, const MoveRequest& request) {
   return placement;
 }
 
+std::string_view StateDTypeName(DType t) { return t == DType::kBF16 ? "bf16" : "fp32"; }
+
+std::string_view StateRoundingName(StateRounding r) {
+  return r == StateRounding::kStochastic ? "stochastic" : "nearest";
+}
+
+std::string DescribeStateFormat(const StateFormat& f) {
+  if (f.all_f32()) return "fp32";
+  std::string out = f.master == DType::kBF16 && f.moments == DType::kBF16 ? "bf16 master+moments"
+                    : f.master == DType::kBF16                              ? "bf16 master"
+                                                                            : "bf16 moments";
+  out += f.rounding == StateRounding::kStochastic ? ", stochastic" : ", nearest";
+  return out;
+}
+
 }  // namespace ferry

@@ -11,6 +11,7 @@
 #include <string_view>
 #include <vector>
 
+#include "base/adam_state.h"
 #include "ferry/dtype.h"
 
 namespace ferry {
@@ -43,10 +44,24 @@ struct PolicyContext {
 };
 
 // Result of place(): every group named exactly once.
+//
+// A group's value is its device ("cpu" | "gpu"), or a table that also gives the precision of its
+// optimizer state: { device = "cpu"|"gpu", moments = "fp32"|"bf16", master = "fp32"|"bf16",
+// rounding = "nearest"|"stochastic" } (every field but device optional; fp32 and nearest by default;
+// a bf16 master only for a group whose params are bf16).
 struct Placement {
   std::map<std::string, PlaceKind> groups;
+  // The state format of the groups whose place() value was a table (others: fp32 state).
+  std::map<std::string, StateFormat> state;
   std::optional<std::string> numa;  // "interleave" | "bind" | "preferred" | "local" when set
 };
+
+// The spellings of state dtypes and roundings in policies and reports: "fp32", "bf16"; "nearest",
+// "stochastic".
+std::string_view StateDTypeName(DType t);
+std::string_view StateRoundingName(StateRounding r);
+// "fp32/fp32", "bf16 moments", "bf16 master+moments, stochastic", ...: a StateFormat in words.
+std::string DescribeStateFormat(const StateFormat& f);
 
 enum class LoadKind : uint8_t { kCheckpoint, kModelOnly, kExternal };
 

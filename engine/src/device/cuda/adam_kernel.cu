@@ -7,6 +7,7 @@
 
 #include "base/adam_element.h"
 #include "base/adam_math.h"
+#include "base/adam_state.h"
 #include "base/exact_sum.h"
 #include "device/cuda/kernels.h"
 #include "ferry/dtype.h"
@@ -44,16 +45,19 @@ __device__ __forceinline__ void Store4(void* base, DType t, int64_t e, const flo
 }
 
 __device__ __forceinline__ void Element(const AdamScalars& s, const AdamTensorDesc& t, int64_t i) {
-  AdamStepElement(s, t.master, t.exp_avg, t.exp_avg_sq, t.grad, t.grad_dtype, t.param, t.param_dtype,
-                  static_cast<size_t>(i));
+  AdamStepElement(s, static_cast<float*>(t.master), static_cast<float*>(t.exp_avg), static_cast<float*>(t.exp_avg_sq),
+                  t.grad, t.grad_dtype, t.param, t.param_dtype, static_cast<size_t>(i));
 }
 
 // Elements e .. e+3: the fp32 state through 16-byte loads and stores, grad and param too when aligned.
 // REQUIRES: e - vec_head is a multiple of 4.
 __device__ __forceinline__ void Group4(const AdamScalars& s, const AdamTensorDesc& t, int64_t e) {
-  float4 p = *reinterpret_cast<const float4*>(t.master + e);
-  float4 m = *reinterpret_cast<const float4*>(t.exp_avg + e);
-  float4 v = *reinterpret_cast<const float4*>(t.exp_avg_sq + e);
+  float* const master = static_cast<float*>(t.master);
+  float* const exp_avg = static_cast<float*>(t.exp_avg);
+  float* const exp_avg_sq = static_cast<float*>(t.exp_avg_sq);
+  float4 p = *reinterpret_cast<const float4*>(master + e);
+  float4 m = *reinterpret_cast<const float4*>(exp_avg + e);
+  float4 v = *reinterpret_cast<const float4*>(exp_avg_sq + e);
   float g[4];
   if (t.grad_vec != 0) {
     Load4(t.grad, t.grad_dtype, e, g);
@@ -64,9 +68,9 @@ __device__ __forceinline__ void Group4(const AdamScalars& s, const AdamTensorDes
   AdamUpdate(s, p.y, m.y, v.y, g[1]);
   AdamUpdate(s, p.z, m.z, v.z, g[2]);
   AdamUpdate(s, p.w, m.w, v.w, g[3]);
-  *reinterpret_cast<float4*>(t.master + e) = p;
-  *reinterpret_cast<float4*>(t.exp_avg + e) = m;
-  *reinterpret_cast<float4*>(t.exp_avg_sq + e) = v;
+  *reinterpret_cast<float4*>(master + e) = p;
+  *reinterpret_cast<float4*>(exp_avg + e) = m;
+  *reinterpret_cast<float4*>(exp_avg_sq + e) = v;
   if (t.param != nullptr) {
     const float out[4] = {p.x, p.y, p.z, p.w};
     if (t.param_vec != 0) {
@@ -74,6 +78,111 @@ __device__ __forceinline__ void Group4(const AdamScalars& s, const AdamTensorDes
     } else {
       for (int j = 0; j < 4; ++j) StoreFromF32(t.param, t.param_dtype, static_cast<size_t>(e + j), out[j]);
     }
+  }
+}
+
+// ---- typed state (bf16 master and/or moments, base/adam_state.h) ----
+
+__device__ __forceinline__ StateFormat FormatOf(const AdamTensorDesc& t) {
+  StateFormat f;
+  f.master = (t.state & kAdamMasterBf16) != 0 ? DType::kBF16 : DType::kF32;
+  f.moments = (t.state & kAdamMomentsBf16) != 0 ? DType::kBF16 : DType::kF32;
+  f.rounding = (t.state & kAdamStochastic) != 0 ? StateRounding::kStochastic : StateRounding::kNearest;
+  return f;
+}
+
+// The kind keys of element i: the chunk's, unless i's global index has another high word (a chunk
+// straddling a multiple of 2^32 elements).
+__device__ __forceinline__ StateKindKeys KeysAt(const AdamTensorDesc& t, int64_t i, const StateKindKeys& chunk_keys,
+                                                uint32_t chunk_hi) {
+  const uint32_t hi = static_cast<uint32_t>(static_cast<uint64_t>(t.index0 + i) >> 32);
+  if (hi == chunk_hi || (t.state & kAdamStochastic) == 0) return chunk_keys;
+  return KindKeysFor(t.round_key, hi);
+}
+
+__device__ __forceinline__ void ElementTyped(const AdamScalars& s, const AdamTensorDesc& t, int64_t i,
+                                             const StateKindKeys& chunk_keys, uint32_t chunk_hi) {
+  AdamStepElementTyped(s, FormatOf(t), t.master, t.exp_avg, t.exp_avg_sq, t.grad, t.grad_dtype, t.param,
+                       t.param_dtype, static_cast<size_t>(i), KeysAt(t, i, chunk_keys, chunk_hi),
+                       static_cast<uint32_t>(static_cast<uint64_t>(t.index0 + i)));
+}
+
+// Elements e .. e+3 of state `base` (fp32 or bf16) rounded as `f` says; `bits` are the 4 elements'
+// random bits. One 16-byte (fp32) or 8-byte (bf16) store.
+__device__ __forceinline__ void Store4State(void* base, DType t, StateRounding r, int64_t e, const float v[4],
+                                            const uint32_t bits[4]) {
+  if (t == DType::kF32) {
+    *reinterpret_cast<float4*>(static_cast<float*>(base) + e) = make_float4(v[0], v[1], v[2], v[3]);
+    return;
+  }
+  uint32_t h[4];
+  for (int j = 0; j < 4; ++j) {
+    h[j] = r == StateRounding::kStochastic ? F32ToBF16Stochastic(v[j], bits[j]) : F32ToBF16(v[j]);
+  }
+  *reinterpret_cast<uint2*>(static_cast<uint16_t*>(base) + e) = make_uint2(h[0] | (h[1] << 16), h[2] | (h[3] << 16));
+}
+
+// Group4 with typed state: bf16 state through 8-byte loads and stores (4 elements), fp32 through 16.
+// REQUIRES: e - vec_head is a multiple of 4; the 4 elements share their global index's high word
+// (keys).
+__device__ __forceinline__ void Group4Typed(const AdamScalars& s, const AdamTensorDesc& t, int64_t e,
+                                            const StateKindKeys& keys) {
+  const StateFormat f = FormatOf(t);
+  float p[4], m[4], v[4], g[4];
+  Load4(t.master, f.master, e, p);
+  Load4(t.exp_avg, f.moments, e, m);
+  Load4(t.exp_avg_sq, f.moments, e, v);
+  if (t.grad_vec != 0) {
+    Load4(t.grad, t.grad_dtype, e, g);
+  } else {
+    for (int j = 0; j < 4; ++j) g[j] = LoadAsF32(t.grad, t.grad_dtype, static_cast<size_t>(e + j));
+  }
+  for (int j = 0; j < 4; ++j) AdamUpdate(s, p[j], m[j], v[j], g[j]);
+  uint32_t bm[4] = {0, 0, 0, 0}, bv[4] = {0, 0, 0, 0}, bp[4] = {0, 0, 0, 0};
+  if (f.rounding == StateRounding::kStochastic) {
+    const uint32_t lo = static_cast<uint32_t>(static_cast<uint64_t>(t.index0 + e));
+    for (int j = 0; j < 4; ++j) {
+      if (f.master != DType::kF32) bp[j] = RoundingBits(keys.master, lo + static_cast<uint32_t>(j));
+      if (f.moments != DType::kF32) {
+        bm[j] = RoundingBits(keys.moments, lo + static_cast<uint32_t>(j));  // m: low 16 bits, v: high 16
+        bv[j] = bm[j] >> 16;
+      }
+    }
+  }
+  Store4State(t.master, f.master, f.rounding, e, p, bp);
+  Store4State(t.exp_avg, f.moments, f.rounding, e, m, bm);
+  Store4State(t.exp_avg_sq, f.moments, f.rounding, e, v, bv);
+  if (t.param != nullptr) {
+    float out[4];
+    if (f.master != DType::kF32) {
+      Load4(t.master, f.master, e, out);  // the rounded master (its own bits for a bf16 param)
+    } else {
+      for (int j = 0; j < 4; ++j) out[j] = p[j];
+    }
+    if (t.param_vec != 0) {
+      Store4(t.param, t.param_dtype, e, out);
+    } else {
+      for (int j = 0; j < 4; ++j) StoreFromF32(t.param, t.param_dtype, static_cast<size_t>(e + j), out[j]);
+    }
+  }
+}
+
+// One chunk [begin, end) of a tensor with typed state.
+__device__ __forceinline__ void ChunkTyped(const AdamScalars& s, const AdamTensorDesc& t, int64_t begin, int64_t end) {
+  const int64_t tid = threadIdx.x;
+  const uint32_t chunk_hi = static_cast<uint32_t>(static_cast<uint64_t>(t.index0 + begin) >> 32);
+  const StateKindKeys keys =
+      (t.state & kAdamStochastic) != 0 ? KindKeysFor(t.round_key, chunk_hi) : StateKindKeys{0, 0};
+  const bool one_hi = static_cast<uint32_t>(static_cast<uint64_t>(t.index0 + end - 1) >> 32) == chunk_hi;
+  if (t.vec_head != kAdamNoVector && one_hi) {
+    const int64_t first_group = begin + t.vec_head < end ? begin + t.vec_head : end;
+    if (begin + tid < first_group) ElementTyped(s, t, begin + tid, keys, chunk_hi);
+    const int64_t groups = (end - first_group) / 4;
+    for (int64_t q = tid; q < groups; q += blockDim.x) Group4Typed(s, t, first_group + 4 * q, keys);
+    const int64_t tail = first_group + 4 * groups;
+    if (tail + tid < end) ElementTyped(s, t, tail + tid, keys, chunk_hi);
+  } else {
+    for (int64_t i = begin + tid; i < end; i += blockDim.x) ElementTyped(s, t, i, keys, chunk_hi);
   }
 }
 
@@ -115,7 +224,9 @@ __global__ void __launch_bounds__(kAdamThreads) AdamKernel(const AdamLaunchParam
     const AdamScalars& s = scalars[t.scalars_index];
     const int64_t begin = (chunk - t.first_chunk) * kAdamChunkElems;
     const int64_t end = begin + kAdamChunkElems < t.numel ? begin + kAdamChunkElems : t.numel;
-    if (t.vec_head != kAdamNoVector) {
+    if (t.state != 0) {
+      ChunkTyped(s, t, begin, end);
+    } else if (t.vec_head != kAdamNoVector) {
       // Chunks start at multiples of 4 elements, so each has the same head.
       const int64_t first_group = begin + t.vec_head < end ? begin + t.vec_head : end;
       if (begin + tid < first_group) Element(s, t, begin + tid);

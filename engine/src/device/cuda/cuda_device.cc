@@ -378,11 +378,12 @@ int VectorPhase(const void* p, size_t element_bytes) {
 // when master, exp_avg and exp_avg_sq agree on where groups start (kAdamNoVector otherwise); grad and
 // param in vectors too when they agree with them.
 void SetVectorAccess(const AdamTensorArgs& t, cuda_kernels::AdamTensorDesc& d) {
-  const int head = VectorPhase(t.master, 4);
+  const int head = VectorPhase(t.master, DTypeSize(t.state.master));
   d.vec_head = cuda_kernels::kAdamNoVector;
   d.grad_vec = 0;
   d.param_vec = 0;
-  if (head < 0 || VectorPhase(t.exp_avg, 4) != head || VectorPhase(t.exp_avg_sq, 4) != head) return;
+  const size_t vs = DTypeSize(t.state.moments);
+  if (head < 0 || VectorPhase(t.exp_avg, vs) != head || VectorPhase(t.exp_avg_sq, vs) != head) return;
   d.vec_head = static_cast<uint8_t>(head);
   d.grad_vec = VectorPhase(t.grad, DTypeSize(t.grad_dtype)) == head ? 1 : 0;
   d.param_vec = t.param != nullptr && VectorPhase(t.param, DTypeSize(t.param_dtype)) == head ? 1 : 0;
@@ -437,6 +438,11 @@ absl::Status CudaDevice::EnqueueAdam(absl::Span<const AdamTensorArgs> tensors,
       d.grad_dtype = t.grad_dtype;
       d.param_dtype = t.param_dtype;
       d.scalars_index = static_cast<uint16_t>(local);
+      d.state = static_cast<uint8_t>((t.state.master == DType::kBF16 ? cuda_kernels::kAdamMasterBf16 : 0) |
+                                     (t.state.moments == DType::kBF16 ? cuda_kernels::kAdamMomentsBf16 : 0));
+      if (d.state != 0 && t.state.rounding == StateRounding::kStochastic) d.state |= cuda_kernels::kAdamStochastic;
+      d.round_key = t.rounding.tensor_key;
+      d.index0 = t.rounding.index0;
       SetVectorAccess(t, d);
       chunks += (t.numel + cuda_kernels::kAdamChunkElems - 1) / cuda_kernels::kAdamChunkElems;
     }

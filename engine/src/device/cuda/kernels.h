@@ -33,10 +33,16 @@ inline constexpr int kAdamMaxScalars = 16;
 // AdamTensorDesc::vec_head when the tensor's pointers do not share one alignment phase: elementwise only.
 inline constexpr uint8_t kAdamNoVector = 0xFF;
 
+// AdamTensorDesc::state bits: which state tensors are bf16 and whether rounding is stochastic
+// (0: the fp32 state of the original kernel).
+inline constexpr uint8_t kAdamMasterBf16 = 1;
+inline constexpr uint8_t kAdamMomentsBf16 = 2;
+inline constexpr uint8_t kAdamStochastic = 4;
+
 struct AdamTensorDesc {
-  float* master;
-  float* exp_avg;
-  float* exp_avg_sq;
+  void* master;      // fp32, or bf16 with kAdamMasterBf16
+  void* exp_avg;     // fp32, or bf16 with kAdamMomentsBf16
+  void* exp_avg_sq;
   const void* grad;
   void* param;          // may be null
   int64_t numel;        // > 0
@@ -45,15 +51,18 @@ struct AdamTensorDesc {
   DType param_dtype;
   uint16_t scalars_index;  // into AdamLaunchParams::scalars
   // Elements 0 .. vec_head-1 of each chunk go one by one; from vec_head on, every group of 4 elements
-  // starts 16-byte aligned in master, exp_avg and exp_avg_sq (0..3), or kAdamNoVector when those three
-  // disagree.
+  // starts aligned (16 bytes for fp32, 8 for bf16) in master, exp_avg and exp_avg_sq (0..3), or
+  // kAdamNoVector when those three disagree.
   uint8_t vec_head;
   // Whether grad / param groups start aligned too (16 bytes for f32, 8 for 16-bit), so they take one
   // vector access per group; otherwise their 4 elements are accessed one by one.
   uint8_t grad_vec;
   uint8_t param_vec;
+  uint8_t state;        // kAdamMasterBf16 | kAdamMomentsBf16 | kAdamStochastic
+  uint64_t round_key;   // stochastic rounding: this step's key of the param (StateRoundingKey)
+  int64_t index0;       // global index of element 0
 };
-static_assert(sizeof(AdamTensorDesc) == 64, "AdamTensorDesc grew");
+static_assert(sizeof(AdamTensorDesc) <= 88, "AdamTensorDesc grew");
 
 struct AdamLaunchParams {
   AdamTensorDesc tensors[kAdamMaxTensors];

@@ -401,9 +401,15 @@ bool IsDeviceSide(CopyKind kind, bool dst) {
 
 // One tensor of LaunchAdam on the host: the same element update as the CUDA kernel.
 void AdamTensorOnHost(const AdamTensorArgs& t, const AdamScalars& s) {
+  if (!t.state.all_f32()) {
+    AdamStepRangeTyped(s, t.state, t.rounding, t.master, t.exp_avg, t.exp_avg_sq, t.grad, t.grad_dtype, t.param,
+                       t.param_dtype, 0, t.numel);
+    return;
+  }
   for (int64_t i = 0; i < t.numel; ++i) {
     const size_t k = static_cast<size_t>(i);
-    AdamStepElement(s, t.master, t.exp_avg, t.exp_avg_sq, t.grad, t.grad_dtype, t.param, t.param_dtype, k);
+    AdamStepElement(s, static_cast<float*>(t.master), static_cast<float*>(t.exp_avg), static_cast<float*>(t.exp_avg_sq),
+                    t.grad, t.grad_dtype, t.param, t.param_dtype, k);
   }
 }
 
@@ -621,10 +627,11 @@ class HostDevice final : public Device {
         const AdamTensorArgs& t = tensor_args[i];
         const size_t n = static_cast<size_t>(t.numel);
         const std::string what = absl::StrCat("LaunchAdam tensor ", i);
-        FERRY_RETURN_IF_ERROR(allocations->CheckRange(t.master, 4 * n, absl::StrCat(what, " master")));
-        FERRY_RETURN_IF_ERROR(allocations->CheckRange(t.exp_avg, 4 * n, absl::StrCat(what, " exp_avg")));
+        const size_t ms = DTypeSize(t.state.master), vs = DTypeSize(t.state.moments);
+        FERRY_RETURN_IF_ERROR(allocations->CheckRange(t.master, ms * n, absl::StrCat(what, " master")));
+        FERRY_RETURN_IF_ERROR(allocations->CheckRange(t.exp_avg, vs * n, absl::StrCat(what, " exp_avg")));
         FERRY_RETURN_IF_ERROR(
-            allocations->CheckRange(t.exp_avg_sq, 4 * n, absl::StrCat(what, " exp_avg_sq")));
+            allocations->CheckRange(t.exp_avg_sq, vs * n, absl::StrCat(what, " exp_avg_sq")));
         FERRY_RETURN_IF_ERROR(
             allocations->CheckRange(t.grad, DTypeSize(t.grad_dtype) * n, absl::StrCat(what, " grad")));
         if (t.param != nullptr) {
