@@ -163,7 +163,10 @@ absl::Status HybridOptimizer::RunPipeline(const PipelineRun& run) {
       // The params from the masters: the same rounding as every update's param output.
       pool_->ParallelFor(work.size(), [&](size_t i) {
         const CpuAdamTensor& t = work[i];
-        for (int64_t e = 0; e < t.numel; ++e) StoreFromF32(t.param, t.param_dtype, static_cast<size_t>(e), t.master[e]);
+        for (int64_t e = 0; e < t.numel; ++e) {
+          const size_t el = static_cast<size_t>(e);
+          StoreFromF32(t.param, t.param_dtype, el, LoadAsF32(t.master, t.state.master, el));
+        }
       });
     } else {
       TraceSpan round(tracer, "cpu_adam.round", "optim");
