@@ -68,9 +68,13 @@ class EarlyStepTest : public ::testing::TestWithParam<std::string> {
     EXPECT_TRUE(s.ok()) << s;
     return *std::move(e);
   }
-  // The policy of a parameter: "offload_all.lua", "all_gpu.lua" or "half" (offload_fraction 0.5).
+  // The policy of a parameter: "offload_all.lua", "all_gpu.lua", "half" (offload_fraction 0.5) or
+  // "bf16" (offloaded, bf16 moments and masters with stochastic rounding).
   std::unique_ptr<Engine> MakeParam(Model& model) {
     if (GetParam() == "half") return Make(model, "offload_fraction.lua", {{"fraction", "0.5"}});
+    if (GetParam() == "bf16") {
+      return Make(model, "offload_bf16_moments.lua", {{"master", "bf16"}, {"rounding", "stochastic"}});
+    }
     return Make(model, GetParam());
   }
   std::unique_ptr<Device> device_;
@@ -200,7 +204,9 @@ TEST_P(EarlyStepTest, MisusesAreClearErrorsAndLoseNothing) {
   ASSERT_OK(early->GradsReady({"g9"}, options));
 
   // Between GradsReady and Step: refused, naming what to do.
-  const std::string policy = GetParam() == "half" ? Policies() + "offload_fraction.lua" : Policies() + GetParam();
+  const std::string policy = GetParam() == "half"   ? Policies() + "offload_fraction.lua"
+                             : GetParam() == "bf16" ? Policies() + "offload_bf16_moments.lua"
+                                                    : Policies() + GetParam();
   for (const absl::Status& between :
        {early->SaveCheckpoint(tmp_.path() + "/between", 1).status(), early->LoadCheckpoint(tmp_.path() + "/before"),
         early->SyncFromModel({}, false), early->ReloadPolicy(policy, {}), early->VerifyMasters(),
@@ -298,9 +304,9 @@ return {
   for (size_t i = 0; i < kSizes.size(); ++i) ASSERT_EQ(early_model.Param(i), ref_model.Param(i)) << i;
 }
 
-INSTANTIATE_TEST_SUITE_P(Placements, EarlyStepTest, ::testing::Values("offload_all.lua", "half", "all_gpu.lua"),
+INSTANTIATE_TEST_SUITE_P(Placements, EarlyStepTest, ::testing::Values("offload_all.lua", "half", "all_gpu.lua", "bf16"),
                          [](const ::testing::TestParamInfo<std::string>& p) {
-                           if (p.param == "half") return std::string("half");
+                           if (p.param == "half" || p.param == "bf16") return p.param;
                            return p.param == "all_gpu.lua" ? std::string("all_gpu") : std::string("offload_all");
                          });
 
