@@ -205,7 +205,8 @@ int Run(int argc, char** argv) {
     if (a == "--help" || a == "-h") {
       std::puts("usage: ferry bench step [--quick] [--params=N] [--tensors=N] [--steps=N] [--chunk-mib=N] [--trace FILE]\n"
                 "  One Adam step of N bf16 params (default 1e9) in ~200 tensors, fully offloaded and half\n"
-                "  offloaded, against each pipeline stage timed alone; prints overlap efficiency.\n"
+                "  offloaded, against each pipeline stage timed alone; prints overlap efficiency; then fully\n"
+                "  offloaded with fp32 and with bf16 moments side by side (step, stages, host bytes per param).\n"
                 "  --trace FILE: the fully offloaded engine writes a trace of its steps to FILE.");
       return 0;
     } else if (a == "--quick") {

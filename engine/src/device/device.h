@@ -108,6 +108,8 @@ struct AdamTensorArgs {
   uint32_t scalars_index = 0;  // index into the launch's `scalars`
   // How the state is stored (base/adam_state.h); with stochastic rounding, this step's key of the
   // param and the global index of element 0 (bit-identical to CpuAdam on the same key and indices).
+  // The key is taken as given: a launch replayed with AdamRuntimeArgs::step (a captured graph)
+  // rounds every replay with it, so such callers give a new key per step themselves.
   StateFormat state;
   StateRoundingKey rounding;
 };

@@ -186,7 +186,9 @@ __device__ __forceinline__ void ChunkTyped(const AdamScalars& s, const AdamTenso
   }
 }
 
-__global__ void __launch_bounds__(kAdamThreads) AdamKernel(const AdamLaunchParams p) {
+// The fused kernel's body. kTyped: the launch has tensors with bf16 state (AdamLaunchIsTyped).
+template <bool kTyped>
+__device__ __forceinline__ void AdamKernelBody(const AdamLaunchParams& p) {
   // A gradient check that found NaN or Inf skips the whole step: nothing is written.
   if (p.grad_stats != nullptr && p.grad_stats->found_inf != 0) return;
   // The scalar sets with the values read now (learning rates, step counts, the gradient multiplier),
@@ -224,9 +226,13 @@ __global__ void __launch_bounds__(kAdamThreads) AdamKernel(const AdamLaunchParam
     const AdamScalars& s = scalars[t.scalars_index];
     const int64_t begin = (chunk - t.first_chunk) * kAdamChunkElems;
     const int64_t end = begin + kAdamChunkElems < t.numel ? begin + kAdamChunkElems : t.numel;
-    if (t.state != 0) {
-      ChunkTyped(s, t, begin, end);
-    } else if (t.vec_head != kAdamNoVector) {
+    if constexpr (kTyped) {
+      if (t.state != 0) {
+        ChunkTyped(s, t, begin, end);
+        continue;
+      }
+    }
+    if (t.vec_head != kAdamNoVector) {
       // Chunks start at multiples of 4 elements, so each has the same head.
       const int64_t first_group = begin + t.vec_head < end ? begin + t.vec_head : end;
       if (begin + tid < first_group) Element(s, t, begin + tid);
@@ -238,6 +244,16 @@ __global__ void __launch_bounds__(kAdamThreads) AdamKernel(const AdamLaunchParam
       for (int64_t i = begin + tid; i < end; i += blockDim.x) Element(s, t, i);
     }
   }
+}
+
+// Launches without bf16 state: the kernel as it was before typed state (its registers, and so its
+// occupancy, unchanged).
+__global__ void __launch_bounds__(kAdamThreads) AdamKernel(const AdamLaunchParams p) { AdamKernelBody<false>(p); }
+
+// Launches with bf16 state: held to 64 registers (4 blocks of 256 threads per SM, no spills on sm_80
+// and sm_90), for the occupancy a memory-bound kernel needs.
+__global__ void __launch_bounds__(kAdamThreads, 4) AdamKernelTyped(const AdamLaunchParams p) {
+  AdamKernelBody<true>(p);
 }
 
 __global__ void AdamAdvanceStepsKernel(int64_t* steps, int n, const GradStats* grad_stats) {
@@ -374,7 +390,11 @@ __global__ void __launch_bounds__(kGradStatsThreads)
 }  // namespace
 
 cudaError_t LaunchAdamKernel(const AdamLaunchParams& params, int grid, cudaStream_t stream) {
-  AdamKernel<<<grid, kAdamThreads, 0, stream>>>(params);
+  if (AdamLaunchIsTyped(params)) {
+    AdamKernelTyped<<<grid, kAdamThreads, 0, stream>>>(params);
+  } else {
+    AdamKernel<<<grid, kAdamThreads, 0, stream>>>(params);
+  }
   return cudaGetLastError();
 }
 
@@ -383,16 +403,24 @@ cudaError_t LaunchAdamAdvanceSteps(int64_t* steps, int n, const GradStats* grad_
   return cudaGetLastError();
 }
 
-int AdamKernelBlocksPerSm() {
-  static const int blocks_per_sm = [] {
-    int blocks = 0;
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, AdamKernel, kAdamThreads, 0) != cudaSuccess) {
-      (void)cudaGetLastError();  // an estimate only: fall back to what 2048 threads per SM allow
-      return 2048 / kAdamThreads;
-    }
-    return blocks > 0 ? blocks : 1;
-  }();
-  return blocks_per_sm;
+namespace {
+
+template <typename Kernel>
+int BlocksPerSm(Kernel kernel) {
+  int blocks = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kAdamThreads, 0) != cudaSuccess) {
+    (void)cudaGetLastError();  // an estimate only: fall back to what 2048 threads per SM allow
+    return 2048 / kAdamThreads;
+  }
+  return blocks > 0 ? blocks : 1;
+}
+
+}  // namespace
+
+int AdamKernelBlocksPerSm(bool typed) {
+  static const int fp32 = BlocksPerSm(AdamKernel);
+  static const int with_typed = BlocksPerSm(AdamKernelTyped);
+  return typed ? with_typed : fp32;
 }
 
 cudaError_t LaunchGradStatsUpload(const GradStatsUpload& upload, GradStatsDesc* table, cudaStream_t stream) {

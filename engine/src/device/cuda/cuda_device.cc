@@ -408,7 +408,6 @@ absl::Status CudaDevice::EnqueueAdam(absl::Span<const AdamTensorArgs> tensors,
   params->lr = runtime.lr;
   params->step = runtime.step;
   params->max_grad_norm = runtime.max_grad_norm;
-  const int max_grid = std::max(1, sm_count_ * cuda_kernels::AdamKernelBlocksPerSm());
   size_t next = 0;
   int batch = 0;
   while (next < tensors.size()) {
@@ -450,6 +449,8 @@ absl::Status CudaDevice::EnqueueAdam(absl::Span<const AdamTensorArgs> tensors,
     params->num_tensors = num_tensors;
     params->num_scalars = num_scalars;
     params->total_chunks = chunks;
+    const int max_grid =
+        std::max(1, sm_count_ * cuda_kernels::AdamKernelBlocksPerSm(cuda_kernels::AdamLaunchIsTyped(*params)));
     const int grid = static_cast<int>(std::min<int64_t>(chunks, max_grid));
     FERRY_RETURN_IF_ERROR(CheckNoPendingError("LaunchAdam"));
     FERRY_CUDA_RETURN_IF_ERROR(cuda_kernels::LaunchAdamKernel(*params, grid, s->stream()),

@@ -81,14 +81,22 @@ struct AdamLaunchParams {
 // Kernel parameters may take 32,764 bytes on sm_70 and newer (CUDA 12.1+).
 static_assert(sizeof(AdamLaunchParams) <= 32000, "AdamLaunchParams exceeds the kernel parameter space");
 
+// Whether any tensor of the launch has bf16 state (then the kernel's typed instantiation runs).
+inline bool AdamLaunchIsTyped(const AdamLaunchParams& params) {
+  for (int i = 0; i < params.num_tensors; ++i) {
+    if (params.tensors[i].state != 0) return true;
+  }
+  return false;
+}
+
 // Launches one fused Adam kernel over `params` with `grid` blocks on `stream`.
 cudaError_t LaunchAdamKernel(const AdamLaunchParams& params, int grid, cudaStream_t stream);
 // After the Adam kernels of a launch: steps[i] += 1 for i < n, unless grad_stats (may be null) reports
 // NaN or Inf.
 cudaError_t LaunchAdamAdvanceSteps(int64_t* steps, int n, const GradStats* grad_stats, cudaStream_t stream);
 // Resident blocks of the Adam kernel per multiprocessor (occupancy, asked once per process), for sizing
-// its grid; >= 1.
-int AdamKernelBlocksPerSm();
+// its grid; >= 1. `typed`: of the instantiation for launches with bf16 state.
+int AdamKernelBlocksPerSm(bool typed = false);
 
 // The gradient check: the exact sum of squares of base/exact_sum.h. The tensor table lives in the
 // caller's workspace (any number of tensors); it gets there through kernel parameters,
