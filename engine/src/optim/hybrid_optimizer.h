@@ -247,6 +247,10 @@ class HybridOptimizer final {
     const PipelinePlan* plan = nullptr;
     const std::vector<AdamScalars>* scalars = nullptr;  // per group (unused by kRestoreParams)
     Event* ready = nullptr;           // every copy waits for it on the device
+    // When set (early steps), per group: the announcement's order and event. A chunk's copies wait for
+    // the event of its latest announced group instead of `ready` (events recorded later on the
+    // trainer's stream cover the earlier ones).
+    const std::vector<std::pair<int, Event*>>* group_ready = nullptr;
     PipelineMode mode = PipelineMode::kInPlace;
     const std::atomic<bool>* cancel = nullptr;  // checked between rounds: stop early (Cancelled)
   };

@@ -99,15 +99,17 @@ void HybridOptimizer::EarlyLoop() {
     std::vector<size_t> groups;
     Event* ready = nullptr;
     std::vector<AdamScalars> scalars;
+    std::vector<std::pair<int, Event*>> group_ready(groups_.size(), {-1, nullptr});
     {
       std::unique_lock<std::mutex> lock(early_mu_);
       early_cv_.wait(lock, [this] { return early_exit_ || !early_queue_.empty(); });
       if (early_queue_.empty()) return;  // early_exit_
-      // Every announcement queued so far runs as one pass: its last event follows all the others'
-      // on the trainer's stream.
-      while (!early_queue_.empty()) {
+      // Every announcement queued so far runs as one pass (in announcement order); each chunk's
+      // copies wait for its own groups' announcement.
+      for (int order = 0; !early_queue_.empty(); ++order) {
         EarlyItem& item = early_queue_.front();
         groups.insert(groups.end(), item.groups.begin(), item.groups.end());
+        for (size_t g : item.groups) group_ready[g] = {order, item.ready};
         ready = item.ready;
         scalars = std::move(item.scalars);  // the latest holds every group queued before it
         early_queue_.pop_front();
@@ -121,7 +123,7 @@ void HybridOptimizer::EarlyLoop() {
       TraceSpan span(options_.tracer, "early.pipeline", "optim");
       span.Arg("groups", static_cast<double>(groups.size()));
       const PipelinePlan plan = PlanFor(groups);
-      status = RunPipeline(PipelineRun{.plan = &plan, .scalars = &scalars, .ready = ready,
+      status = RunPipeline(PipelineRun{.plan = &plan, .scalars = &scalars, .ready = ready, .group_ready = &group_ready,
                                        .mode = PipelineMode::kToSpare, .cancel = &early_cancel_});
     }
     {

@@ -67,8 +67,18 @@ absl::Status HybridOptimizer::RunPipeline(const PipelineRun& run) {
   const size_t depth = grad_slots_.size();
   std::vector<std::unique_ptr<TransferBatch>> down(num_chunks), up(num_chunks);
   absl::Status status;
+  // The event chunk k's copies wait for.
+  auto chunk_ready = [&](size_t k) -> Event* {
+    if (run.group_ready == nullptr) return run.ready;
+    std::pair<int, Event*> latest{-1, run.ready};
+    for (const ChunkPiece& piece : plan.chunks[k].pieces) {
+      const std::pair<int, Event*>& g = (*run.group_ready)[params_[plan.params[piece.region]].group];
+      if (g.first > latest.first) latest = g;
+    }
+    return latest.second;
+  };
   for (size_t k = 0; with_grads && k < std::min(depth, num_chunks); ++k) {
-    absl::StatusOr<std::unique_ptr<TransferBatch>> first = SubmitGradChunk(plan, k, *run.ready);
+    absl::StatusOr<std::unique_ptr<TransferBatch>> first = SubmitGradChunk(plan, k, *chunk_ready(k));
     if (!first.ok()) {
       status = first.status();
       break;
@@ -187,7 +197,7 @@ absl::Status HybridOptimizer::RunPipeline(const PipelineRun& run) {
     TraceObserve(h2d_trace_, /*block=*/false);
     for (size_t j = k; j < end && status.ok(); ++j) {
       // The trainer's stream may still read the params until the grads are ready: the upload waits.
-      absl::StatusOr<std::unique_ptr<TransferBatch>> upload = transfer_->HostToDevice(regions[j - k], run.ready);
+      absl::StatusOr<std::unique_ptr<TransferBatch>> upload = transfer_->HostToDevice(regions[j - k], chunk_ready(j));
       if (!upload.ok()) {
         status = upload.status();
         break;
@@ -197,7 +207,7 @@ absl::Status HybridOptimizer::RunPipeline(const PipelineRun& run) {
       for (const ChunkPiece& piece : plan.chunks[j].pieces) group_upload_[params_[plan.params[piece.region]].group] = up[j].get();
       last_upload_ = up[j].get();
       if (with_grads && j + depth < num_chunks) {
-        absl::StatusOr<std::unique_ptr<TransferBatch>> next = SubmitGradChunk(plan, j + depth, *run.ready);
+        absl::StatusOr<std::unique_ptr<TransferBatch>> next = SubmitGradChunk(plan, j + depth, *chunk_ready(j + depth));
         if (!next.ok()) {
           status = next.status();
           break;
