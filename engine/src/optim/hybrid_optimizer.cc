@@ -318,6 +318,8 @@ absl::StatusOr<HybridStepResult> HybridOptimizer::StepChecked(const HybridStepPa
   }
   std::vector<AdamScalars> scalars(groups_.size());
   for (size_t g = 0; g < groups_.size(); ++g) scalars[g] = GroupScalars(g, params, multiplier);
+  // The next step's announcements speculate only after a step that neither clipped nor skipped.
+  speculate_ = !result.skipped && static_cast<float>(multiplier) == static_cast<float>(1.0 / static_cast<double>(params.loss_scale));
   std::vector<size_t> cpu_groups;  // offloaded groups updated in place below
   if (early) {
     FERRY_ASSIGN_OR_RETURN(cpu_groups, SettleEarly(result.skipped, scalars, trainer, result));

@@ -264,6 +264,7 @@ class HybridOptimizer final {
     std::vector<size_t> order;          // groups announced this step, in order
     std::vector<bool> announced;        // per group
     std::vector<AdamScalars> scalars;   // per group: the speculation's (set for announced groups)
+    std::vector<uint8_t> queued;        // per group: its speculative update was started
     std::vector<uint8_t> done;          // per group: its speculative update completed (written by
                                         // the early thread under early_mu_ while it works)
     size_t events_used = 0;             // of early_events_
@@ -380,6 +381,10 @@ class HybridOptimizer final {
   bool early_exit_ = false;             // guarded by early_mu_
   absl::Status early_status_;           // guarded by early_mu_: first error since WaitEarlyIdle
   std::atomic<bool> early_cancel_{false};
+  // Whether announcements start the speculative work: false after a step whose clipping triggered or
+  // that was skipped (the next one likely does too, and its speculation would be wasted work that
+  // competes with the recomputation); true again after a step that neither clipped nor skipped.
+  bool speculate_ = true;
   std::unique_ptr<Event> trainer_point_;     // FinishUploads: the trainer's end of a step
   std::unique_ptr<Event> snapshot_done_;     // recorded on work_stream_ after SnapshotDeviceAsync's copies
   bool snapshot_pending_ = false;            // the next Step must order the trainer after snapshot_done_

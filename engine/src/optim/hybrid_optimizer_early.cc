@@ -48,7 +48,7 @@ absl::Status HybridOptimizer::BeginGroups(absl::Span<const size_t> groups, const
   }
   std::vector<size_t> cpu_groups;  // offloaded groups with elements: work for the early thread
   for (size_t g : groups) {
-    if (groups_[g].offloaded && !groups_[g].params.empty()) cpu_groups.push_back(g);
+    if (speculate_ && groups_[g].offloaded && !groups_[g].params.empty()) cpu_groups.push_back(g);
   }
   if (!step_in_progress()) {
     // The first announcement of a step: the last step's copies are done (the staging is free).
@@ -61,6 +61,7 @@ absl::Status HybridOptimizer::BeginGroups(absl::Span<const size_t> groups, const
     }
     early_.announced.assign(groups_.size(), false);
     early_.scalars.assign(groups_.size(), AdamScalars{});
+    early_.queued.assign(groups_.size(), 0);
     early_.done.assign(groups_.size(), 0);
     early_.events_used = 0;
   }
@@ -83,6 +84,7 @@ absl::Status HybridOptimizer::BeginGroups(absl::Span<const size_t> groups, const
     early_.scalars[g] = GroupScalars(g, params, multiplier);
     if (!groups_[g].offloaded || groups_[g].params.empty()) early_.done[g] = 1;  // nothing to start
   }
+  for (size_t g : cpu_groups) early_.queued[g] = 1;
   if (cpu_groups.empty()) return absl::OkStatus();
   {
     std::lock_guard<std::mutex> lock(early_mu_);
@@ -199,7 +201,7 @@ absl::StatusOr<std::vector<size_t>> HybridOptimizer::SettleEarly(bool skipped, c
   bool valid = !skipped;
   std::vector<size_t> started;  // announced offloaded groups with elements
   for (size_t g : early_.order) {
-    if (!groups_[g].offloaded || groups_[g].params.empty()) continue;
+    if (early_.queued[g] == 0) continue;
     started.push_back(g);
     if (!SameScalars(early_.scalars[g], scalars[g])) valid = false;
   }
@@ -223,13 +225,11 @@ absl::StatusOr<std::vector<size_t>> HybridOptimizer::SettleEarly(bool skipped, c
   for (size_t g = 0; g < groups_.size(); ++g) {
     Group& group = groups_[g];
     if (!group.offloaded) continue;
-    if (announced(g) && valid && early_.done[g] != 0) {
-      if (!group.params.empty()) {
-        std::swap(group.host_state, group.spare_state);
-        ++result.early_committed;
-      }
+    if (early_.queued[g] != 0 && valid && early_.done[g] != 0) {
+      std::swap(group.host_state, group.spare_state);
+      ++result.early_committed;
     } else {
-      if (announced(g) && !group.params.empty()) ++result.early_recomputed;
+      if (early_.queued[g] != 0) ++result.early_recomputed;
       rest.push_back(g);
     }
   }
@@ -249,7 +249,7 @@ absl::Status HybridOptimizer::RestoreParams(const std::vector<size_t>& groups, S
 absl::Status HybridOptimizer::AbandonEarly(Stream& trainer) {
   std::vector<size_t> started;
   for (size_t g : early_.order) {
-    if (groups_[g].offloaded && !groups_[g].params.empty()) started.push_back(g);
+    if (early_.queued[g] != 0) started.push_back(g);
   }
   early_cancel_.store(true);
   const absl::Status early_status = WaitEarlyIdle();
