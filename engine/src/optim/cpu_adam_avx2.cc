@@ -155,10 +155,42 @@ inline void Block(const AdamCoeffs<F32x8>& c, const CpuAdamTensor& t, int64_t i)
   if constexpr (P != kNoParam) StoreParam<P, kStream>(t.param, i, p.v);
 }
 
+// Out of place, 8 whole lanes: the new state is written once and not read here again, so streaming
+// stores skip reading its lines first (12 B per element of traffic). REQUIRES: master + i, exp_avg + i
+// and exp_avg_sq + i aligned to 32 bytes. The param takes ordinary stores.
+template <AdamMode M, int G, int P>
+inline void BlockOut(const AdamCoeffs<F32x8>& c, const CpuAdamTensor& t, int64_t i) {
+  F32x8 p{_mm256_loadu_ps(static_cast<const float*>(t.master_src) + i)};
+  F32x8 m{_mm256_loadu_ps(static_cast<const float*>(t.exp_avg_src) + i)};
+  F32x8 v{_mm256_loadu_ps(static_cast<const float*>(t.exp_avg_sq_src) + i)};
+  const F32x8 g{LoadGrad<G>(t.grad, i)};
+  simd::AdamUpdateGeneric<M>(c, p, m, v, g);
+  _mm256_stream_ps(static_cast<float*>(t.master) + i, p.v);
+  _mm256_stream_ps(static_cast<float*>(t.exp_avg) + i, m.v);
+  _mm256_stream_ps(static_cast<float*>(t.exp_avg_sq) + i, v.v);
+  if constexpr (P != kNoParam) StoreParam<P, false>(t.param, i, p.v);
+}
+
 template <AdamMode M, int G, int P>
 void Range(const CpuAdamTensor& t, const AdamScalars& s, int64_t begin, int64_t end) {
   const AdamCoeffs<F32x8> c = Broadcast(s);
   int64_t i = begin;
+  const uintptr_t m0 = reinterpret_cast<uintptr_t>(t.master) + static_cast<uintptr_t>(i * 4);
+  const uintptr_t m1 = reinterpret_cast<uintptr_t>(t.exp_avg) + static_cast<uintptr_t>(i * 4);
+  const uintptr_t m2 = reinterpret_cast<uintptr_t>(t.exp_avg_sq) + static_cast<uintptr_t>(i * 4);
+  if (t.master_src != nullptr && m0 % 64 == m1 % 64 && m0 % 64 == m2 % 64) {
+    // Out of place with the three outputs in the same phase (the optimizer's spare buffers are): the
+    // scalar loop up to their next 64-byte boundary, then streaming stores of the state.
+    int64_t head = static_cast<int64_t>((64 - m0 % 64) % 64) / 4;
+    if (head > end - i) head = end - i;
+    AdamRangeScalar(t, s, i, i + head);
+    i += head;
+    const CpuAdamTensor b = WithSources(t);
+    for (; i + 8 <= end; i += 8) BlockOut<M, G, P>(c, b, i);
+    _mm_sfence();  // streaming stores are visible before the task ends
+    AdamRangeScalar(t, s, i, end);
+    return;
+  }
   if constexpr (P != kNoParam) {
     // The param is only written: streaming stores skip reading its lines first (2-4 bytes per element
     // of memory traffic). They need aligned lines: the elements before the param's next 64-byte

@@ -173,11 +173,45 @@ inline void Block(const AdamCoeffs<F32x16>& c, const CpuAdamTensor& t, int64_t i
   }
 }
 
+// Out of place, 16 whole lanes: the new state is written once and not read here again, so streaming
+// stores skip reading its lines first (12 B per element of traffic). REQUIRES: master + i, exp_avg + i
+// and exp_avg_sq + i aligned to 64 bytes. The param takes ordinary stores.
+template <AdamMode M, int G, int P, bool kHwBf16>
+inline void BlockOut(const AdamCoeffs<F32x16>& c, const CpuAdamTensor& t, int64_t i) {
+  const __mmask16 all = static_cast<__mmask16>(0xFFFF);
+  F32x16 p{_mm512_loadu_ps(static_cast<const float*>(t.master_src) + i)};
+  F32x16 m{_mm512_loadu_ps(static_cast<const float*>(t.exp_avg_src) + i)};
+  F32x16 v{_mm512_loadu_ps(static_cast<const float*>(t.exp_avg_sq_src) + i)};
+  const F32x16 g{LoadGrad<G>(t.grad, i, all)};
+  simd::AdamUpdateGeneric<M>(c, p, m, v, g);
+  _mm512_stream_ps(static_cast<float*>(t.master) + i, p.v);
+  _mm512_stream_ps(static_cast<float*>(t.exp_avg) + i, m.v);
+  _mm512_stream_ps(static_cast<float*>(t.exp_avg_sq) + i, v.v);
+  if constexpr (P != kNoParam) StoreParamMasked<P, kHwBf16>(t.param, i, p.v, all);
+}
+
 template <AdamMode M, int G, int P, bool kHwBf16>
 void Range(const CpuAdamTensor& t_in, const AdamScalars& s, int64_t begin, int64_t end) {
   const AdamCoeffs<F32x16> c = Broadcast(s);
   const CpuAdamTensor t = WithSources(t_in);
   int64_t i = begin;
+  const uintptr_t m0 = reinterpret_cast<uintptr_t>(t.master) + static_cast<uintptr_t>(i * 4);
+  const uintptr_t m1 = reinterpret_cast<uintptr_t>(t.exp_avg) + static_cast<uintptr_t>(i * 4);
+  const uintptr_t m2 = reinterpret_cast<uintptr_t>(t.exp_avg_sq) + static_cast<uintptr_t>(i * 4);
+  if (t_in.master_src != nullptr && m0 % 64 == m1 % 64 && m0 % 64 == m2 % 64) {
+    // Out of place with the three outputs in the same phase (the optimizer's spare buffers are):
+    // masked blocks up to their next 64-byte boundary, then streaming stores of the state.
+    int64_t head = static_cast<int64_t>((64 - m0 % 64) % 64) / 4;
+    if (head > end - i) head = end - i;
+    if (head > 0) {
+      Block<M, G, P, kHwBf16, false>(c, t, i, FirstLanes(head));
+      i += head;
+    }
+    for (; i + 16 <= end; i += 16) BlockOut<M, G, P, kHwBf16>(c, t, i);
+    if (i < end) Block<M, G, P, kHwBf16, false>(c, t, i, FirstLanes(end - i));
+    _mm_sfence();  // streaming stores are visible before the task ends
+    return;
+  }
   if constexpr (P != kNoParam) {
     // The param is only written: streaming stores skip reading its lines first (2-4 bytes per element
     // of memory traffic). They need aligned lines, so the elements up to the param's next 64-byte
