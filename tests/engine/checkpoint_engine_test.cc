@@ -67,20 +67,6 @@ return {
 
 const std::vector<int64_t> kSizes = {1, 7, 1000, 4099, 65, 3, 20000, 513};
 
-// Every tensor of a checkpoint, by name.
-std::map<std::string, std::string> ReadAll(const std::string& path) {
-  std::map<std::string, std::string> out;
-  absl::StatusOr<std::unique_ptr<CheckpointReader>> r = CheckpointReader::Open(path);
-  EXPECT_TRUE(r.ok()) << r.status();
-  if (!r.ok()) return out;
-  for (const TensorEntry& t : (*r)->tensors()) {
-    std::string bytes(t.bytes, '\0');
-    EXPECT_TRUE((*r)->ReadTensor(t.name, bytes.data(), bytes.size()).ok()) << t.name;
-    out[t.name] = std::move(bytes);
-  }
-  return out;
-}
-
 std::string AsBytes(const std::vector<uint16_t>& v) {
   return std::string(reinterpret_cast<const char*>(v.data()), v.size() * 2);
 }

@@ -27,20 +27,6 @@ using ::testing::HasSubstr;
 
 const std::vector<int64_t> kSizes = {1, 7, 1000, 4099, 65, 3, 20000, 513, 3000, 777};
 
-// Every tensor of a checkpoint, by name.
-std::map<std::string, std::string> ReadAll(const std::string& path) {
-  std::map<std::string, std::string> out;
-  absl::StatusOr<std::unique_ptr<CheckpointReader>> r = CheckpointReader::Open(path);
-  EXPECT_TRUE(r.ok()) << r.status();
-  if (!r.ok()) return out;
-  for (const TensorEntry& t : (*r)->tensors()) {
-    std::string bytes(t.bytes, '\0');
-    EXPECT_TRUE((*r)->ReadTensor(t.name, bytes.data(), bytes.size()).ok()) << t.name;
-    out[t.name] = std::move(bytes);
-  }
-  return out;
-}
-
 std::string GroupName(size_t i) { return absl::StrCat("g", i); }
 
 class EarlyStepTest : public ::testing::TestWithParam<std::string> {

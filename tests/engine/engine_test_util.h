@@ -8,6 +8,8 @@
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
+#include <map>
+#include <memory>
 #include <random>
 #include <string>
 #include <utility>
@@ -15,6 +17,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "ckpt/checkpoint.h"
 #include "device/device.h"
 #include "ferry/dtype.h"
 #include "ferry/engine.h"
@@ -52,6 +55,20 @@ class TempDir {
  private:
   std::string path_;
 };
+
+// Every tensor of a checkpoint, by name.
+inline std::map<std::string, std::string> ReadAll(const std::string& path) {
+  std::map<std::string, std::string> out;
+  absl::StatusOr<std::unique_ptr<CheckpointReader>> r = CheckpointReader::Open(path);
+  EXPECT_TRUE(r.ok()) << r.status();
+  if (!r.ok()) return out;
+  for (const TensorEntry& t : (*r)->tensors()) {
+    std::string bytes(t.bytes, '\0');
+    EXPECT_TRUE((*r)->ReadTensor(t.name, bytes.data(), bytes.size()).ok()) << t.name;
+    out[t.name] = std::move(bytes);
+  }
+  return out;
+}
 
 // A model of a few bf16 tensors in device memory, with grads, and random initial values.
 class Model {
