@@ -1,5 +1,6 @@
 // The engine's implementation class, shared by the files of engine/src/engine:
-//   engine.cc             registration, Finalize, Step, placement moves, stats, Create
+//   engine.cc             registration, Finalize, placement moves, state access, stats, Create
+//   engine_step.cc        Step, GradsReady, WaitParams, the step's inputs, the on_step hook
 //   engine_checkpoint.cc  SaveCheckpoint, LoadCheckpoint and their pinned staging
 //   engine_ranks.cc       several ranks: the spec exchange at Finalize, the grad-stats reduction
 #ifndef FERRY_ENGINE_ENGINE_IMPL_H_
