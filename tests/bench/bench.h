@@ -9,9 +9,14 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdint>
 #include <cstdio>
 #include <string>
 #include <vector>
+
+#include "absl/status/statusor.h"
+#include "device/device.h"
+#include "ferry/status.h"
 
 namespace ferry::bench {
 
@@ -40,6 +45,16 @@ inline double Median(std::vector<double>& samples) {
   std::sort(samples.begin(), samples.end());
   const size_t n = samples.size();
   return n % 2 == 1 ? samples[n / 2] : 0.5 * (samples[n / 2 - 1] + samples[n / 2]);
+}
+
+// `n` 16-bit elements of device memory, filled with `fill` repeated. REQUIRES: `fill` not empty.
+inline absl::StatusOr<DeviceBuffer> FilledBuffer16(Device& device, int64_t n, const std::vector<uint16_t>& fill) {
+  FERRY_ASSIGN_OR_RETURN(DeviceBuffer b, device.Allocate(static_cast<size_t>(n) * 2));
+  for (int64_t at = 0; at < n; at += static_cast<int64_t>(fill.size())) {
+    const size_t len = static_cast<size_t>(std::min<int64_t>(n - at, static_cast<int64_t>(fill.size())));
+    FERRY_RETURN_IF_ERROR(device.Copy(b.as<uint16_t>() + at, fill.data(), len * 2, CopyKind::kHostToDevice));
+  }
+  return b;
 }
 
 }  // namespace ferry::bench

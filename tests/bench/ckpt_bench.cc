@@ -161,11 +161,7 @@ absl::StatusOr<Model> MakeModel(Device& device, const Options& o) {
     const int64_t n = each + (i % 3);  // uneven sizes
     m.sizes.push_back(n);
     for (auto* list : {&m.params, &m.grads}) {
-      FERRY_ASSIGN_OR_RETURN(DeviceBuffer b, device.Allocate(static_cast<size_t>(n) * 2));
-      for (int64_t at = 0; at < n; at += static_cast<int64_t>(fill.size())) {
-        const size_t len = static_cast<size_t>(std::min<int64_t>(n - at, static_cast<int64_t>(fill.size())));
-        FERRY_RETURN_IF_ERROR(device.Copy(b.as<uint16_t>() + at, fill.data(), len * 2, CopyKind::kHostToDevice));
-      }
+      FERRY_ASSIGN_OR_RETURN(DeviceBuffer b, FilledBuffer16(device, n, fill));
       list->push_back(std::move(b));
     }
   }
