@@ -100,7 +100,12 @@ struct EngineOptions {
   // Chunk of the offload pipeline: 8 MiB measured best on an H200 (ferry bench step: the step costs
   // 1.02x CPU Adam alone, vs 1.07x with 32 MiB chunks and 1.22x with 4 MiB).
   size_t transfer_chunk_bytes = size_t{8} << 20;
-  size_t cpu_threads = 0;                         // CPU Adam threads; 0 = all CPUs of this process
+  // CPU Adam's worker threads; 0 = the CPUs this process may run on, less trainer_threads (at least
+  // 1). The thread that runs a step (the trainer's, or the early-step thread) works beside them.
+  size_t cpu_threads = 0;
+  // CPUs left to the trainer's own threads when cpu_threads is 0 (its Python or C++ loop, autograd,
+  // data loading). Chosen by measurement: see the README ("Overlap in a real training loop").
+  size_t trainer_threads = 1;
   std::string numa;                               // "", "interleave", "bind", "preferred", "local"
   // Trace of every step, save and load as Chrome/Perfetto trace-event JSON (`ferry trace FILE`
   // summarizes it), written at destruction (tmp + rename). Empty: the FERRY_TRACE environment

@@ -211,6 +211,12 @@ class Device {
 
   virtual absl::StatusOr<std::unique_ptr<Stream>> CreateStream() = 0;
   virtual absl::StatusOr<std::unique_ptr<Event>> CreateEvent() = 0;
+  // An event whose Synchronize() sleeps until the work completes, where CreateEvent's may spin a core
+  // (CUDA's default schedule busy-waits; cudaEventBlockingSync here). For waits that can last as long
+  // as the trainer's backward, so that they leave the core to CPU Adam; a wake-up costs tens of
+  // microseconds more than a spinning wait, so short waits keep CreateEvent's. The host backend's
+  // events always sleep.
+  virtual absl::StatusOr<std::unique_ptr<Event>> CreateBlockingEvent() { return CreateEvent(); }
   // A non-owning Stream over a trainer's native stream (a cudaStream_t; nullptr is the legacy default
   // stream). On the host backend `native` must be nullptr and the returned stream is the calling
   // thread: work enqueued on it runs before the call returns, and WaitFor blocks the caller.

@@ -54,6 +54,13 @@ inline constexpr char kModelKind[] = "model";
 inline constexpr std::pair<StateKind, const char*> kStateKinds[] = {
     {StateKind::kMaster, "master"}, {StateKind::kExpAvg, "exp_avg"}, {StateKind::kExpAvgSq, "exp_avg_sq"}};
 
+// CPU Adam's workers for `options` (EngineOptions::cpu_threads and trainer_threads).
+inline size_t CpuAdamThreads(const EngineOptions& options) {
+  if (options.cpu_threads > 0) return options.cpu_threads;
+  const size_t cpus = ThreadPool::DefaultThreads();
+  return cpus > options.trainer_threads ? cpus - options.trainer_threads : 1;
+}
+
 inline std::string StateTensorName(const std::string& param, const char* kind) { return absl::StrCat(param, ":", kind); }
 
 // A group's optimizer settings as text, recorded per group in checkpoints (metadata key
@@ -135,7 +142,7 @@ class EngineImpl final : public Engine {
       : options_(std::move(options)),
         device_(std::move(device)),
         policy_(std::move(policy)),
-        pool_(options_.cpu_threads > 0 ? options_.cpu_threads : ThreadPool::DefaultThreads()) {
+        pool_(CpuAdamThreads(options_)) {
     comm_ = options_.comm != nullptr ? options_.comm : std::shared_ptr<Comm>(MakeSingleProcessComm());
     std::string trace_path = options_.trace_path;
     if (trace_path.empty()) {
@@ -244,6 +251,9 @@ class EngineImpl final : public Engine {
   // Exchanges the param specs and checks that the ranks registered the same params with ranges that
   // tile each global tensor; fills canonical_. Every rank returns the same verdict.
   absl::Status ExchangeSpecs();
+  // Several ranks: every group's state precision (master, moments, rounding) as `optimizer` keeps it
+  // must be rank 0's. Collective; the same verdict on every rank, naming the rank and the group.
+  absl::Status CheckStatePrecisionAgrees(const HybridOptimizer& optimizer);
   // The all-reduce of a step's gradient check (found-inf and the exact sum of squares) across ranks,
   // with this rank's outcome so far: an error on any rank fails the step on every rank.
   absl::Status ReduceGradStats(GradStats& stats, const absl::Status& mine);

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <utility>
 
@@ -16,6 +17,9 @@ namespace {
 
 constexpr int64_t kAlignElements = 16;  // 64-byte alignment of every tensor's fp32 state (32 for bf16)
 constexpr size_t kStageAlign = 256;
+constexpr size_t kStatsPage = 4096;  // the grad check's result page (one page, registered once)
+static_assert(sizeof(GradStats) <= kStatsPage);
+
 
 size_t AlignUp(size_t n, size_t a) { return (n + a - 1) / a * a; }
 
@@ -68,6 +72,12 @@ HybridOptimizer::~HybridOptimizer() {
   if (arena_ != nullptr) {
     for (const HostSpan& slot : grad_slots_) (void)arena_->Release(slot);
     for (const HostSpan& slot : param_slots_) (void)arena_->Release(slot);
+  }
+  if (grad_stats_page_ != nullptr) {
+    if (absl::Status u = device_->UnregisterHost(grad_stats_page_); !u.ok()) {
+      FERRY_LOG(ERROR) << "HybridOptimizer: unregistering the grad check's result page: " << u;
+    }
+    std::free(grad_stats_page_);
   }
 }
 
@@ -134,11 +144,22 @@ absl::Status HybridOptimizer::Init(std::vector<OptimParam> params, std::vector<O
   FERRY_ASSIGN_OR_RETURN(work_stream_, device_->CreateStream());
   FERRY_ASSIGN_OR_RETURN(grads_ready_, device_->CreateEvent());
   FERRY_ASSIGN_OR_RETURN(step_done_, device_->CreateEvent());
-  FERRY_ASSIGN_OR_RETURN(stats_ready_, device_->CreateEvent());
+  FERRY_ASSIGN_OR_RETURN(stats_ready_, device_->CreateBlockingEvent());
   FERRY_ASSIGN_OR_RETURN(snapshot_done_, device_->CreateEvent());
   FERRY_ASSIGN_OR_RETURN(trainer_point_, device_->CreateEvent());
   for (const OptimParam& op : params_) grad_tensors_.push_back(GradTensorArgs{op.grad, op.numel, op.grad_dtype});
   FERRY_ASSIGN_OR_RETURN(grad_stats_workspace_, device_->Allocate(GradStatsWorkspaceBytes(grad_tensors_.size())));
+  if (grad_stats_page_ == nullptr) {
+    grad_stats_page_ = std::aligned_alloc(kStatsPage, kStatsPage);
+    if (grad_stats_page_ == nullptr) return absl::ResourceExhaustedError("allocating the grad check's result page");
+    std::memset(grad_stats_page_, 0, kStatsPage);
+    if (absl::Status s = device_->RegisterHost(grad_stats_page_, kStatsPage); !s.ok()) {
+      std::free(grad_stats_page_);
+      grad_stats_page_ = nullptr;
+      return s;
+    }
+    grad_stats_ = static_cast<GradStats*>(grad_stats_page_);
+  }
   if (!full_plan_.params.empty()) {
     const size_t chunk_bytes = options_.chunk_bytes / 4 * 4;  // whole elements of any dtype
     const size_t depth = std::max<size_t>(options_.pipeline_depth, 2);
@@ -300,20 +321,20 @@ absl::StatusOr<HybridStepResult> HybridOptimizer::StepChecked(const HybridStepPa
     }
     FERRY_RETURN_IF_ERROR(device_->LaunchGradStats(grad_tensors_, grad_stats_workspace_.data(),
                                                    grad_stats_workspace_.bytes(), trainer));
-    FERRY_RETURN_IF_ERROR(device_->CopyAsync(&grad_stats_, GradStatsResult(grad_stats_workspace_.data()),
+    FERRY_RETURN_IF_ERROR(device_->CopyAsync(grad_stats_, GradStatsResult(grad_stats_workspace_.data()),
                                              sizeof(GradStats), CopyKind::kDeviceToHost, trainer));
     FERRY_RETURN_IF_ERROR(trainer.Record(*stats_ready_));
     FERRY_RETURN_IF_ERROR(stats_ready_->Synchronize());
     span.End();
     if (params.reduce_grad_stats) {
       TraceSpan reduce(options_.tracer, "grad_stats.allreduce", "optim");
-      FERRY_RETURN_IF_ERROR(params.reduce_grad_stats(grad_stats_));
+      FERRY_RETURN_IF_ERROR(params.reduce_grad_stats(*grad_stats_));
     }
-    if (grad_stats_.found_inf != 0) {
+    if (grad_stats_->found_inf != 0) {
       result.skipped = true;
     } else {
-      result.grad_norm = std::sqrt(grad_stats_.sum_sq) / static_cast<double>(params.loss_scale);
-      multiplier = AdamGradMultiplier(params.loss_scale, grad_stats_.sum_sq, params.max_grad_norm);
+      result.grad_norm = std::sqrt(grad_stats_->sum_sq) / static_cast<double>(params.loss_scale);
+      multiplier = AdamGradMultiplier(params.loss_scale, grad_stats_->sum_sq, params.max_grad_norm);
     }
   }
   std::vector<AdamScalars> scalars(groups_.size());

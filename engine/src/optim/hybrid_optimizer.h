@@ -358,10 +358,17 @@ class HybridOptimizer final {
   std::unique_ptr<Stream> work_stream_;  // state init/copies of GPU groups
   std::unique_ptr<Event> grads_ready_;
   std::unique_ptr<Event> step_done_;
-  std::unique_ptr<Event> stats_ready_;       // the gradient check's result has reached grad_stats_
+  // The gradient check's result has reached grad_stats_ (a blocking event: Step waits on it for the
+  // rest of the trainer's backward when the host runs ahead, and leaves that core to CPU Adam).
+  std::unique_ptr<Event> stats_ready_;
   DeviceBuffer grad_stats_workspace_;        // LaunchGradStats' device workspace
   std::vector<GradTensorArgs> grad_tensors_; // every param's grad, in param order
-  GradStats grad_stats_{};                   // host copy of the last check     // recorded on the trainer stream at the end of each Step
+  // Host copy of the last check, in one page registered with the device at Finalize. Pinned, not
+  // pageable: a copy into pageable memory on the trainer's stream waits for that stream inside the
+  // copy call, and when that stream is CUDA's legacy default stream (PyTorch's default) every other
+  // thread's CUDA calls wait with it: the early steps' copies then stalled for the whole backward.
+  GradStats* grad_stats_ = nullptr;
+  void* grad_stats_page_ = nullptr;  // aligned_alloc'ed and registered (both or neither)
   std::vector<std::unique_ptr<TransferBatch>> pending_;  // the last step's copies, until finished
   // Per group: the upload batch holding its params' last chunk in the last step (in pending_), for
   // WaitParams; null when its params were not uploaded (GPU groups, skipped steps).

@@ -69,7 +69,8 @@ absl::Status HybridOptimizer::BeginGroups(absl::Span<const size_t> groups, const
   if (!cpu_groups.empty()) {
     FERRY_RETURN_IF_ERROR(EnsureSpareState());
     if (early_.events_used == early_events_.size()) {
-      FERRY_ASSIGN_OR_RETURN(std::unique_ptr<Event> event, device_->CreateEvent());
+      // Blocking: the early thread sleeps on it until the trainer's backward reaches the group.
+      FERRY_ASSIGN_OR_RETURN(std::unique_ptr<Event> event, device_->CreateBlockingEvent());
       early_events_.push_back(std::move(event));
     }
     ready = early_events_[early_.events_used].get();

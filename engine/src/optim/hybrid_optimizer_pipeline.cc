@@ -102,6 +102,18 @@ absl::Status HybridOptimizer::RunPipeline(const PipelineRun& run) {
       status = absl::CancelledError("the step's early work was cancelled");
       break;
     }
+    if (with_grads && run.group_ready != nullptr) {
+      // Early steps: the chunk's grads may not exist yet (the trainer's backward has not reached
+      // its groups). Sleep on the announcement's event (a blocking one) rather than spin on the
+      // copy's: the wait can last the rest of the backward, and CPU Adam needs the core.
+      Event* ready = chunk_ready(k);
+      absl::StatusOr<bool> reached = ready != nullptr ? ready->Query() : absl::StatusOr<bool>(true);
+      if (reached.ok() && !*reached) {
+        TraceSpan wait(tracer, "wait.grads", "optim");
+        status = ready->Synchronize();
+        if (!status.ok()) break;
+      }
+    }
     {
       TraceSpan wait(tracer, "wait.copies", "optim");
       if (with_grads) status = down[k]->Wait();

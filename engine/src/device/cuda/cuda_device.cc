@@ -268,6 +268,14 @@ class CudaDevice final : public Device {
     return std::unique_ptr<Event>(std::make_unique<CudaEvent>(ordinal_, e));
   }
 
+  absl::StatusOr<std::unique_ptr<Event>> CreateBlockingEvent() override {
+    FERRY_CUDA_ENTER_DEVICE(ordinal_);
+    cudaEvent_t e = nullptr;
+    FERRY_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&e, cudaEventDisableTiming | cudaEventBlockingSync),
+                               "CreateBlockingEvent");
+    return std::unique_ptr<Event>(std::make_unique<CudaEvent>(ordinal_, e));
+  }
+
   absl::StatusOr<std::unique_ptr<Stream>> WrapStream(void* native) override {
     return std::unique_ptr<Stream>(
         std::make_unique<CudaStream>(ordinal_, static_cast<cudaStream_t>(native), /*owned=*/false));
