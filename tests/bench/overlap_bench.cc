@@ -1,12 +1,21 @@
 // `ferry bench overlap`: how much of the optimizer step a trainer still waits for when it announces
 // each group's grads during backward (Engine::GradsReady), against Step alone on the same engine.
 //
-// A synthetic training step on the trainer's stream: a backward of --backward-ms that produces the
-// groups' grads in reverse order (device-to-device copies sized by a calibration in this run, one
-// slice per group), then Step, then the next forward (--forward-ms, groups in order, each after
-// WaitParams of its group). Timestamps are host functions enqueued on the streams. Reported per
-// configuration: the exposed optimizer time (from the last grad ready to the last param uploaded),
-// the GPU idle time (from the last grad ready to the start of the next forward), the trainer's
+// A synthetic training loop: a forward of --forward-ms (groups in order, each after WaitParams of
+// its group), a backward of --backward-ms that produces the groups' grads in reverse order, then
+// Step. The compute is device-to-device copies sized by a calibration in this run, one slice per
+// group. Timestamps are host functions enqueued on the streams.
+//
+// Two ways to drive it:
+//   host ahead (default): as a real trainer runs. The trainer's stream is the device's legacy
+//     default stream (PyTorch's default stream), and the host enqueues iteration after iteration
+//     without ever waiting for the GPU: only the engine's own calls block it. Reported: the
+//     iteration time (forward start to forward start) beside an all-GPU iteration of the same
+//     synthetic model (policy all_gpu), and the exposed optimizer time.
+//   --host-paced: every iteration ends with the host waiting for the GPU, on a stream of the
+//     engine's own; the next backward starts from an idle GPU.
+// Reported per configuration: the exposed optimizer time (from the last grad ready to the last param
+// uploaded), the GPU idle time (from the last grad ready to the start of the next forward), the
 // backward as measured, and how many early group updates Step kept or recomputed. Configurations:
 // fully offloaded and 50%, each with and without GradsReady, without clipping, and with clipping
 // triggered at every step.
@@ -22,6 +31,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_format.h"
 #include "base/thread_pool.h"
 #include "bench/bench.h"
 #include "device/device.h"
@@ -39,6 +49,7 @@ struct Options {
   double forward_ms = 100.0;
   size_t chunk_bytes = size_t{8} << 20;
   std::string moments;  // "", or "bf16" (passed to the policies as moments=...)
+  bool host_paced = false;
 };
 
 struct Model {
@@ -104,7 +115,7 @@ absl::StatusOr<double> Calibrate(Device& device, Model& m, Stream& stream) {
 }
 
 struct Result {
-  double exposed_ms = 0, idle_ms = 0, backward_ms = 0;
+  double exposed_ms = 0, idle_ms = 0, backward_ms = 0, iteration_ms = 0;
   int64_t kept = 0, recomputed = 0;
 };
 
@@ -131,13 +142,57 @@ absl::StatusOr<Result> RunConfig(Device& device, Model& m, const Options& o, con
   FERRY_RETURN_IF_ERROR(engine->Finalize());
   FERRY_ASSIGN_OR_RETURN(std::unique_ptr<Stream> trainer_owned, device.CreateStream());
   FERRY_ASSIGN_OR_RETURN(std::unique_ptr<Stream> side, device.CreateStream());
-  // On the host backend the trainer's stream is the calling thread.
-  void* native = device.backend() == Backend::kCuda ? trainer_owned->native() : nullptr;
+  // On the host backend the trainer's stream is the calling thread. Host ahead on CUDA: the legacy
+  // default stream, as PyTorch's loops use.
+  void* native = device.backend() == Backend::kCuda && o.host_paced ? trainer_owned->native() : nullptr;
   void* side_native = device.backend() == Backend::kCuda ? side->native() : nullptr;
   FERRY_ASSIGN_OR_RETURN(std::unique_ptr<Stream> trainer, device.WrapStream(native));
   // Clipping at every step: a max norm far below the grads' norm (bf16 N(0, 0.02) grads).
   const StepOptions options{.lr = 1e-4f, .max_grad_norm = clip ? 1e-3f : 1e9f, .wait_for_params = false};
   std::vector<double> exposed, idle, backward;
+  if (!o.host_paced) {
+    // Host ahead: iterations back to back, the host never waits for the GPU (one warm-up iteration
+    // and one more forward to close the last timed iteration).
+    const int iterations = o.steps + 1;
+    std::vector<std::atomic<double>> t_forward(static_cast<size_t>(iterations) + 1), t_backward(static_cast<size_t>(iterations)),
+        t_last_grad(static_cast<size_t>(iterations)), t_params(static_cast<size_t>(iterations));
+    for (int it = 0; it <= iterations; ++it) {
+      const size_t i = static_cast<size_t>(it);
+      for (int g = 0; g < o.groups; ++g) {
+        if (it > 0) FERRY_RETURN_IF_ERROR(engine->WaitParams({GroupName(g)}, native));
+        if (g == 0) FERRY_RETURN_IF_ERROR(Stamp(*trainer, &t_forward[i]));
+        FERRY_RETURN_IF_ERROR(Busy(device, m, *trainer, o.forward_ms / o.groups, bytes_per_ms));
+      }
+      if (it == iterations) break;
+      FERRY_RETURN_IF_ERROR(Stamp(*trainer, &t_backward[i]));
+      for (int g = o.groups - 1; g >= 0; --g) {
+        FERRY_RETURN_IF_ERROR(Busy(device, m, *trainer, o.backward_ms / o.groups, bytes_per_ms));
+        if (early) FERRY_RETURN_IF_ERROR(engine->GradsReady({GroupName(g)}, options, native));
+      }
+      FERRY_RETURN_IF_ERROR(Stamp(*trainer, &t_last_grad[i]));
+      FERRY_RETURN_IF_ERROR(engine->Step(options, native));
+      FERRY_RETURN_IF_ERROR(engine->WaitParams({}, side_native));
+      FERRY_RETURN_IF_ERROR(Stamp(*side, &t_params[i]));
+    }
+    FERRY_RETURN_IF_ERROR(trainer->Synchronize());
+    FERRY_RETURN_IF_ERROR(side->Synchronize());
+    std::vector<double> iteration;
+    for (int it = 1; it < iterations; ++it) {  // the first is a warm-up
+      const size_t i = static_cast<size_t>(it);
+      iteration.push_back((t_forward[i + 1].load() - t_forward[i].load()) * 1e3);
+      exposed.push_back(std::max(0.0, t_params[i].load() - t_last_grad[i].load()) * 1e3);
+      idle.push_back((t_forward[i + 1].load() - t_last_grad[i].load()) * 1e3);
+      backward.push_back((t_last_grad[i].load() - t_backward[i].load()) * 1e3);
+    }
+    Result r;
+    r.iteration_ms = Median(iteration);
+    r.exposed_ms = Median(exposed);
+    r.idle_ms = Median(idle);
+    r.backward_ms = Median(backward);
+    r.kept = engine->Stats().early_groups_kept;
+    r.recomputed = engine->Stats().early_groups_recomputed;
+    return r;
+  }
   for (int step = 0; step < o.steps + 1; ++step) {  // the first is a warm-up
     std::atomic<double> t_backward{0}, t_last_grad{0}, t_forward{0}, t_params{0};
     FERRY_RETURN_IF_ERROR(Stamp(*trainer, &t_backward));
@@ -187,11 +242,14 @@ int Run(int argc, char** argv) {
     };
     if (a == "--help" || a == "-h") {
       std::puts("usage: ferry bench overlap [--quick] [--params=N] [--groups=N] [--steps=N] [--backward-ms=X]\n"
-                "                           [--forward-ms=X] [--chunk-mib=N] [--moments=fp32|bf16]\n"
-                "  A synthetic backward (default 250 ms) producing N bf16 params' grads (default 1e9) group by\n"
-                "  group in reverse order, Step, and the next forward; with and without GradsReady, fully and\n"
-                "  50% offloaded, without clipping and with clipping at every step. Prints the exposed optimizer\n"
-                "  time and the GPU idle time between backward and forward.");
+                "                           [--forward-ms=X] [--chunk-mib=N] [--moments=fp32|bf16] [--host-paced]\n"
+                "  A synthetic training loop: a forward (default 100 ms), a backward (default 250 ms) producing N\n"
+                "  bf16 params' grads (default 1e9) group by group in reverse order, and Step; with and without\n"
+                "  GradsReady, fully and 50% offloaded, without clipping and with clipping at every step. By default\n"
+                "  the host runs ahead of the GPU as a real trainer's does (the legacy default stream, no waits\n"
+                "  but the engine's), and the iteration is reported beside an all-GPU iteration of the same model;\n"
+                "  --host-paced waits for the GPU after every iteration. Prints the exposed optimizer time and the\n"
+                "  GPU idle time between backward and forward.");
       return 0;
     } else if (a == "--quick") {
       quick = true;
@@ -209,6 +267,8 @@ int Run(int argc, char** argv) {
       o.chunk_bytes = static_cast<size_t>(std::atof(v5) * (1 << 20));
     } else if (const char* v6 = value("--moments")) {
       o.moments = v6;
+    } else if (a == "--host-paced") {
+      o.host_paced = true;
     } else {
       std::fprintf(stderr, "ferry bench overlap: unknown argument '%s' (--help)\n", a.c_str());
       return 2;
@@ -236,9 +296,11 @@ int Run(int argc, char** argv) {
   absl::StatusOr<double> rate = Calibrate(**device, *model, **cal_stream);
   if (!rate.ok()) return Fail(rate.status());
   std::printf("ferry bench overlap on %s: %lld bf16 params in %d groups, backward %.0f ms, forward %.0f ms, "
-              "chunk %.1f MiB, %zu CPU threads, median of %d steps\n",
+              "chunk %.1f MiB, %zu CPUs, median of %d steps, %s\n",
               (*device)->name().c_str(), static_cast<long long>(model->total), o.groups, o.backward_ms, o.forward_ms,
-              static_cast<double>(o.chunk_bytes) / (1 << 20), ThreadPool::DefaultThreads(), o.steps);
+              static_cast<double>(o.chunk_bytes) / (1 << 20), ThreadPool::DefaultThreads(), o.steps,
+              o.host_paced ? "host paced (waits for the GPU every iteration)"
+                           : "host ahead (the legacy default stream; the host never waits for the GPU)");
   std::printf("synthetic compute: device-to-device copies at %.0f GB/s\n\n", *rate / 1e6);
   const std::string policies = std::string(FERRY_SOURCE_DIR) + "/scripts/policies/";
   struct Placement {
@@ -248,11 +310,19 @@ int Run(int argc, char** argv) {
   };
   std::vector<Placement> placements = {{"fully offloaded", policies + "offload_all.lua", {}},
                                        {"50% offloaded", policies + "offload_fraction.lua", {{"fraction", "0.5"}}}};
-  if (!o.moments.empty()) {
-    for (Placement& p : placements) p.args["moments"] = o.moments;
+  if (o.moments == "bf16") {
+    // The shipped bf16 policy offloads every group (no fraction).
+    placements = {{"fully offloaded", policies + "offload_bf16_moments.lua", {}}};
   }
-  std::printf("%-16s %-14s %-10s %12s %12s %12s %7s %7s\n", "placement", "clipping", "mode", "exposed ms",
-              "GPU idle ms", "backward ms", "kept", "recomp.");
+  double all_gpu_ms = 0.0;
+  if (!o.host_paced) {
+    absl::StatusOr<Result> r = RunConfig(**device, *model, o, policies + "all_gpu.lua", {}, false, false, *rate);
+    if (!r.ok()) return Fail(r.status());
+    all_gpu_ms = r->iteration_ms;
+    std::printf("all-GPU iteration (policy all_gpu, the same synthetic model): %.1f ms\n\n", all_gpu_ms);
+  }
+  std::printf("%-16s %-14s %-10s %12s %9s %12s %12s %12s %7s %7s\n", "placement", "clipping", "mode", "iteration ms",
+              "x all-GPU", "exposed ms", "GPU idle ms", "backward ms", "kept", "recomp.");
   for (const Placement& p : placements) {
     for (bool clip : {false, true}) {
       Result without, with;
@@ -260,9 +330,12 @@ int Run(int argc, char** argv) {
         absl::StatusOr<Result> r = RunConfig(**device, *model, o, p.policy, p.args, early, clip, *rate);
         if (!r.ok()) return Fail(r.status());
         (early ? with : without) = *r;
-        std::printf("%-16s %-14s %-10s %12.1f %12.1f %12.1f %7lld %7lld\n", p.name,
-                    clip ? "every step" : "none", early ? "GradsReady" : "Step only", r->exposed_ms, r->idle_ms,
-                    r->backward_ms, static_cast<long long>(r->kept), static_cast<long long>(r->recomputed));
+        std::printf("%-16s %-14s %-10s %12s %9s %12.1f %12.1f %12.1f %7lld %7lld\n", p.name,
+                    clip ? "every step" : "none", early ? "GradsReady" : "Step only",
+                    o.host_paced ? "-" : absl::StrFormat("%.1f", r->iteration_ms).c_str(),
+                    o.host_paced || all_gpu_ms <= 0 ? "-" : absl::StrFormat("%.3f", r->iteration_ms / all_gpu_ms).c_str(),
+                    r->exposed_ms, r->idle_ms, r->backward_ms, static_cast<long long>(r->kept),
+                    static_cast<long long>(r->recomputed));
       }
       if (!clip) {
         std::printf("  -> exposed with GradsReady: %.1f ms = %.3f of Step alone's (target, fully offloaded, 1B, "

@@ -1,0 +1,306 @@
+#!/usr/bin/env python3
+"""A real training loop, timed as a trainer runs it: a plain torch transformer (bf16 params), forward,
+backward and optimizer step, with no host synchronization inside the loop (the host runs ahead of its
+GPU, as production loops do). Prints the iteration time of each optimizer row and its ratio to the
+all-GPU iteration of the same model in the same run:
+
+    torch AdamW (fused)          state on the GPU (torch's fused kernel where the build has it)
+    ferry all_gpu                Ferry's GPU Adam, state on the GPU
+    ferry offload                fp32 state in pinned host memory, step() only
+    ferry offload + overlap      the same, groups announced from grad hooks during backward
+    ferry offload bf16 (+ overlap)  bf16 moments (8 B of host state per param), without and with overlap
+
+Beside each offloaded row, its bound: the offloaded step measured alone (the GPU idle, the grads
+ready: CPU Adam and the copies). When that bound exceeds forward + backward (also measured alone),
+no overlap can bring the iteration down to the all-GPU one: the row says which case it is. With
+overlap the CPU work can start only when the first block's grads are final, and the next forward
+needs the first block's params, updated last: an overlapped iteration takes at least about
+forward + one block's backward + the step alone.
+
+    python3 samples/python/bench_train.py                        # the 735M model (dim 2048, 12 blocks)
+    python3 samples/python/bench_train.py --size all             # small, medium and large
+    python3 samples/python/bench_train.py --check-exact          # losses bit-identical across rows
+    python3 samples/python/bench_train.py --device cpu --size tiny --steps 2   # smoke (host backend)
+
+Each ferry group is one transformer block (plus one group for the embeddings, the head and the final
+norm). A benchmark, not a test: it asserts nothing about time; --check-exact exits non-zero when the
+losses of the fp32 Ferry rows differ in any bit.
+"""
+import argparse
+import gc
+import inspect
+import math
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+import ferry
+import ferry.torch
+
+SIZES = {  # name: (dim, blocks, heads, batch, seq)
+    "tiny": (128, 2, 4, 2, 64),
+    "small": (1024, 8, 8, 8, 1024),
+    "medium": (2048, 12, 16, 16, 1024),
+    "large": (2560, 16, 20, 16, 1024),
+}
+VOCAB = 32000
+
+
+class Block(torch.nn.Module):
+    def __init__(self, dim, heads, exact):
+        super().__init__()
+        self.heads, self.exact = heads, exact
+        self.ln1 = torch.nn.LayerNorm(dim)
+        self.qkv = torch.nn.Linear(dim, 3 * dim, bias=False)
+        self.proj = torch.nn.Linear(dim, dim, bias=False)
+        self.ln2 = torch.nn.LayerNorm(dim)
+        self.fc1 = torch.nn.Linear(dim, 4 * dim, bias=False)
+        self.fc2 = torch.nn.Linear(4 * dim, dim, bias=False)
+
+    def forward(self, x):
+        b, t, c = x.shape
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2)
+                   for z in self.qkv(self.ln1(x)).split(c, dim=2))
+        if self.exact or not hasattr(F, "scaled_dot_product_attention"):
+            # Plain attention: deterministic kernels only (--check-exact), and torch 1.13.
+            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))
+            mask = torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1)
+            y = att.masked_fill(mask, float("-inf")).softmax(dim=-1) @ v
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+class Model(torch.nn.Module):
+    def __init__(self, dim, blocks, heads, exact=False):
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, dim)
+        self.blocks = torch.nn.ModuleList(Block(dim, heads, exact) for _ in range(blocks))
+        self.ln = torch.nn.LayerNorm(dim)
+        self.head = torch.nn.Linear(dim, VOCAB, bias=False)
+
+    def forward(self, tokens):
+        x = self.embed(tokens[:, :-1])
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.ln(x))
+        return F.cross_entropy(logits.float().view(-1, VOCAB), tokens[:, 1:].reshape(-1))
+
+    def param_groups(self):
+        """One group per block, then one for the embeddings, the final norm and the head."""
+        groups = [{"params": list(b.parameters())} for b in self.blocks]
+        groups.append({"params": list(self.embed.parameters()) + list(self.ln.parameters()) +
+                       list(self.head.parameters())})
+        return groups
+
+
+def has_overlap_option():
+    return "overlap" in inspect.signature(ferry.torch.Optimizer.__init__).parameters
+
+
+class Announcer:
+    """Announces each param group from post-accumulate-grad hooks when its last grad is final (for a
+    ferry.torch without the `overlap` option)."""
+
+    def __init__(self, opt, groups):
+        self.opt, self.sizes, self.count, self.handles = opt, [len(g["params"]) for g in groups], {}, []
+        for gi, g in enumerate(groups):
+            for p in g["params"]:
+                self.handles.append(p.register_post_accumulate_grad_hook(lambda _p, gi=gi: self.hook(gi)))
+
+    def hook(self, gi):
+        n = self.count.get(gi, 0) + 1
+        self.count[gi] = n
+        if n == self.sizes[gi]:
+            self.opt.grads_ready(gi)
+
+    def reset(self):
+        self.count.clear()
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+
+
+def make_optimizer(row, model, args):
+    groups = model.param_groups()
+    kw = dict(lr=args.lr, weight_decay=0.1)
+    if row["kind"] == "torch":
+        fused = {"fused": True} if "fused" in inspect.signature(torch.optim.AdamW).parameters and \
+            args.device == "cuda" else {}
+        return torch.optim.AdamW(groups, **kw, **fused), None
+    extra = {"policy": row["policy"], "policy_args": row.get("policy_args"), "trace_path": args.trace or ""}
+    if args.cpu_threads:
+        extra["cpu_threads"] = args.cpu_threads
+    announcer = None
+    if has_overlap_option():
+        extra["overlap"] = row.get("overlap", False)
+    opt = ferry.torch.Optimizer(groups, **kw, **extra)
+    if row.get("overlap") and not has_overlap_option():
+        if not hasattr(torch.Tensor, "register_post_accumulate_grad_hook"):
+            return None, "needs torch >= 2.1 (post-accumulate-grad hooks) or ferry.torch's overlap option"
+        announcer = Announcer(opt, groups)
+    return opt, announcer
+
+
+def run_row(row, model, init, data, args):
+    """Iteration time (s), losses (a CPU tensor), the offloaded step alone (s, or None)."""
+    model.load_state_dict(init)
+    opt, announcer = make_optimizer(row, model, args)
+    if opt is None:
+        return None, None, None, announcer
+    losses = []
+    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
+    sync()
+    t0 = None
+    for it in range(args.warmup + args.steps):
+        if it == args.warmup:
+            sync()
+            t0 = time.perf_counter()
+        if isinstance(announcer, Announcer):
+            announcer.reset()
+        loss = model(data[it % len(data)])
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=row["kind"] == "torch")
+        losses.append(loss.detach())
+    sync()
+    iteration = (time.perf_counter() - t0) / args.steps
+    alone = None
+    if row.get("offloaded") and not row.get("overlap") and args.device == "cuda":
+        # The offloaded step alone: grads final, the GPU idle (one backward, then synchronized steps
+        # on the same grads; each step is timed by itself).
+        model(data[0]).backward()
+        times = []
+        for _ in range(3):
+            sync()
+            t = time.perf_counter()
+            opt.step()
+            sync()
+            times.append(time.perf_counter() - t)
+        alone = statistics.median(times)
+    if isinstance(announcer, Announcer):
+        announcer.remove()
+    del opt
+    gc.collect()
+    return iteration, torch.stack(losses).float().cpu(), alone, None
+
+
+def compute_alone(model, data, args):
+    """Forward + backward alone (no optimizer), host running ahead."""
+    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
+    for p in model.parameters():
+        p.grad = None
+    for it in range(args.warmup):
+        model(data[it % len(data)]).backward()
+    sync()
+    t = time.perf_counter()
+    for it in range(args.steps):
+        model(data[it % len(data)]).backward()
+    sync()
+    for p in model.parameters():
+        p.grad = None
+    return (time.perf_counter() - t) / args.steps
+
+
+def rows_for(args):
+    rows = [
+        {"name": "torch AdamW (fused)", "kind": "torch"},
+        {"name": "ferry all_gpu", "kind": "ferry", "policy": "all_gpu", "exact": True},
+        {"name": "ferry offload", "kind": "ferry", "policy": "offload_all", "offloaded": True, "exact": True},
+        {"name": "ferry offload + overlap", "kind": "ferry", "policy": "offload_all", "offloaded": True,
+         "overlap": True, "exact": True},
+        {"name": "ferry offload bf16", "kind": "ferry", "policy": "offload_bf16_moments", "offloaded": True},
+        {"name": "ferry offload bf16 + overlap", "kind": "ferry", "policy": "offload_bf16_moments", "offloaded": True, "overlap": True},
+    ]
+    if args.rows:
+        wanted = [int(i) for i in args.rows.split(",")]
+        rows = [rows[i] for i in wanted]
+    return rows
+
+
+def bench_size(name, args):
+    dim, blocks, heads, batch, seq = SIZES[name]
+    if args.batch:
+        batch = args.batch
+    torch.manual_seed(0)
+    model = Model(dim, blocks, heads, exact=args.check_exact).to(device=args.device, dtype=torch.bfloat16)
+    init = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    data = [torch.randint(0, VOCAB, (batch, seq + 1), generator=gen).to(args.device) for _ in range(4)]
+    numel = sum(p.numel() for p in model.parameters())
+    print("== %s: dim %d, %d blocks, %.0fM bf16 params, batch %d x %d tokens, %d groups, %d timed steps after %d"
+          % (name, dim, blocks, numel / 1e6, batch, seq, blocks + 1, args.steps, args.warmup), flush=True)
+    fwd_bwd = compute_alone(model, data, args)
+    print("   forward + backward alone: %.1f ms" % (fwd_bwd * 1e3), flush=True)
+    results = []
+    base = None
+    bounds = {}  # (policy, moments) -> the offloaded step alone, from the row without overlap
+    for row in rows_for(args):
+        iteration, losses, alone, why = run_row(row, model, init, data, args)
+        if iteration is None:
+            print("   %-30s skipped: %s" % (row["name"], why), flush=True)
+            continue
+        if row["name"] == "ferry all_gpu":
+            base = iteration
+        results.append((row, iteration, losses, alone))
+        line = "   %-30s %8.1f ms" % (row["name"], iteration * 1e3)
+        if base:
+            line += "  %5.2fx all-GPU" % (iteration / base)
+        key = (row.get("policy"), str(row.get("policy_args")))
+        if alone is not None:
+            bounds[key] = alone
+        alone = bounds.get(key) if row.get("offloaded") else None
+        if alone is not None:
+            bound = "CPU-bound: the step alone exceeds fwd+bwd" if alone > fwd_bwd else \
+                "GPU-bound: overlap can hide the step"
+            line += "   bound: step alone %.1f ms (%s)" % (alone * 1e3, bound)
+        print(line, flush=True)
+    ok = True
+    if args.check_exact:
+        ref = next((r for r in results if r[0]["name"] == "ferry all_gpu"), None)
+        for row, _, losses, _ in results:
+            if row.get("exact") and ref is not None:
+                same = torch.equal(losses, ref[2])
+                ok = ok and same
+                print("   losses of %-30s %s ferry all_gpu's (%s)" % (row["name"], "==" if same else "!=",
+                      ", ".join("%.6f" % v for v in losses[:4].tolist())), flush=True)
+    del model
+    gc.collect()
+    return ok
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--size", default="medium", choices=list(SIZES) + ["all"])
+    ap.add_argument("--batch", type=int, default=0, help="override the size's batch")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--rows", default="", help="comma-separated row indices (default: all)")
+    ap.add_argument("--cpu-threads", type=int, default=0, help="ferry's CPU Adam threads (0: its default)")
+    ap.add_argument("--trace", default="", help="ferry trace file (Chrome JSON) of every ferry row")
+    ap.add_argument("--check-exact", action="store_true",
+                    help="deterministic kernels; the fp32 ferry rows' losses must be the same bits")
+    args = ap.parse_args()
+    if args.check_exact:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+    print("torch %s on %s; ferry %s" % (torch.__version__, torch.cuda.get_device_name() if args.device == "cuda"
+                                          else "cpu", getattr(ferry, "__version__", "?")), flush=True)
+    sizes = ["small", "medium", "large"] if args.size == "all" else [args.size]
+    ok = all([bench_size(s, args) for s in sizes])
+    if not ok:
+        print("FAILED: losses differ between placements or with overlap", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
