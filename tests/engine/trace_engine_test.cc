@@ -154,6 +154,40 @@ TEST(TraceEngineTest, StepsSaveAndLoadAreTracedWithBytesAndNesting) {
       << "traced " << traced << " ms, measured " << measured_step_ms << " ms";
 }
 
+// An engine that outlives main (never destroyed, as one a Python object cycle keeps alive until the
+// interpreter exits) still writes its trace, at exit.
+TEST(TraceEngineTest, EngineAliveAtExitWritesItsTrace) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  // The same path in the death test's child (a new process) as here.
+  const std::string path =
+      (std::filesystem::temp_directory_path() / ("ferry-leaked-engine-trace-uid" + std::to_string(::getuid()) + ".json")).string();
+  std::filesystem::remove(path);
+  EXPECT_EXIT(
+      {
+        absl::StatusOr<std::unique_ptr<Device>> device = CreateDevice();
+        if (!device.ok()) std::exit(10);
+        auto* model = new Model(device->get(), {1000, 2000}, 3);
+        EngineOptions o;
+        o.policy_path = Policies() + "offload_all.lua";
+        o.device = std::string(BackendName((*device)->backend()));
+        o.trace_path = path;
+        absl::StatusOr<std::unique_ptr<Engine>> e = Engine::Create(o);
+        if (!e.ok() || !model->Register(**e).ok() || !(*e)->Finalize().ok()) std::exit(11);
+        model->SetGrads(1);
+        if (!(*e)->Step().ok() || !(*e)->Synchronize().ok()) std::exit(12);
+        (void)e->release();      // never destroyed
+        (void)device->release();
+        std::exit(0);
+      },
+      ::testing::ExitedWithCode(0), "trace written at exit");
+  absl::StatusOr<TraceFile> trace = ReadTraceFile(path);
+  ASSERT_TRUE(trace.ok()) << trace.status();
+  int steps = 0;
+  for (const TraceFileEvent& e : trace->events) steps += e.name == "step" ? 1 : 0;
+  EXPECT_EQ(steps, 1);
+  std::filesystem::remove(path);
+}
+
 TEST(TraceEngineTest, OffWritesNothing) {
   TempDir tmp("ferry-trace-engine-off");
   absl::StatusOr<std::unique_ptr<Device>> device = CreateDevice();

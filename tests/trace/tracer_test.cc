@@ -6,6 +6,7 @@
 #include <fstream>
 #include <map>
 #include <set>
+#include <stdexcept>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -28,6 +29,78 @@ void Spin(int64_t micros) {
 
 std::string TempPath(const std::string& name) {
   return (std::filesystem::temp_directory_path() / (name + "-" + std::to_string(::getpid()))).string();
+}
+
+// A path the same in a death test's child as in its parent (the "threadsafe" style re-runs the test
+// in a new process: TempPath's pid would differ).
+std::string SharedTempPath(const std::string& name) {
+  return (std::filesystem::temp_directory_path() / (name + "-uid" + std::to_string(::getuid()))).string();
+}
+
+std::string ReadAll(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+// A tracer its owner never destroys (outliving main, as one held by a leaked object or by a Python
+// interpreter's shutdown) is written when the process exits.
+TEST(TracerExitTest, LiveTracerIsWrittenWhenTheProcessExits) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  const std::string path = SharedTempPath("ferry-exit-trace.json");
+  std::filesystem::remove(path);
+  EXPECT_EXIT(
+      {
+        auto* leaked = new Tracer(TracerOptions{.path = path});
+        leaked->Complete("leaked.span", "test", 0, 1000);
+        std::exit(3);
+      },
+      ::testing::ExitedWithCode(3), "trace written at exit: .*ferry-exit-trace");
+  const std::string json = ReadAll(path);
+  EXPECT_NE(json.find("leaked.span"), std::string::npos) << json;
+  EXPECT_FALSE(Json::parse(json, nullptr, /*allow_exceptions=*/false).is_discarded());
+  std::filesystem::remove(path);
+}
+
+// An uncaught exception (std::terminate) still writes the trace, then the handler installed before
+// runs (the default one aborts).
+TEST(TracerExitTest, LiveTracerIsWrittenWhenAnExceptionTerminatesTheProcess) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  const std::string path = SharedTempPath("ferry-terminate-trace.json");
+  std::filesystem::remove(path);
+  EXPECT_DEATH(
+      {
+        auto* leaked = new Tracer(TracerOptions{.path = path});
+        leaked->Complete("before.throw", "test", 0, 1000);
+        std::thread([] { throw std::runtime_error("uncaught"); }).join();
+      },
+      "trace written at terminate: .*ferry-terminate-trace");
+  const std::string json = ReadAll(path);
+  EXPECT_NE(json.find("before.throw"), std::string::npos) << json;
+  std::filesystem::remove(path);
+}
+
+// Destroyed tracers are not flushed at exit (their owner decided), and flush_at_exit = false opts out.
+TEST(TracerExitTest, DestroyedOrOptedOutTracersAreNotWrittenAtExit) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  const std::string destroyed = SharedTempPath("ferry-destroyed-trace.json");
+  const std::string opted_out = SharedTempPath("ferry-opted-out-trace.json");
+  std::filesystem::remove(destroyed);
+  std::filesystem::remove(opted_out);
+  EXPECT_EXIT(
+      {
+        {
+          Tracer gone(TracerOptions{.path = destroyed});
+          gone.Complete("x", "test", 0, 1);
+        }
+        auto* leaked = new Tracer(TracerOptions{.path = opted_out, .flush_at_exit = false});
+        leaked->Complete("y", "test", 0, 1);
+        std::exit(0);
+      },
+      ::testing::ExitedWithCode(0), "");
+  EXPECT_FALSE(std::filesystem::exists(destroyed));
+  EXPECT_FALSE(std::filesystem::exists(opted_out));
 }
 
 TEST(TracerTest, OffRecordsNothingAndCostsNoClock) {

@@ -6,7 +6,11 @@
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <exception>
+#include <set>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -62,12 +66,74 @@ absl::Status PosixStatus(const std::string& what, int err) {
   return absl::UnavailableError(absl::StrCat("trace: ", what, ": ", std::strerror(err)));
 }
 
+// The live tracers that flush when the process exits or terminates (TracerOptions::flush_at_exit).
+// Created on first use together with its handlers, and never destroyed: the handlers may run after
+// static destructors.
+class ExitFlushRegistry {
+ public:
+  void Add(const Tracer* tracer) {
+    std::lock_guard<std::mutex> lock(mu_);
+    live_.insert(tracer);
+  }
+  void Remove(const Tracer* tracer) {
+    std::lock_guard<std::mutex> lock(mu_);
+    live_.erase(tracer);
+  }
+  // Flushes every live tracer; errors go to stderr (nobody is left to return them to). `wait`: block
+  // for the lock; otherwise (std::terminate, which may run on a thread that holds it) skip if taken.
+  void FlushAll(const char* when, bool wait) {
+    std::unique_lock<std::mutex> lock(mu_, std::defer_lock);
+    if (wait) {
+      lock.lock();
+    } else if (!lock.try_lock()) {
+      return;
+    }
+    for (const Tracer* t : live_) {
+      const absl::Status s = t->Flush();
+      if (s.ok()) {
+        std::fprintf(stderr, "ferry: trace written at %s: %s\n", when, t->path().c_str());
+      } else {
+        std::fprintf(stderr, "ferry: writing the trace at %s: %s\n", when, std::string(s.message()).c_str());
+      }
+    }
+  }
+  std::terminate_handler previous_terminate = nullptr;
+
+ private:
+  std::mutex mu_;
+  std::set<const Tracer*> live_;
+};
+
+ExitFlushRegistry* exit_registry = nullptr;
+
+void FlushAtExit() { exit_registry->FlushAll("exit", /*wait=*/true); }
+
+[[noreturn]] void FlushAtTerminate() {
+  exit_registry->FlushAll("terminate", /*wait=*/false);
+  if (exit_registry->previous_terminate != nullptr) exit_registry->previous_terminate();
+  std::abort();
+}
+
+ExitFlushRegistry& ExitFlushes() {
+  static ExitFlushRegistry* const registry = [] {
+    exit_registry = new ExitFlushRegistry;  // never deleted (see the class comment)
+    std::atexit(FlushAtExit);
+    exit_registry->previous_terminate = std::set_terminate(FlushAtTerminate);
+    return exit_registry;
+  }();
+  return *registry;
+}
+
 }  // namespace
 
 Tracer::Tracer(TracerOptions options)
-    : options_(std::move(options)), uid_(next_uid.fetch_add(1)), epoch_ns_(SteadyNs()) {}
+    : options_(std::move(options)), uid_(next_uid.fetch_add(1)), epoch_ns_(SteadyNs()) {
+  if (!options_.path.empty() && options_.flush_at_exit) ExitFlushes().Add(this);
+}
 
-Tracer::~Tracer() = default;
+Tracer::~Tracer() {
+  if (!options_.path.empty() && options_.flush_at_exit) ExitFlushes().Remove(this);
+}
 
 int64_t Tracer::NowNs() const { return SteadyNs() - epoch_ns_; }
 
@@ -209,6 +275,7 @@ std::string Tracer::ToJson() const {
 
 absl::Status Tracer::Flush() const {
   if (options_.path.empty()) return absl::OkStatus();
+  std::lock_guard<std::mutex> flushing(flush_mu_);
   const std::string json = ToJson();
   const std::string tmp = absl::StrCat(options_.path, ".tmp");
   const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);

@@ -61,6 +61,12 @@ struct TracerOptions {
   // Events kept at most; later ones are counted as dropped (reported in the file's otherData), so a
   // long run cannot grow without bound. 4 Mi events are ~0.5 GB of JSON.
   size_t max_events = size_t{1} << 22;
+  // With a path: Flush also runs when the process exits (std::atexit: a return from main, exit(), the
+  // end of a Python interpreter) or terminates (std::terminate: an uncaught exception; the handler
+  // installed before is called afterwards) while this tracer is alive, so a trace is written even
+  // when its owner outlives main or the interpreter's shutdown. A SIGKILL or a crash by a signal
+  // loses it.
+  bool flush_at_exit = true;
 };
 
 // Tracer: safe for concurrent use (each thread records into its own buffer).
@@ -69,7 +75,7 @@ class Tracer final {
   static constexpr int kCurrentThread = -1;
 
   explicit Tracer(TracerOptions options);
-  ~Tracer();  // does not flush: the owner decides (Flush)
+  ~Tracer();  // does not flush: the owner decides (Flush); no longer flushed at exit
   Tracer(const Tracer&) = delete;
   Tracer& operator=(const Tracer&) = delete;
 
@@ -96,7 +102,8 @@ class Tracer final {
   // "otherData": {...}}; events sorted by start (parents before their children), thread and lane
   // names as metadata events, and for every event with a "bytes" arg a "GBps" arg.
   std::string ToJson() const;
-  // Writes ToJson() to options.path: a temporary beside it, fsynced, then renamed over it.
+  // Writes ToJson() to options.path: a temporary beside it, fsynced, then renamed over it. Calls are
+  // serialized (the exit handler may flush while the owner does).
   // Errors: the file cannot be written (naming it). OK at once when the path is empty.
   absl::Status Flush() const;
 
@@ -123,6 +130,7 @@ class Tracer final {
   std::atomic<size_t> count_{0};
   std::atomic<uint64_t> dropped_{0};
   mutable std::mutex mu_;
+  mutable std::mutex flush_mu_;  // one Flush at a time (they share the temporary file)
   std::vector<std::unique_ptr<ThreadBuffer>> buffers_ ABSL_GUARDED_BY(mu_);
   std::map<std::thread::id, ThreadBuffer*> by_thread_ ABSL_GUARDED_BY(mu_);
   std::map<int, std::string> names_ ABSL_GUARDED_BY(mu_);      // tid -> thread or lane name
