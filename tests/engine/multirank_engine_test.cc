@@ -475,6 +475,34 @@ TEST(MultiRankEngineTest, APolicyFailingOnOneRankFailsFinalizeOnEveryRank) {
   for (int r = 0; r < 3; ++r) EXPECT_TRUE(st[static_cast<size_t>(r)].ok()) << "rank " << r << ": " << st[static_cast<size_t>(r)];
 }
 
+// A policy that decides state precision by rank would give ranks shards of one group in different
+// dtypes: refused at Finalize on every rank, naming the rank, the group and both precisions.
+TEST(MultiRankEngineTest, RanksWithDifferentStatePrecisionAreRefused) {
+  TempDir dir;
+  RunSetup setup;
+  setup.policy = dir.Write("by_rank.lua", R"(
+    return { place = function(groups, ctx)
+      local p = {}
+      for _, g in ipairs(groups) do
+        p[g.name] = { device = "cpu", moments = (ctx.rank == 2 and g.name == groups[1].name) and "bf16" or "fp32" }
+      end
+      return p
+    end })");
+  std::vector<absl::Status> st = RunRanks(3, [&](int rank, std::shared_ptr<Comm> comm) -> absl::Status {
+    FERRY_ASSIGN_OR_RETURN(Rank r, MakeRank(rank, 3, std::move(comm), setup));
+    absl::Status s = r.engine->Finalize();
+    if (s.code() != absl::StatusCode::kInvalidArgument || !absl::StrContains(s.message(), "rank 2 of 3") ||
+        !absl::StrContains(s.message(), "state precision") || !absl::StrContains(s.message(), "bf16")) {
+      return absl::InternalError(absl::StrCat("Finalize: expected the precision mismatch of rank 2, got ", s.ToString()));
+    }
+    if (r.engine->Step({}).code() != absl::StatusCode::kFailedPrecondition) {
+      return absl::InternalError("a step ran after a failed Finalize");
+    }
+    return absl::OkStatus();
+  });
+  for (int r = 0; r < 3; ++r) EXPECT_TRUE(st[static_cast<size_t>(r)].ok()) << "rank " << r << ": " << st[static_cast<size_t>(r)];
+}
+
 TEST(MultiRankEngineTest, ARankThatNeverArrivesTimesOutNamingIt) {
   RunSetup setup;
   std::vector<absl::Status> st = RunRanks(3, [&](int rank, std::shared_ptr<Comm> comm) -> absl::Status {

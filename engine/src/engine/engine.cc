@@ -208,6 +208,7 @@ absl::Status EngineImpl::Finalize() {
     }
   }
   FERRY_RETURN_IF_ERROR(Agree(local, "Finalize"));
+  FERRY_RETURN_IF_ERROR(CheckStatePrecisionAgrees(*optimizer));
   if (multi_rank() && ckpt_comm == nullptr) {
     FERRY_LOG(INFO) << "Finalize: the " << comm_->kind() << " comm cannot be duplicated; asynchronous checkpoint "
                        "saves of this engine run synchronously";

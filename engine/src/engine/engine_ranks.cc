@@ -1,7 +1,9 @@
 // Engine: several ranks. The exchange of param specs at Finalize (same params everywhere, ranges that
 // tile every global tensor), the all-reduce of a step's gradient check, and the small agreements
 // that make every rank return the same outcome.
+#include <algorithm>
 #include <cstring>
+#include <map>
 #include <string_view>
 
 #include "base/exact_sum.h"
@@ -230,6 +232,40 @@ absl::Status EngineImpl::ExchangeSpecs() {
   FERRY_RETURN_IF_ERROR(CheckSpecs(ranks));
   FERRY_RETURN_IF_ERROR(CheckGroupSettings(group_settings));
   for (size_t i = 0; i < ranks[0].size(); ++i) canonical_[i] = param_index_.at(ranks[0][i].name);
+  return absl::OkStatus();
+}
+
+absl::Status EngineImpl::CheckStatePrecisionAgrees(const HybridOptimizer& optimizer) {
+  if (!multi_rank()) return absl::OkStatus();
+  // One line per group, by name (the same groups on every rank: ExchangeSpecs checked them).
+  std::map<std::string, std::string> formats;
+  for (size_t g = 0; g < group_names_.size(); ++g) formats[group_names_[g]] = DescribeStateFormat(optimizer.group_state(g));
+  std::string mine;
+  for (const auto& [name, format] : formats) absl::StrAppend(&mine, name, "\t", format, "\n");
+  FERRY_ASSIGN_OR_RETURN(std::vector<std::string> all, comm_->AllGather(mine, options_.collective_timeout));
+  // Line i of a rank's report: group i's name, a tab, its format.
+  auto line = [](const std::string& report, size_t i) {
+    size_t begin = 0;
+    for (size_t k = 0; k < i && begin != std::string::npos; ++k) {
+      begin = report.find('\n', begin);
+      if (begin != std::string::npos) ++begin;
+    }
+    if (begin == std::string::npos || begin >= report.size()) return std::string();
+    return report.substr(begin, report.find('\n', begin) - begin);
+  };
+  for (size_t r = 1; r < all.size(); ++r) {
+    if (all[r] == all[0]) continue;
+    for (size_t g = 0; g < formats.size(); ++g) {
+      const std::string a = line(all[0], g), b = line(all[r], g);
+      if (a == b) continue;
+      auto format = [](const std::string& l) { return l.substr(std::min(l.size(), l.find('\t') + 1)); };
+      return absl::InvalidArgumentError(absl::StrCat(
+          "Finalize: the policy gave group '", b.substr(0, b.find('\t')), "' another state precision on rank ", r, " of ",
+          all.size(), " (", format(b), ") than on rank 0 (", format(a), "); every rank must keep a group's ",
+          "optimizer state in the same dtypes (a policy must not decide precision by rank)"));
+    }
+    return absl::InvalidArgumentError(absl::StrCat("Finalize: rank ", r, " reports other groups' state precision than rank 0"));
+  }
   return absl::OkStatus();
 }
 
