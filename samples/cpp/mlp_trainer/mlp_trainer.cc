@@ -32,6 +32,7 @@
 #include <numbers>
 #include <string>
 #include <string_view>
+#include <tuple>
 #include <vector>
 
 #include <unistd.h>
@@ -192,18 +193,20 @@ bool ParseFlags(int argc, char** argv, Flags* flags) {
     if (value("--steps=", &v)) {
       if (ParseInt(v, 2, &flags->steps)) continue;
     } else {
-      int64_t threads = 0;
+      // The flags of --bench: name, minimum, destination.
+      int64_t threads = -1;
+      const std::tuple<std::string_view, int64_t, int64_t*> bench_ints[] = {
+          {"--batch=", 1, &bench.shape.batch}, {"--in=", 1, &bench.shape.in},   {"--hidden=", 1, &bench.shape.hidden},
+          {"--out=", 1, &bench.shape.out},     {"--iters=", 2, &bench.iters},   {"--warmup=", 0, &bench.warmup},
+          {"--cpu_threads=", 0, &threads}};
       bool ok = false;
-      if (value("--batch=", &v)) ok = ParseInt(v, 1, &bench.shape.batch);
-      else if (value("--in=", &v)) ok = ParseInt(v, 1, &bench.shape.in);
-      else if (value("--hidden=", &v)) ok = ParseInt(v, 1, &bench.shape.hidden);
-      else if (value("--out=", &v)) ok = ParseInt(v, 1, &bench.shape.out);
-      else if (value("--iters=", &v)) ok = ParseInt(v, 2, &bench.iters);
-      else if (value("--warmup=", &v)) ok = ParseInt(v, 0, &bench.warmup);
-      else if (value("--cpu_threads=", &v)) {
-        ok = ParseInt(v, 0, &threads);
-        bench.cpu_threads = static_cast<size_t>(threads);
+      for (const auto& [name, min, out] : bench_ints) {
+        if (value(name, &v)) {
+          ok = ParseInt(v, min, out);
+          break;
+        }
       }
+      if (threads >= 0) bench.cpu_threads = static_cast<size_t>(threads);
       if (ok) {
         flags->bench_flags = true;
         continue;
@@ -246,6 +249,7 @@ int main(int argc, char** argv) {
     options.policy_dir = flags.policy_dir;
     const absl::Status s = mlp::RunBench(options);
     if (!s.ok()) {
+      std::fflush(stdout);  // what it printed, before the error
       std::fprintf(stderr, "mlp_trainer --bench: %s\n", std::string(s.message()).c_str());
       return device == "cuda" && absl::IsUnavailable(s) ? 77 : 1;
     }
