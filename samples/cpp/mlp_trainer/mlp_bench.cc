@@ -124,7 +124,9 @@ absl::StatusOr<Result> Time(const BenchOptions& o, Mode mode, const std::vector<
   const Clock::time_point end = Clock::now();
 
   std::vector<double> ms;
-  for (size_t i = 0; i < starts.size(); ++i) ms.push_back(Ms((i + 1 < starts.size() ? starts[i + 1] : end) - starts[i]));
+  for (size_t i = 0; i < starts.size(); ++i) {
+    ms.push_back(Ms((i + 1 < starts.size() ? starts[i + 1] : end) - starts[i]));  // to the next start, or the end
+  }
   std::sort(ms.begin(), ms.end());
   r.median_ms = ms.size() % 2 == 1 ? ms[ms.size() / 2] : 0.5 * (ms[ms.size() / 2 - 1] + ms[ms.size() / 2]);
   r.mean_ms = Ms(end - starts.front()) / static_cast<double>(o.iters);

@@ -89,10 +89,10 @@ class HostModel final : public Model {
 
  private:
   const Shape s_;
-  std::vector<uint16_t> w1_, b1_, w2_, b2_;  // bf16 params
-  std::vector<float> gw1_, gb1_, gw2_, gb2_;  // fp32 grads
+  std::vector<uint16_t> w1_, b1_, w2_, b2_;    // bf16 params
+  std::vector<float> gw1_, gb1_, gw2_, gb2_;    // fp32 grads
   std::vector<float> x_, h_, out_, dout_, dh_;  // the batch's input, activations and their grads
-  double loss_ = 0.0;                            // the last batch's
+  double loss_ = 0.0;                           // the last batch's
 };
 
 }  // namespace
