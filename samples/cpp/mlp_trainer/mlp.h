@@ -13,6 +13,7 @@
 #define FERRY_SAMPLES_MLP_TRAINER_MLP_H_
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -35,6 +36,11 @@ struct Tensor {
   void* grad = nullptr;
 };
 
+// Called between the layers of a pass with the group of a layer ("fc1", "fc2"), in stream order: a
+// trainer makes its stream wait there for the group's params (Engine::WaitParams) or announces the
+// group's grads (Engine::GradsReady). Returns false with *error set to stop the pass.
+using LayerHook = std::function<bool(const std::string& group, std::string* error)>;
+
 // The model's tensors and its forward and backward passes. One thread at a time.
 class Model {
  public:
@@ -46,7 +52,20 @@ class Model {
   // Forward and backward of one batch: x [batch, in] and y [batch, out], row-major host arrays.
   // Enqueued on stream() after the work already on it (the previous Step); the grads hold the
   // gradient of the batch's loss when it has run. Writes the batch's loss to *loss (waits for it).
-  virtual bool ForwardBackward(const float* x, const float* y, double* loss, std::string* error) = 0;
+  bool ForwardBackward(const float* x, const float* y, double* loss, std::string* error) {
+    return Forward(x, y, nullptr, error) && Backward(nullptr, error) && ReadLoss(loss, error);
+  }
+
+  // The same pass in parts that never wait for the device, for a trainer whose host runs ahead of it.
+  // Forward enqueues the batch's copy (x and y may be reused at once), fc1, then fc2 and the loss's
+  // grad, calling before_layer (when set) with each layer's group before the layer first reads its
+  // params. Backward enqueues fc2's grads and the hidden grad (the last read of fc2's params), calls
+  // after_layer("fc2"), then enqueues fc1's grads and calls after_layer("fc1"): after each call the
+  // group's grads are final on stream() and the pass no longer reads its params.
+  virtual bool Forward(const float* x, const float* y, const LayerHook& before_layer, std::string* error) = 0;
+  virtual bool Backward(const LayerHook& after_layer, std::string* error) = 0;
+  // The loss of the last batch Forward enqueued (waits for it).
+  virtual bool ReadLoss(double* loss, std::string* error) = 0;
   // Every param's bf16 bits, in Tensors() order, once the work on stream() has finished.
   virtual bool ReadParams(std::vector<uint16_t>* bits, std::string* error) = 0;
   // The stream the model runs on, for Engine::Step: a cudaStream_t, or nullptr on the host.

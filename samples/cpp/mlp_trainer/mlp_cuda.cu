@@ -1,9 +1,11 @@
 // The MLP on the CUDA backend: the trainer's own device memory (cudaMalloc) and stream, one thread per
 // output element in each kernel (mlp_math.h), so every sum has a fixed order and the run is
 // deterministic. Ferry's Step is ordered on the same stream, between one backward and the next
-// forward.
+// forward; Forward and Backward only enqueue (a trainer's GradsReady and WaitParams go between their
+// kernels, on the same stream), and only ReadLoss and ReadParams wait for the stream.
 #include <cuda_runtime.h>
 
+#include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
@@ -64,6 +66,11 @@ class CudaModel final : public Model {
   ~CudaModel() override {
     if (stream_ != nullptr) cudaStreamSynchronize(stream_);
     for (void* p : allocations_) cudaFree(p);
+    for (int i = 0; i < 2; ++i) {
+      if (x_host_[i] != nullptr) cudaFreeHost(x_host_[i]);
+      if (y_host_[i] != nullptr) cudaFreeHost(y_host_[i]);
+      if (staged_[i] != nullptr) cudaEventDestroy(staged_[i]);
+    }
     if (stream_ != nullptr) cudaStreamDestroy(stream_);
   }
 
@@ -86,6 +93,15 @@ class CudaModel final : public Model {
     for (int i = 0; i < 4; ++i) {
       *params[i] = param_slab + param_offsets[i];
       *grads[i] = grad_slab + grad_offsets[i];
+    }
+    for (int i = 0; i < 2; ++i) {
+      if (!Check(cudaMallocHost(reinterpret_cast<void**>(&x_host_[i]), s_.batch * s_.in * sizeof(float)),
+                 "cudaMallocHost (x staging)", error) ||
+          !Check(cudaMallocHost(reinterpret_cast<void**>(&y_host_[i]), s_.batch * s_.out * sizeof(float)),
+                 "cudaMallocHost (y staging)", error) ||
+          !Check(cudaEventCreateWithFlags(&staged_[i], cudaEventDisableTiming), "cudaEventCreate", error)) {
+        return false;
+      }
     }
     return Alloc(&x_, s_.batch * s_.in, error) && Alloc(&y_, s_.batch * s_.out, error) &&
            Alloc(&h_, s_.batch * s_.hidden, error) && Alloc(&dh_, s_.batch * s_.hidden, error) &&
@@ -113,19 +129,45 @@ class CudaModel final : public Model {
     return Check(cudaStreamSynchronize(stream_), "cudaStreamSynchronize (init)", error);
   }
 
-  bool ForwardBackward(const float* x, const float* y, double* loss, std::string* error) override {
+  bool Forward(const float* x, const float* y, const LayerHook& before_layer, std::string* error) override {
     const int64_t B = s_.batch, I = s_.in, H = s_.hidden, O = s_.out;
-    // Pageable sources: the copies complete before these calls return, so x and y may be reused.
-    if (!Check(cudaMemcpyAsync(x_, x, B * I * sizeof(float), cudaMemcpyHostToDevice, stream_), "copy x", error) ||
-        !Check(cudaMemcpyAsync(y_, y, B * O * sizeof(float), cudaMemcpyHostToDevice, stream_), "copy y", error)) {
+    // The batch goes through pinned staging (a pageable source could make the copy wait for the
+    // stream). Two slots: a slot is rewritten once the copy that read it, two batches ago, has run,
+    // so the host does not wait for the batch in flight.
+    const int slot = next_slot_;
+    next_slot_ = 1 - next_slot_;
+    if (!Check(cudaEventSynchronize(staged_[slot]), "cudaEventSynchronize (staging)", error)) return false;
+    std::memcpy(x_host_[slot], x, static_cast<size_t>(B * I) * sizeof(float));
+    std::memcpy(y_host_[slot], y, static_cast<size_t>(B * O) * sizeof(float));
+    if (!Check(cudaMemcpyAsync(x_, x_host_[slot], B * I * sizeof(float), cudaMemcpyHostToDevice, stream_), "copy x",
+               error) ||
+        !Check(cudaMemcpyAsync(y_, y_host_[slot], B * O * sizeof(float), cudaMemcpyHostToDevice, stream_), "copy y",
+               error) ||
+        !Check(cudaEventRecord(staged_[slot], stream_), "cudaEventRecord (staging)", error)) {
       return false;
     }
+    if (before_layer && !before_layer("fc1", error)) return false;
     HiddenKernel<<<Blocks(B * H), kThreads, 0, stream_>>>(w1_, b1_, x_, h_, B, I, H);
+    if (!Check(cudaGetLastError(), "HiddenKernel", error)) return false;
+    if (before_layer && !before_layer("fc2", error)) return false;
     OutputKernel<<<Blocks(B * O), kThreads, 0, stream_>>>(w2_, b2_, h_, y_, dout_, squared_error_, B, H, O);
+    return Check(cudaGetLastError(), "OutputKernel", error);
+  }
+
+  bool Backward(const LayerHook& after_layer, std::string* error) override {
+    const int64_t B = s_.batch, I = s_.in, H = s_.hidden, O = s_.out;
     LayerGradKernel<<<Blocks(O * H + O), kThreads, 0, stream_>>>(dout_, h_, gw2_, gb2_, B, O, H);
+    if (!Check(cudaGetLastError(), "LayerGradKernel (fc2)", error)) return false;
     HiddenGradKernel<<<Blocks(B * H), kThreads, 0, stream_>>>(dout_, w2_, h_, dh_, B, H, O);
+    if (!Check(cudaGetLastError(), "HiddenGradKernel", error)) return false;
+    if (after_layer && !after_layer("fc2", error)) return false;
     LayerGradKernel<<<Blocks(H * I + H), kThreads, 0, stream_>>>(dh_, x_, gw1_, gb1_, B, H, I);
-    if (!Check(cudaGetLastError(), "forward/backward kernels", error)) return false;
+    if (!Check(cudaGetLastError(), "LayerGradKernel (fc1)", error)) return false;
+    return !after_layer || after_layer("fc1", error);
+  }
+
+  bool ReadLoss(double* loss, std::string* error) override {
+    const int64_t B = s_.batch, O = s_.out;
     std::vector<float> se(B * O);
     if (!Check(cudaMemcpyAsync(se.data(), squared_error_, se.size() * sizeof(float), cudaMemcpyDeviceToHost,
                                stream_), "copy loss", error) ||
@@ -185,6 +227,11 @@ class CudaModel final : public Model {
   uint16_t *w1_ = nullptr, *b1_ = nullptr, *w2_ = nullptr, *b2_ = nullptr;
   float *gw1_ = nullptr, *gb1_ = nullptr, *gw2_ = nullptr, *gb2_ = nullptr;
   float *x_ = nullptr, *y_ = nullptr, *h_ = nullptr, *dh_ = nullptr, *dout_ = nullptr, *squared_error_ = nullptr;
+  // Pinned staging of the batch, two slots, and the event after each slot's copy.
+  float* x_host_[2] = {nullptr, nullptr};
+  float* y_host_[2] = {nullptr, nullptr};
+  cudaEvent_t staged_[2] = {nullptr, nullptr};
+  int next_slot_ = 0;
 };
 
 }  // namespace

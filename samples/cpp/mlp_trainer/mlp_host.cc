@@ -1,6 +1,6 @@
 // The MLP on Ferry's host backend: there "device memory" is host memory, so the trainer's tensors are
 // plain vectors and forward/backward are loops on the calling thread (the host backend's stream for
-// Engine::Step(options, nullptr)).
+// Engine::Step(options, nullptr)), so Forward and Backward have run when they return.
 #include <cstring>
 #include <memory>
 #include <string>
@@ -19,7 +19,7 @@ class HostModel final : public Model {
       : s_(s),
         w1_(s.hidden * s.in), b1_(s.hidden), w2_(s.out * s.hidden), b2_(s.out),
         gw1_(w1_.size()), gb1_(b1_.size()), gw2_(w2_.size()), gb2_(b2_.size()),
-        h_(s.batch * s.hidden), out_(s.batch * s.out), dout_(out_.size()), dh_(h_.size()) {}
+        x_(s.batch * s.in), h_(s.batch * s.hidden), out_(s.batch * s.out), dout_(out_.size()), dh_(h_.size()) {}
 
   std::vector<Tensor> Tensors() override {
     return {{"fc1.weight", "fc1", {s_.hidden, s_.in}, w1_.data(), gw1_.data()},
@@ -38,10 +38,13 @@ class HostModel final : public Model {
     return true;
   }
 
-  bool ForwardBackward(const float* x, const float* y, double* loss, std::string* error) override {
+  bool Forward(const float* x, const float* y, const LayerHook& before_layer, std::string* error) override {
     const int64_t B = s_.batch, I = s_.in, H = s_.hidden, O = s_.out;
+    x_.assign(x, x + B * I);  // read again by fc1's backward
+    if (before_layer && !before_layer("fc1", error)) return false;
     for (int64_t b = 0; b < B; ++b)
-      for (int64_t j = 0; j < H; ++j) h_[b * H + j] = Hidden(w1_.data(), b1_.data(), x, I, b, j);
+      for (int64_t j = 0; j < H; ++j) h_[b * H + j] = Hidden(w1_.data(), b1_.data(), x_.data(), I, b, j);
+    if (before_layer && !before_layer("fc2", error)) return false;
     double sum = 0.0;
     for (int64_t b = 0; b < B; ++b) {
       for (int64_t o = 0; o < O; ++o) {
@@ -51,17 +54,28 @@ class HostModel final : public Model {
         sum += se;
       }
     }
+    loss_ = sum / (2.0 * static_cast<double>(B));
+    return true;
+  }
+
+  bool Backward(const LayerHook& after_layer, std::string* error) override {
+    const int64_t B = s_.batch, I = s_.in, H = s_.hidden, O = s_.out;
     for (int64_t o = 0; o < O; ++o) {
       for (int64_t j = 0; j < H; ++j) gw2_[o * H + j] = WeightGrad(dout_.data(), h_.data(), B, O, H, o, j);
       gb2_[o] = BiasGrad(dout_.data(), B, O, o);
     }
     for (int64_t b = 0; b < B; ++b)
       for (int64_t j = 0; j < H; ++j) dh_[b * H + j] = HiddenGrad(dout_.data(), w2_.data(), h_.data(), H, O, b, j);
+    if (after_layer && !after_layer("fc2", error)) return false;
     for (int64_t j = 0; j < H; ++j) {
-      for (int64_t i = 0; i < I; ++i) gw1_[j * I + i] = WeightGrad(dh_.data(), x, B, H, I, j, i);
+      for (int64_t i = 0; i < I; ++i) gw1_[j * I + i] = WeightGrad(dh_.data(), x_.data(), B, H, I, j, i);
       gb1_[j] = BiasGrad(dh_.data(), B, H, j);
     }
-    *loss = sum / (2.0 * static_cast<double>(B));
+    return !after_layer || after_layer("fc1", error);
+  }
+
+  bool ReadLoss(double* loss, std::string* error) override {
+    *loss = loss_;
     return true;
   }
 
@@ -75,9 +89,10 @@ class HostModel final : public Model {
 
  private:
   const Shape s_;
-  std::vector<uint16_t> w1_, b1_, w2_, b2_;  // bf16 params
-  std::vector<float> gw1_, gb1_, gw2_, gb2_;  // fp32 grads
-  std::vector<float> h_, out_, dout_, dh_;    // activations and their grads
+  std::vector<uint16_t> w1_, b1_, w2_, b2_;    // bf16 params
+  std::vector<float> gw1_, gb1_, gw2_, gb2_;    // fp32 grads
+  std::vector<float> x_, h_, out_, dout_, dh_;  // the batch's input, activations and their grads
+  double loss_ = 0.0;                           // the last batch's
 };
 
 }  // namespace

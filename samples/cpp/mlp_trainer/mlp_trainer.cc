@@ -5,6 +5,12 @@
 // a fresh engine and model, and checks that the resumed run is bit-identical to the uninterrupted one.
 //
 //   mlp_trainer [--device=auto|host|cuda] [--steps=N] [--policy_dir=DIR] [--checkpoint_root=DIR]
+//   mlp_trainer --bench [--device=...] [--batch=N --in=N --hidden=N --out=N --iters=N --warmup=N
+//               --cpu_threads=N]
+//
+// --bench times the training loop of a host that never waits for the device, with and without
+// Ferry's overlap (GradsReady during backward, WaitParams per layer in the next forward): see
+// mlp_bench.h.
 //
 // The contract it checks (exit 1 otherwise): the mean loss of the last 10 steps is below
 // kLossThreshold (0.02, from about 2 at step 1) after the default 400 steps, and the resumed run
@@ -26,6 +32,7 @@
 #include <numbers>
 #include <string>
 #include <string_view>
+#include <tuple>
 #include <vector>
 
 #include <unistd.h>
@@ -35,6 +42,8 @@
 #include "ferry/status.h"
 #include "ferry/version.h"
 #include "mlp.h"
+#include "mlp_bench.h"
+#include "mlp_engine.h"
 #include "mlp_random.h"
 
 namespace {
@@ -43,6 +52,10 @@ constexpr double kLossThreshold = 0.02;
 constexpr int64_t kLossWindow = 10;  // the threshold applies to the mean loss of the last steps
 constexpr int64_t kDefaultSteps = 400;
 constexpr float kMaxLr = 1e-2f, kMinLr = 1e-3f;
+constexpr char kUsage[] =
+    "usage: mlp_trainer [--device=auto|host|cuda] [--steps=N (>= 2)] [--policy_dir=DIR] [--checkpoint_root=DIR]\n"
+    "       mlp_trainer --bench [--device=...] [--policy_dir=DIR] [--batch=N] [--in=N] [--hidden=N] [--out=N]\n"
+    "                   [--iters=N (>= 2)] [--warmup=N] [--cpu_threads=N (0: all CPUs)]\n";
 
 // Cosine decay from kMaxLr at step 1 to kMinLr at the last step.
 float LearningRate(int64_t step, int64_t steps) {
@@ -55,47 +68,16 @@ struct Flags {
   int64_t steps = kDefaultSteps;
   std::string policy_dir = FERRY_POLICY_DIR;
   std::string checkpoint_root;  // default: a fresh temporary directory, removed at the end
+  bool bench = false;           // --bench: the overlap benchmark (mlp_bench.h) instead of training
+  mlp::BenchOptions bench_options;
+  bool bench_flags = false;     // a flag only --bench takes was given
 };
 
-// A model and the engine that owns its optimizer state.
-struct Run {
-  std::unique_ptr<mlp::Model> model;
-  std::unique_ptr<ferry::Engine> engine;
-};
-
-absl::StatusOr<std::unique_ptr<mlp::Model>> MakeModel(const std::string& device, const mlp::Shape& shape) {
-  if (device == "host") return mlp::MakeHostModel(shape);
-#ifdef FERRY_SAMPLE_CUDA
-  std::string error;
-  std::unique_ptr<mlp::Model> model = mlp::MakeCudaModel(shape, &error);
-  if (model == nullptr) return absl::UnavailableError(error);
-  return model;
-#else
-  return absl::UnavailableError("this trainer was built without CUDA (the Ferry package has no CUDA backend)");
-#endif
-}
+using mlp::Run;
 
 absl::StatusOr<Run> Build(const Flags& flags, const std::string& device, const mlp::Shape& shape,
                           uint64_t init_seed) {
-  Run run;
-  FERRY_ASSIGN_OR_RETURN(run.model, MakeModel(device, shape));
-  std::string error;
-  if (!run.model->Init(init_seed, &error)) return absl::InternalError(error);
-
-  ferry::EngineOptions options;
-  options.policy_path = flags.policy_dir + "/offload_fraction.lua";
-  options.policy_args = {{"fraction", "0.5"}};
-  options.optimizer.lr = 1e-2f;
-  options.optimizer.weight_decay = 0.0f;
-  options.device = device;  // the engine works on the memory the model allocated
-  FERRY_ASSIGN_OR_RETURN(run.engine, ferry::Engine::Create(options));
-  for (const mlp::Tensor& t : run.model->Tensors()) {
-    FERRY_RETURN_IF_ERROR(run.engine->AddParam({.name = t.name, .group = t.group, .shape = t.shape,
-                                                .dtype = ferry::DType::kBF16, .param = t.param, .grad = t.grad,
-                                                .grad_dtype = ferry::DType::kF32}));
-  }
-  FERRY_RETURN_IF_ERROR(run.engine->Finalize());  // the policy's place() decides CPU or GPU per group
-  return run;
+  return mlp::Build(device, shape, init_seed, flags.policy_dir + "/offload_fraction.lua", {{"fraction", "0.5"}});
 }
 
 // Steps [first, last] of `run`, appending each step's loss (before its update) to *losses.
@@ -182,7 +164,16 @@ absl::Status Main(const Flags& flags, const std::string& device, const std::stri
   return absl::OkStatus();
 }
 
+bool ParseInt(const std::string& text, int64_t min, int64_t* out) {
+  char* end = nullptr;
+  const long long v = std::strtoll(text.c_str(), &end, 10);
+  if (text.empty() || *end != '\0' || v < min) return false;
+  *out = v;
+  return true;
+}
+
 bool ParseFlags(int argc, char** argv, Flags* flags) {
+  mlp::BenchOptions& bench = flags->bench_options;
   for (int i = 1; i < argc; ++i) {
     const std::string_view a = argv[i];
     auto value = [&](std::string_view name, std::string* out) {
@@ -190,21 +181,50 @@ bool ParseFlags(int argc, char** argv, Flags* flags) {
       *out = std::string(a.substr(name.size()));
       return true;
     };
-    std::string steps;
+    std::string v;
     if (value("--device=", &flags->device) || value("--policy_dir=", &flags->policy_dir) ||
         value("--checkpoint_root=", &flags->checkpoint_root)) {
       continue;
     }
-    if (value("--steps=", &steps)) {
-      flags->steps = std::strtoll(steps.c_str(), nullptr, 10);
-      if (flags->steps >= 2) continue;
+    if (a == "--bench") {
+      flags->bench = true;
+      continue;
     }
-    std::fprintf(stderr,
-                 "usage: mlp_trainer [--device=auto|host|cuda] [--steps=N (>= 2)] [--policy_dir=DIR] "
-                 "[--checkpoint_root=DIR]\n");
+    if (value("--steps=", &v)) {
+      if (ParseInt(v, 2, &flags->steps)) continue;
+    } else {
+      // The flags of --bench: name, minimum, destination.
+      int64_t threads = -1;
+      const std::tuple<std::string_view, int64_t, int64_t*> bench_ints[] = {
+          {"--batch=", 1, &bench.shape.batch}, {"--in=", 1, &bench.shape.in},   {"--hidden=", 1, &bench.shape.hidden},
+          {"--out=", 1, &bench.shape.out},     {"--iters=", 2, &bench.iters},   {"--warmup=", 0, &bench.warmup},
+          {"--cpu_threads=", 0, &threads}};
+      bool ok = false;
+      for (const auto& [name, min, out] : bench_ints) {
+        if (value(name, &v)) {
+          ok = ParseInt(v, min, out);
+          break;
+        }
+      }
+      if (threads >= 0) bench.cpu_threads = static_cast<size_t>(threads);
+      if (ok) {
+        flags->bench_flags = true;
+        continue;
+      }
+    }
+    std::fprintf(stderr, "mlp_trainer: bad flag '%s'\n%s", argv[i], kUsage);
     return false;
   }
-  return flags->device == "auto" || flags->device == "host" || flags->device == "cuda";
+  if (flags->bench_flags && !flags->bench) {
+    std::fprintf(stderr, "mlp_trainer: --batch, --in, --hidden, --out, --iters, --warmup and --cpu_threads "
+                         "are flags of --bench\n%s", kUsage);
+    return false;
+  }
+  if (flags->device != "auto" && flags->device != "host" && flags->device != "cuda") {
+    std::fprintf(stderr, "mlp_trainer: --device is auto, host or cuda, not '%s'\n%s", flags->device.c_str(), kUsage);
+    return false;
+  }
+  return true;
 }
 
 }  // namespace
@@ -222,6 +242,18 @@ int main(int argc, char** argv) {
 #else
     device = "host";
 #endif
+  }
+  if (flags.bench) {
+    mlp::BenchOptions options = flags.bench_options;
+    options.device = device;
+    options.policy_dir = flags.policy_dir;
+    const absl::Status s = mlp::RunBench(options);
+    if (!s.ok()) {
+      std::fflush(stdout);  // what it printed, before the error
+      std::fprintf(stderr, "mlp_trainer --bench: %s\n", std::string(s.message()).c_str());
+      return device == "cuda" && absl::IsUnavailable(s) ? 77 : 1;
+    }
+    return 0;
   }
   const bool own_root = flags.checkpoint_root.empty();
   const std::string root =
