@@ -16,4 +16,6 @@ function M.place(groups, ctx)
   return placement
 end
 
+M.args = {}  -- takes none: any arg is refused
+
 return M

@@ -80,4 +80,10 @@ function M.place(groups, ctx)
   return placement
 end
 
+M.args = {
+  reserve = "free GPU memory to leave alone, a byte size (default 1GiB)",
+  budget = "GPU memory available before the reserve is taken off, a byte size (default gpu_free_bytes)",
+  numa = "NUMA mode of the pinned arena: interleave, bind, preferred or local (default: the engine's)",
+}
+
 return M

@@ -18,4 +18,8 @@ function M.place(groups, ctx)
   return placement
 end
 
+M.args = {
+  numa = "NUMA mode of the pinned arena: interleave, bind, preferred or local (default: the engine's)",
+}
+
 return M
