@@ -8,6 +8,8 @@
 
 local M = {}
 
+M.args = {}  -- takes none: any arg is refused
+
 function M.place(groups, ctx)
   local placement = {}
   for _, g in ipairs(groups) do
@@ -15,7 +17,5 @@ function M.place(groups, ctx)
   end
   return placement
 end
-
-M.args = {}  -- takes none: any arg is refused
 
 return M

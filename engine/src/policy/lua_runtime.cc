@@ -289,8 +289,8 @@ absl::Status LuaRuntime::CheckForwards(const Loading& chunk, const DeclaredArgs&
         return absl::InvalidArgumentError(absl::StrCat(
             AV(who), ": ", f.where, "ferry.policy(\"", f.base,
             "\") shares this policy's args with the base, which takes \"", arg,
-            "\"; declare it in this policy's args too (the base takes ",
-            policy_internal::KnownArgs(f.declared), "; args = base.args declares them all)"));
+            "\"; declare it in this policy's args too (it shares ",
+            policy_internal::KnownArgs(f.declared), "; args = base.args declares them)"));
       }
     }
   }
@@ -434,14 +434,22 @@ bool LuaRuntime::LoadBaseChecked(lua_State* L, std::string* error) {
     *error = absl::StrCat(call, ": ", s.message());
     return false;
   }
-  if (forward && declared.has_value()) {
-    loading_.back().forwards.push_back({name, "", *declared});
+  // The args the base shares with this policy: those it declares and is not given here.
+  DeclaredArgs shared;
+  if (declared.has_value()) {
+    shared.emplace();
+    for (const auto& [k, v] : *declared) {
+      if (!fixed.contains(k)) shared->emplace(k, v);
+    }
+  }
+  if (shared.has_value() && !shared->empty()) {
+    loading_.back().forwards.push_back({name, "", *shared});
     lua_Debug ar;
     if (lua_getstack(L, 1, &ar) != 0 && lua_getinfo(L, "Sl", &ar) != 0 && ar.currentline > 0) {
       loading_.back().forwards.back().where = absl::StrCat(ar.short_src, ":", ar.currentline, ": ");
     }
   }
-  // The result: each hook wrapped to see the base's args, and (sharing args) the base's declaration.
+  // The result: each hook wrapped to see the base's args, and the args it shares (base.args).
   lua_newtable(L);
   const int result = lua_gettop(L);
   int args_table = 0;
@@ -458,14 +466,14 @@ bool LuaRuntime::LoadBaseChecked(lua_State* L, std::string* error) {
     lua_pushlstring(L, hook.data(), hook.size());
     lua_rawget(L, module);
     if (lua_type(L, -1) == LUA_TFUNCTION) {
-      policy_internal::PushHookWrapper(L, lua_gettop(L), args_table, forward ? declared : DeclaredArgs());
+      policy_internal::PushHookWrapper(L, lua_gettop(L), args_table, shared);
       lua_setfield(L, result, std::string(hook).c_str());
     }
     lua_pop(L, 1);
   }
-  if (forward && declared.has_value()) {
-    lua_createtable(L, 0, static_cast<int>(declared->size()));
-    for (const auto& [k, v] : *declared) {
+  if (shared.has_value()) {
+    lua_createtable(L, 0, static_cast<int>(shared->size()));
+    for (const auto& [k, v] : *shared) {
       lua_pushlstring(L, k.data(), k.size());
       lua_pushlstring(L, v.data(), v.size());
       lua_rawset(L, -3);

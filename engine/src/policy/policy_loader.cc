@@ -63,8 +63,9 @@ std::string RealPath(const std::string& path) {
   return out;
 }
 
-// Wrapper upvalues: 1 the base hook, 2 the fixed args table or false, 3 the set of declared arg
-// names (name -> true) or false.
+// Wrapper upvalues: 1 the base hook, 2 the fixed args table or false, 3 the set of shared arg names
+// (name -> true) or false (the base declares no args: it shares all of them, or none when it has
+// fixed args).
 int HookWrapper(lua_State* L) {
   const int n = lua_gettop(L);
   if (n < 2) lua_settop(L, 2);
@@ -75,34 +76,32 @@ int HookWrapper(lua_State* L) {
     if (lua_type(L, 2) == LUA_TTABLE) CopyTable(L, 2, ctx);
     lua_newtable(L);
     const int args = lua_gettop(L);
-    if (lua_type(L, lua_upvalueindex(2)) == LUA_TTABLE) {
-      CopyTable(L, lua_upvalueindex(2), args);
-    } else {
-      lua_pushliteral(L, "args");
-      lua_rawget(L, ctx);
-      const int given = lua_gettop(L);
-      if (lua_type(L, given) == LUA_TTABLE) {
-        const bool filter = lua_type(L, lua_upvalueindex(3)) == LUA_TTABLE;
-        lua_pushnil(L);
-        while (lua_next(L, given) != 0) {
-          bool keep = true;
-          if (filter) {
-            lua_pushvalue(L, -2);
-            lua_rawget(L, lua_upvalueindex(3));
-            keep = lua_toboolean(L, -1) != 0;
-            lua_pop(L, 1);
-          }
-          if (keep) {
-            lua_pushvalue(L, -2);
-            lua_insert(L, -2);
-            lua_rawset(L, args);
-          } else {
-            lua_pop(L, 1);
-          }
+    const bool fixed = lua_type(L, lua_upvalueindex(2)) == LUA_TTABLE;
+    const bool filter = lua_type(L, lua_upvalueindex(3)) == LUA_TTABLE;
+    lua_pushliteral(L, "args");
+    lua_rawget(L, ctx);
+    const int given = lua_gettop(L);
+    if (lua_type(L, given) == LUA_TTABLE && (filter || !fixed)) {
+      lua_pushnil(L);
+      while (lua_next(L, given) != 0) {
+        bool keep = true;
+        if (filter) {
+          lua_pushvalue(L, -2);
+          lua_rawget(L, lua_upvalueindex(3));
+          keep = lua_toboolean(L, -1) != 0;
+          lua_pop(L, 1);
+        }
+        if (keep) {
+          lua_pushvalue(L, -2);
+          lua_insert(L, -2);
+          lua_rawset(L, args);
+        } else {
+          lua_pop(L, 1);
         }
       }
-      lua_pop(L, 1);  // given
     }
+    lua_pop(L, 1);  // given
+    if (fixed) CopyTable(L, lua_upvalueindex(2), args);
     lua_pushliteral(L, "args");
     lua_insert(L, -2);
     lua_rawset(L, ctx);
@@ -289,16 +288,16 @@ absl::Status CheckArgsAgainst(std::string_view who, const DeclaredArgs& declared
   return absl::OkStatus();
 }
 
-void PushHookWrapper(lua_State* L, int fn, int args, const DeclaredArgs& declared) {
+void PushHookWrapper(lua_State* L, int fn, int args, const DeclaredArgs& shared) {
   lua_pushvalue(L, fn);
   if (args != 0) {
     lua_pushvalue(L, args);
   } else {
     lua_pushboolean(L, 0);
   }
-  if (declared.has_value()) {
-    lua_createtable(L, 0, static_cast<int>(declared->size()));
-    for (const auto& [k, v] : *declared) {
+  if (shared.has_value()) {
+    lua_createtable(L, 0, static_cast<int>(shared->size()));
+    for (const auto& [k, v] : *shared) {
       lua_pushlstring(L, k.data(), k.size());
       lua_pushboolean(L, 1);
       lua_rawset(L, -3);

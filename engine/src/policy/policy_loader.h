@@ -63,10 +63,11 @@ absl::Status CheckArgsAgainst(std::string_view who, const DeclaredArgs& declared
                               const std::map<std::string, std::string>& args);
 
 // Pushes a wrapper of the function at absolute index `fn` (a base's hook): it calls the hook with
-// ctx.args replaced by the base's args, in a shallow copy of ctx. `args` (absolute index): a table
-// of fixed args, or 0 to forward the caller's ctx.args, keeping only the names in `declared` when
-// the base declares any. The wrapper is recorded so that UnwrapHook can see through it.
-void PushHookWrapper(lua_State* L, int fn, int args, const DeclaredArgs& declared);
+// ctx.args replaced by the base's args, in a shallow copy of ctx. The base's args: the caller's
+// ctx.args whose names are in `shared` (all of them when `shared` is nullopt and there are no fixed
+// args; none when it is nullopt and there are), then the fixed args of the table at absolute index
+// `args` (0: none) over them. The wrapper is recorded so that UnwrapHook can see through it.
+void PushHookWrapper(lua_State* L, int fn, int args, const DeclaredArgs& shared);
 
 // Replaces the function on top of the stack by the base hook it wraps, repeatedly (no-op for a
 // function that is no wrapper).
