@@ -335,8 +335,13 @@ int LuaRuntime::PolicyFunction(lua_State* L) {
   auto* rt = static_cast<LuaRuntime*>(lua_touserdata(L, -1));
   lua_pop(L, 1);
   if (rt->LoadBase(L)) return 1;
-  // The message is on top; prefix where ferry.policy was called. No C++ object is alive here.
+  // The message is on top; prefix where ferry.policy was called (the calling file when a tail call
+  // left no line to name). No C++ object is alive here.
   luaL_where(L, 1);
+  if (lua_objlen(L, -1) == 0 && !rt->loading_.empty() && !rt->loading_.back().path.empty()) {
+    lua_pop(L, 1);
+    lua_pushfstring(L, "%s: ", rt->loading_.back().path.c_str());
+  }
   lua_insert(L, -2);
   lua_concat(L, 2);
   return lua_error(L);
