@@ -410,6 +410,26 @@ return { args = { fraction = "mine" }, place = base.place }
   EXPECT_THAT(Msg(bad.status()), HasSubstr("field \"args\" has the number 1 = \"fraction\"; expected arg names"));
 }
 
+// The README's worked example, "offload_fraction, but skip the moments on save".
+TEST_F(ComposeTest, TheReadmeExample) {
+  auto lean = Policy::LoadFile(std::string(FERRY_SOURCE_DIR) + "/tests/policy/testdata/lean_offload.lua");
+  ASSERT_TRUE(lean.ok()) << lean.status();
+  absl::StatusOr<Placement> place = (*lean)->Place(Model(), Ctx({{"keep_last", "2"}}));
+  ASSERT_TRUE(place.ok()) << place.status();
+  EXPECT_THAT(Offloaded(*place), ElementsAre("a"));
+  CheckpointInfo info;
+  info.groups = {"a", "b", "c"};
+  info.offloaded = {"a"};
+  absl::StatusOr<CheckpointPlan> plan = (*lean)->Checkpoint(info, Ctx({{"keep_last", "2"}}));
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_TRUE(plan->skip_optimizer);
+  EXPECT_FALSE(plan->skip_master);
+  EXPECT_EQ(plan->keep_last, 2);
+  EXPECT_FALSE(plan->async);
+  EXPECT_THAT(Msg((*lean)->Place(Model(), Ctx({{"fraction", "0.5"}})).status()),
+              HasSubstr("unknown arg \"fraction\" (fraction=0.5); it takes keep_last, numa"));
+}
+
 // Every shipped policy declares its args.
 TEST_F(ComposeTest, EveryShippedPolicyDeclaresItsArgs) {
   for (const auto& entry : std::filesystem::directory_iterator(kPolicies)) {
