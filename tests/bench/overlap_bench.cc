@@ -38,7 +38,7 @@ struct Options {
   double backward_ms = 250.0;
   double forward_ms = 100.0;
   size_t chunk_bytes = size_t{8} << 20;
-  std::string moments;  // "", or "bf16" (passed to the policies as moments=...)
+  std::string moments;  // "", "fp32" or "bf16" (bf16: offload_bf16_moments.lua instead)
 };
 
 struct Model {
@@ -248,8 +248,11 @@ int Run(int argc, char** argv) {
   };
   std::vector<Placement> placements = {{"fully offloaded", policies + "offload_all.lua", {}},
                                        {"50% offloaded", policies + "offload_fraction.lua", {{"fraction", "0.5"}}}};
-  if (!o.moments.empty()) {
-    for (Placement& p : placements) p.args["moments"] = o.moments;
+  if (o.moments == "bf16") {
+    // The moments are a policy's decision: offload_bf16_moments.lua offloads every group with them.
+    // (offload_all and offload_fraction take no "moments" arg; it used to be ignored silently.)
+    placements = {{"fully off., bf16", policies + "offload_bf16_moments.lua", {}}};
+    std::printf("--moments=bf16: fully offloaded only (no shipped policy offloads a fraction with bf16 moments)\n");
   }
   std::printf("%-16s %-14s %-10s %12s %12s %12s %7s %7s\n", "placement", "clipping", "mode", "exposed ms",
               "GPU idle ms", "backward ms", "kept", "recomp.");
