@@ -26,6 +26,19 @@
 // has grown 256 KiB below where the hook call began ("C stack overflow"; kCStackLimitBytes in
 // lua_runtime.cc), so a policy cannot overflow the caller's stack, even a small thread stack.
 //
+// Composition. The sandbox has one more name, ferry.policy(name [, args]), callable from a policy's
+// top level only: it loads a shipped policy ("offload_fraction": <shipped dir>/offload_fraction.lua,
+// PolicyOptions::shipped_policy_dir) or a file of the calling policy's own directory ("x.lua") into
+// this state, with globals of its own, and returns its hooks wrapped so that they see the base's
+// args: the fixed `args` of the call, and of the caller's ctx.args those the base declares and the
+// call does not fix (listed in the returned table's `args`). Absolute paths, any '/', links out of
+// the directory, cycles and missing files are refused (InvalidArgument / NotFound, naming the call
+// and the file). The base's top level and hooks count against the same limits as the policy's.
+//
+// Declared args. A returned table may declare `args = { name = "description", ... }`; then every
+// hook refuses ctx.args holding a name not declared (InvalidArgument naming it and the known ones).
+// A policy that shares args with a base (above) must declare the shared ones too.
+//
 // Results are read raw (metatables on returned tables are ignored) and validated completely; an
 // error names the policy, the hook, the field, and what was expected versus found, and ends with
 // where the hook is defined ("(hook defined at file:line)").
