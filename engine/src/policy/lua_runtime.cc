@@ -1,7 +1,6 @@
 #include "policy/lua_runtime.h"
 
 #include <algorithm>
-#include <cstdlib>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -55,14 +54,6 @@ void PushChunkField(lua_State* L, int chunk, const char* field) {
   lua_getfield(L, -1, field);
   lua_replace(L, -3);
   lua_pop(L, 1);
-}
-
-std::string RealPathOrEmpty(const std::string& path) {
-  char* real = realpath(path.c_str(), nullptr);
-  if (real == nullptr) return "";
-  std::string out(real);
-  std::free(real);
-  return out;
 }
 
 }  // namespace
@@ -303,7 +294,7 @@ absl::Status LuaRuntime::Load(std::string_view source, const std::string& lua_ch
   StackRestorer restore(L);
   loading_.clear();
   if (!file.empty()) {
-    loading_.push_back({file, RealPathOrEmpty(file), policy_internal::DirectoryOf(file), {}});
+    loading_.push_back({file, policy_internal::RealPath(file), policy_internal::DirectoryOf(file), {}});
     files_.push_back(file);
   } else {
     loading_.push_back({});

@@ -54,15 +54,6 @@ std::vector<std::string> ShippedNames(const std::string& dir) {
   return names;
 }
 
-// The real path of `path`, or "" when it does not exist.
-std::string RealPath(const std::string& path) {
-  char* real = realpath(path.c_str(), nullptr);
-  if (real == nullptr) return "";
-  std::string out(real);
-  std::free(real);
-  return out;
-}
-
 // Wrapper upvalues: 1 the base hook, 2 the fixed args table or false, 3 the set of shared arg names
 // (name -> true) or false (the base declares no args: it shares all of them, or none when it has
 // fixed args).
@@ -114,6 +105,14 @@ int HookWrapper(lua_State* L) {
 }
 
 }  // namespace
+
+std::string RealPath(const std::string& path) {
+  char* real = realpath(path.c_str(), nullptr);
+  if (real == nullptr) return "";
+  std::string out(real);
+  std::free(real);
+  return out;
+}
 
 std::string ShippedPolicyDir(const PolicyOptions& options) {
   if (!options.shipped_policy_dir.empty()) return options.shipped_policy_dir;

@@ -34,6 +34,9 @@ struct ResolvedPolicy {
 // the source tree's scripts/policies when it exists, else the install tree's share/ferry/policies.
 std::string ShippedPolicyDir(const PolicyOptions& options);
 
+// The real path of `path` (symbolic links resolved), or "" when it does not exist.
+std::string RealPath(const std::string& path);
+
 // The directory of the policy file `path` ("." for a bare file name).
 std::string DirectoryOf(const std::string& path);
 
