@@ -38,7 +38,10 @@ int TraceCommand(const std::vector<std::string>& args, std::FILE* out, std::FILE
 // The text of `ferry trace --help`.
 std::string TraceUsage();
 
-// The model of `ferry check --model SPEC`, in parameter order:
+// The model `ferry check` uses when --model is not given.
+inline constexpr char kDefaultModelSpec[] = "gpt:12:768:50257";
+
+// The model of `ferry check --model SPEC` (model_spec.cc), in parameter order:
 //   ""                            the default, gpt:12:768:50257
 //   gpt:LAYERS:HIDDEN[:VOCAB]     a GPT-style model in bf16: "embed" (VOCAB x HIDDEN, tag
 //                                 "embedding"), "layer0".."layer<LAYERS-1>" (12 HIDDEN^2 + 13 HIDDEN

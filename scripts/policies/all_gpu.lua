@@ -8,6 +8,8 @@
 
 local M = {}
 
+M.args = {}  -- takes none: any arg is refused
+
 function M.place(groups, ctx)
   local placement = {}
   for _, g in ipairs(groups) do

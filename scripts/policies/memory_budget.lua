@@ -25,6 +25,12 @@
 
 local M = {}
 
+M.args = {
+  reserve = "free GPU memory to leave alone, a byte size (default 1GiB)",
+  budget = "GPU memory available before the reserve is taken off, a byte size (default gpu_free_bytes)",
+  numa = "NUMA mode of the pinned arena: interleave, bind, preferred or local (default: the engine's)",
+}
+
 local STATE_BYTES_PER_PARAM = 12
 
 local UNITS = {
@@ -47,11 +53,15 @@ local function parse_bytes(args, name, default)
   return math.floor(n * scale)
 end
 
--- Returns the set of offloaded group names (name -> true), following the rule above.
-local function offloaded_set(groups, available)
+-- The placement by the rule above: group name -> "cpu" or "gpu".
+local function placement_for(groups, available)
   local room = math.max(available, 0)
   local need = 0
-  for _, g in ipairs(groups) do need = need + STATE_BYTES_PER_PARAM * g.numel end
+  local placement = {}
+  for _, g in ipairs(groups) do
+    need = need + STATE_BYTES_PER_PARAM * g.numel
+    placement[g.name] = "gpu"
+  end
   -- Positions by size, largest first; ties keep parameter order.
   local order = {}
   for i = 1, #groups do order[i] = i end
@@ -59,23 +69,17 @@ local function offloaded_set(groups, available)
     if groups[a].numel ~= groups[b].numel then return groups[a].numel > groups[b].numel end
     return a < b
   end)
-  local offload = {}
   for _, i in ipairs(order) do
     if need <= room then break end
-    offload[groups[i].name] = true
+    placement[groups[i].name] = "cpu"
     need = need - STATE_BYTES_PER_PARAM * groups[i].numel
   end
-  return offload
+  return placement
 end
 
 function M.place(groups, ctx)
   local budget = parse_bytes(ctx.args, "budget", ctx.gpu_free_bytes)
-  local reserve = parse_bytes(ctx.args, "reserve", 2^30)
-  local offload = offloaded_set(groups, budget - reserve)
-  local placement = {}
-  for _, g in ipairs(groups) do
-    placement[g.name] = offload[g.name] and "cpu" or "gpu"
-  end
+  local placement = placement_for(groups, budget - parse_bytes(ctx.args, "reserve", 2^30))
   if ctx.args.numa ~= nil then placement.numa = ctx.args.numa end  -- validated by the engine
   return placement
 end

@@ -22,6 +22,13 @@
 
 local M = {}
 
+M.args = {
+  device = "cpu (default): every group offloaded; gpu: every group on the GPU",
+  rounding = "nearest (default) or stochastic: how bf16 state is rounded",
+  master = "fp32 (default) or bf16: a bf16 master for the bf16 groups",
+  numa = "NUMA mode of the pinned arena: interleave, bind, preferred or local (default: the engine's)",
+}
+
 local function choice(args, name, default, allowed)
   local v = args[name]
   if v == nil then return default end

@@ -26,6 +26,13 @@
 
 local M = {}
 
+-- The args this policy takes: any other is refused (naming it), so a misspelling cannot fall back to
+-- a default unnoticed.
+M.args = {
+  fraction = "share of all parameter elements offloaded, a number in [0, 1] (default 0.5)",
+  numa = "NUMA mode of the pinned arena: interleave, bind, preferred or local (default: the engine's)",
+}
+
 local function parse_fraction(args)
   local text = args.fraction
   if text == nil then return 0.5 end

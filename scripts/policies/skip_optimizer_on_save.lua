@@ -5,6 +5,9 @@
 -- in host memory; for fine-tuning runs that restart cheaply it is often not worth writing. This
 -- policy writes only the low-precision params while any group is offloaded.
 --
+-- Built on offload_fraction.lua (ferry.policy): its place() is offload_fraction's, unchanged, and
+-- this file overrides only checkpoint() and after_load().
+--
 -- Args:
 --   fraction   as in offload_fraction.lua: the share of parameter elements offloaded, a number in
 --              [0, 1], default 0.5.
@@ -12,9 +15,9 @@
 --   always     "true": model-only checkpoints even when nothing is offloaded; default "false".
 --   keep_last  checkpoints to keep, an integer >= 0 (0 keeps all); default 0.
 --
--- place(): offload_fraction.lua's rule, exactly (a leading prefix of the groups in parameter order
---   whose elements fit in fraction * total; fraction > 0 offloads at least the first group; fraction
---   < 1 keeps at least the last group on the GPU when there are two or more).
+-- place(): offload_fraction.lua's (a leading prefix of the groups in parameter order whose elements
+--   fit in fraction * total; fraction > 0 offloads at least the first group; fraction < 1 keeps at
+--   least the last group on the GPU when there are two or more).
 --
 -- checkpoint(): when info.offloaded is not empty (or always = "true"):
 --   { skip = { "optimizer", "master" }, keep_last = keep_last }: a model-only checkpoint.
@@ -26,17 +29,10 @@
 --   So resuming from one of this policy's model-only checkpoints starts Adam afresh from masters
 --   equal to the loaded params, and a full checkpoint resumes exactly.
 
-local M = {}
+-- No args table: the base shares this policy's args (it sees fraction and numa, the ones it takes).
+local base = ferry.policy("offload_fraction")
 
-local function parse_fraction(args)
-  local text = args.fraction
-  if text == nil then return 0.5 end
-  local f = tonumber(text)
-  if f == nil or f ~= f or f < 0 or f > 1 then
-    error(string.format("args.fraction must be a number in [0, 1], got %q", tostring(text)), 0)
-  end
-  return f
-end
+local M = { place = base.place }
 
 local function parse_bool(args, name)
   local text = args[name]
@@ -55,43 +51,6 @@ local function parse_keep_last(args)
   return k
 end
 
--- offload_fraction.lua's rule (see there): the set of offloaded group names (name -> true).
-local function offloaded_set(groups, fraction)
-  local offload = {}
-  local n = #groups
-  if n == 0 or fraction == 0 then return offload end
-  if fraction == 1 then
-    for _, g in ipairs(groups) do offload[g.name] = true end
-    return offload
-  end
-  local total = 0
-  for _, g in ipairs(groups) do total = total + g.numel end
-  local budget = fraction * total
-  local used, count = 0, 0
-  for _, g in ipairs(groups) do
-    if used + g.numel > budget then break end
-    used = used + g.numel
-    count = count + 1
-    offload[g.name] = true
-  end
-  if count == 0 then
-    offload[groups[1].name] = true
-  elseif count == n and n >= 2 then
-    offload[groups[n].name] = nil
-  end
-  return offload
-end
-
-function M.place(groups, ctx)
-  local offload = offloaded_set(groups, parse_fraction(ctx.args))
-  local placement = {}
-  for _, g in ipairs(groups) do
-    placement[g.name] = offload[g.name] and "cpu" or "gpu"
-  end
-  if ctx.args.numa ~= nil then placement.numa = ctx.args.numa end  -- validated by the engine
-  return placement
-end
-
 function M.checkpoint(info, ctx)
   local keep_last = parse_keep_last(ctx.args)
   if #info.offloaded > 0 or parse_bool(ctx.args, "always") then
@@ -105,5 +64,10 @@ function M.after_load(event, ctx)
   if not event.masters_loaded then sync = event.groups end
   return { sync = sync, reset_optimizer = not event.optimizer_loaded }
 end
+
+-- The base's args (fraction, numa) and this file's own.
+M.args = base.args
+M.args.always = "true: model-only checkpoints even when nothing is offloaded (default false)"
+M.args.keep_last = "checkpoints to keep, an integer >= 0 (default 0: keep all)"
 
 return M

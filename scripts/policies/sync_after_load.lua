@@ -8,6 +8,9 @@
 -- them from the low-precision params (the masters of groups the load did not touch are rounded to
 -- their params' precision too).
 --
+-- Built on offload_fraction.lua (ferry.policy): its place() is offload_fraction's, unchanged, and
+-- this file overrides only after_load().
+--
 -- Args:
 --   fraction         as in offload_fraction.lua: the share of parameter elements offloaded, a
 --                    number in [0, 1], default 0.5.
@@ -15,7 +18,7 @@
 --   reset_optimizer  "auto" (default): reset the Adam moments when the load did not restore them;
 --                    "always"; "never".
 --
--- place(): offload_fraction.lua's rule, exactly (see there).
+-- place(): offload_fraction.lua's (see there).
 --
 -- after_load():
 --   sync: "all" (every group) when event.kind is "model_only" or "external", or when
@@ -23,56 +26,12 @@
 --         group it loaded) "none": the groups it did not load kept both params and masters.
 --   reset_optimizer: per the arg; "auto" is `not event.optimizer_loaded`.
 --
--- checkpoint(): the engine's defaults (not defined here).
+-- checkpoint(): the engine's defaults (not defined here; offload_fraction's is not taken over).
 
-local M = {}
+-- No args table: the base shares this policy's args (it sees fraction and numa, the ones it takes).
+local base = ferry.policy("offload_fraction")
 
-local function parse_fraction(args)
-  local text = args.fraction
-  if text == nil then return 0.5 end
-  local f = tonumber(text)
-  if f == nil or f ~= f or f < 0 or f > 1 then
-    error(string.format("args.fraction must be a number in [0, 1], got %q", tostring(text)), 0)
-  end
-  return f
-end
-
--- offload_fraction.lua's rule (see there): the set of offloaded group names (name -> true).
-local function offloaded_set(groups, fraction)
-  local offload = {}
-  local n = #groups
-  if n == 0 or fraction == 0 then return offload end
-  if fraction == 1 then
-    for _, g in ipairs(groups) do offload[g.name] = true end
-    return offload
-  end
-  local total = 0
-  for _, g in ipairs(groups) do total = total + g.numel end
-  local budget = fraction * total
-  local used, count = 0, 0
-  for _, g in ipairs(groups) do
-    if used + g.numel > budget then break end
-    used = used + g.numel
-    count = count + 1
-    offload[g.name] = true
-  end
-  if count == 0 then
-    offload[groups[1].name] = true
-  elseif count == n and n >= 2 then
-    offload[groups[n].name] = nil
-  end
-  return offload
-end
-
-function M.place(groups, ctx)
-  local offload = offloaded_set(groups, parse_fraction(ctx.args))
-  local placement = {}
-  for _, g in ipairs(groups) do
-    placement[g.name] = offload[g.name] and "cpu" or "gpu"
-  end
-  if ctx.args.numa ~= nil then placement.numa = ctx.args.numa end  -- validated by the engine
-  return placement
-end
+local M = { place = base.place }
 
 function M.after_load(event, ctx)
   local mode = ctx.args.reset_optimizer or "auto"
@@ -93,5 +52,9 @@ function M.after_load(event, ctx)
   end
   return { sync = sync, reset_optimizer = reset }
 end
+
+-- The base's args (fraction, numa) and this file's own.
+M.args = base.args
+M.args.reset_optimizer = "auto (default): reset Adam when the load did not restore it; always; never"
 
 return M

@@ -263,6 +263,40 @@ TEST(CheckCommandTest, ShippedPoliciesOnADescribedModel) {
                                   "    sync: all 3 groups; reset_optimizer: true"));
 }
 
+// A policy built on others: each hook is shown with the file that supplies it, the files loaded and
+// the args taken; an unknown arg stops the check naming it and the known ones.
+TEST(CheckCommandTest, ShowsWhichFileSuppliesEachHookAndTheArgsTaken) {
+  TempDir tmp;
+  const std::string policy = tmp.Write("lean.lua", R"lua(local base = ferry.policy("offload_fraction", { fraction = "0.25" })
+local M = { args = base.args, place = base.place }
+function M.checkpoint(info, ctx) return { skip = { "optimizer" } } end
+return M
+)lua");
+  Result r = Check({policy, "--model", "a:1000,b:3000,c:500", "--arg", "numa=bind"});
+  EXPECT_EQ(r.status, 0) << r.err;
+  EXPECT_THAT(r.out, HasSubstr("hooks: place, checkpoint, after_load (absent: engine default), on_step (absent: "
+                               "engine default)\n"
+                               "  place from " + kPolicies + "offload_fraction.lua:"));
+  EXPECT_THAT(r.out, HasSubstr("\n  checkpoint from " + policy + ":3\n"));
+  EXPECT_THAT(r.out, HasSubstr("files: " + policy + ", " + kPolicies + "offload_fraction.lua (bases"));
+  EXPECT_THAT(r.out, HasSubstr("args taken: numa\n"));
+  EXPECT_THAT(Row(r.out, "  a "), ElementsAre("a", "1000", "bf16", "cpu", "4000", "12000", "fp32/fp32"));
+  EXPECT_THAT(r.out, HasSubstr("  numa: bind\n"));
+  EXPECT_THAT(r.out, HasSubstr("  skip: optimizer\n"));
+
+  Result typo = Check({kPolicies + "skip_optimizer_on_save.lua", "--arg", "fracton=0.25"});
+  EXPECT_EQ(typo.status, 1);
+  EXPECT_THAT(typo.err, HasSubstr("skip_optimizer_on_save.lua: unknown arg \"fracton\" (fracton=0.25); it takes "
+                                  "always, fraction, keep_last, numa"));
+  EXPECT_THAT(typo.out, HasSubstr("result: 1 error\n"));
+  EXPECT_THAT(typo.out, Not(HasSubstr("place():")));
+
+  const std::string old = tmp.Write("old.lua", "return {}\n");
+  Result undeclared = Check({old, "--arg", "anything=1"});
+  EXPECT_EQ(undeclared.status, 0) << undeclared.err;
+  EXPECT_THAT(undeclared.out, HasSubstr("args taken: not declared (any are accepted)\n"));
+}
+
 TEST(CheckCommandTest, OnStepIsSimulated) {
   TempDir tmp;
   const std::string policy = tmp.Write("steps.lua", R"lua(

@@ -232,7 +232,11 @@ TEST(ShippedPoliciesTest, AllGpuAndOffloadAll) {
   auto all_gpu = MustLoad("all_gpu.lua");
   ASSERT_NE(all_gpu, nullptr);
   EXPECT_FALSE(all_gpu->has_hook("after_load"));
-  EXPECT_EQ(OffloadedWith(*all_gpu, model, {{"fraction", "1"}}), Names{});
+  EXPECT_EQ(OffloadedWith(*all_gpu, model, {}), Names{});
+  // all_gpu declares that it takes no args: an arg meant for another policy is refused, not ignored.
+  absl::StatusOr<Placement> stray = all_gpu->Place(model, Args({{"fraction", "1"}}));
+  ASSERT_FALSE(stray.ok());
+  EXPECT_THAT(std::string(stray.status().message()), HasSubstr("all_gpu.lua: unknown arg \"fraction\" (fraction=1); it takes no args"));
 
   auto offload_all = MustLoad("offload_all.lua");
   ASSERT_NE(offload_all, nullptr);

@@ -1,14 +1,13 @@
 #include "policy/lua_runtime.h"
 
 #include <algorithm>
-#include <cstdio>
-#include <cstdlib>
-#include <cstring>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "base/logging.h"
 #include "ferry/status.h"
+#include "policy/lua_values.h"
 
 #if __has_include(<luajit-2.1/lua.hpp>)
 #include <luajit-2.1/lua.hpp>
@@ -19,312 +18,21 @@
 namespace ferry {
 namespace {
 
-// Registry keys (named fields of the registry, which has no metatable).
-constexpr char kRegBudget[] = "ferry.policy.budget";  // lightuserdata: LuaRuntime::Budget*
-constexpr char kRegBase[] = "ferry.policy.base";      // allowed base functions (template)
-constexpr char kRegLibs[] = "ferry.policy.libs";      // {string=, table=, math=, os=} templates
-constexpr char kRegLibMetas[] = "ferry.policy.lib_metas";  // lib name -> metatable of copies
-constexpr char kRegEnvMeta[] = "ferry.policy.env_meta";    // metatable of every global environment
-constexpr char kRegProxy[] = "ferry.policy.proxy";         // the chunk's environment (always empty)
-constexpr char kRegRoute[] = "ferry.policy.route";         // metatable of the proxy: routes globals
-constexpr char kRegGlobals[] = "ferry.policy.globals";     // globals the chunk's top level defined
-constexpr char kRegHooks[] = "ferry.policy.hooks";         // hook name -> function
+using policy_internal::AV;
+using policy_internal::CopyTable;
+using policy_internal::DeclaredArgs;
+using policy_internal::kLibNames;
+using policy_internal::kProtected;
+using policy_internal::kRegBase;
+using policy_internal::kRegEnvMeta;
+using policy_internal::kRegHooks;
+using policy_internal::kRegLibMetas;
+using policy_internal::kRegLibs;
 
-constexpr char kProtected[] = "protected by the policy sandbox";
-
-// How far the C stack may grow below the protected call while policy code runs. The VM itself does
-// not recurse on the C stack for Lua-to-Lua calls; only C functions that call back into Lua do
-// (string.gsub with a function or table replacement keeps an 8 KiB buffer per level and would
-// overflow the host's stack long before Lua's own stack limit). Small enough for a thread with a
-// modest stack, large enough that no reasonable policy comes near it.
-constexpr uintptr_t kCStackLimitBytes = 256 << 10;
-
-// Hooks named in messages about the module table.
-constexpr char kHookList[] = "place, after_load, checkpoint or on_step";
-
-// Base functions a policy may use. collectgarbage is replaced by a "count"-only version.
-constexpr const char* kBaseFunctions[] = {
-    "assert",   "error",        "ipairs",       "next",   "pairs",   "pcall",    "select",
-    "tonumber", "tostring",     "type",         "unpack", "xpcall",  "rawequal", "rawget",
-    "rawset",   "getmetatable", "setmetatable", "rawlen", "_VERSION"};
-
-// Names a policy may try that the sandbox deliberately leaves out: reading one is an error that
-// says so (any other unknown global reads as nil, as usual).
-constexpr const char* kForbiddenGlobals[] = {
-    "io",      "package",    "require",   "ffi",      "jit",      "debug",
-    "load",    "loadstring", "dofile",    "loadfile", "newproxy", "setfenv",
-    "getfenv", "module",     "coroutine", "print",    "gcinfo",   "_G"};
-
-bool IsForbiddenGlobal(const char* name) {
-  for (const char* f : kForbiddenGlobals) {
-    if (std::strcmp(f, name) == 0) return true;
-  }
-  return false;
-}
-
-// The Lua allocator: realloc/free with a byte budget enforced while policy code runs. Shrinking
-// never fails (Lua relies on that).
-void* LimitedAlloc(void* ud, void* ptr, size_t osize, size_t nsize) {
-  auto* budget = static_cast<LuaRuntime::Budget*>(ud);
-  const int64_t old_size = ptr == nullptr ? 0 : static_cast<int64_t>(osize);
-  if (nsize == 0) {
-    std::free(ptr);
-    budget->memory_used -= old_size;
-    return nullptr;
-  }
-  const int64_t new_size = static_cast<int64_t>(nsize);
-  if (budget->enforce && new_size > old_size &&
-      budget->memory_used + (new_size - old_size) > budget->memory_limit) {
-    budget->memory_refused = true;
-    return nullptr;
-  }
-  void* p = std::realloc(ptr, nsize);
-  if (p == nullptr) return nullptr;
-  budget->memory_used += new_size - old_size;
-  return p;
-}
-
-LuaRuntime::Budget* GetBudget(lua_State* L) {
-  lua_getfield(L, LUA_REGISTRYINDEX, kRegBudget);
-  auto* budget = static_cast<LuaRuntime::Budget*>(lua_touserdata(L, -1));
-  lua_pop(L, 1);
-  return budget;
-}
-
-// The hook of every protected call. On each function call it bounds the C stack (see
-// kCStackLimitBytes): a call made from deep inside nested C functions fails instead of overflowing
-// the host's stack. Every hook_interval instructions it bounds the instruction count; once the
-// limit is hit it fires on every instruction, so a script that catches the error with pcall is
-// stopped again at once.
-void CountHook(lua_State* L, lua_Debug* ar) {
-  LuaRuntime::Budget* budget = GetBudget(L);
-  char message[200];
-  message[0] = '\0';
-  if (ar->event != LUA_HOOKCOUNT) {
-    // Only calls of Lua functions are refused: unbounded recursion needs one in the loop, and the
-    // error handler (a C function) must still run at the depth where the error was raised.
-    const auto here = reinterpret_cast<uintptr_t>(__builtin_frame_address(0));
-    if (budget->c_stack_base > here && budget->c_stack_base - here > kCStackLimitBytes &&
-        lua_getinfo(L, "S", ar) != 0 && std::strcmp(ar->what, "C") != 0) {
-      std::snprintf(message, sizeof(message),
-                    "C stack overflow (calls nested through C functions such as string.gsub, "
-                    "table.sort or xpcall use more than %d KiB of C stack)",
-                    static_cast<int>(kCStackLimitBytes >> 10));
-      luaL_where(L, 0);  // the Lua function being entered: "chunk:line: "
-      lua_pushstring(L, message);
-      lua_concat(L, 2);
-      lua_error(L);
-    }
-    return;
-  }
-  budget->instructions += budget->hook_interval;
-  if (budget->instructions >= budget->instruction_limit) {
-    if (!budget->instruction_limit_hit) {
-      budget->instruction_limit_hit = true;
-      budget->hook_interval = 1;
-      lua_sethook(L, CountHook, LUA_MASKCOUNT | LUA_MASKCALL, 1);
-    }
-    std::snprintf(message, sizeof(message), "instruction limit exceeded (%lld per call)",
-                  static_cast<long long>(budget->instruction_limit));
-  } else if (!budget->custom_allocator &&
-             static_cast<int64_t>(lua_gc(L, LUA_GCCOUNT, 0)) * 1024 > budget->memory_limit) {
-    budget->memory_refused = true;
-    std::snprintf(message, sizeof(message), "memory limit exceeded (%lld bytes)",
-                  static_cast<long long>(budget->memory_limit));
-  }
-  if (message[0] != '\0') {
-    luaL_where(L, 0);  // the running Lua function: "chunk:line: "
-    lua_pushstring(L, message);
-    lua_concat(L, 2);
-    lua_error(L);
-  }
-}
-
-// Message handler of every protected call: appends a traceback.
-int TracebackHandler(lua_State* L) {
-  const char* message = lua_tostring(L, 1);  // strings and numbers; never calls __tostring
-  if (message == nullptr) {
-    message = lua_pushfstring(L, "(error object is a %s value)", luaL_typename(L, 1));
-  }
-  luaL_traceback(L, L, message, 1);
-  return 1;
-}
-
-// __index of the global environments and library copies. Upvalue 1: "" for globals, else the
-// library's name. Reading a deliberately absent name is an error naming it; other names read nil.
-int SandboxIndex(lua_State* L) {
-  if (lua_type(L, 2) != LUA_TSTRING) return 0;
-  const char* key = lua_tostring(L, 2);
-  const char* lib = lua_tostring(L, lua_upvalueindex(1));
-  if (lib[0] == '\0') {
-    if (IsForbiddenGlobal(key)) {
-      return luaL_error(L, "'%s' is not available in the policy sandbox", key);
-    }
-    return 0;
-  }
-  if (std::strcmp(lib, "os") == 0 && std::strcmp(key, "clock") != 0) {
-    return luaL_error(L, "'os.%s' is not available in the policy sandbox (only os.clock is)", key);
-  }
-  if (std::strcmp(lib, "string") == 0 && std::strcmp(key, "dump") == 0) {
-    return luaL_error(L, "'string.dump' is not available in the policy sandbox");
-  }
-  return 0;
-}
-
-// collectgarbage("count") only: policies must not drive the collector.
-int CollectGarbageCount(lua_State* L) {
-  const char* option = luaL_optstring(L, 1, "collect");
-  if (std::strcmp(option, "count") != 0) {
-    return luaL_error(L,
-                      "collectgarbage(\"%s\") is not available in the policy sandbox "
-                      "(only collectgarbage(\"count\") is)",
-                      option);
-  }
-  lua_pushnumber(L, lua_gc(L, LUA_GCCOUNT, 0) + lua_gc(L, LUA_GCCOUNTB, 0) / 1024.0);
-  return 1;
-}
-
-// xpcall(f, handler, ...): as in LuaJIT, except that the handler runs after the error has unwound
-// the stack. LuaJIT runs a handler inside the error path, and an error raised by the count hook is
-// raised with hooks disabled: a looping handler would escape the instruction limit.
-int SafeXpcall(lua_State* L) {
-  luaL_checkany(L, 2);
-  const int n = lua_gettop(L);
-  lua_pushvalue(L, 1);
-  for (int i = 3; i <= n; ++i) lua_pushvalue(L, i);
-  if (lua_pcall(L, n - 2, LUA_MULTRET, 0) == 0) {
-    lua_pushboolean(L, 1);
-    lua_insert(L, n + 1);
-    return lua_gettop(L) - n;
-  }
-  // Stack: args..., error. Return false, handler(error) (or the handler's own error).
-  lua_pushvalue(L, 2);
-  lua_insert(L, n + 1);
-  lua_pcall(L, 1, 1, 0);
-  lua_pushboolean(L, 0);
-  lua_insert(L, n + 1);
-  return 2;
-}
-
-// Pushes {__index = SandboxIndex(lib), __metatable = kProtected}.
-void PushSandboxMeta(lua_State* L, const char* lib) {
-  lua_createtable(L, 0, 2);
-  lua_pushstring(L, lib);
-  lua_pushcclosure(L, SandboxIndex, 1);
-  lua_setfield(L, -2, "__index");
-  lua_pushstring(L, kProtected);
-  lua_setfield(L, -2, "__metatable");
-}
-
-// Copies the raw entries of the table at `from` into the table at `to` (absolute indices).
-void CopyTable(lua_State* L, int from, int to) {
-  lua_pushnil(L);
-  while (lua_next(L, from) != 0) {
-    lua_pushvalue(L, -2);
-    lua_insert(L, -2);
-    lua_rawset(L, to);
-  }
-}
-
-// Pushes a copy of global library `lib` without the entries in `drop` (or, with `only`, just that
-// entry).
-void PushLibCopy(lua_State* L, const char* lib, const char* drop, const char* only) {
-  lua_getglobal(L, lib);
-  const int src = lua_gettop(L);
-  lua_newtable(L);
-  const int dst = lua_gettop(L);
-  if (only != nullptr) {
-    lua_getfield(L, src, only);
-    lua_setfield(L, dst, only);
-  } else {
-    CopyTable(L, src, dst);
-    if (drop != nullptr) {
-      lua_pushnil(L);
-      lua_setfield(L, dst, drop);
-    }
-  }
-  lua_remove(L, src);
-}
-
-constexpr const char* kLibNames[] = {"string", "table", "math", "os"};
-
-// Runs in protected mode (lua_cpcall): opens the libraries and builds the sandbox templates.
-int SetupSandbox(lua_State* L) {
-  auto* budget = static_cast<LuaRuntime::Budget*>(lua_touserdata(L, 1));
-  lua_pushlightuserdata(L, budget);
-  lua_setfield(L, LUA_REGISTRYINDEX, kRegBudget);
-
-  const lua_CFunction openers[] = {luaopen_base, luaopen_string, luaopen_table, luaopen_math,
-                                   luaopen_os};
-  const char* opener_names[] = {"", LUA_STRLIBNAME, LUA_TABLIBNAME, LUA_MATHLIBNAME, LUA_OSLIBNAME};
-  for (size_t i = 0; i < std::size(openers); ++i) {
-    lua_pushcfunction(L, openers[i]);
-    lua_pushstring(L, opener_names[i]);
-    lua_call(L, 1, 0);
-  }
-  // Belt and braces: the real string table loses dump too (it stays unreachable anyway).
-  lua_getglobal(L, "string");
-  lua_pushnil(L);
-  lua_setfield(L, -2, "dump");
-  lua_pop(L, 1);
-
-  // Base functions.
-  lua_newtable(L);
-  for (const char* name : kBaseFunctions) {
-    lua_getglobal(L, name);
-    lua_setfield(L, -2, name);  // absent ones (rawlen in Lua 5.1 mode) stay absent
-  }
-  lua_pushcfunction(L, CollectGarbageCount);
-  lua_setfield(L, -2, "collectgarbage");
-  lua_pushcfunction(L, SafeXpcall);
-  lua_setfield(L, -2, "xpcall");
-  lua_setfield(L, LUA_REGISTRYINDEX, kRegBase);
-
-  // Library templates and the metatables of their per-call copies.
-  lua_newtable(L);
-  PushLibCopy(L, "string", "dump", nullptr);
-  lua_setfield(L, -2, "string");
-  PushLibCopy(L, "table", nullptr, nullptr);
-  lua_setfield(L, -2, "table");
-  PushLibCopy(L, "math", nullptr, nullptr);
-  lua_setfield(L, -2, "math");
-  PushLibCopy(L, "os", nullptr, "clock");
-  lua_setfield(L, -2, "os");
-  lua_setfield(L, LUA_REGISTRYINDEX, kRegLibs);
-  lua_newtable(L);
-  for (const char* lib : kLibNames) {
-    PushSandboxMeta(L, lib);
-    lua_setfield(L, -2, lib);
-  }
-  lua_setfield(L, LUA_REGISTRYINDEX, kRegLibMetas);
-  PushSandboxMeta(L, "");
-  lua_setfield(L, LUA_REGISTRYINDEX, kRegEnvMeta);
-
-  // The string metatable: methods come from a dump-less copy, and the metatable itself is hidden.
-  lua_pushliteral(L, "");
-  const int has_string_meta = lua_getmetatable(L, -1);
-  FERRY_CHECK(has_string_meta != 0) << "LuaJIT strings have a metatable";
-  PushLibCopy(L, "string", "dump", nullptr);
-  lua_setfield(L, -2, "__index");
-  lua_pushstring(L, kProtected);
-  lua_setfield(L, -2, "__metatable");
-  lua_pop(L, 2);
-
-  // The chunk's environment: an always-empty proxy whose metatable routes global reads and writes
-  // to the environment of the current call (see RouteGlobalsTo).
-  lua_newtable(L);
-  lua_newtable(L);
-  lua_pushstring(L, kProtected);
-  lua_setfield(L, -2, "__metatable");
-  lua_pushvalue(L, -1);
-  lua_setfield(L, LUA_REGISTRYINDEX, kRegRoute);
-  lua_setmetatable(L, -2);
-  lua_setfield(L, LUA_REGISTRYINDEX, kRegProxy);
-
-  lua_newtable(L);
-  lua_setfield(L, LUA_REGISTRYINDEX, kRegHooks);
-  return 0;
-}
+constexpr char kRegRuntime[] = "ferry.policy.runtime";  // lightuserdata: LuaRuntime*
+// Array of the loaded chunks: { proxy = (the chunk's environment: always empty), route = (the
+// proxy's metatable: routes globals), globals = (what the chunk's top level defined) }.
+constexpr char kRegChunks[] = "ferry.policy.chunks";
 
 // Restores the stack height on scope exit.
 class StackRestorer final {
@@ -339,10 +47,19 @@ class StackRestorer final {
   int top_;
 };
 
+// Pushes field `field` of chunk record `chunk`.
+void PushChunkField(lua_State* L, int chunk, const char* field) {
+  lua_getfield(L, LUA_REGISTRYINDEX, kRegChunks);
+  lua_rawgeti(L, -1, chunk);
+  lua_getfield(L, -1, field);
+  lua_replace(L, -3);
+  lua_pop(L, 1);
+}
+
 }  // namespace
 
 LuaRuntime::LuaRuntime(std::string name, const PolicyOptions& options)
-    : name_(std::move(name)), options_(options) {
+    : name_(std::move(name)), options_(options), shipped_dir_(policy_internal::ShippedPolicyDir(options)) {
   budget_.memory_limit = options.memory_limit_bytes;
   budget_.instruction_limit = options.instruction_limit;
 }
@@ -364,7 +81,7 @@ absl::StatusOr<std::unique_ptr<LuaRuntime>> LuaRuntime::Create(std::string name,
   std::unique_ptr<LuaRuntime> rt(new LuaRuntime(std::move(name), options));
   // LuaJIT refuses custom allocators on 64-bit builds without GC64 (lua_newstate returns NULL);
   // there the memory limit is checked from the count hook instead.
-  rt->L_ = lua_newstate(LimitedAlloc, &rt->budget_);
+  rt->L_ = lua_newstate(policy_internal::LimitedAlloc, &rt->budget_);
   rt->budget_.custom_allocator = rt->L_ != nullptr;
   if (rt->L_ == nullptr) rt->L_ = luaL_newstate();
   if (rt->L_ == nullptr) {
@@ -374,17 +91,22 @@ absl::StatusOr<std::unique_ptr<LuaRuntime>> LuaRuntime::Create(std::string name,
   // Policies are small; the interpreter honours the count hook on every instruction, compiled
   // traces would not.
   luaJIT_setmode(L, 0, LUAJIT_MODE_ENGINE | LUAJIT_MODE_OFF);
-  if (lua_cpcall(L, SetupSandbox, &rt->budget_) != 0) {
+  policy_internal::SandboxSetup setup{&rt->budget_, &LuaRuntime::PolicyFunction};
+  if (lua_cpcall(L, policy_internal::SetupSandbox, &setup) != 0) {
     std::string message = lua_isstring(L, -1) ? lua_tostring(L, -1) : "unknown error";
     lua_pop(L, 1);
     return absl::InternalError(
         absl::StrCat(rt->name_, ": cannot set up the policy sandbox: ", message));
   }
+  lua_pushlightuserdata(L, rt.get());
+  lua_setfield(L, LUA_REGISTRYINDEX, kRegRuntime);
+  lua_newtable(L);
+  lua_setfield(L, LUA_REGISTRYINDEX, kRegChunks);
   FERRY_CHECK(lua_gettop(L) == 0);
   return rt;
 }
 
-void LuaRuntime::PushFreshEnv() {
+void LuaRuntime::PushFreshEnv(int chunk) {
   lua_State* L = L_;
   lua_newtable(L);
   const int env = lua_gettop(L);
@@ -406,38 +128,43 @@ void LuaRuntime::PushFreshEnv() {
   }
   lua_pop(L, 2);
   // The chunk's own globals (defined by its top level) win over the sandbox's.
-  lua_getfield(L, LUA_REGISTRYINDEX, kRegGlobals);
+  PushChunkField(L, chunk, "globals");
   if (lua_istable(L, -1)) CopyTable(L, lua_gettop(L), env);
   lua_pop(L, 1);
   lua_getfield(L, LUA_REGISTRYINDEX, kRegEnvMeta);
   lua_setmetatable(L, env);
 }
 
-void LuaRuntime::RouteGlobalsTo() {
+void LuaRuntime::RouteAllToFreshEnvs() {
   lua_State* L = L_;
-  lua_getfield(L, LUA_REGISTRYINDEX, kRegRoute);
-  lua_pushvalue(L, -2);
-  lua_setfield(L, -2, "__index");
-  lua_pushvalue(L, -2);
-  lua_setfield(L, -2, "__newindex");
-  lua_pop(L, 2);
+  for (int i = 1; i <= chunks_; ++i) {
+    PushFreshEnv(i);
+    PushChunkField(L, i, "route");
+    lua_pushvalue(L, -2);
+    lua_setfield(L, -2, "__index");
+    lua_pushvalue(L, -2);
+    lua_setfield(L, -2, "__newindex");
+    lua_pop(L, 2);
+  }
 }
 
-void LuaRuntime::RouteGlobalsNowhere() {
+void LuaRuntime::RouteAllNowhere() {
   lua_State* L = L_;
-  lua_getfield(L, LUA_REGISTRYINDEX, kRegRoute);
-  lua_pushnil(L);
-  lua_setfield(L, -2, "__index");
-  lua_pushnil(L);
-  lua_setfield(L, -2, "__newindex");
-  lua_pop(L, 1);
+  for (int i = 1; i <= chunks_; ++i) {
+    PushChunkField(L, i, "route");
+    lua_pushnil(L);
+    lua_setfield(L, -2, "__index");
+    lua_pushnil(L);
+    lua_setfield(L, -2, "__newindex");
+    lua_pop(L, 1);
+  }
 }
 
 absl::Status LuaRuntime::ProtectedCall(std::string_view what, int nargs, int nresults) {
   lua_State* L = L_;
   const int func = lua_gettop(L) - nargs;
   FERRY_CHECK(func >= 1);
-  lua_pushcfunction(L, TracebackHandler);
+  lua_pushcfunction(L, policy_internal::TracebackHandler);
   lua_insert(L, func);  // handler below the function
 
   budget_.instructions = 0;
@@ -445,7 +172,7 @@ absl::Status LuaRuntime::ProtectedCall(std::string_view what, int nargs, int nre
   budget_.hook_interval = static_cast<int>(std::min<int64_t>(1000, options_.instruction_limit));
   budget_.memory_refused = false;
   budget_.c_stack_base = reinterpret_cast<uintptr_t>(__builtin_frame_address(0));
-  lua_sethook(L, CountHook, LUA_MASKCOUNT | LUA_MASKCALL, budget_.hook_interval);
+  lua_sethook(L, policy_internal::CountHook, LUA_MASKCOUNT | LUA_MASKCALL, budget_.hook_interval);
   budget_.enforce = true;
   const int rc = lua_pcall(L, nargs, nresults, func);
   budget_.enforce = false;
@@ -461,8 +188,7 @@ absl::Status LuaRuntime::ProtectedCall(std::string_view what, int nargs, int nre
   lua_pop(L, 1);
   FERRY_CHECK(lua_gettop(L) == func - 1) << name_ << ": " << what;
   lua_gc(L, LUA_GCCOLLECT, 0);  // give back what the failed call held before the next one
-  const std::string prefix =
-      absl::StrCat(name_, ": ", absl::string_view(what.data(), what.size()), ": ");
+  const std::string prefix = absl::StrCat(name_, ": ", AV(what), ": ");
   if (rc == LUA_ERRMEM) {
     return absl::ResourceExhaustedError(absl::StrCat(prefix, "memory limit of ",
                                                      options_.memory_limit_bytes,
@@ -479,79 +205,281 @@ absl::Status LuaRuntime::ProtectedCall(std::string_view what, int nargs, int nre
   return absl::InvalidArgumentError(absl::StrCat(prefix, message));
 }
 
-absl::Status LuaRuntime::Load(std::string_view source, const std::string& lua_chunk_name) {
+absl::Status LuaRuntime::CompileChunk(std::string_view source, const std::string& lua_chunk_name,
+                                      std::string_view display) {
   lua_State* L = L_;
-  StackRestorer restore(L);
+  const bool enforce = budget_.enforce;
   budget_.enforce = true;
   const int rc = luaL_loadbufferx(L, source.data(), source.size(), lua_chunk_name.c_str(), "t");
-  budget_.enforce = false;
+  budget_.enforce = enforce;
   if (rc != 0) {
     std::string message = lua_type(L, -1) == LUA_TSTRING ? lua_tostring(L, -1) : "(no message)";
+    lua_pop(L, 1);
     if (rc == LUA_ERRMEM) {
       return absl::ResourceExhaustedError(
-          absl::StrCat(name_, ": memory limit exceeded while compiling (", message, ")"));
+          absl::StrCat(AV(display), ": memory limit exceeded while compiling (", message, ")"));
     }
     // Mode "t" is what refuses bytecode; say so in words.
     if (!source.empty() && source[0] == LUA_SIGNATURE[0]) {
       return absl::InvalidArgumentError(absl::StrCat(
-          name_,
+          AV(display),
           ": is a precompiled (bytecode) chunk; policies are loaded from Lua source text "
           "only (",
           message, ")"));
     }
-    return absl::InvalidArgumentError(absl::StrCat(name_, ": cannot load: ", message));
+    return absl::InvalidArgumentError(absl::StrCat(AV(display), ": cannot load: ", message));
   }
-  // The chunk (and every function it creates) sees globals through the proxy.
-  lua_getfield(L, LUA_REGISTRYINDEX, kRegProxy);
-  lua_setfenv(L, -2);
+  const int fn = lua_gettop(L);
+  // The chunk (and every function it creates) sees globals through its proxy, whose metatable
+  // routes them to the environment of the current call.
+  const int chunk = ++chunks_;
+  lua_getfield(L, LUA_REGISTRYINDEX, kRegChunks);
+  lua_createtable(L, 0, 3);
+  lua_newtable(L);  // proxy
+  lua_createtable(L, 0, 3);  // route
+  lua_pushstring(L, kProtected);
+  lua_setfield(L, -2, "__metatable");
+  lua_pushvalue(L, -1);
+  lua_setfield(L, -4, "route");
+  lua_setmetatable(L, -2);
+  lua_pushvalue(L, -1);
+  lua_setfield(L, -3, "proxy");
+  lua_setfenv(L, fn);
+  lua_rawseti(L, -2, chunk);
+  lua_pop(L, 1);
   // Top-level globals land in a table of their own, which later calls see (shallow-copied).
   lua_newtable(L);
-  lua_pushvalue(L, -1);
-  lua_setfield(L, LUA_REGISTRYINDEX, kRegGlobals);
+  const int globals = lua_gettop(L);
   lua_createtable(L, 0, 2);
-  PushFreshEnv();
+  PushFreshEnv(chunk);
   lua_setfield(L, -2, "__index");
   lua_pushstring(L, kProtected);
   lua_setfield(L, -2, "__metatable");
-  lua_setmetatable(L, -2);
-  RouteGlobalsTo();
-  absl::Status status = ProtectedCall("top level", 0, 1);
-  RouteGlobalsNowhere();
+  lua_setmetatable(L, globals);
+  PushChunkField(L, chunk, "route");
+  lua_pushvalue(L, globals);
+  lua_setfield(L, -2, "__index");
+  lua_pushvalue(L, globals);
+  lua_setfield(L, -2, "__newindex");
+  lua_pop(L, 1);
+  lua_getfield(L, LUA_REGISTRYINDEX, kRegChunks);
+  lua_rawgeti(L, -1, chunk);
+  lua_pushvalue(L, globals);
+  lua_setfield(L, -2, "globals");
+  lua_pop(L, 3);  // record, chunks, globals
+  FERRY_CHECK(lua_gettop(L) == fn);
+  return absl::OkStatus();
+}
+
+absl::Status LuaRuntime::CheckForwards(const Loading& chunk, const DeclaredArgs& declared,
+                                       std::string_view who) const {
+  if (!declared.has_value()) return absl::OkStatus();
+  for (const Loading::Forward& f : chunk.forwards) {
+    for (const auto& [arg, description] : f.declared) {
+      if (!declared->contains(arg)) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            AV(who), ": ", f.where, "ferry.policy(\"", f.base,
+            "\") shares this policy's args with the base, which takes \"", arg,
+            "\"; declare it in this policy's args too (it shares ",
+            policy_internal::KnownArgs(f.declared), "; args = base.args declares them)"));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status LuaRuntime::Load(std::string_view source, const std::string& lua_chunk_name,
+                              const std::string& file) {
+  lua_State* L = L_;
+  StackRestorer restore(L);
+  loading_.clear();
+  if (!file.empty()) {
+    loading_.push_back({file, policy_internal::RealPath(file), policy_internal::DirectoryOf(file), {}});
+    files_.push_back(file);
+  } else {
+    loading_.push_back({});
+  }
+  absl::Status status = CompileChunk(source, lua_chunk_name, name_);
+  if (status.ok()) status = ProtectedCall("top level", 0, 1);
+  RouteAllNowhere();
+  const Loading top = std::move(loading_.back());
+  loading_.clear();
   FERRY_RETURN_IF_ERROR(status);
 
-  // The module table: hook name -> function.
+  // The module table: hook name -> function, and the args declaration.
   const int module = lua_gettop(L);
-  if (lua_type(L, module) != LUA_TTABLE) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(name_, ": the chunk returned ", luaL_typename(L, module),
-                     "; expected a table of hooks (", kHookList, ")"));
-  }
+  FERRY_RETURN_IF_ERROR(policy_internal::ReadModule(L, module, name_, &declared_args_));
+  FERRY_RETURN_IF_ERROR(CheckForwards(top, declared_args_, name_));
   lua_getfield(L, LUA_REGISTRYINDEX, kRegHooks);
   const int hooks = lua_gettop(L);
-  lua_pushnil(L);
-  while (lua_next(L, module) != 0) {
-    if (lua_type(L, -2) != LUA_TSTRING) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(name_, ": the returned table has a ", luaL_typename(L, -2),
-                       " key; expected only hook names (", kHookList, ")"));
-    }
-    const std::string key = lua_tostring(L, -2);
-    const bool known =
-        std::find(std::begin(kHookNames), std::end(kHookNames), key) != std::end(kHookNames);
-    if (!known) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(name_, ": the returned table has unknown hook \"", key,
-                       "\"; expected ", kHookList));
-    }
-    if (lua_type(L, -1) != LUA_TFUNCTION) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          name_, ": hook \"", key, "\" is a ", luaL_typename(L, -1), "; expected a function"));
-    }
-    lua_pushvalue(L, -2);
-    lua_insert(L, -2);
+  for (std::string_view hook : kHookNames) {
+    lua_pushlstring(L, hook.data(), hook.size());
+    lua_pushvalue(L, -1);
+    lua_rawget(L, module);
     lua_rawset(L, hooks);
   }
   return absl::OkStatus();
+}
+
+int LuaRuntime::PolicyFunction(lua_State* L) {
+  lua_getfield(L, LUA_REGISTRYINDEX, kRegRuntime);
+  auto* rt = static_cast<LuaRuntime*>(lua_touserdata(L, -1));
+  lua_pop(L, 1);
+  if (rt->LoadBase(L)) return 1;
+  // The message is on top; prefix where ferry.policy was called (the calling file when a tail call
+  // left no line to name). No C++ object is alive here.
+  luaL_where(L, 1);
+  if (lua_objlen(L, -1) == 0 && !rt->loading_.empty() && !rt->loading_.back().path.empty()) {
+    lua_pop(L, 1);
+    lua_pushfstring(L, "%s: ", rt->loading_.back().path.c_str());
+  }
+  lua_insert(L, -2);
+  lua_concat(L, 2);
+  return lua_error(L);
+}
+
+bool LuaRuntime::LoadBase(lua_State* L) {
+  std::string error;
+  if (LoadBaseChecked(L, &error)) return true;
+  lua_pushlstring(L, error.data(), error.size());
+  return false;
+}
+
+bool LuaRuntime::LoadBaseChecked(lua_State* L, std::string* error) {
+  const int nargs = lua_gettop(L);
+  if (nargs < 1 || lua_type(L, 1) != LUA_TSTRING) {
+    *error = "ferry.policy(name [, args]): name must be a string, e.g. \"offload_fraction\"";
+    return false;
+  }
+  const std::string name(lua_tostring(L, 1));
+  const std::string call = absl::StrCat("ferry.policy(", policy_internal::Quote(name), ")");
+  if (nargs >= 2 && lua_type(L, 2) != LUA_TTABLE && lua_type(L, 2) != LUA_TNIL) {
+    *error = absl::StrCat(call, ": args is ", policy_internal::Describe(L, 2),
+                          "; expected a table of args, or nothing to share this policy's args");
+    return false;
+  }
+  if (loading_.empty()) {
+    *error = absl::StrCat(call, ": ferry.policy can only be called from a policy's top level, "
+                                "while it loads (not from a hook)");
+    return false;
+  }
+  absl::StatusOr<policy_internal::ResolvedPolicy> resolved =
+      policy_internal::ResolvePolicyName(name, loading_.back().dir, shipped_dir_);
+  if (!resolved.ok()) {
+    *error = absl::StrCat(call, ": ", resolved.status().message());
+    return false;
+  }
+  for (size_t i = 0; i < loading_.size(); ++i) {
+    if (loading_[i].canonical == resolved->canonical) {
+      std::vector<std::string> chain;
+      for (size_t j = i; j < loading_.size(); ++j) chain.push_back(loading_[j].path);
+      chain.push_back(resolved->path);
+      *error = absl::StrCat(call, ": a cycle of policies, refused: ", absl::StrJoin(chain, " -> "));
+      return false;
+    }
+  }
+  absl::StatusOr<std::string> source = policy_internal::ReadPolicyFile(resolved->path);
+  if (!source.ok()) {
+    *error = absl::StrCat(call, ": ", source.status().message());
+    return false;
+  }
+  // Fixed args: strings (numbers and booleans as their text).
+  std::map<std::string, std::string> fixed;
+  const bool forward = nargs < 2 || lua_type(L, 2) == LUA_TNIL;
+  if (!forward) {
+    lua_pushnil(L);
+    while (lua_next(L, 2) != 0) {
+      const int vt = lua_type(L, -1);
+      if (lua_type(L, -2) != LUA_TSTRING ||
+          (vt != LUA_TSTRING && vt != LUA_TNUMBER && vt != LUA_TBOOLEAN)) {
+        *error = absl::StrCat(call, ": args has ", policy_internal::Describe(L, -2), " = ",
+                              policy_internal::Describe(L, -1),
+                              "; expected arg names mapped to strings (or numbers, booleans)");
+        lua_pop(L, 2);
+        return false;
+      }
+      std::string value = vt == LUA_TBOOLEAN ? (lua_toboolean(L, -1) ? "true" : "false")
+                                             : std::string(lua_tostring(L, -1));  // a copy: the
+      fixed.emplace(std::string(policy_internal::StringAt(L, -2)), std::move(value));  // key stays
+      lua_pop(L, 1);
+    }
+  }
+  files_.push_back(resolved->path);
+  absl::Status compiled = CompileChunk(*source, absl::StrCat("@", resolved->path), resolved->path);
+  if (!compiled.ok()) {
+    *error = absl::StrCat(call, ": ", compiled.message());
+    return false;
+  }
+  loading_.push_back({resolved->path, resolved->canonical, resolved->dir, {}});
+  // No message handler: the base's error names its file and line; the policy's protected call
+  // adds the traceback once the error reaches it.
+  const int rc = lua_pcall(L, 0, 1, 0);
+  const Loading base = std::move(loading_.back());
+  loading_.pop_back();
+  if (rc != 0) {
+    *error = absl::StrCat(call, ": ", lua_type(L, -1) == LUA_TSTRING ? lua_tostring(L, -1) : "(no message)");
+    lua_pop(L, 1);
+    return false;
+  }
+  const int module = lua_gettop(L);
+  DeclaredArgs declared;
+  absl::Status s = policy_internal::ReadModule(L, module, resolved->path, &declared);
+  if (s.ok()) s = CheckForwards(base, declared, resolved->path);
+  if (s.ok() && !forward) s = policy_internal::CheckArgsAgainst(resolved->path, declared, fixed);
+  if (!s.ok()) {
+    *error = absl::StrCat(call, ": ", s.message());
+    return false;
+  }
+  // The args the base shares with this policy: those it declares and is not given here.
+  DeclaredArgs shared;
+  if (declared.has_value()) {
+    shared.emplace();
+    for (const auto& [k, v] : *declared) {
+      if (!fixed.contains(k)) shared->emplace(k, v);
+    }
+  }
+  if (shared.has_value() && !shared->empty()) {
+    loading_.back().forwards.push_back({name, "", *shared});
+    lua_Debug ar;
+    if (lua_getstack(L, 1, &ar) != 0 && lua_getinfo(L, "Sl", &ar) != 0 && ar.currentline > 0) {
+      loading_.back().forwards.back().where = absl::StrCat(ar.short_src, ":", ar.currentline, ": ");
+    }
+  }
+  // The result: each hook wrapped to see the base's args, and the args it shares (base.args).
+  lua_newtable(L);
+  const int result = lua_gettop(L);
+  int args_table = 0;
+  if (!forward) {
+    lua_createtable(L, 0, static_cast<int>(fixed.size()));
+    for (const auto& [k, v] : fixed) {
+      lua_pushlstring(L, k.data(), k.size());
+      lua_pushlstring(L, v.data(), v.size());
+      lua_rawset(L, -3);
+    }
+    args_table = lua_gettop(L);
+  }
+  for (std::string_view hook : kHookNames) {
+    lua_pushlstring(L, hook.data(), hook.size());
+    lua_rawget(L, module);
+    if (lua_type(L, -1) == LUA_TFUNCTION) {
+      policy_internal::PushHookWrapper(L, lua_gettop(L), args_table, shared);
+      lua_setfield(L, result, std::string(hook).c_str());
+    }
+    lua_pop(L, 1);
+  }
+  if (shared.has_value()) {
+    lua_createtable(L, 0, static_cast<int>(shared->size()));
+    for (const auto& [k, v] : *shared) {
+      lua_pushlstring(L, k.data(), k.size());
+      lua_pushlstring(L, v.data(), v.size());
+      lua_rawset(L, -3);
+    }
+    lua_setfield(L, result, "args");
+  }
+  lua_settop(L, result);
+  lua_replace(L, 1);
+  lua_settop(L, 1);
+  return true;
 }
 
 bool LuaRuntime::HasHook(std::string_view hook) const {
@@ -571,10 +499,12 @@ std::string LuaRuntime::HookLocation(std::string_view hook) const {
   lua_pushlstring(L, hook.data(), hook.size());
   lua_rawget(L, -2);
   FERRY_CHECK(lua_type(L, -1) == LUA_TFUNCTION) << name_ << " has no hook " << hook;
+  policy_internal::UnwrapHook(L);
   lua_Debug ar;
   if (lua_getinfo(L, ">S", &ar) == 0 || ar.source == nullptr) return name_;
   // "@path" for files, "=name" for LoadString: drop the marker, keep the whole name.
   const char* source = ar.source[0] == '@' || ar.source[0] == '=' ? ar.source + 1 : ar.source;
+  if (ar.linedefined < 0) return source;  // a C function
   return absl::StrCat(source, ":", ar.linedefined);
 }
 
@@ -592,11 +522,9 @@ absl::Status LuaRuntime::CallHook(std::string_view hook,
   lua_remove(L, -2);
   FERRY_CHECK(lua_type(L, -1) == LUA_TFUNCTION) << name_ << " has no hook " << hook;
   const int nargs = push_args(L);
-  PushFreshEnv();
-  RouteGlobalsTo();
-  absl::Status status =
-      ProtectedCall(absl::StrCat(absl::string_view(hook.data(), hook.size()), "()"), nargs, 1);
-  RouteGlobalsNowhere();
+  RouteAllToFreshEnvs();
+  absl::Status status = ProtectedCall(absl::StrCat(AV(hook), "()"), nargs, 1);
+  RouteAllNowhere();
   FERRY_RETURN_IF_ERROR(status);
   return read_result(L, lua_gettop(L));
 }

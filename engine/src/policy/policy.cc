@@ -17,6 +17,7 @@
 #include "base/errors.h"
 #include "ferry/status.h"
 #include "policy/lua_runtime.h"
+#include "policy/policy_loader.h"
 #include "policy/lua_values.h"
 
 #if __has_include(<luajit-2.1/lua.hpp>)
@@ -168,26 +169,13 @@ absl::Status CheckSubset(const Checker& c, std::string_view what,
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::string> ReadFile(const std::string& path) {
-  std::FILE* f = std::fopen(path.c_str(), "rb");
-  if (f == nullptr) return PosixError(absl::StrCat("cannot open policy ", path), errno);
-  std::string data;
-  char buffer[1 << 14];
-  size_t n = 0;
-  while ((n = std::fread(buffer, 1, sizeof(buffer), f)) > 0) data.append(buffer, n);
-  const bool failed = std::ferror(f) != 0;
-  const int err = errno;
-  std::fclose(f);
-  if (failed) return PosixError(absl::StrCat("cannot read policy ", path), err);
-  return data;
-}
-
 absl::StatusOr<std::unique_ptr<LuaRuntime>> MakeRuntime(std::string name, std::string_view source,
                                                         const std::string& lua_chunk_name,
+                                                        const std::string& file,
                                                         const PolicyOptions& options) {
   FERRY_ASSIGN_OR_RETURN(std::unique_ptr<LuaRuntime> lua,
                          LuaRuntime::Create(std::move(name), options));
-  FERRY_RETURN_IF_ERROR(lua->Load(source, lua_chunk_name));
+  FERRY_RETURN_IF_ERROR(lua->Load(source, lua_chunk_name, file));
   return lua;
 }
 
@@ -200,9 +188,9 @@ Policy::~Policy() = default;
 
 absl::StatusOr<std::unique_ptr<Policy>> Policy::LoadFile(const std::string& path,
                                                          const PolicyOptions& options) {
-  FERRY_ASSIGN_OR_RETURN(std::string source, ReadFile(path));
+  FERRY_ASSIGN_OR_RETURN(std::string source, policy_internal::ReadPolicyFile(path));
   FERRY_ASSIGN_OR_RETURN(std::unique_ptr<LuaRuntime> lua,
-                         MakeRuntime(path, source, absl::StrCat("@", path), options));
+                         MakeRuntime(path, source, absl::StrCat("@", path), path, options));
   return std::unique_ptr<Policy>(new Policy(path, std::move(lua)));
 }
 
@@ -211,15 +199,30 @@ absl::StatusOr<std::unique_ptr<Policy>> Policy::LoadString(std::string_view sour
                                                            const PolicyOptions& options) {
   std::string name(chunk_name);
   FERRY_ASSIGN_OR_RETURN(std::unique_ptr<LuaRuntime> lua,
-                         MakeRuntime(name, source, absl::StrCat("=", name), options));
+                         MakeRuntime(name, source, absl::StrCat("=", name), "", options));
   return std::unique_ptr<Policy>(new Policy(std::move(name), std::move(lua)));
 }
 
 bool Policy::has_hook(std::string_view name) const { return lua_->HasHook(name); }
 
+std::string Policy::hook_location(std::string_view name) const {
+  return has_hook(name) ? lua_->HookLocation(name) : "";
+}
+
+const std::vector<std::string>& Policy::files() const { return lua_->files(); }
+
+const std::optional<std::map<std::string, std::string>>& Policy::declared_args() const {
+  return lua_->declared_args();
+}
+
+absl::Status Policy::CheckArgs(const std::map<std::string, std::string>& args) const {
+  return policy_internal::CheckArgsAgainst(path_, lua_->declared_args(), args);
+}
+
 absl::StatusOr<Placement> Policy::Place(absl::Span<const GroupInfo> groups,
                                         const PolicyContext& ctx) {
   Checker c(path_, "place");
+  FERRY_RETURN_IF_ERROR(CheckArgs(ctx.args));
   const std::vector<std::string> names = GroupNames(groups);
   FERRY_ASSIGN_OR_RETURN(auto index, IndexNames(c, "group", names));
   Placement placement;
@@ -305,6 +308,7 @@ absl::StatusOr<SyncPlan> Policy::AfterLoad(const LoadEvent& event,
                                            absl::Span<const GroupInfo> groups,
                                            const PolicyContext& ctx) {
   Checker c(path_, "after_load");
+  FERRY_RETURN_IF_ERROR(CheckArgs(ctx.args));
   const std::vector<std::string> names = GroupNames(groups);
   FERRY_ASSIGN_OR_RETURN(auto index, IndexNames(c, "group", names));
   FERRY_RETURN_IF_ERROR(IndexNames(c, "event group", event.groups).status());
@@ -381,6 +385,7 @@ absl::StatusOr<SyncPlan> Policy::AfterLoad(const LoadEvent& event,
 absl::StatusOr<CheckpointPlan> Policy::Checkpoint(const CheckpointInfo& info,
                                                   const PolicyContext& ctx) {
   Checker c(path_, "checkpoint");
+  FERRY_RETURN_IF_ERROR(CheckArgs(ctx.args));
   FERRY_ASSIGN_OR_RETURN(auto index, IndexNames(c, "group", info.groups));
   FERRY_RETURN_IF_ERROR(IndexNames(c, "offloaded group", info.offloaded).status());
   FERRY_RETURN_IF_ERROR(CheckSubset(c, "info.offloaded", info.offloaded, index));
@@ -472,6 +477,7 @@ absl::StatusOr<CheckpointPlan> Policy::Checkpoint(const CheckpointInfo& info,
 
 absl::StatusOr<MoveRequest> Policy::OnStep(const StepStats& stats, const PolicyContext& ctx) {
   Checker c(path_, "on_step");
+  FERRY_RETURN_IF_ERROR(CheckArgs(ctx.args));
   std::vector<std::string> names;
   names.reserve(stats.groups.size());
   for (const GroupStepInfo& g : stats.groups) names.push_back(g.name);

@@ -26,6 +26,19 @@
 // has grown 256 KiB below where the hook call began ("C stack overflow"; kCStackLimitBytes in
 // lua_runtime.cc), so a policy cannot overflow the caller's stack, even a small thread stack.
 //
+// Composition. The sandbox has one more name, ferry.policy(name [, args]), callable from a policy's
+// top level only: it loads a shipped policy ("offload_fraction": <shipped dir>/offload_fraction.lua,
+// PolicyOptions::shipped_policy_dir) or a file of the calling policy's own directory ("x.lua") into
+// this state, with globals of its own, and returns its hooks wrapped so that they see the base's
+// args: the fixed `args` of the call, and of the caller's ctx.args those the base declares and the
+// call does not fix (listed in the returned table's `args`). Absolute paths, any '/', links out of
+// the directory, cycles and missing files are refused (InvalidArgument / NotFound, naming the call
+// and the file). The base's top level and hooks count against the same limits as the policy's.
+//
+// Declared args. A returned table may declare `args = { name = "description", ... }`; then every
+// hook refuses ctx.args holding a name not declared (InvalidArgument naming it and the known ones).
+// A policy that shares args with a base (above) must declare the shared ones too.
+//
 // Results are read raw (metatables on returned tables are ignored) and validated completely; an
 // error names the policy, the hook, the field, and what was expected versus found, and ends with
 // where the hook is defined ("(hook defined at file:line)").
@@ -33,9 +46,12 @@
 #define FERRY_POLICY_POLICY_H_
 
 #include <cstdint>
+#include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
@@ -52,6 +68,9 @@ struct PolicyOptions {
   // the call fails with ResourceExhausted). The idle state itself takes ~100 KiB; garbage not yet
   // collected counts too (LuaJIT's collector keeps it within about twice the live data).
   int64_t memory_limit_bytes = int64_t{64} << 20;
+  // Where ferry.policy("name") finds shipped policies. Empty: $FERRY_POLICY_DIR, else the source
+  // tree's scripts/policies when it exists, else the install tree's share/ferry/policies.
+  std::string shipped_policy_dir;
 };
 
 // Thread-safety: one thread at a time (the Lua state is not shareable). Different Policy objects
@@ -79,6 +98,19 @@ class Policy final {
   const std::string& path() const { return path_; }
   // Whether the policy defines hook `name` ("place", "after_load", "checkpoint" or "on_step").
   bool has_hook(std::string_view name) const;
+  // Where hook `name` is defined, "file:line" (a hook taken over from a base through ferry.policy
+  // names the base's file); "" when the policy has no such hook.
+  std::string hook_location(std::string_view name) const;
+  // Every file this policy loaded: its own (LoadFile) first, then the bases of ferry.policy calls
+  // in the order they ran. A hot reload (Engine::ReloadPolicy) reads them all again.
+  const std::vector<std::string>& files() const;
+  // The args the policy declares (`args = { name = "description", ... }` in its returned table), or
+  // nullopt when it declares none (then any args are accepted).
+  const std::optional<std::map<std::string, std::string>>& declared_args() const;
+  // InvalidArgument naming the first arg of `args` the policy does not declare, and the ones it
+  // does ("<path>: unknown arg \"fracton\" (fracton=0.25); it takes fraction, numa"). OK when all
+  // are declared or the policy declares none. Every hook below checks ctx.args this way first.
+  absl::Status CheckArgs(const std::map<std::string, std::string>& args) const;
 
   // Hooks. Each validates its inputs (group names non-empty and unique: InvalidArgument otherwise),
   // calls the Lua hook if the policy has one, and validates the result completely. On any error the
