@@ -10,18 +10,27 @@ __all__ = ["FP32_ULPS", "Net", "assert_close_to", "assert_same_bits", "batches",
 
 
 class Block(nn.Module):
-    def __init__(self, d):
+    """tanh(fc(x)); with `shared` (a Parameter other blocks hold too, as tied weights are) added to
+    its input ("in") or multiplied into its output ("out")."""
+
+    def __init__(self, d, shared=None, where=None):
         super().__init__()
         self.fc = nn.Linear(d, d)
+        if shared is not None:
+            self.shared = shared
+        self.where = where
 
     def forward(self, x):
-        return torch.tanh(self.fc(x))
+        if self.where == "in":
+            x = x + self.shared
+        y = torch.tanh(self.fc(x))
+        return y * self.shared if self.where == "out" else y
 
 
 class Net(nn.Module):
     """Every case of the announcing rule in one model:
       blocks[0], blocks[2]: plain layers;
-      blocks[1] with `shared`, a Parameter that blocks 1 and 2 both use (it gets two contributions);
+      `shared`: one Parameter held by blocks 1 and 2 (both modules own it; it gets two contributions);
       blocks[3]: a module run twice in one forward;
       frozen: requires_grad=False (weight and bias);
       spare: reached only on odd steps (no grad on even steps);
@@ -30,16 +39,15 @@ class Net(nn.Module):
     def __init__(self, d=12, seed=0):
         super().__init__()
         torch.manual_seed(seed)
-        self.blocks = nn.ModuleList([Block(d) for _ in range(4)])
-        self.shared = nn.Parameter(torch.randn(d))
+        shared = nn.Parameter(torch.randn(d))
+        self.blocks = nn.ModuleList([Block(d), Block(d, shared, "out"), Block(d, shared, "in"), Block(d)])
         self.frozen = nn.Linear(d, d).requires_grad_(False)
         self.spare = nn.Linear(d, d)
         self.head = nn.Linear(d, 1)
 
     def forward(self, x, step):
-        x = self.blocks[0](x)
-        x = self.blocks[1](x) * self.shared
-        x = self.blocks[2](x + self.shared)
+        for block in self.blocks[:3]:
+            x = block(x)
         x = self.blocks[3](self.blocks[3](x))
         x = self.frozen(x)
         if step % 2 == 1:
@@ -54,8 +62,8 @@ def net_groups(net, lr=1e-2, weight_decay=0.1):
     b = net.blocks
     return [
         {"params": list(b[0].parameters())},
-        {"params": list(b[1].parameters()) + [net.shared]},
-        {"params": list(b[2].parameters())},
+        {"params": list(b[1].fc.parameters()) + [b[1].shared]},
+        {"params": list(b[2].fc.parameters())},
         {"params": list(b[3].parameters())},
         {"params": [net.frozen.weight]},
         {"params": list(net.spare.parameters()), "lr": lr * 0.5},

@@ -80,9 +80,10 @@ class Optimizer(StateMixin, torch.optim.Optimizer):
       overlap: announce param groups during the last backward of a step. None (the default): on once
         a step has shown that it is safe and useful: the policy offloads a group, and a step had one
         backward outside accumulate() and nothing changed its grads before step() (clip_grad_norm_,
-        GradScaler.unscale_); a later step that breaks this turns it off again (one warning). True:
-        from the first backward (a step whose announced grads changed recomputes them, one warning).
-        False: never.
+        GradScaler.unscale_); a later step whose grads change in place is recomputed (exact) and
+        turns it off again (one warning). True: from the first backward (a step whose announced grads
+        changed in place recomputes them, one warning). False: never. In both modes a second backward
+        after an announcement raises RuntimeError at once (use accumulate()).
     """
 
     _node_hooks = None  # tests: True forces the AccumulateGrad-node hooks of torch < 2.1
@@ -277,7 +278,10 @@ class Optimizer(StateMixin, torch.optim.Optimizer):
             changed = tracker.changed_since_backward(announced_ks)
             if changed is not None:
                 late = ("an in-place change (clip_grad_norm_? GradScaler.unscale_?)", changed)
-        unsafe = late is not None or tracker.backwards > 1 or tracker.changed_since_backward(range(n)) is not None
+        # overlap=None learns from this step whether the loop keeps the rule (see _end_step).
+        learning = self._overlap is None and not self._overlap_off
+        unsafe = learning and (late is not None or tracker.backwards > 1 or
+                               tracker.changed_since_backward(range(n)) is not None)
         skipped = [k for k in range(n) if not has[k]]
         if skipped and tracker.announced:
             bad = [self._where[k] for k in skipped if self._group_of[k] in tracker.announced]
