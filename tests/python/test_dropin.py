@@ -153,7 +153,8 @@ def test_state_dict_of_another_shape_is_refused(device):
     sd = opt.state_dict()
     bad = copy.deepcopy(sd)
     bad["state"][0]["exp_avg"] = bad["state"][0]["exp_avg"].reshape(33, 64)  # same numel, transposed shape
-    with pytest.raises(ValueError, match=r"state\[0\]\['exp_avg'\] has shape \(33, 64\).*param 0 .* has shape \(64, 33\)"):
+    with pytest.raises(ValueError, match=r"state\[0\]\['exp_avg'\] has shape \(33, 64\).*"
+                                         r"param 0 .* has shape \(64, 33\)"):
         opt.load_state_dict(bad)
     assert torch.equal(opt.state_dict()["state"][0]["exp_avg"], sd["state"][0]["exp_avg"])
 

@@ -292,3 +292,20 @@ def test_hooks_take_no_device_memory_and_no_host_sync(device):
         assert bool(opt._tracker.announced) == overlap
         opt.step()
     assert peaks[1] <= peaks[0], peaks
+
+
+def test_a_dropped_optimizer_leaves_the_params(device):
+    """The hooks hold the optimizer weakly and leave the params when it is collected: the model trains
+    on with another optimizer."""
+    import gc
+    import weakref
+
+    net, opt = make(device, False, overlap=True)
+    train_step(net, opt, 1)
+    gone = weakref.ref(opt)
+    tracker = weakref.ref(opt._tracker)
+    del opt
+    gc.collect()
+    assert gone() is None and tracker() is None
+    ref = torch.optim.AdamW(net_groups(net), lr=1e-2)
+    train_step(net, ref, 2)  # no hook of the old optimizer runs (it would fail on a dead engine)

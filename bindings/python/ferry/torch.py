@@ -149,8 +149,8 @@ class Optimizer(StateMixin, torch.optim.Optimizer):
         self._by_hooks = set()  # groups the hooks announced in this step
         self._waits = None  # attach(): the forward pre-hooks
         self._pending = set()  # attach(): groups whose new params no stream waited for yet
-        self._tracker = _hooks.GradTracker(self._params, self._where, group_of, len(self._groups), self._announce_from_hook,
-                                           node_hooks=self._node_hooks)
+        self._tracker = _hooks.GradTracker(self._params, self._where, group_of, len(self._groups),
+                                           self._announce_from_hook, node_hooks=self._node_hooks)
         self._tracker.announcing = overlap is True
         self._engine = engine
 
@@ -223,7 +223,8 @@ class Optimizer(StateMixin, torch.optim.Optimizer):
 
     def _options(self, loss_scale, max_grad_norm, check_finite):
         options = dict(self._step_defaults)
-        for key, value in (("loss_scale", loss_scale), ("max_grad_norm", max_grad_norm), ("check_finite", check_finite)):
+        given = (("loss_scale", loss_scale), ("max_grad_norm", max_grad_norm), ("check_finite", check_finite))
+        for key, value in given:
             if value is not None:
                 options[key] = value
         return {"loss_scale": float(options["loss_scale"]), "max_grad_norm": float(options["max_grad_norm"]),
