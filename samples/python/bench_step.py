@@ -58,8 +58,8 @@ def main():
                                 policy=args.policy, check_finite=not args.no_check_finite)
     setup = time.perf_counter() - t0
     with torch.no_grad():
-        for p in params:
-            p.grad.normal_(0.0, 1e-3)
+        for p in params:  # this step's grads, assigned (the first step copies them into Ferry's buffers)
+            p.grad = torch.empty_like(p).normal_(0.0, 1e-3)
     offloaded = sum(g["numel"] for g in opt.placement() if g["offloaded"])
     print("%d params in %d %s tensors on %s (%s), policy %s: %d offloaded; optimizer built in %.1f s"
           % (numel, len(params), args.dtype, device, opt.engine.device_name, args.policy, offloaded, setup))
@@ -96,6 +96,8 @@ def main():
     print("vs Megatron HybridDeviceOptimizer's recorded %.3f s (H200, 1B): %.2fx (target >= 1.3x; meaningful at "
           "--numel 1e9 on an H200 only)" % (MEGATRON_HDO_H200_S, MEGATRON_HDO_H200_S / py_s))
     stats = opt.stats()
+    if stats["step"] != 2 * (args.steps + 1):  # every Python and C++ step stepped (none found no grads)
+        raise SystemExit("expected %d steps, the engine took %d" % (2 * (args.steps + 1), stats["step"]))
     if stats["skipped_steps"]:
         print("warning: %d steps were skipped (non-finite grads)" % stats["skipped_steps"])
         return 1

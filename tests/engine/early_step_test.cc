@@ -149,6 +149,47 @@ TEST_P(EarlyStepTest, EarlyAnnouncementsAreBitIdenticalToStepAlone) {
   ASSERT_OK(early->VerifyMasters());
 }
 
+// StepOptions::discard_early: the trainer changed the announced grads after all (a second backward,
+// an in-place clip). Every step announces every group, then the grads change (other values, scaled),
+// and Step with discard_early recomputes each announced group: the same bits as an engine that only
+// steps on the final grads, and no early update kept.
+TEST_P(EarlyStepTest, DiscardEarlyRecomputesFromTheFinalGrads) {
+  Model ref_model(device_.get(), kSizes, 11), early_model(device_.get(), kSizes, 11);
+  auto ref = MakeParam(ref_model);
+  auto early = MakeParam(early_model);
+  ASSERT_TRUE(ref && early);
+  std::vector<std::string> all;
+  for (size_t g = 0; g < kSizes.size(); ++g) all.push_back(GroupName(g));
+  for (int step = 1; step <= 12; ++step) {
+    const StepOptions options{.lr = 1e-3f, .loss_scale = 2.0f};
+    early_model.SetGrads(900 + static_cast<uint64_t>(step));
+    ASSERT_OK(early->GradsReady(all, options));
+    // What the trainer did after announcing: other grads (every other step), scaled (every step).
+    if (step % 2 == 0) early_model.SetGrads(7000 + static_cast<uint64_t>(step));
+    early_model.ScaleGrads(0.5f);
+    ref_model.SetGrads(static_cast<uint64_t>(step % 2 == 0 ? 7000 : 900) + static_cast<uint64_t>(step));
+    ref_model.ScaleGrads(0.5f);
+    StepOptions discard = options;
+    discard.discard_early = true;
+    ASSERT_OK(ref->Step(options));
+    ASSERT_OK(early->Step(discard));
+    for (size_t i = 0; i < kSizes.size(); ++i) {
+      ASSERT_EQ(early_model.Param(i), ref_model.Param(i)) << "step " << step << ", param " << i;
+    }
+  }
+  EXPECT_EQ(early->Stats().early_groups_kept, 0);
+  bool any_offloaded = false;
+  for (const GroupPlacement& g : early->Placement()) any_offloaded = any_offloaded || g.offloaded;
+  if (any_offloaded) {
+    EXPECT_GT(early->Stats().early_groups_recomputed, 0);
+  }
+  absl::StatusOr<std::string> a = ref->SaveCheckpoint(tmp_.path() + "/ref", 12);
+  absl::StatusOr<std::string> b = early->SaveCheckpoint(tmp_.path() + "/early", 12);
+  ASSERT_TRUE(a.ok() && b.ok()) << a.status() << " " << b.status();
+  ASSERT_EQ(ReadAll(*a), ReadAll(*b));
+  ASSERT_OK(early->VerifyMasters());
+}
+
 // The misuses: each a clear error with nothing started or lost, or a defined behaviour.
 TEST_P(EarlyStepTest, MisusesAreClearErrorsAndLoseNothing) {
   constexpr uint64_t kSeed = 11;

@@ -19,7 +19,7 @@ def main():
             raise SystemExit("%s come from %s, not from the install tree %s" % (what, path, prefix))
     p = torch.ones(10, requires_grad=True)
     opt = ferry.torch.Optimizer([p], lr=0.5, weight_decay=0.0, policy="offload_all")
-    p.grad.fill_(2.0)
+    p.grad = torch.full_like(p, 2.0)  # a grad of this step (as a backward would produce)
     opt.step()
     # Adam's first step moves every param by lr against the sign of its grad.
     if not torch.allclose(p.detach(), torch.full((10,), 0.5)):

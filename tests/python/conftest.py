@@ -42,13 +42,11 @@ def grads_for(params, step, seed=1):
 
 
 def set_grads(params, grads):
-    """Copies `grads` into p.grad (in place when there is one, as backward accumulates)."""
+    """Gives each param its grad of this step by assigning p.grad (a grad produced for the step, as a
+    backward's is; ferry.torch does not see grads written into p.grad in place without a backward)."""
     with torch.no_grad():
         for p, g in zip(params, grads):
-            if p.grad is None:
-                p.grad = g.clone()
-            else:
-                p.grad.copy_(g)
+            p.grad = g.clone()
 
 
 def groups_of(params):

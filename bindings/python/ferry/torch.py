@@ -2,9 +2,12 @@
 
     import ferry.torch
     opt = ferry.torch.Optimizer(model.parameters(), lr=3e-4, weight_decay=0.1, policy="offload_all")
-    for x, y in data:
-        loss = loss_fn(model(x), y)
-        loss.backward()
+    opt.attach(model)                     # optional: each layer's forward waits for its own params
+    for batch in data:
+        for micro in batch[:-1]:
+            with opt.accumulate():        # not the last micro-batch: nothing is announced
+                loss_fn(model(micro)).backward()
+        loss_fn(model(batch[-1])).backward()   # announces each param group as its grads are final
         opt.step()          # the engine's step on the current CUDA stream (CPU tensors: host backend)
         opt.zero_grad()     # zeroes the grads in place (see zero_grad)
 
@@ -13,35 +16,60 @@ index across the groups in order, as in torch's state_dict). The Lua policy (`po
 shipped policy's name) places each group's fp32 master and moments on the device or in pinned host
 memory. The math is AdamW's (decoupled weight decay, bias correction) in fp32 on the masters.
 
+Which params step: those that received a grad since the last zero_grad(), from a backward (a hook
+after the grad's accumulation sees it: ferry/_hooks.py) or by assigning p.grad; the others are
+skipped as torch skips a None grad (values, masters and moments kept), whichever zero_grad mode is
+used: frozen params, params a backward did not reach, and every param at a step() before any backward.
+
+Overlap (`overlap=`): during the last backward of a step, each param group whose grads are all final
+is announced to the engine (Engine.grads_ready), so its offloaded update (grad download, CPU Adam,
+param upload) runs during the rest of the backward; step() keeps that work only where it was exact,
+so the result is the same bits as without it. The rule and its cases: ferry/_hooks.py and README.
+
 What differs from torch.optim.AdamW, on purpose:
-  * Grads live in buffers the optimizer owns: at construction every p.grad is set to one, so backward
-    accumulates into it, and zero_grad() zeroes them in place (set_to_none=False is the default). With
-    zero_grad(set_to_none=True), or code that replaces p.grad, the new grad is copied into the buffer at
-    step() (one extra copy per param; correct, slower).
-  * A param whose .grad is None at step() is skipped as torch skips it: its value, master and moments
-    are kept (saved before the engine's step and restored after it). Its bias-correction step is its
-    group's, so when only part of a group is skipped, that param's later steps use a step count one
-    higher than torch's per-param count would be (a whole group skipped keeps its count).
+  * Grads live in buffers the optimizer owns: at construction p.grad of each param that requires grad
+    is set to one, so backward accumulates into it, and zero_grad() zeroes them in place
+    (set_to_none=False is the default; both modes skip params without a grad as torch's None does).
+    With zero_grad(set_to_none=True), or code that replaces p.grad, the new grad is copied into the
+    buffer at step() (one extra copy per param; correct, slower). Grads written into p.grad in place
+    without a backward are not seen: assign p.grad instead.
+  * A skipped param's bias-correction step is its group's, so when only part of a group is skipped,
+    that param's later steps use a step count one higher than torch's per-param count would be (a
+    whole group skipped keeps its count). A step with skipped params synchronizes the host once.
   * betas, eps and weight_decay of a group are fixed at construction (the engine's group settings);
     changing them in param_groups raises ValueError at step(). lr may change at every step (schedulers).
   * state_dict() holds fp32 CPU tensors: 'exp_avg', 'exp_avg_sq', 'step' (a float tensor), and
     'master' for params that are not fp32. self.state stays empty: the state lives in the engine.
+  * A step skipped because a grad is NaN/Inf (check_finite) changes nothing and warns once
+    (stats()['skipped_steps'] counts them).
+  * The optimizer cannot be copied or pickled (copy.deepcopy, torch.save(opt)): save its state_dict().
 """
+import contextlib
+import os
+import sys
 import warnings
 
 import torch
 
 import ferry
-
-_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-_FIXED = ("betas", "eps", "weight_decay")
-
-
-def _where(param_index, group_index, in_group):
-    return "param %d (param_groups[%d]['params'][%d])" % (param_index, group_index, in_group)
+from . import _attach, _checks, _hooks
+from ._state import FIXED, StateMixin
 
 
-class Optimizer(torch.optim.Optimizer):
+_INTERNAL = (os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.abspath(torch.__file__)))
+
+
+def _caller_level():
+    """warnings.warn's stacklevel (seen from _warn_once) of the first frame outside ferry and torch:
+    the trainer's line."""
+    level, frame = 2, sys._getframe(2)
+    while frame is not None and frame.f_code.co_filename.startswith(_INTERNAL):
+        frame = frame.f_back
+        level += 1
+    return level
+
+
+class Optimizer(StateMixin, torch.optim.Optimizer):
     """AdamW on Ferry's engine; see the module's documentation.
 
     Arguments as torch.optim.AdamW's (params or param groups, lr, betas, eps, weight_decay), and:
@@ -49,31 +77,37 @@ class Optimizer(torch.optim.Optimizer):
         None: every group on the device) and its ctx.args (values given as text).
       loss_scale, max_grad_norm, check_finite: the defaults of step()'s options of the same names.
       transfer_chunk_bytes, cpu_threads, numa, trace_path: EngineOptions (0 / "": Ferry's defaults).
+      overlap: announce param groups during the last backward of a step. None (the default): on once
+        a step has shown that it is safe and useful: the policy offloads a group, and a step had one
+        backward outside accumulate() and nothing changed its grads before step() (clip_grad_norm_,
+        GradScaler.unscale_); a later step whose grads change in place is recomputed (exact) and
+        turns it off again (one warning). True: from the first backward (a step whose announced grads
+        changed in place recomputes them, one warning). False: never. In both modes a second backward
+        after an announcement raises RuntimeError at once (use accumulate()).
     """
+
+    _node_hooks = None  # tests: True forces the AccumulateGrad-node hooks of torch < 2.1
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, *, policy=None,
                  policy_args=None, loss_scale=1.0, max_grad_norm=0.0, check_finite=True, transfer_chunk_bytes=0,
-                 cpu_threads=0, numa="", trace_path=""):
-        if not 0.0 <= lr:
-            raise ValueError("Invalid learning rate: {}".format(lr))
-        if not 0.0 <= eps:
-            raise ValueError("Invalid epsilon value: {}".format(eps))
-        for i, b in enumerate(betas):
-            if not 0.0 <= b < 1.0:
-                raise ValueError("Invalid beta parameter at index {}: {}".format(i, b))
-        if not 0.0 <= weight_decay:
-            raise ValueError("Invalid weight_decay value: {}".format(weight_decay))
+                 cpu_threads=0, numa="", trace_path="", overlap=None):
+        _checks.check_arguments(lr, betas, eps, weight_decay, cpu_threads, transfer_chunk_bytes, overlap, numa,
+                                trace_path)
         self._engine = None
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+        for gi, group in enumerate(self.param_groups):
+            _checks.check_group(gi, group)
         self._step_defaults = dict(loss_scale=float(loss_scale), max_grad_norm=float(max_grad_norm),
                                    check_finite=bool(check_finite))
         self._params = []
         self._where = []
+        group_of = []
         for gi, group in enumerate(self.param_groups):
             for k, p in enumerate(group["params"]):
-                self._where.append(_where(len(self._params), gi, k))
+                self._where.append(_checks.where(len(self._params), gi, k))
                 self._params.append(p)
-        device = self._check_params()
+                group_of.append(gi)
+        device = _checks.check_params(self._params, self._where)
         self._cuda = device.type == "cuda"
         self._device = device
         engine = ferry.Engine(policy=ferry.policy_path(policy),
@@ -88,59 +122,39 @@ class Optimizer(torch.optim.Optimizer):
             b1, b2 = group["betas"]
             engine.add_group(self._groups[gi], weight_decay=float(group["weight_decay"]), beta1=float(b1),
                              beta2=float(b2), eps=float(group["eps"]))
-            self._fixed.append({k: group[k] for k in _FIXED})
-        # The grad buffers the engine reads: p.grad points at them once the engine is built (nothing
-        # changes when building it fails).
+            self._fixed.append({k: group[k] for k in FIXED})
+        # The grad buffers the engine reads: p.grad of each param that requires grad points at its
+        # buffer once the engine is built (nothing changes when building it fails).
         self._grads = []
-        k = 0
         with torch.no_grad():
-            for gi, group in enumerate(self.param_groups):
-                for p in group["params"]:
-                    buf = torch.zeros_like(p, memory_format=torch.contiguous_format)
-                    if p.grad is not None:
-                        buf.copy_(p.grad)
-                    self._grads.append(buf)
-                    engine.add_param("p%d" % k, self._groups[gi], list(p.shape) or [1], _DTYPES[p.dtype],
-                                     p.data_ptr(), buf.data_ptr())
-                    k += 1
+            for k, p in enumerate(self._params):
+                buf = torch.zeros_like(p, memory_format=torch.contiguous_format)
+                self._grads.append(buf)
+                engine.add_param("p%d" % k, self._groups[group_of[k]], list(p.shape) or [1], _checks.DTYPES[p.dtype],
+                                 p.data_ptr(), buf.data_ptr())
         engine.finalize()
         for p, buf in zip(self._params, self._grads):
-            p.grad = buf
+            if p.grad is None and p.requires_grad:
+                p.grad = buf
+        self._zeroed = [buf._version for buf in self._grads]
         self._signature = [self._signature_of(p) for p in self._params]
         self._group_sizes = [len(g["params"]) for g in self.param_groups]
         self._group_start = [sum(self._group_sizes[:gi]) for gi in range(len(self._group_sizes))]
-        self._group_of = [self._groups[gi] for gi, n in enumerate(self._group_sizes) for _ in range(n)]
-        self._announced = set()  # groups given to grads_ready() since the last step()
+        self._group_of = group_of
+        self._offloaded = any(g["offloaded"] for g in engine.placement())
+        self._overlap = overlap
+        self._overlap_off = False  # overlap=None: turned off for good by a step that was not safe
+        self._warned = set()
+        self._step_lrs = None  # the lrs of the announcements of this step (checked once per step)
+        self._by_hooks = set()  # groups the hooks announced in this step
+        self._waits = None  # attach(): the forward pre-hooks
+        self._pending = set()  # attach(): groups whose new params no stream waited for yet
+        self._tracker = _hooks.GradTracker(self._params, self._where, group_of, len(self._groups),
+                                           self._announce_from_hook, node_hooks=self._node_hooks)
+        self._tracker.announcing = overlap is True
         self._engine = engine
 
-    # ---- construction checks ------------------------------------------------------------------------
-
-    def _check_params(self):
-        """The one device of every param; errors name the first param at fault."""
-        if not self._params:
-            raise ValueError("ferry.torch.Optimizer got an empty parameter list")
-        first = None
-        for p, where in zip(self._params, self._where):
-            if not isinstance(p, torch.Tensor):
-                raise TypeError("%s is a %s, not a torch.Tensor" % (where, type(p).__name__))
-            if p.device.type not in ("cpu", "cuda"):
-                raise ValueError("%s is on %s: Ferry takes CPU tensors (host backend) or CUDA tensors" % (where, p.device))
-            if first is None:
-                first = (p.device, where)
-            elif p.device != first[0]:
-                raise ValueError("%s is on %s, but %s is on %s: every param of one optimizer must be on one device"
-                                 % (where, p.device, first[1], first[0]))
-            if p.dtype not in _DTYPES:
-                raise TypeError("%s has dtype %s: Ferry's params are torch.float32, torch.bfloat16 or torch.float16"
-                                % (where, p.dtype))
-            if p.is_sparse or p.layout != torch.strided:
-                raise ValueError("%s is not a dense (strided) tensor" % where)
-            if not p.is_contiguous():
-                raise ValueError("%s is not contiguous (strides %s): Ferry updates params as flat memory; pass "
-                                 "contiguous tensors" % (where, tuple(p.stride())))
-            if p.numel() == 0:
-                raise ValueError("%s has no elements (shape %s)" % (where, tuple(p.shape)))
-        return first[0]
+    # ---- construction checks; copies ---------------------------------------------------------------
 
     @staticmethod
     def _signature_of(p):
@@ -151,6 +165,15 @@ class Optimizer(torch.optim.Optimizer):
             raise RuntimeError("ferry.torch.Optimizer: add_param_group after construction is not supported (the "
                                "engine's groups are fixed); construct the optimizer with every group")
         super().add_param_group(param_group)
+
+    def __getstate__(self):
+        raise TypeError("ferry.torch.Optimizer cannot be copied or pickled (copy.deepcopy, torch.save of the "
+                        "optimizer object): it owns Ferry's engine and the params' registered memory. Save "
+                        "opt.state_dict() (torch.save works on it) or use opt.save_checkpoint(); to copy, build a "
+                        "new ferry.torch.Optimizer over the other params and load_state_dict() into it")
+
+    def __deepcopy__(self, memo):
+        self.__getstate__()
 
     def _check_unchanged(self):
         """RuntimeError when the params changed since construction; ValueError when a group's fixed
@@ -175,7 +198,7 @@ class Optimizer(torch.optim.Optimizer):
                         "resizing params" % (self._where[k], tuple(p.shape), p.dtype, p.data_ptr(), sig[1], sig[2],
                                              sig[0]))
                 k += 1
-            for key in _FIXED:
+            for key in FIXED:
                 if group[key] != self._fixed[gi][key]:
                     raise ValueError("param_groups[%d]['%s'] changed from %r to %r after construction: Ferry fixes "
                                      "a group's betas, eps and weight_decay when the optimizer is built (only lr "
@@ -187,94 +210,208 @@ class Optimizer(torch.optim.Optimizer):
         return torch.cuda.current_stream(self._device).cuda_stream if self._cuda else 0
 
     def _sync_torch(self):
-        """Waits for torch's queued work on the device (before the engine reads or writes tensors
-        outside a step)."""
+        """Waits for torch's queued work on the device, and for every upload of the last step (before
+        the engine reads or writes tensors outside a step)."""
+        self.wait_params()
         if self._cuda:
             torch.cuda.current_stream(self._device).synchronize()
+
+    def _warn_once(self, key, message):
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn("ferry.torch.Optimizer: " + message, stacklevel=_caller_level())
+
+    def _options(self, loss_scale, max_grad_norm, check_finite):
+        options = dict(self._step_defaults)
+        given = (("loss_scale", loss_scale), ("max_grad_norm", max_grad_norm), ("check_finite", check_finite))
+        for key, value in given:
+            if value is not None:
+                options[key] = value
+        return {"loss_scale": float(options["loss_scale"]), "max_grad_norm": float(options["max_grad_norm"]),
+                "check_finite": bool(options["check_finite"])}
+
+    # ---- which params have a grad --------------------------------------------------------------------
+
+    def _has_grad(self, k):
+        """A grad was produced for param k since the last zero_grad(): by a backward (the hooks saw
+        it) or by assigning p.grad (a tensor that is not the optimizer's buffer)."""
+        g = self._params[k].grad
+        return g is not None and (self._tracker.got[k] or g is not self._grads[k])
+
+    def _take_grad(self, k):
+        """Makes the buffer hold param k's grad (copied on the current stream when p.grad is another
+        tensor) and p.grad point at it."""
+        p, buf = self._params[k], self._grads[k]
+        g = p.grad
+        if g is not buf:
+            if g.shape != p.shape:
+                raise ValueError("%s: its grad has shape %s, the param %s" % (self._where[k], tuple(g.shape),
+                                                                               tuple(p.shape)))
+            if g.data_ptr() != buf.data_ptr():
+                buf.copy_(g)
+            p.grad = buf
+            self._tracker.got[k] = True  # an assigned grad stays this step's grad in the buffer
 
     # ---- the step ----------------------------------------------------------------------------------
 
     @torch.no_grad()
     def step(self, closure=None, *, loss_scale=None, max_grad_norm=None, check_finite=None):
-        """One AdamW step of every param that has a grad; returns the closure's loss (if any).
+        """One AdamW step of every param that has a grad (see the module's documentation); returns
+        the closure's loss (if any).
 
         loss_scale: the grads carry it and are divided by it; max_grad_norm (> 0): clip the global
         norm of the unscaled grads; check_finite: a NaN/Inf grad skips the whole step (stats()
-        reports it). Each defaults to the constructor's value."""
+        reports it; warns once). Each defaults to the constructor's value."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        tracker = self._tracker
         lrs = self._check_unchanged()
-        options = dict(self._step_defaults)
-        for key, value in (("loss_scale", loss_scale), ("max_grad_norm", max_grad_norm), ("check_finite", check_finite)):
-            if value is not None:
-                options[key] = value
-        skipped = []
-        for k, p in enumerate(self._params):
-            g = p.grad
-            buf = self._grads[k]
-            if g is None:
-                skipped.append(k)
-            elif g is not buf:
-                if g.shape != p.shape:
-                    raise ValueError("%s: its grad has shape %s, the param %s" % (self._where[k], tuple(g.shape),
-                                                                                   tuple(p.shape)))
-                if g.data_ptr() != buf.data_ptr():
-                    buf.copy_(g)
-                p.grad = buf
-        if len(skipped) == len(self._params):
-            return loss
-        if skipped and self._announced:
-            announced = [self._where[k] for k in skipped if self._group_of[k] in self._announced]
-            if announced:
+        options = self._options(loss_scale, max_grad_norm, check_finite)
+        n = len(self._params)
+        has = [self._has_grad(k) for k in range(n)]
+        # Grads changed after their backward (before any copy below changes p.grad): announced ones
+        # make the step recompute them; any one keeps overlap=None from turning on.
+        announced_ks = [k for k in range(n) if self._group_of[k] in tracker.announced]
+        late = tracker.late
+        if late is None:
+            changed = tracker.changed_since_backward(announced_ks)
+            if changed is not None:
+                late = ("an in-place change (clip_grad_norm_? GradScaler.unscale_?)", changed)
+        # overlap=None learns from this step whether the loop keeps the rule (see _end_step).
+        learning = self._overlap is None and not self._overlap_off
+        unsafe = learning and (late is not None or tracker.backwards > 1 or
+                               tracker.changed_since_backward(range(n)) is not None)
+        skipped = [k for k in range(n) if not has[k]]
+        if skipped and tracker.announced:
+            bad = [self._where[k] for k in skipped if self._group_of[k] in tracker.announced]
+            if bad:
                 raise RuntimeError("%s: no grad at step(), but its group was announced by grads_ready()"
-                                   % ", ".join(announced))
+                                   % ", ".join(bad))
+        self.wait_params()  # the last step's uploads, before anything here reads or writes a param
+        if len(skipped) == n:
+            if any(self._params[k].grad is self._grads[k] and self._grads[k]._version != self._zeroed[k]
+                   for k in range(n)):
+                self._warn_once("in place", "step() found no grad produced since zero_grad(), but grads were "
+                                "written into p.grad in place: those are not seen (no backward ran); assign "
+                                "p.grad = g instead")
+            self._end_step(unsafe=False)
+            return loss
+        for k in range(n):
+            if has[k]:
+                self._take_grad(k)
         saved = self._save_skipped(skipped) if skipped else None
-        self._engine.step(group_lr=lrs, **self._engine_options(options), stream=self._stream())
-        self._announced = set()
+        if late is not None and self._overlap is True:
+            self._warn_once("late", "the grads of %s changed after its param group was announced (%s): the step "
+                            "recomputed the announced groups (exact, but nothing overlapped). Wrap every backward "
+                            "but the last of a step in `with opt.accumulate():`, pass max_grad_norm= / "
+                            "loss_scale= to the optimizer instead of changing grads in place, or construct it "
+                            "with overlap=False" % (self._where[late[1]], late[0]))
+        if late is not None:
+            options["discard_early"] = True
+        skipped_step, _ = self._engine.step(group_lr=lrs, **options, wait_for_params=self._waits is None,
+                                            stream=self._stream())
+        self._end_step(unsafe=unsafe)
+        if self._waits is not None:
+            self._pending = set(range(len(self._groups)))
+            orphans = [gi for gi in range(len(self._groups)) if gi not in self._waits.owned]
+            if orphans:
+                self._wait_groups(orphans)
         if saved is not None:
+            self._wait_groups(sorted({self._group_of[k] for k in skipped}))
             self._restore_skipped(saved)
+        if skipped_step:
+            self._warn_once("nonfinite", "a step was skipped because a grad was NaN or Inf (nothing changed; "
+                            "stats()['skipped_steps'] counts such steps). This warning is shown once")
         return loss
 
-    @staticmethod
-    def _engine_options(options):
-        return {"loss_scale": float(options["loss_scale"]), "max_grad_norm": float(options["max_grad_norm"]),
-                "check_finite": bool(options["check_finite"])}
+    def _end_step(self, unsafe):
+        tracker = self._tracker
+        if self._overlap is None and not self._overlap_off:
+            if unsafe:
+                if self._offloaded:
+                    self._warn_once("auto", "overlap (announcing param groups during backward) is off: a step had "
+                                    "%d backward passes outside accumulate(), or grads changed between the "
+                                    "backward and step() (clip_grad_norm_? GradScaler.unscale_?). Every step stayed "
+                                    "exact. To overlap, wrap every backward but the last of a step in `with "
+                                    "opt.accumulate():` and pass max_grad_norm= / loss_scale= to the optimizer "
+                                    "(overlap=False silences this)" % tracker.backwards)
+                self._overlap_off = True
+                tracker.announcing = False
+            elif tracker.backwards == 1 and self._offloaded:
+                tracker.announcing = True
+        tracker.end_step()
+        self._by_hooks = set()
+        tracker.hook_missing()  # params unfrozen since
+        self._step_lrs = None
 
-    @torch.no_grad()
+    def _announce_from_hook(self, gi):
+        """A param group's grads are final in this backward (called by the hooks). Returns whether it
+        was announced."""
+        if gi in self._tracker.announced:
+            return False  # announced by hand already
+        if self._step_lrs is None:
+            self._step_lrs = self._check_unchanged()
+            self.wait_params()  # refused once a group is announced: the uploads of the last step first
+        self._announce([gi], self._step_lrs, self._options(None, None, None))
+        self._by_hooks.add(gi)
+        return True
+
+    def _announce(self, groups, lrs, options):
+        names = []
+        ks = []
+        for gi in groups:
+            names.append(self._groups[gi])
+            ks.extend(range(self._group_start[gi], self._group_start[gi] + self._group_sizes[gi]))
+        with torch.no_grad():
+            for k in ks:
+                self._take_grad(k)  # on the current stream, before the announcement
+        self._engine.grads_ready(names, group_lr=lrs, **options, stream=self._stream())
+        self._tracker.announced.update(groups)
+        self._tracker.record_versions(ks)
+
     def grads_ready(self, groups=None, *, loss_scale=None, max_grad_norm=None, check_finite=None):
         """Starts the coming step of param groups whose grads are final (indices into param_groups;
-        None: every group not announced yet), during backward: call it after the last backward that
-        accumulates into them (for example from a hook), with the options step() will get. Offloaded
+        None: every group not announced yet), by hand (`overlap=` does it from hooks): call it after
+        the last backward that accumulates into them, with the options step() will get. Offloaded
         groups then copy their grads down, run CPU Adam and upload new params in the background, on
         the current stream's order; step() completes the step and keeps that work only when it is
         exact (no clipping triggered, the same lr and options), so the result is the same bits as
         without this call. Until step(), do not change these grads or read these params. Every param
         of an announced group must have a grad."""
+        announced = self._tracker.announced
         if groups is None:
-            groups = [gi for gi in range(len(self._groups)) if self._groups[gi] not in self._announced]
+            groups = [gi for gi in range(len(self._groups)) if gi not in announced]
         elif isinstance(groups, int):
             groups = [groups]
+        groups = [gi for gi in groups if gi not in self._by_hooks]  # the hooks were first: nothing to do
+        if not groups:
+            return
         lrs = self._check_unchanged()
-        options = dict(self._step_defaults)
-        for key, value in (("loss_scale", loss_scale), ("max_grad_norm", max_grad_norm), ("check_finite", check_finite)):
-            if value is not None:
-                options[key] = value
-        names = []
+        options = self._options(loss_scale, max_grad_norm, check_finite)
         for gi in groups:
             if not 0 <= gi < len(self._groups):
                 raise IndexError("grads_ready: no param group %d (%d groups)" % (gi, len(self._groups)))
-            names.append(self._groups[gi])
             for k in range(self._group_start[gi], self._group_start[gi] + self._group_sizes[gi]):
-                p, buf = self._params[k], self._grads[k]
-                if p.grad is None:
-                    raise RuntimeError("grads_ready: %s has no grad" % self._where[k])
-                if p.grad is not buf:
-                    buf.copy_(p.grad)  # on the current stream, before the announcement
-                    p.grad = buf
-        self._engine.grads_ready(names, group_lr=lrs, **self._engine_options(options), stream=self._stream())
-        self._announced.update(names)
+                if not self._has_grad(k):
+                    raise RuntimeError("grads_ready: %s has no grad (none produced since zero_grad())"
+                                       % self._where[k])
+        if not announced:
+            self.wait_params()
+        self._announce(groups, lrs, options)
+
+    @contextlib.contextmanager
+    def accumulate(self):
+        """`with opt.accumulate():` around the forward and backward of each micro-batch that is not the
+        last of a step (like DDP's no_sync): their grads accumulate, and nothing is announced. The last
+        micro-batch's backward, outside, announces each group once its grads are final."""
+        self._tracker.hook_missing()
+        self._tracker.accumulating += 1
+        try:
+            yield self
+        finally:
+            self._tracker.accumulating -= 1
 
     def _save_skipped(self, skipped):
         """What a step would change of the params without grads: values, state, and the step count of
@@ -286,12 +423,11 @@ class Optimizer(torch.optim.Optimizer):
             self._grads[k].zero_()
             state = {kind: self._read(k, kind) for kind in ("master", "exp_avg", "exp_avg_sq")}
             saved["params"].append((k, p.detach().clone(), state))
-        k = 0
         skipped_set = set(skipped)
         for gi, n in enumerate(self._group_sizes):
+            k = self._group_start[gi]
             if all(j in skipped_set for j in range(k, k + n)):
                 saved["steps"][self._groups[gi]] = self._engine.group_step(self._groups[gi])
-            k += n
         return saved
 
     def _restore_skipped(self, saved):
@@ -304,139 +440,77 @@ class Optimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none=False):
         """Zeroes the grads in place (the default here, unlike torch 2.x's): the engine reads the
-        buffers registered at construction, so keeping them saves a copy per param per step.
-        set_to_none=True sets every p.grad to None as torch does: params whose grad stays None are
-        skipped at step(), and fresh grads are copied into the buffers there."""
+        buffers registered at construction, so keeping them saves a copy per param per step. Either
+        way a param steps again only once it has a new grad (as with torch's None grads).
+        set_to_none=True sets every p.grad to None as torch does: fresh grads are copied into the
+        buffers at step()."""
+        self._tracker.hook_missing()
+        self._tracker.clear_grads()
         if set_to_none:
             for p in self._params:
                 p.grad = None
             return
         for p, buf in zip(self._params, self._grads):
-            if p.grad is not buf:
+            if p.grad is not buf and (p.grad is not None or p.requires_grad):
                 p.grad = buf
         torch._foreach_zero_(self._grads)
+        self._zeroed = [buf._version for buf in self._grads]
 
-    # ---- state: torch's state_dict, Ferry's checkpoints ----------------------------------------------
+    # ---- the next forward waits per layer ------------------------------------------------------------
+
+    def attach(self, model):
+        """Forward pre-hooks on the modules of `model` that own params of this optimizer: step() then
+        returns without waiting for the uploads of new params, and each module's forward waits only
+        for its own groups' params (ferry/_attach.py). The same bits as without it. Code that reads a
+        param outside the forward of a module owning it calls opt.wait_params() first. Returns self."""
+        if self._waits is not None:
+            raise RuntimeError("attach: the optimizer is attached already; detach() first")
+        index = {id(p): self._group_of[k] for k, p in enumerate(self._params)}
+        self._waits = _attach.ModuleWaits(self, model, index)
+        return self
+
+    def detach(self):
+        """Removes attach()'s hooks; the stream waits for every pending upload, and steps wait again."""
+        if self._waits is not None:
+            self._waits.remove()
+            self._waits = None
+        self.wait_params()
+
+    def wait_params(self, groups=None):
+        """Makes the current stream wait for the new params of `groups` (param group indices; None:
+        all) from the last step, where it has not yet (only with attach())."""
+        if self._pending:
+            self._wait_groups(sorted(self._pending) if groups is None else groups)
+
+    def _wait_groups(self, groups):
+        need = [gi for gi in groups if gi in self._pending]
+        if not need:
+            return
+        self._engine.wait_params([self._groups[gi] for gi in need], stream=self._stream())
+        self._pending.difference_update(need)
+        if self._tracker.trace is not None:
+            self._tracker.trace.append(("wait", tuple(need)))
+
+    # ---- introspection -------------------------------------------------------------------------------
 
     def _read(self, k, kind):
         t = torch.empty(self._params[k].shape, dtype=torch.float32)
         self._engine.read_state("p%d" % k, kind, t.data_ptr())
         return t
 
-    def state_dict(self):
-        """torch.optim.AdamW's layout: {'state': {index: {'step', 'exp_avg', 'exp_avg_sq'[, 'master']}},
-        'param_groups': [{..., 'params': [indices]}]}; fp32 CPU tensors, 'master' for params that are not
-        fp32. Params of groups that never stepped have no state, as in torch."""
-        self._sync_torch()
-        state = {}
-        groups = []
-        k = 0
-        for gi, group in enumerate(self.param_groups):
-            packed = {key: value for key, value in group.items() if key != "params"}
-            packed["params"] = list(range(k, k + len(group["params"])))
-            groups.append(packed)
-            step = self._engine.group_step(self._groups[gi])
-            for p in group["params"]:
-                if step > 0:
-                    entry = {"step": torch.tensor(float(step)), "exp_avg": self._read(k, "exp_avg"),
-                             "exp_avg_sq": self._read(k, "exp_avg_sq")}
-                    if p.dtype != torch.float32:
-                        entry["master"] = self._read(k, "master")
-                    state[k] = entry
-                k += 1
-        return {"state": state, "param_groups": groups}
-
-    def load_state_dict(self, state_dict):
-        """Loads a state dict of this class or of torch.optim.AdamW (or Adam) over the same params.
-        The masters come from the params (load the model's weights first), or from 'master' where the
-        state dict has it. Everything is checked before anything changes (ValueError)."""
-        saved_groups = state_dict["param_groups"]
-        saved_state = state_dict["state"]
-        if len(saved_groups) != len(self.param_groups):
-            raise ValueError("loaded state dict has a different number of parameter groups (%d, this optimizer %d)"
-                             % (len(saved_groups), len(self.param_groups)))
-        plan = []  # (k, entry or None)
-        steps = []
-        k = 0
-        for gi, (group, saved) in enumerate(zip(self.param_groups, saved_groups)):
-            if len(saved["params"]) != len(group["params"]):
-                raise ValueError("loaded state dict's param_groups[%d] has %d params, this optimizer's %d"
-                                 % (gi, len(saved["params"]), len(group["params"])))
-            for key in _FIXED:
-                if key in saved and tuple(_aslist(saved[key])) != tuple(_aslist(group[key])):
-                    raise ValueError("loaded state dict's param_groups[%d]['%s'] is %r, this optimizer's %r: Ferry "
-                                     "fixes betas, eps and weight_decay at construction; build the optimizer with "
-                                     "the checkpoint's settings" % (gi, key, saved[key], group[key]))
-            group_steps = []
-            for index, p in zip(saved["params"], group["params"]):
-                entry = saved_state.get(index)
-                if entry is not None:
-                    for kind in ("exp_avg", "exp_avg_sq", "master"):
-                        if kind in entry and entry[kind].numel() != p.numel():
-                            raise ValueError("loaded state dict's state[%r]['%s'] has %d elements, %s has %d"
-                                             % (index, kind, entry[kind].numel(), self._where[k], p.numel()))
-                    for kind in ("exp_avg", "exp_avg_sq"):
-                        if kind not in entry:
-                            raise ValueError("loaded state dict's state[%r] has no '%s' (not Adam's state?)"
-                                             % (index, kind))
-                    group_steps.append(int(float(entry.get("step", 0))))
-                plan.append((k, entry))
-                k += 1
-            if group_steps and any(s != group_steps[0] for s in group_steps):
-                warnings.warn("loaded state dict: the params of param_groups[%d] have different step counts %s; "
-                              "Ferry keeps one per group and takes %d" % (gi, sorted(set(group_steps)), max(group_steps)))
-            steps.append(max(group_steps) if group_steps else 0)
-        self._sync_torch()
-        self._engine.sync_from_model(reset_optimizer=False)
-        for k, entry in plan:
-            numel = self._params[k].numel()
-            for kind in ("exp_avg", "exp_avg_sq", "master"):
-                if kind == "master" and (entry is None or kind not in entry):
-                    continue  # the master synced from the param above
-                t = torch.zeros(numel, dtype=torch.float32) if entry is None else \
-                    entry[kind].detach().to(device="cpu", dtype=torch.float32).contiguous()
-                self._engine.write_state("p%d" % k, kind, t.data_ptr())
-        for gi, (group, saved) in enumerate(zip(self.param_groups, saved_groups)):
-            self._engine.set_group_step(self._groups[gi], steps[gi])
-            for key, value in saved.items():
-                if key != "params" and key not in _FIXED:
-                    group[key] = value
-
-    def save_checkpoint(self, root, step):
-        """Ferry's checkpoint of params, masters and moments as <root>/step-<step>/ (the policy's
-        checkpoint() hook decides async and retention); returns the directory. Asynchronous saves
-        are committed once wait_checkpoint() returns."""
-        self._sync_torch()
-        return self._engine.save_checkpoint(str(root), int(step))
-
-    def wait_checkpoint(self):
-        self._engine.wait_checkpoint()
-
-    def load_checkpoint(self, path, fall_back_to_previous=False):
-        """Loads a Ferry checkpoint (a directory, or the `latest` of a root) into the params and the
-        engine, bit-identical to the run that saved it. Returns the directory loaded."""
-        self._sync_torch()
-        self._engine.load_checkpoint(str(path), fall_back_to_previous=fall_back_to_previous)
-        return self._engine.last_load()["dir"]
-
-    def sync_from_model(self, groups=None, reset_optimizer=False):
-        """Refreshes the fp32 masters from the params after the trainer changed them itself (e.g.
-        model.load_state_dict); `groups`: param group indices (None: all); with reset_optimizer the
-        moments and steps restart too."""
-        self._sync_torch()
-        names = [] if groups is None else [self._groups[gi] for gi in groups]
-        self._engine.sync_from_model(names, reset_optimizer)
-
-    # ---- introspection -------------------------------------------------------------------------------
-
     @property
     def engine(self):
         """The ferry.Engine underneath (params "p<k>", groups "group<i>")."""
         return self._engine
 
+    @property
+    def overlapping(self):
+        """Whether the hooks announce param groups now (see `overlap`)."""
+        return self._tracker.announcing
+
     def stats(self):
         """EngineStats as a dict: step, skipped_steps, last_step_skipped, last_grad_norm, pinned_bytes,
-        gpu_state_bytes, ..."""
+        gpu_state_bytes, early_groups_kept, early_groups_recomputed, ..."""
         return self._engine.stats()
 
     def placement(self):
@@ -446,7 +520,3 @@ class Optimizer(torch.optim.Optimizer):
         for d in out:
             d["param_group"] = self._groups.index(d["group"])
         return out
-
-
-def _aslist(v):
-    return list(v) if isinstance(v, (list, tuple)) else [v]

@@ -272,9 +272,11 @@ class PyEngine {
 };
 
 StepOptions MakeStepOptions(std::optional<float> lr, const std::vector<std::pair<std::string, float>>& group_lr,
-                            float loss_scale, float max_grad_norm, bool check_finite, bool wait_for_params = true) {
+                            float loss_scale, float max_grad_norm, bool check_finite, bool wait_for_params = true,
+                            bool discard_early = false) {
   return StepOptions{.lr = lr, .group_lr = group_lr, .loss_scale = loss_scale, .max_grad_norm = max_grad_norm,
-                     .check_finite = check_finite, .wait_for_params = wait_for_params};
+                     .check_finite = check_finite, .wait_for_params = wait_for_params,
+                     .discard_early = discard_early};
 }
 
 // The Python exception class of each status code (see the file comment).
@@ -352,14 +354,18 @@ PYBIND11_MODULE(_ferry, m) {
       .def(
           "step",
           [](PyEngine& e, std::optional<float> lr, const std::vector<std::pair<std::string, float>>& group_lr,
-             float loss_scale, float max_grad_norm, bool check_finite, bool wait_for_params, uintptr_t stream) {
-            return e.Step(MakeStepOptions(lr, group_lr, loss_scale, max_grad_norm, check_finite, wait_for_params),
+             float loss_scale, float max_grad_norm, bool check_finite, bool wait_for_params, bool discard_early,
+             uintptr_t stream) {
+            return e.Step(MakeStepOptions(lr, group_lr, loss_scale, max_grad_norm, check_finite, wait_for_params,
+                                          discard_early),
                           stream);
           },
           py::kw_only(), py::arg("lr") = py::none(),
           py::arg("group_lr") = std::vector<std::pair<std::string, float>>{}, py::arg("loss_scale") = 1.0f,
           py::arg("max_grad_norm") = 0.0f, py::arg("check_finite") = true, py::arg("wait_for_params") = true,
-          py::arg("stream") = 0, "One step; returns (skipped, grad_norm).")
+          py::arg("discard_early") = false, py::arg("stream") = 0,
+          "One step; returns (skipped, grad_norm). discard_early: recompute the groups announced by grads_ready "
+          "(their grads changed after the announcement).")
       .def(
           "grads_ready",
           [](PyEngine& e, const std::vector<std::string>& groups, std::optional<float> lr,

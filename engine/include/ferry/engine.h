@@ -147,6 +147,12 @@ struct StepOptions {
   // calls WaitParams(groups, stream) before each group's params are first used (for example in a
   // forward pre-hook), so its next forward starts before the last upload has landed.
   bool wait_for_params = true;
+  // Step only: discard the early work of every group announced by GradsReady for this step and
+  // recompute those groups from their unchanged state and the grads as they are now (the result is
+  // that of a Step without GradsReady). For a trainer that changed announced grads after all (a
+  // binding that detects it: ferry.torch sees a second backward or an in-place change of the grads);
+  // counted in EngineStats::early_groups_recomputed. Ignored by GradsReady.
+  bool discard_early = false;
 };
 
 // Where a group's optimizer state lives after Finalize, and in which precision.

@@ -80,7 +80,8 @@ absl::StatusOr<HybridStepParams> EngineImpl::StepParams(const StepOptions& optio
   FERRY_ASSIGN_OR_RETURN(std::vector<std::optional<float>> group_lr, GroupLrs(options));
   return HybridStepParams{.lr = options.lr.value_or(options_.optimizer.lr), .group_lr = std::move(group_lr),
                           .loss_scale = options.loss_scale, .max_grad_norm = options.max_grad_norm,
-                          .check_finite = options.check_finite, .wait_for_params = options.wait_for_params};
+                          .check_finite = options.check_finite, .wait_for_params = options.wait_for_params,
+                          .discard_early = options.discard_early};
 }
 
 absl::StatusOr<std::vector<std::optional<float>>> EngineImpl::GroupLrs(const StepOptions& options) const {

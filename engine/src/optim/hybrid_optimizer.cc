@@ -343,7 +343,7 @@ absl::StatusOr<HybridStepResult> HybridOptimizer::StepChecked(const HybridStepPa
   speculate_ = !result.skipped && static_cast<float>(multiplier) == static_cast<float>(1.0 / static_cast<double>(params.loss_scale));
   std::vector<size_t> cpu_groups;  // offloaded groups updated in place below
   if (early) {
-    FERRY_ASSIGN_OR_RETURN(cpu_groups, SettleEarly(result.skipped, scalars, trainer, result));
+    FERRY_ASSIGN_OR_RETURN(cpu_groups, SettleEarly(result.skipped, params.discard_early, scalars, trainer, result));
   } else if (!result.skipped) {
     for (size_t g = 0; g < groups_.size(); ++g) {
       if (groups_[g].offloaded) cpu_groups.push_back(g);

@@ -89,6 +89,8 @@ struct HybridStepParams {
   std::function<absl::Status(GradStats&)> reduce_grad_stats;
   // Whether the trainer's stream waits in Step for every new param (else it calls WaitParams).
   bool wait_for_params = true;
+  // Discard every early update of this step (StepOptions::discard_early): recompute those groups.
+  bool discard_early = false;
 };
 
 struct HybridStepResult {
@@ -308,7 +310,8 @@ class HybridOptimizer final {
   absl::Status EnsureSpareState();
   // Step's part for the announced groups once the step's decision is known (see BeginGroups).
   // Returns the offloaded groups Step must still update in place.
-  absl::StatusOr<std::vector<size_t>> SettleEarly(bool skipped, const std::vector<AdamScalars>& scalars,
+  // `discard`: recompute every announced group (HybridStepParams::discard_early).
+  absl::StatusOr<std::vector<size_t>> SettleEarly(bool skipped, bool discard, const std::vector<AdamScalars>& scalars,
                                                   Stream& trainer, HybridStepResult& result);
   // Drops the step in progress: stops the early work and rewrites the announced offloaded groups'
   // params from their masters (trainer waits for them). Nothing of the state changed.

@@ -197,9 +197,10 @@ absl::Status HybridOptimizer::EnsureSpareState() {
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::vector<size_t>> HybridOptimizer::SettleEarly(bool skipped, const std::vector<AdamScalars>& scalars,
+absl::StatusOr<std::vector<size_t>> HybridOptimizer::SettleEarly(bool skipped, bool discard,
+                                                                 const std::vector<AdamScalars>& scalars,
                                                                  Stream& trainer, HybridStepResult& result) {
-  bool valid = !skipped;
+  bool valid = !skipped && !discard;
   std::vector<size_t> started;  // announced offloaded groups with elements
   for (size_t g : early_.order) {
     if (early_.queued[g] == 0) continue;

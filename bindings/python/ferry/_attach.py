@@ -1,0 +1,42 @@
+"""ferry.torch.Optimizer.attach(model): the next forward waits per layer for its own params.
+
+With the optimizer attached, step() returns without making the stream wait for the uploads of the
+new params (the engine's StepOptions wait_for_params=false), and a forward pre-hook on every module
+that owns params of the optimizer (its own, recurse=False) makes the current stream wait, before the
+module's forward, for the param groups of those params only (Engine.wait_params), once per step:
+the first module of a group waits, later ones find it done. A module owning params of several groups
+waits for each of them; a group spread over several modules is waited for by the first of them to
+run. Groups none of whose params a module owns are waited for right after step(). The hooks cost a
+set lookup per module and one stream wait per group and step; no host synchronization.
+"""
+import weakref
+
+
+class ModuleWaits:
+    """The forward pre-hooks of one attach(model)."""
+
+    def __init__(self, optimizer, model, group_index):
+        """group_index: {id(param): its param group's index} of the optimizer's params."""
+        me = weakref.ref(optimizer)
+        self.handles = []
+        self.owned = set()
+        for module in model.modules():
+            groups = sorted({group_index[id(p)] for p in module.parameters(recurse=False) if id(p) in group_index})
+            if groups:
+                self.owned.update(groups)
+                self.handles.append(module.register_forward_pre_hook(_pre_hook(me, tuple(groups))))
+        if not self.handles:
+            raise ValueError("attach: no module of %s owns a param of this optimizer" % type(model).__name__)
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+
+def _pre_hook(me, groups):
+    def hook(_module, _inputs):
+        opt = me()
+        if opt is not None:
+            opt._wait_groups(groups)
+    return hook

@@ -1,0 +1,110 @@
+"""The argument and param checks of ferry.torch.Optimizer's construction: each error names the
+argument, param group or param at fault, and is raised before anything was built."""
+import numbers
+
+import torch
+
+DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def where(param_index, group_index, in_group):
+    return "param %d (param_groups[%d]['params'][%d])" % (param_index, group_index, in_group)
+
+
+def _real(value):
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _count(name, value):
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 0:
+        raise ValueError("%s must be an int >= 0 (0: Ferry's default), got %r" % (name, value))
+
+
+def check_betas(betas, what="betas"):
+    """Two numbers in [0, 1): torch.optim.AdamW's (beta1, beta2)."""
+    try:
+        values = tuple(betas)
+    except TypeError:
+        raise ValueError("%s must be a pair (beta1, beta2), got %r" % (what, betas)) from None
+    if len(values) != 2 or not all(_real(b) for b in values):
+        raise ValueError("%s must be a pair of numbers (beta1, beta2), got %r" % (what, betas))
+    for i, b in enumerate(values):
+        if not 0.0 <= b < 1.0:
+            raise ValueError("Invalid beta parameter at index {}: {} ({})".format(i, b, what))
+    return values
+
+
+def check_arguments(lr, betas, eps, weight_decay, cpu_threads, transfer_chunk_bytes, overlap, numa, trace_path):
+    for name, value in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay)):
+        if not _real(value):
+            raise ValueError("%s must be a number, got %r" % (name, value))
+    if not 0.0 <= lr:
+        raise ValueError("Invalid learning rate: {}".format(lr))
+    if not 0.0 <= eps:
+        raise ValueError("Invalid epsilon value: {}".format(eps))
+    if not 0.0 <= weight_decay:
+        raise ValueError("Invalid weight_decay value: {}".format(weight_decay))
+    check_betas(betas)
+    _count("cpu_threads", cpu_threads)
+    _count("transfer_chunk_bytes", transfer_chunk_bytes)
+    if overlap not in (None, True, False):
+        raise ValueError("overlap must be None (automatic), True or False, got %r" % (overlap,))
+    for name, value in (("numa", numa), ("trace_path", trace_path)):
+        if not isinstance(value, str):
+            raise ValueError("%s must be a str, got %r" % (name, value))
+
+
+def check_group(gi, group):
+    """A param group's own settings (those given in its dict)."""
+    check_betas(group["betas"], "param_groups[%d]['betas']" % gi)
+    for key in ("lr", "eps", "weight_decay"):
+        if not _real(group[key]) or group[key] < 0:
+            raise ValueError("param_groups[%d]['%s'] must be a number >= 0, got %r" % (gi, key, group[key]))
+
+
+def check_params(params, wheres):
+    """The one device of every param; errors name the first param at fault. Params that share memory
+    (the same tensor twice, overlapping views of one storage) are refused: they would step twice."""
+    if not params:
+        raise ValueError("ferry.torch.Optimizer got an empty parameter list")
+    first = None
+    for p, at in zip(params, wheres):
+        if not isinstance(p, torch.Tensor):
+            raise TypeError("%s is a %s, not a torch.Tensor" % (at, type(p).__name__))
+        if p.device.type not in ("cpu", "cuda"):
+            raise ValueError("%s is on %s: Ferry takes CPU tensors (host backend) or CUDA tensors" % (at, p.device))
+        if first is None:
+            first = (p.device, at)
+        elif p.device != first[0]:
+            raise ValueError("%s is on %s, but %s is on %s: every param of one optimizer must be on one device"
+                             % (at, p.device, first[1], first[0]))
+        if p.dtype not in DTYPES:
+            raise TypeError("%s has dtype %s: Ferry's params are torch.float32, torch.bfloat16 or torch.float16"
+                            % (at, p.dtype))
+        if p.is_sparse or p.layout != torch.strided:
+            raise ValueError("%s is not a dense (strided) tensor" % at)
+        if not p.is_contiguous():
+            raise ValueError("%s is not contiguous (strides %s): Ferry updates params as flat memory; pass "
+                             "contiguous tensors" % (at, tuple(p.stride())))
+        if p.numel() == 0:
+            raise ValueError("%s has no elements (shape %s)" % (at, tuple(p.shape)))
+    _check_disjoint(params, wheres)
+    return first[0]
+
+
+def _check_disjoint(params, wheres):
+    # Contiguous params cover [data_ptr, data_ptr + bytes): sorted by start, any overlap is between
+    # neighbours (or with the widest range so far).
+    spans = sorted((p.data_ptr(), p.data_ptr() + p.numel() * p.element_size(), k) for k, p in enumerate(params))
+    reach = None  # (end, k) of the range that reaches furthest so far
+    for begin, end, k in spans:
+        if reach is not None and begin < reach[0]:
+            j = reach[1]
+            a, b = sorted((j, k))
+            same = params[a] is params[b]
+            raise ValueError("%s and %s %s: Ferry would update %s twice per step; pass each param once"
+                             % (wheres[a], wheres[b], "are the same tensor" if same else
+                                "share memory (overlapping views of one storage)",
+                                "it" if same else "the shared elements"))
+        if reach is None or end > reach[0]:
+            reach = (end, k)

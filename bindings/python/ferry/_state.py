@@ -1,0 +1,125 @@
+"""torch's state_dict and Ferry's checkpoints for ferry.torch.Optimizer (a mixin of it: it uses the
+optimizer's _engine, _params, _where, _groups, param_groups and _sync_torch)."""
+import warnings
+
+import torch
+
+FIXED = ("betas", "eps", "weight_decay")
+
+
+class StateMixin:
+    def _read(self, k, kind):
+        t = torch.empty(self._params[k].shape, dtype=torch.float32)
+        self._engine.read_state("p%d" % k, kind, t.data_ptr())
+        return t
+
+    def state_dict(self):
+        """torch.optim.AdamW's layout: {'state': {index: {'step', 'exp_avg', 'exp_avg_sq'[, 'master']}},
+        'param_groups': [{..., 'params': [indices]}]}; fp32 CPU tensors, 'master' for params that are not
+        fp32. Params of groups that never stepped have no state, as in torch."""
+        self._sync_torch()
+        state = {}
+        groups = []
+        k = 0
+        for gi, group in enumerate(self.param_groups):
+            packed = {key: value for key, value in group.items() if key != "params"}
+            packed["params"] = list(range(k, k + len(group["params"])))
+            groups.append(packed)
+            step = self._engine.group_step(self._groups[gi])
+            for p in group["params"]:
+                if step > 0:
+                    entry = {"step": torch.tensor(float(step)), "exp_avg": self._read(k, "exp_avg"),
+                             "exp_avg_sq": self._read(k, "exp_avg_sq")}
+                    if p.dtype != torch.float32:
+                        entry["master"] = self._read(k, "master")
+                    state[k] = entry
+                k += 1
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict):
+        """Loads a state dict of this class or of torch.optim.AdamW (or Adam) over the same params.
+        The masters come from the params (load the model's weights first), or from 'master' where the
+        state dict has it. Everything is checked before anything changes (ValueError)."""
+        saved_groups = state_dict["param_groups"]
+        saved_state = state_dict["state"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError("loaded state dict has a different number of parameter groups (%d, this optimizer %d)"
+                             % (len(saved_groups), len(self.param_groups)))
+        plan = []  # (k, entry or None)
+        steps = []
+        k = 0
+        for gi, (group, saved) in enumerate(zip(self.param_groups, saved_groups)):
+            if len(saved["params"]) != len(group["params"]):
+                raise ValueError("loaded state dict's param_groups[%d] has %d params, this optimizer's %d"
+                                 % (gi, len(saved["params"]), len(group["params"])))
+            for key in FIXED:
+                if key in saved and tuple(_aslist(saved[key])) != tuple(_aslist(group[key])):
+                    raise ValueError("loaded state dict's param_groups[%d]['%s'] is %r, this optimizer's %r: Ferry "
+                                     "fixes betas, eps and weight_decay at construction; build the optimizer with "
+                                     "the checkpoint's settings" % (gi, key, saved[key], group[key]))
+            group_steps = []
+            for index, p in zip(saved["params"], group["params"]):
+                entry = saved_state.get(index)
+                if entry is not None:
+                    for kind in ("exp_avg", "exp_avg_sq", "master"):
+                        if kind in entry and tuple(entry[kind].shape) != tuple(p.shape):
+                            raise ValueError("loaded state dict's state[%r]['%s'] has shape %s (%d elements), %s "
+                                             "has shape %s (%d elements)"
+                                             % (index, kind, tuple(entry[kind].shape), entry[kind].numel(),
+                                                self._where[k], tuple(p.shape), p.numel()))
+                    for kind in ("exp_avg", "exp_avg_sq"):
+                        if kind not in entry:
+                            raise ValueError("loaded state dict's state[%r] has no '%s' (not Adam's state?)"
+                                             % (index, kind))
+                    group_steps.append(int(float(entry.get("step", 0))))
+                plan.append((k, entry))
+                k += 1
+            if group_steps and any(s != group_steps[0] for s in group_steps):
+                warnings.warn("loaded state dict: the params of param_groups[%d] have different step counts %s; "
+                              "Ferry keeps one per group and takes %d" % (gi, sorted(set(group_steps)), max(group_steps)))
+            steps.append(max(group_steps) if group_steps else 0)
+        self._sync_torch()
+        self._engine.sync_from_model(reset_optimizer=False)
+        for k, entry in plan:
+            numel = self._params[k].numel()
+            for kind in ("exp_avg", "exp_avg_sq", "master"):
+                if kind == "master" and (entry is None or kind not in entry):
+                    continue  # the master synced from the param above
+                t = torch.zeros(numel, dtype=torch.float32) if entry is None else \
+                    entry[kind].detach().to(device="cpu", dtype=torch.float32).contiguous()
+                self._engine.write_state("p%d" % k, kind, t.data_ptr())
+        for gi, (group, saved) in enumerate(zip(self.param_groups, saved_groups)):
+            self._engine.set_group_step(self._groups[gi], steps[gi])
+            for key, value in saved.items():
+                if key != "params" and key not in FIXED:
+                    group[key] = value
+
+    def save_checkpoint(self, root, step):
+        """Ferry's checkpoint of params, masters and moments as <root>/step-<step>/ (the policy's
+        checkpoint() hook decides async and retention); returns the directory. Asynchronous saves
+        are committed once wait_checkpoint() returns."""
+        self._sync_torch()
+        return self._engine.save_checkpoint(str(root), int(step))
+
+    def wait_checkpoint(self):
+        self._engine.wait_checkpoint()
+
+    def load_checkpoint(self, path, fall_back_to_previous=False):
+        """Loads a Ferry checkpoint (a directory, or the `latest` of a root) into the params and the
+        engine, bit-identical to the run that saved it. Returns the directory loaded."""
+        self._sync_torch()
+        self._engine.load_checkpoint(str(path), fall_back_to_previous=fall_back_to_previous)
+        return self._engine.last_load()["dir"]
+
+    def sync_from_model(self, groups=None, reset_optimizer=False):
+        """Refreshes the fp32 masters from the params after the trainer changed them itself (e.g.
+        model.load_state_dict); `groups`: param group indices (None: all); with reset_optimizer the
+        moments and steps restart too."""
+        self._sync_torch()
+        names = [] if groups is None else [self._groups[gi] for gi in groups]
+        self._engine.sync_from_model(names, reset_optimizer)
+
+
+
+def _aslist(v):
+    return list(v) if isinstance(v, (list, tuple)) else [v]

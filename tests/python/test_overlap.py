@@ -1,0 +1,309 @@
+"""ferry.torch announces param groups from grad hooks (overlap=) and accumulates micro-batches
+(accumulate()): the same bits as without announcing, close to torch.optim.AdamW, and a group is never
+announced before every one of its grads is final (checked on the optimizer's trace of hook events).
+The model (nets.Net) holds every case of the rule: a shared Parameter, a module run twice, frozen
+params, a layer without grad on some steps, a group mixing frozen and trainable params."""
+import contextlib
+import warnings
+
+import pytest
+import torch
+
+import ferry.torch
+from ferry import _hooks
+from nets import Net, assert_close_to, assert_same_bits, batches, loss_of, net_groups
+
+STEPS = 6
+ALWAYS = {0, 1, 2, 3}  # groups announced every step (see nets.net_groups)
+NEVER = {4, 6}  # a frozen param in them
+SPARE = 5  # announced on odd steps only
+
+HOOKS = [False, True] if _hooks.POST_ACCUMULATE else [True]
+
+
+class NodeHookOptimizer(ferry.torch.Optimizer):
+    _node_hooks = True  # the AccumulateGrad-node hooks of torch < 2.1, on any torch
+
+
+def make(device, node_hooks, overlap, policy="offload_all", seed=0, **kw):
+    net = Net(seed=seed).to(device)
+    cls = NodeHookOptimizer if node_hooks else ferry.torch.Optimizer
+    opt = cls(net_groups(net), lr=1e-2, weight_decay=0.1, policy=policy, overlap=overlap,
+              transfer_chunk_bytes=1024, **kw)
+    opt._tracker.trace = []
+    return net, opt
+
+
+def reference(device, seed=0):
+    net = Net(seed=seed).to(device)
+    return net, torch.optim.AdamW(net_groups(net), lr=1e-2, weight_decay=0.1, foreach=False)
+
+
+def train_step(net, opt, step, micro=1, accumulate=True, after_backward=None):
+    for i, (x, y) in enumerate(batches(net.head.weight.device, step, micro)):
+        last = i == micro - 1
+        ctx = opt.accumulate() if accumulate and not last and hasattr(opt, "accumulate") else contextlib.nullcontext()
+        with ctx:
+            loss_of(net, x, y, step).backward()
+    if after_backward is not None:
+        after_backward(net)
+    opt.step()
+    opt.zero_grad(set_to_none=isinstance(opt, torch.optim.AdamW))
+
+
+def check_trace(opt, step):
+    """Each announcement of this step came after the grads of every param of its group in the same
+    backward, and no grad of an announced group came after it. Returns the groups announced."""
+    trace = opt._tracker.trace
+    announced = {}
+    seen = {}  # k -> the position of its last grad event
+    for pos, event in enumerate(trace):
+        if event[0] == "grad":
+            k = event[1]
+            gi = opt._group_of[k]
+            assert gi not in announced, "step %d: a grad of param %d after group %d was announced" % (step, k, gi)
+            seen[k] = (pos, event[2])
+        elif event[0] == "announce":
+            gi, epoch = event[1], event[2]
+            members = range(opt._group_start[gi], opt._group_start[gi] + opt._group_sizes[gi])
+            for k in members:
+                assert k in seen and seen[k][1] == epoch, \
+                    "step %d: group %d announced before param %d's grad of that backward" % (step, gi, k)
+            announced[gi] = pos
+    trace.clear()
+    return announced
+
+
+def test_hooks_fire_once_per_backward_for_shared_and_reused_params(device):
+    for node_hooks in HOOKS:
+        net, opt = make(device, node_hooks, overlap=False)
+        x, y = batches(device, 1)[0]
+        loss_of(net, x, y, 1).backward()
+        grads = [e[1] for e in opt._tracker.trace if e[0] == "grad"]
+        trainable = [k for k, p in enumerate(opt._params) if p.requires_grad]
+        # shared (used by two blocks) and blocks[3] (run twice) appear once, like every other param;
+        # frozen params never (no hook), spare not on an odd... here step 1 is odd: spare has grads.
+        assert sorted(grads) == trainable, (node_hooks, grads)
+        assert opt._tracker.backwards == 1
+
+
+@pytest.mark.parametrize("policy", ["offload_all", None])
+def test_overlap_is_bit_identical_and_never_early(device, policy):
+    for node_hooks in HOOKS:
+        net, opt = make(device, node_hooks, overlap=True, policy=policy)
+        plain_net, plain = make(device, False, overlap=False, policy=policy)
+        ref_net, ref = reference(device)
+        before_frozen = net.frozen.weight.detach().clone()
+        for step in range(1, STEPS + 1):
+            train_step(net, opt, step)
+            announced = check_trace(opt, step)
+            assert set(announced) == ALWAYS | ({SPARE} if step % 2 == 1 else set()), (step, announced)
+            # Announced during the backward, not at its end: the last block's group went first, before
+            # the first block's grads arrived.
+            assert announced[3] < announced[0]
+            train_step(plain_net, plain, step)
+            train_step(ref_net, ref, step)
+            assert_same_bits(net, plain_net, "step %d" % step)
+        assert_close_to(net, ref_net)
+        assert torch.equal(net.frozen.weight.detach(), before_frozen)
+        stats = opt.stats()
+        if policy == "offload_all":
+            assert stats["early_groups_kept"] == 4 * STEPS + STEPS // 2, stats
+            assert stats["early_groups_recomputed"] == 0
+        assert plain.stats()["early_groups_kept"] == 0
+
+
+def test_accumulate_four_micro_batches_against_adamw(device):
+    for node_hooks in HOOKS:
+        net, opt = make(device, node_hooks, overlap=True)
+        plain_net, plain = make(device, False, overlap=False)
+        ref_net, ref = reference(device)
+        for step in range(1, STEPS + 1):
+            train_step(net, opt, step, micro=4)
+            # Only the last micro-batch's backward was counted, and it announced.
+            epochs = {e[2] for e in opt._tracker.trace if e[0] != "wait"}
+            assert len(epochs) == 1, epochs
+            assert set(check_trace(opt, step)) >= ALWAYS
+            train_step(plain_net, plain, step, micro=4)
+            train_step(ref_net, ref, step, micro=4)  # torch accumulates the four backward passes
+            assert_same_bits(net, plain_net, "step %d" % step)
+        assert_close_to(net, ref_net)
+        assert opt.stats()["early_groups_kept"] == 4 * STEPS + STEPS // 2
+        assert opt.stats()["early_groups_recomputed"] == 0
+
+
+def test_nothing_is_announced_inside_accumulate(device):
+    net, opt = make(device, False, overlap=True)
+    for x, y in batches(device, 1, micro=3):
+        with opt.accumulate():
+            loss_of(net, x, y, 1).backward()
+    assert not opt._tracker.announced and opt._tracker.backwards == 0
+    assert not [e for e in opt._tracker.trace if e[0] == "grad"]
+    opt.step()  # every group with grads steps in step()
+    assert opt.stats()["step"] == 1 and opt.stats()["early_groups_kept"] == 0
+
+
+@pytest.mark.parametrize("clip_by", ["clip_grad_norm_", "mul_"])
+def test_grads_changed_in_place_after_announcing_are_recomputed(device, clip_by):
+    """clip_grad_norm_ (or any in-place change) after the backward that announced: the announced
+    groups are recomputed from the final grads, the same bits as without announcing; one warning."""
+    net, opt = make(device, False, overlap=True)
+    plain_net, plain = make(device, False, overlap=False)
+
+    def clip(n):
+        if clip_by == "mul_":
+            with torch.no_grad():
+                n.blocks[2].fc.weight.grad.mul_(0.5)
+        else:
+            torch.nn.utils.clip_grad_norm_(n.parameters(), 0.05)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(1, 4):
+            train_step(net, opt, step, after_backward=clip)
+            train_step(plain_net, plain, step, after_backward=clip)
+            assert_same_bits(net, plain_net, "step %d" % step)
+    late = [w for w in caught if "changed after its param group was announced" in str(w.message)]
+    assert len(late) == 1, [str(w.message) for w in caught]
+    # Every announced group is recomputed, also where only group 2's grad changed (mul_): the engine
+    # discards a step's early work as a whole.
+    assert opt.stats()["early_groups_recomputed"] > 0 and opt.stats()["early_groups_kept"] == 0
+
+
+def test_a_second_backward_after_announcing_is_refused_at_once(device):
+    """Its forward and backward read params that the early update replaces: not exact, so refused."""
+    net, opt = make(device, False, overlap=True)
+    (x, y), (x2, y2) = batches(device, 1, micro=2)
+    loss_of(net, x, y, 1).backward()
+    assert opt._tracker.announced
+    with pytest.raises(RuntimeError, match=r"received another grad after its param group was announced.*"
+                                           r"opt.accumulate\(\)"):
+        loss_of(net, x2, y2, 1).backward()
+
+
+def test_overlap_by_default_turns_on_when_safe_and_off_when_not(device):
+    net, opt = make(device, False, overlap=None)
+    plain_net, plain = make(device, False, overlap=False)
+    assert not opt.overlapping
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train_step(net, opt, 1)  # one backward, nothing changed its grads: on from the next step
+        assert opt.overlapping and not caught
+        train_step(net, opt, 2)
+        assert set(check_trace(opt, 2)) == ALWAYS and opt.stats()["early_groups_kept"] == 4
+        clip = lambda n: torch.nn.utils.clip_grad_norm_(n.parameters(), 0.05)  # noqa: E731
+        train_step(net, opt, 3, after_backward=clip)  # recomputed (exact), then off for good
+        assert not opt.overlapping
+        train_step(net, opt, 4)
+        assert not opt.overlapping
+    assert len([w for w in caught if "overlap" in str(w.message)]) == 1
+    for step in range(1, 5):
+        train_step(plain_net, plain, step, after_backward=clip if step == 3 else None)
+    assert_same_bits(net, plain_net)
+    assert opt.stats()["early_groups_recomputed"] > 0
+    # Several backward passes per step without accumulate(): never on.
+    net, opt = make(device, False, overlap=None)
+    with pytest.warns(UserWarning, match="2 backward passes outside accumulate"):
+        train_step(net, opt, 1, micro=2, accumulate=False)
+    train_step(net, opt, 2)
+    assert not opt.overlapping
+    # Nothing offloaded: announcing would not help; stays off, silently.
+    net, opt = make(device, False, overlap=None, policy=None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        train_step(net, opt, 1, micro=2, accumulate=False)
+        train_step(net, opt, 2)
+    assert not opt.overlapping
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_attach_waits_per_module_and_gives_the_same_bits(device, overlap):
+    """attach(): step() does not wait for the uploads; each module's forward waits for its own groups,
+    once per step (group 1 spreads over blocks[1].fc and blocks 1 and 2, which both hold `shared`;
+    the frozen Linear owns params of groups 4 and 6); the same bits as without it."""
+    net, opt = make(device, False, overlap=overlap)
+    plain_net, plain = make(device, False, overlap=overlap)
+    assert opt.attach(net) is opt
+    with pytest.raises(RuntimeError, match="attached already"):
+        opt.attach(net)
+    for step in range(1, STEPS + 1):
+        opt._tracker.trace.clear()
+        train_step(net, opt, step)
+        waits = [e[1] for e in opt._tracker.trace if e[0] == "wait"]
+        if step > 1:
+            # Each block waits for its own group in forward order, once: group 1 at blocks[1] (it owns
+            # `shared`), not again at blocks[1].fc or blocks[2]. (Groups 4 and 6 hold frozen params,
+            # skipped in every step: step() waits for them itself before restoring those.)
+            flat = [g for w in waits if 4 not in w for g in w]  # (4, ...): step()'s, for the frozen params
+            assert flat[:4] == [0, 1, 2, 3] and sorted(set(flat)) == sorted(flat), waits
+        train_step(plain_net, plain, step)
+        opt.engine.synchronize()  # for reading here (not opt.wait_params(): the next forward waits)
+        assert_same_bits(net, plain_net, "step %d" % step)
+    opt.detach()
+    assert not opt._pending
+    train_step(net, opt, STEPS + 1)
+    train_step(plain_net, plain, STEPS + 1)
+    assert_same_bits(net, plain_net)
+    with pytest.raises(ValueError, match="no module of Linear owns a param"):
+        opt.attach(torch.nn.Linear(2, 2))
+
+
+def test_announcing_by_hand_beside_the_hooks(device):
+    """A loop that calls grads_ready by hand (as before overlap=) keeps working with the hooks on: the
+    groups the hooks announced already are left alone; the others are announced by hand."""
+    net, opt = make(device, False, overlap=True)
+    plain_net, plain = make(device, False, overlap=False)
+    for step in range(1, 4):
+        x, y = batches(device, step)[0]
+        loss_of(net, x, y, step).backward()
+        opt.grads_ready([0, 1, 2, 3])  # all by the hooks already: nothing to do
+        with pytest.raises(RuntimeError, match=r"param 9 .* has no grad"):
+            opt.grads_ready(4)  # the frozen weight
+        opt.step()
+        opt.zero_grad()
+        train_step(plain_net, plain, step)
+        assert_same_bits(net, plain_net, "step %d" % step)
+    assert opt.stats()["early_groups_kept"] == 4 * 3 + 2
+
+
+def test_hooks_take_no_device_memory_and_no_host_sync(device):
+    """On CUDA: a backward with the hooks announcing allocates no more device memory than one without
+    (peak), and no torch call in the hooks synchronizes the host (sync debug mode raises on one)."""
+    if device.type != "cuda":
+        pytest.skip("CUDA only: device memory and host synchronization are a GPU's (the CPU runs are above)")
+    peaks = []  # the peak of each backward above the memory allocated before it
+    for overlap in (False, True):
+        net, opt = make(device, False, overlap=overlap)
+        opt.attach(net)
+        train_step(net, opt, 1)  # warm: buffers, the engine's spare state
+        x, y = batches(device, 2)[0]
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            loss_of(net, x, y, 2).backward()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()
+        peaks.append(torch.cuda.max_memory_allocated(device) - base)
+        assert bool(opt._tracker.announced) == overlap
+        opt.step()
+    assert peaks[1] <= peaks[0], peaks
+
+
+def test_a_dropped_optimizer_leaves_the_params(device):
+    """The hooks hold the optimizer weakly and leave the params when it is collected: the model trains
+    on with another optimizer."""
+    import gc
+    import weakref
+
+    net, opt = make(device, False, overlap=True)
+    train_step(net, opt, 1)
+    gone = weakref.ref(opt)
+    tracker = weakref.ref(opt._tracker)
+    del opt
+    gc.collect()
+    assert gone() is None and tracker() is None
+    ref = torch.optim.AdamW(net_groups(net), lr=1e-2)
+    train_step(net, ref, 2)  # no hook of the old optimizer runs (it would fail on a dead engine)
