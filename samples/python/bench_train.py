@@ -141,6 +141,8 @@ def make_optimizer(row, model, args):
     if has_overlap_option():
         extra["overlap"] = row.get("overlap", False)
     opt = ferry.torch.Optimizer(groups, **kw, **extra)
+    if row.get("overlap") and has_overlap_option():
+        opt.attach(model)  # each layer's forward waits only for its own group's upload
     if row.get("overlap") and not has_overlap_option():
         if not hasattr(torch.Tensor, "register_post_accumulate_grad_hook"):
             return None, "needs torch >= 2.1 (post-accumulate-grad hooks) or ferry.torch's overlap option"
@@ -175,9 +177,10 @@ def run_row(row, model, init, data, args):
     if row.get("offloaded") and not row.get("overlap") and args.device == "cuda":
         # The offloaded step alone: grads final, the GPU idle (one backward, then synchronized steps
         # on the same grads; each step is timed by itself).
-        model(data[0]).backward()
         times = []
         for _ in range(3):
+            opt.zero_grad()
+            model(data[0]).backward()
             sync()
             t = time.perf_counter()
             opt.step()
