@@ -19,20 +19,22 @@ namespace ferry {
 namespace {
 
 using ckpt_internal::Annotate;
+using ckpt_internal::DescribeChunk;
 using ckpt_internal::kIoChunkBytes;
 using ckpt_internal::NewXxh3State;
 using ckpt_internal::Xxh3State;
 
 constexpr uint64_t kMaxManifestBytes = uint64_t{1} << 30;
 
-std::string DescribeChunk(const TensorEntry& e, const ManifestChunk& c) {
+
+}  // namespace
+
+std::string ckpt_internal::DescribeChunk(const TensorEntry& e, const ManifestChunk& c) {
   const uint64_t es = DTypeSize(e.dtype);
   return absl::StrCat("bytes [", c.file_offset, ", ", c.file_offset + c.length, ") of ", c.file,
                       ", elements [", c.global_offset / es, ", ", (c.global_offset + c.length) / es,
                       ") of the tensor");
 }
-
-}  // namespace
 
 CheckpointReader::~CheckpointReader() = default;
 

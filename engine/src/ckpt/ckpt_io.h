@@ -6,12 +6,18 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <string>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "xxhash.h"
+
+namespace ferry {
+struct ManifestChunk;
+struct TensorEntry;
+}  // namespace ferry
 
 namespace ferry::ckpt_internal {
 
@@ -40,6 +46,10 @@ inline absl::StatusOr<Xxh3State> NewXxh3State() {
 inline absl::Status Annotate(const absl::Status& s, absl::string_view more) {
   return absl::Status(s.code(), absl::StrCat(s.message(), more));
 }
+
+// "bytes [a, b) of rank-00001.safetensors, elements [i, j) of the tensor": where chunk `c` of `e`
+// lies, for error messages (defined in checkpoint_reader.cc).
+std::string DescribeChunk(const TensorEntry& e, const ManifestChunk& c);
 
 }  // namespace ferry::ckpt_internal
 
