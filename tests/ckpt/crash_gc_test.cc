@@ -193,6 +193,29 @@ TEST(CheckpointGcTest, NeverTakesTheDirectoryOfAnotherLiveProcess) {
   EXPECT_TRUE(Leftovers(root).empty());
 }
 
+// A PendingCheckpoint holds its directory's lock until it is committed or aborted; moving it moves
+// that, and one destroyed uncommitted removes its directory (the abort of a failed save).
+TEST(CheckpointGcTest, PendingCheckpointLocksItsDirectoryUntilAbortedOrMoved) {
+  ScratchDir scratch;
+  const std::string root = scratch.path() + "/r";
+  CheckpointWriteOptions fast;
+  fast.fsync = false;
+  std::optional<PendingCheckpoint> target;
+  {
+    CKPT_ASSERT_OK_AND_ASSIGN(PendingCheckpoint p, PendingCheckpoint::Begin(root, 1, fast));
+    target.emplace(std::move(p));
+  }  // the moved-from one is gone: the directory stays, still locked
+  ASSERT_TRUE(Exists(target->dir()));
+  CKPT_ASSERT_OK_AND_ASSIGN(std::vector<StaleCheckpointDir> found, FindStaleCheckpoints(root));
+  ASSERT_EQ(found.size(), 1u);
+  EXPECT_FALSE(found[0].removable) << found[0].reason;
+  const std::string dir = target->dir();
+  target.reset();  // uncommitted: aborted
+  EXPECT_FALSE(Exists(dir));
+  CKPT_ASSERT_OK_AND_ASSIGN(found, FindStaleCheckpoints(root));
+  EXPECT_TRUE(found.empty());
+}
+
 // ---- SIGKILL at random points -------------------------------------------------------------------
 
 struct CrashConfig {

@@ -155,6 +155,28 @@ absl::StatusOr<PendingCheckpoint> PendingCheckpoint::Begin(const std::string& ro
   return pending;
 }
 
+PendingCheckpoint::PendingCheckpoint(PendingCheckpoint&& other) noexcept
+    : root_(std::move(other.root_)),
+      step_(other.step_),
+      dir_(std::move(other.dir_)),
+      lock_(std::move(other.lock_)),
+      open_(std::exchange(other.open_, false)) {}
+
+PendingCheckpoint& PendingCheckpoint::operator=(PendingCheckpoint&& other) noexcept {
+  if (this != &other) {
+    if (open_) {
+      absl::Status s = Abort();
+      if (!s.ok()) FERRY_LOG(WARNING) << "aborting checkpoint " << dir_ << ": " << s;
+    }
+    root_ = std::move(other.root_);
+    step_ = other.step_;
+    dir_ = std::move(other.dir_);
+    lock_ = std::move(other.lock_);
+    open_ = std::exchange(other.open_, false);
+  }
+  return *this;
+}
+
 PendingCheckpoint::~PendingCheckpoint() {
   if (!open_) return;
   absl::Status s = Abort();

@@ -32,8 +32,9 @@ class PendingCheckpoint final {
   static absl::StatusOr<PendingCheckpoint> Begin(const std::string& root, int64_t step,
                                                  const CheckpointWriteOptions& options);
 
-  PendingCheckpoint(PendingCheckpoint&&) noexcept = default;
-  PendingCheckpoint& operator=(PendingCheckpoint&&) noexcept = default;
+  // The moved-from object is neither committed nor aborted by anyone: it owns nothing.
+  PendingCheckpoint(PendingCheckpoint&& other) noexcept;
+  PendingCheckpoint& operator=(PendingCheckpoint&& other) noexcept;
   // Aborts (removes the directory) unless committed; a failure is logged.
   ~PendingCheckpoint();
 
