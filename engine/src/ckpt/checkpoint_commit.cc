@@ -56,11 +56,14 @@ absl::Status DeleteCheckpoint(const std::string& root, const std::string& name, 
   const std::string dir = JoinPath(root, name);
   const std::string doomed = absl::StrCat(dir, kCheckpointDeletingSuffix);
   FERRY_ASSIGN_OR_RETURN(bool stale, PathExists(doomed));
+  // Where the file system has no flock() (Unimplemented) the deletion goes on unlocked.
   if (stale) {  // a crashed deletion of the same name, not collected (in use, or its removal failed)
-    FERRY_ASSIGN_OR_RETURN(SaveLock stale_lock, SaveLock::LockDir(doomed, /*wait=*/false));
+    absl::StatusOr<SaveLock> stale_lock = SaveLock::LockDir(doomed, /*wait=*/false);
+    if (!stale_lock.ok() && !absl::IsUnimplemented(stale_lock.status())) return stale_lock.status();
     FERRY_RETURN_IF_ERROR(RemoveLockedDir(doomed));
   }
-  FERRY_ASSIGN_OR_RETURN(SaveLock lock, SaveLock::LockDir(dir, /*wait=*/true));
+  absl::StatusOr<SaveLock> lock = SaveLock::LockDir(dir, /*wait=*/true);
+  if (!lock.ok() && !absl::IsUnimplemented(lock.status())) return lock.status();
   FERRY_RETURN_IF_ERROR(Rename(dir, doomed));
   if (sync) FERRY_RETURN_IF_ERROR(SyncDir(root));
   return RemoveLockedDir(doomed);

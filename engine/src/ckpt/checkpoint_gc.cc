@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstring>
 #include <optional>
 #include <utility>
 
@@ -39,8 +40,19 @@ absl::StatusOr<int> OpenAndLock(const std::string& dir, bool create_exclusive, b
   } while (rc != 0 && errno == EINTR);
   if (rc != 0) {
     const int err = errno;
+    if (err == EWOULDBLOCK) {
+      ::close(fd);
+      return -1;
+    }
+    if (err == ENOLCK || err == EOPNOTSUPP || err == ENOSYS || err == EINVAL) {
+      // The file system has no flock(): the descriptor is returned unlocked (see CreateDir, Probe).
+      if (!create_exclusive) ::close(fd);
+      if (!create_exclusive) return absl::UnimplementedError(absl::StrCat("flock ", path, ": ", std::strerror(err)));
+      FERRY_LOG(WARNING) << "flock " << path << ": " << std::strerror(err)
+                         << ": this file system has no locks; a collector elsewhere cannot tell this save is live";
+      return fd;
+    }
     ::close(fd);
-    if (err == EWOULDBLOCK) return -1;
     return PosixError(absl::StrCat("flock ", path), err);
   }
   struct stat held, now;
@@ -79,6 +91,10 @@ absl::StatusOr<StaleCheckpointDir> Probe(const std::string& root, const std::str
     absl::StatusOr<SaveLock> l = SaveLock::LockDir(dir, /*wait=*/false);
     if (absl::IsFailedPrecondition(l.status())) {
       out.reason = "in use: a live save holds its lock";
+      return out;
+    }
+    if (absl::IsUnimplemented(l.status())) {
+      out.reason = "the file system has no flock(), so whether a save is writing it cannot be told: left alone";
       return out;
     }
     FERRY_RETURN_IF_ERROR(l.status());

@@ -25,7 +25,9 @@
 //   * Limits. flock() is advisory and local to one kernel: it protects against saves of processes on
 //     the same host, and across hosts only where the filesystem propagates flock (Linux NFS clients
 //     emulate it with byte-range locks that the server sees, NFSv4 or NLM; some FUSE and object-store
-//     filesystems do not, and a lock is lost with a client whose lease expires). Rank 0 holds the lock
+//     filesystems do not, and a lock is lost with a client whose lease expires). Where flock() fails
+//     as unsupported, saves go on unlocked (with a warning) and the collector leaves every leftover
+//     that has a lock file alone, since it cannot tell a live one. Rank 0 holds the lock
 //     for every rank: another rank still writing its file into a directory whose rank 0 died loses
 //     it (that save could not commit anyway). A racer that swaps a directory for a symlink between
 //     the checks and the unlinks is out of scope (the root is the trainer's own directory).
