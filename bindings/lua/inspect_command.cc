@@ -90,6 +90,39 @@ class Progress final {
   int last_tenth_ = 0;
 };
 
+// Whether `path` is a checkpoint root (no manifest.json of its own) rather than a step directory.
+bool IsRoot(const std::string& path) {
+  std::error_code ec;
+  return std::filesystem::is_directory(path, ec) &&
+         !std::filesystem::exists(std::filesystem::path(path) / std::string(kManifestFileName), ec);
+}
+
+// For a root: the leftovers of crashed saves, and which the next save would remove (nothing is
+// changed here; see ckpt/checkpoint_gc.h).
+void PrintLeftovers(const std::string& root, std::FILE* out, std::FILE* err) {
+  absl::StatusOr<std::vector<StaleCheckpointDir>> found = FindStaleCheckpoints(root);
+  if (!found.ok()) {
+    absl::FPrintF(err, "warning: looking for leftovers of crashed saves in %s: %s\n", root, found.status().message());
+    return;
+  }
+  uint64_t removable_bytes = 0;
+  size_t removable = 0;
+  for (const StaleCheckpointDir& d : *found) {
+    if (!d.removable) continue;
+    ++removable;
+    removable_bytes += d.bytes;
+  }
+  absl::FPrintF(out, "leftovers of crashed saves:%s\n", found->empty() ? " none" : "");
+  for (const StaleCheckpointDir& d : *found) {
+    absl::FPrintF(out, "  %s: %d bytes (%s), %s: %s\n", d.name, d.bytes, HumanBytes(static_cast<int64_t>(d.bytes)),
+                  d.removable ? "the next save removes it" : "kept", d.reason);
+  }
+  if (!found->empty()) {
+    absl::FPrintF(out, "  the next save removes %d of %d (%s)\n", removable, found->size(),
+                  HumanBytes(static_cast<int64_t>(removable_bytes)));
+  }
+}
+
 struct GroupSummary {
   size_t tensors = 0;
   int64_t bytes = 0;
@@ -107,6 +140,9 @@ std::string InspectUsage() {
       "the step, the metadata, the files (one safetensors shard per rank), the parameter groups\n"
       "(placement and optimizer step when saved), every tensor (name, kind, group, dtype, shape,\n"
       "bytes, file, offset, checksum), the bytes per kind, and what the checkpoint skipped and why.\n"
+      "For a root it also lists the leftovers of crashed saves (step-N.incomplete, step-N.deleting)\n"
+      "with their sizes, and which of them the next save will remove (those no live save holds);\n"
+      "inspect itself changes nothing.\n"
       "The manifest and the files' headers are checked on opening; --verify also reads every\n"
       "tensor and checks its XXH3 checksum, reporting each one that fails. The exit status is 0\n"
       "when all is well, 1 when the checkpoint cannot be read or a checksum fails, 2 for a usage\n"
@@ -137,8 +173,11 @@ int InspectCommand(const std::vector<std::string>& args, std::FILE* out, std::FI
     return usage_error(absl::StrCat("ferry inspect: --progress must be auto, on or off, got \"",
                                     progress_mode, "\""));
   }
-  absl::StatusOr<std::unique_ptr<CheckpointReader>> opened = CheckpointReader::Open((*positional)[0]);
+  const std::string& path = (*positional)[0];
+  const bool root = IsRoot(path);
+  absl::StatusOr<std::unique_ptr<CheckpointReader>> opened = CheckpointReader::Open(path);
   if (!opened.ok()) {
+    if (root) PrintLeftovers(path, out, err);
     absl::FPrintF(err, "error: %s\n", opened.status().message());
     return 1;
   }
@@ -222,6 +261,8 @@ int InspectCommand(const std::vector<std::string>& args, std::FILE* out, std::FI
                     t.file_offset, FormatChecksum(t.checksum));
     }
   }
+
+  if (root) PrintLeftovers(path, out, err);
 
   if (!absl::GetFlag(FLAGS_ferry_inspect_verify)) return 0;
 

@@ -11,6 +11,7 @@
 #include <map>
 #include <random>
 #include <string>
+#include <optional>
 #include <thread>
 #include <vector>
 
@@ -203,14 +204,21 @@ TEST_F(ShardedCheckpointTest, RankByRankProtocol) {
   const std::vector<TestTensor> tensors = Set();
   const std::vector<TensorRecord> records = Records(tensors);
   constexpr int kWorld = 4;
-  CKPT_ASSERT_OK_AND_ASSIGN(CheckpointShards shards, CheckpointShards::Plan(records, kWorld));
-  CKPT_ASSERT_OK_AND_ASSIGN(std::string tmp, BeginCheckpoint(root, 3, Fast()));
+  CKPT_ASSERT_OK_AND_ASSIGN(SavePlan plan, PlanSave(root, 3, records, kWorld, skipped_, metadata_, Fast()));
+  ASSERT_EQ(plan.files.size(), static_cast<size_t>(kWorld));
+  std::optional<PendingCheckpoint> pending;
+  {
+    CKPT_ASSERT_OK_AND_ASSIGN(PendingCheckpoint p, PendingCheckpoint::Begin(root, 3, Fast()));
+    pending.emplace(std::move(p));
+  }
+  std::string tmp = pending->dir();
   EXPECT_THAT(tmp, HasSubstr("step-00000003.incomplete"));
+  EXPECT_TRUE(Exists(tmp + "/.ferry-save.lock"));
   std::vector<absl::StatusOr<RankChunks>> results(kWorld, absl::UnknownError("not run"));
   std::vector<std::thread> ranks;
   for (int r = kWorld - 1; r >= 0; --r) {
     ranks.emplace_back([&, r] {
-      results[static_cast<size_t>(r)] = WriteRankFile(tmp, records, shards, r, metadata_, Fast());
+      results[static_cast<size_t>(r)] = WriteRankFile(tmp, records, plan.files[static_cast<size_t>(r)], Fast());
     });
   }
   for (std::thread& t : ranks) t.join();
@@ -221,24 +229,28 @@ TEST_F(ShardedCheckpointTest, RankByRankProtocol) {
   }
   // Rank 2 missing: refused, the .incomplete directory removed, no checkpoint.
   std::vector<RankChunks> missing = {chunks[0], chunks[1], chunks[3]};
-  absl::StatusOr<std::string> bad =
-      CommitCheckpoint(root, 3, records, skipped_, metadata_, kWorld, missing, Fast());
+  absl::StatusOr<std::string> bad = pending->Commit(plan.skeleton, missing, Fast());
   EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument) << bad.status();
   EXPECT_FALSE(Exists(tmp));
   EXPECT_FALSE(Exists(root + "/step-00000003"));
   EXPECT_FALSE(Exists(root + "/latest"));
+  // Committing what was aborted is refused.
+  EXPECT_EQ(pending->Commit(plan.skeleton, chunks, Fast()).status().code(), absl::StatusCode::kFailedPrecondition);
 
   // Again, complete, ranks reported in reverse order.
-  CKPT_ASSERT_OK_AND_ASSIGN(tmp, BeginCheckpoint(root, 3, Fast()));
+  {
+    CKPT_ASSERT_OK_AND_ASSIGN(PendingCheckpoint p, PendingCheckpoint::Begin(root, 3, Fast()));
+    pending.emplace(std::move(p));
+  }
+  tmp = pending->dir();
   chunks.clear();
   for (int r = kWorld - 1; r >= 0; --r) {
     CKPT_ASSERT_OK_AND_ASSIGN(RankChunks c,
-                              WriteRankFile(tmp, records, shards, r, metadata_, Fast()));
+                              WriteRankFile(tmp, records, plan.files[static_cast<size_t>(r)], Fast()));
     chunks.push_back(std::move(c));
   }
-  CKPT_ASSERT_OK_AND_ASSIGN(
-      std::string dir,
-      CommitCheckpoint(root, 3, records, skipped_, metadata_, kWorld, chunks, Fast()));
+  CKPT_ASSERT_OK_AND_ASSIGN(std::string dir, pending->Commit(plan.skeleton, chunks, Fast()));
+  EXPECT_FALSE(Exists(dir + "/.ferry-save.lock"));  // the lock file does not outlive the save
   CKPT_ASSERT_OK_AND_ASSIGN(std::unique_ptr<CheckpointReader> reader,
                             CheckpointReader::Open(root));
   EXPECT_EQ(reader->dir(), dir);
@@ -248,8 +260,7 @@ TEST_F(ShardedCheckpointTest, RankByRankProtocol) {
     CKPT_ASSERT_OK(reader->ReadTensor(t.name, out.data(), out.size()));
     EXPECT_TRUE(out == t.data) << t.name;
   }
-  EXPECT_EQ(BeginCheckpoint(root, 3, Fast()).status().code(), absl::StatusCode::kAlreadyExists);
-  CKPT_ASSERT_OK(AbortCheckpoint(root, 3));  // nothing to abort: fine
+  EXPECT_EQ(PendingCheckpoint::Begin(root, 3, Fast()).status().code(), absl::StatusCode::kAlreadyExists);
 }
 
 // ---- corruption ---------------------------------------------------------------------------------

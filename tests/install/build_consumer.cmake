@@ -1,15 +1,25 @@
 # Configures and builds a consumer project in a fresh binary directory, as its user would:
-#   cmake -DSOURCE=DIR -DBINARY=DIR "-DARGS=-DA=1|-DB=2" [-DCUDA_ARCHS=80-real,90-real] -P build_consumer.cmake
-# ARGS: configure arguments separated by '|'. CUDA_ARCHS: CMAKE_CUDA_ARCHITECTURES, comma-separated
-# (written to an initial cache, since a list does not survive a command line here).
+#   cmake -DSOURCE=DIR -DBINARY=DIR "-DARGS=-DA=1|-DB=2" [-DINIT=FILE] [-DCUDA_ARCHS=80-real,90-real]
+#         -P build_consumer.cmake
+# ARGS: configure arguments separated by '|'. INIT: an initial cache (the configure environment of
+# the Ferry build: prefix path, compilers; see CMakeLists.txt). CUDA_ARCHS: CMAKE_CUDA_ARCHITECTURES,
+# comma-separated. Both go into one initial cache in BINARY, since a list does not survive a command
+# line here.
 # Builds with as many jobs as the machine has cores.
 file(REMOVE_RECURSE ${BINARY})
 file(MAKE_DIRECTORY ${BINARY})
 string(REPLACE "|" ";" args "${ARGS}")
+set(init "")
+if(INIT)
+  file(READ ${INIT} init)
+endif()
 if(CUDA_ARCHS)
   string(REPLACE "," ";" archs "${CUDA_ARCHS}")
-  file(WRITE ${BINARY}/cuda-init.cmake "set(CMAKE_CUDA_ARCHITECTURES \"${archs}\" CACHE STRING \"\")\n")
-  list(PREPEND args -C ${BINARY}/cuda-init.cmake)
+  string(APPEND init "set(CMAKE_CUDA_ARCHITECTURES \"${archs}\" CACHE STRING \"\")\n")
+endif()
+if(NOT init STREQUAL "")
+  file(WRITE ${BINARY}/consumer-init.cmake "${init}")
+  list(PREPEND args -C ${BINARY}/consumer-init.cmake)
 endif()
 execute_process(COMMAND ${CMAKE_COMMAND} ${args} -S ${SOURCE} -B ${BINARY} RESULT_VARIABLE rc)
 if(NOT rc EQUAL 0)

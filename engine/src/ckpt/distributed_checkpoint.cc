@@ -1,6 +1,7 @@
 #include "ckpt/distributed_checkpoint.h"
 
 #include <cstring>
+#include <optional>
 #include <string_view>
 #include <utility>
 
@@ -74,22 +75,6 @@ absl::StatusOr<RankChunks> DecodeOutcome(std::string_view in, int rank) {
   return out;
 }
 
-// This rank's part of step 1: its pieces inside its tensors' data.
-absl::Status CheckLocalPart(absl::Span<const TensorRecord> tensors, absl::Span<const ShardPiece> pieces) {
-  for (const ShardPiece& p : pieces) {
-    if (p.tensor >= tensors.size() || p.global_offset + p.length > tensors[p.tensor].bytes) {
-      return absl::InvalidArgumentError(absl::StrCat("a piece of tensor index ", p.tensor, " at byte ", p.global_offset,
-                                                     " + ", p.length, " lies outside the tensors"));
-    }
-    const TensorRecord& t = tensors[p.tensor];
-    if (p.length > 0 && (t.data == nullptr || p.global_offset < t.data_begin)) {
-      return absl::InvalidArgumentError(absl::StrCat("tensor '", t.name, "': the piece at byte ", p.global_offset,
-                                                     " is not inside this rank's data"));
-    }
-  }
-  return absl::OkStatus();
-}
-
 }  // namespace
 
 absl::StatusOr<std::string> WriteDistributedCheckpoint(Comm& comm, absl::Duration timeout, const std::string& root,
@@ -101,28 +86,27 @@ absl::StatusOr<std::string> WriteDistributedCheckpoint(Comm& comm, absl::Duratio
   const int rank = comm.rank();
   const int world = comm.world_size();
   const std::string what = absl::StrCat("checkpoint ", step, " in ", root);
-  // 1. Rank 0 opens the checkpoint; every rank checks its own part.
-  absl::Status mine = ValidateWriteRequest(root, step, tensors, skipped, options, /*local_data=*/true);
-  if (mine.ok()) mine = CheckLocalPart(tensors, pieces);
-  if (mine.ok() && rank == 0) mine = BeginCheckpoint(root, step, options).status();
-  absl::Status agreed = AgreeStatus(comm, mine, what, timeout);
-  if (!agreed.ok()) {
-    if (rank == 0 && mine.ok()) (void)AbortCheckpoint(root, step);
-    return agreed;
+  // 1. Plan: every rank plans its own file (no disk); rank 0 then begins the checkpoint (collecting
+  // the root's crash leftovers first, the other ranks waiting at the agreement).
+  absl::StatusOr<SavePlan> plan =
+      PlanRankSave(root, step, tensors, world, rank, std::move(pieces), skipped, metadata, options);
+  std::optional<PendingCheckpoint> pending;  // rank 0's; aborts itself unless committed
+  absl::Status mine = plan.status();
+  if (mine.ok() && rank == 0) {
+    absl::StatusOr<PendingCheckpoint> begun = PendingCheckpoint::Begin(root, step, options);
+    mine = begun.status();
+    if (begun.ok()) pending.emplace(*std::move(begun));
   }
-  const std::string tmp_dir = absl::StrCat(JoinPath(root, CheckpointDirName(step)), ".incomplete");
+  FERRY_RETURN_IF_ERROR(AgreeStatus(comm, mine, what, timeout));
 
-  // 2. Every rank writes its file; the outcomes and chunk tables go to every rank.
-  absl::StatusOr<CheckpointShards> shards = LocalShards(world, rank, std::move(pieces));
-  absl::StatusOr<RankChunks> written =
-      shards.ok() ? WriteRankFile(tmp_dir, tensors, *shards, rank, metadata, options) : shards.status();
+  // 2. Pieces: every rank writes its file; the outcomes and chunk tables go to every rank.
+  absl::StatusOr<RankChunks> written = WriteRankFile(IncompleteDirPath(root, step), tensors, plan->files[0], options);
   if (!written.ok()) {
     written = absl::Status(written.status().code(),
                            absl::StrCat("writing ", RankFileName(rank), ": ", written.status().message()));
   }
   absl::StatusOr<std::vector<std::string>> outcomes = comm.AllGather(EncodeOutcome(written), timeout);
   if (!outcomes.ok()) {
-    if (rank == 0) (void)AbortCheckpoint(root, step);
     return absl::Status(outcomes.status().code(), absl::StrCat(what, ": exchanging the ranks' outcomes failed: ",
                                                                outcomes.status().message()));
   }
@@ -139,7 +123,6 @@ absl::StatusOr<std::string> WriteDistributedCheckpoint(Comm& comm, absl::Duratio
     failures.push_back(absl::StrCat("rank ", r, " of ", world, ": ", o.status().message()));
   }
   if (!failures.empty()) {
-    if (rank == 0) (void)AbortCheckpoint(root, step);
     return absl::Status(first_code, absl::StrCat(what, " failed (nothing committed; the previous checkpoint stays "
                                                  "`latest`): ", absl::StrJoin(failures, "; ")));
   }
@@ -147,8 +130,7 @@ absl::StatusOr<std::string> WriteDistributedCheckpoint(Comm& comm, absl::Duratio
   // 3. Rank 0 commits; its outcome goes to every rank.
   std::string result;
   if (rank == 0) {
-    absl::StatusOr<std::string> dir =
-        CommitCheckpoint(root, step, tensors, skipped, metadata, world, ranks, options);
+    absl::StatusOr<std::string> dir = pending->Commit(plan->skeleton, ranks, options);
     result = EncodeOutcome(dir.ok() ? absl::StatusOr<RankChunks>(RankChunks{}) : dir.status());
     if (dir.ok()) result += *dir;  // after an OK outcome with no chunks: the directory
   }

@@ -1,12 +1,15 @@
 // The commit protocol of checkpoint.h run by real ranks (one process or thread each) over a Comm:
 //
-//   1. rank 0 validates the request and creates <root>/step-<N>.incomplete/; every rank checks its
-//      own part (its pieces inside its data); one agreement (every rank learns every failure).
+//   1. every rank plans its own file (PlanRankSave: the request, its pieces inside its data); rank 0
+//      begins the checkpoint (PendingCheckpoint: crash leftovers collected, then
+//      <root>/step-<N>.incomplete/ created and locked); one agreement (every rank learns every
+//      failure).
 //   2. every rank writes and fsyncs its own rank file (WriteRankFile) from its own ranges, then the
 //      ranks exchange their outcomes and chunk tables (one all-gather, with the checkpoint timeout:
 //      ranks write at different speeds).
 //   3. if every rank succeeded, rank 0 commits (manifest.json from every rank's chunks, fsync,
-//      rename, `latest`, keep_last); otherwise it removes the .incomplete directory. Rank 0's
+//      rename, `latest`, keep_last); otherwise its PendingCheckpoint removes the .incomplete
+//      directory. Rank 0's
 //      outcome is broadcast, so every rank returns the same directory or the same error, naming
 //      the ranks whose writes failed.
 // A rank killed at any point leaves the previous checkpoint as `latest` (nothing is renamed before

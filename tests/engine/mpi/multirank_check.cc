@@ -106,8 +106,9 @@ absl::Status Run(int argc, char** argv, std::shared_ptr<Comm> comm) {
     return absl::OkStatus();
   }
   int steps = 0;
-  if (argc != 4 || !absl::SimpleAtoi(argv[3], &steps)) {
-    return absl::InvalidArgumentError("usage: multirank_check train | save ROOT STEPS | resume ROOT TOTAL");
+  const bool save_after = argc == 5 && std::string(argv[4]) == "save";
+  if ((argc != 4 && !save_after) || !absl::SimpleAtoi(argv[3], &steps)) {
+    return absl::InvalidArgumentError("usage: multirank_check train | save ROOT STEPS | resume ROOT TOTAL [save]");
   }
   const std::string root = argv[2];
   const uint64_t seed = 3 + static_cast<uint64_t>(world);
@@ -133,7 +134,13 @@ absl::Status Run(int argc, char** argv, std::shared_ptr<Comm> comm) {
       std::printf("resumed from step %d (saved by %s ranks) with %d ranks\n", saved,
                   reader->metadata().at("ferry.world_size").c_str(), world);
     }
-    return CompareWithReference(r, policy, steps, rank, world, seed);
+    FERRY_RETURN_IF_ERROR(CompareWithReference(r, policy, steps, rank, world, seed));
+    if (!save_after) return absl::OkStatus();
+    // `save`: then the run saves, as a resumed run does (which collects the crash leftovers).
+    FERRY_RETURN_IF_ERROR(r.engine->SaveCheckpoint(root, steps).status());
+    FERRY_RETURN_IF_ERROR(r.engine->WaitCheckpoint());
+    if (rank == 0) std::printf("saved %d after resuming\n", steps);
+    return absl::OkStatus();
   }
   return absl::InvalidArgumentError(absl::StrCat("unknown mode '", mode, "'"));
 }

@@ -6,7 +6,9 @@
 #   - async:   the same with asynchronous saves (a policy with async = true)
 #   - kill:    20 times, SIGKILL of one random rank at a random point of a run that saves every
 #              step; afterwards `latest` names a complete checkpoint that resumes bit-identically
-#              with another world size, and no partial checkpoint is ever named
+#              with another world size, and no partial checkpoint is ever named; the crash leaves
+#              at most one leftover (step-N.incomplete or .deleting), which the resumed run's first
+#              save removes (ckpt/checkpoint_gc.h)
 set -euo pipefail
 bin=$1
 part=${2:-all}
@@ -14,6 +16,9 @@ tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 mpi() { local n=$1; shift; mpirun --allow-run-as-root --oversubscribe --bind-to none -np "$n" "$@"; }
 say() { echo "run_checks: $*"; }
+# The crash leftovers of root $1: real directories named step-<digits>.incomplete or .deleting.
+leftovers() { find "$1" -mindepth 1 -maxdepth 1 -type d -regextype posix-extended \
+                -regex '.*/step-[0-9]+\.(incomplete|deleting)' | wc -l; }
 
 if [[ $part == all || $part == train ]]; then
   for n in 1 2 3 4; do mpi "$n" "$bin" train; done
@@ -68,8 +73,13 @@ if [[ $part == all || $part == kill ]]; then
     pkill -9 -f "$bin save $root " 2> /dev/null || true
     latest=$(cat "$root/latest")
     [[ -d "$root/$latest" && -f "$root/$latest/manifest.json" ]] || { say "kill $i: latest '$latest' is not complete"; exit 1; }
-    mpi "$w2" "$bin" resume "$root" 0
-    say "kill $i: killed one of $w ranks mid-run; $latest (complete) resumed bit-identically with $w2 ranks"
+    before=$(leftovers "$root")
+    [[ $before -le 1 ]] || { ls -la "$root"; say "kill $i: $before leftovers after one kill"; exit 1; }
+    mpi "$w2" "$bin" resume "$root" 0 save
+    after=$(leftovers "$root")
+    [[ $after -eq 0 ]] || { ls -la "$root"; say "kill $i: $after leftovers after the next save"; exit 1; }
+    say "kill $i: killed one of $w ranks mid-run; $latest (complete) resumed bit-identically with $w2 ranks;" \
+        "leftovers: $before after the kill, $after after the next save"
   done
 fi
 say "all passed ($part)"

@@ -1,0 +1,219 @@
+// The fixture and helpers of the single-rank checkpoint tests (checkpoint_test.cc: round trip and
+// corruption; checkpoint_commit_test.cc: the commit protocol), with an independent parser of the
+// files (nlohmann + xxHash directly), so the format is tested without our reader.
+#ifndef FERRY_TESTS_CKPT_CHECKPOINT_TEST_FIXTURE_H_
+#define FERRY_TESTS_CKPT_CHECKPOINT_TEST_FIXTURE_H_
+
+#include "ckpt/checkpoint.h"
+
+#include <fcntl.h>
+#include <stdlib.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <iterator>
+#include <map>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_format.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
+#include "xxhash.h"
+
+namespace ferry::checkpoint_test {
+
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+using Json = nlohmann::json;
+
+#define CKPT_CONCAT_INNER_(a, b) a##b
+#define CKPT_CONCAT_(a, b) CKPT_CONCAT_INNER_(a, b)
+#define CKPT_ASSERT_OK(expr)              \
+  do {                                    \
+    const absl::Status ckpt_s_ = (expr);  \
+    ASSERT_TRUE(ckpt_s_.ok()) << ckpt_s_; \
+  } while (0)
+#define CKPT_ASSERT_OK_AND_ASSIGN(lhs, rexpr) \
+  CKPT_ASSERT_OK_AND_ASSIGN_IMPL_(CKPT_CONCAT_(ckpt_sor_, __LINE__), lhs, rexpr)
+#define CKPT_ASSERT_OK_AND_ASSIGN_IMPL_(tmp, lhs, rexpr) \
+  auto tmp = (rexpr);                                    \
+  ASSERT_TRUE(tmp.ok()) << tmp.status();                 \
+  lhs = std::move(tmp).value()
+
+inline constexpr char kRankFile[] = "rank-00000.safetensors";
+
+struct TestTensor {
+  std::string name;
+  DType dtype;
+  std::vector<int64_t> shape;
+  std::string kind;
+  std::string group;
+  std::vector<uint8_t> data;
+};
+
+inline std::string ReadWholeFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+inline void WriteWholeFile(const std::string& path, const std::string& contents) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out.write(contents.data(), static_cast<std::streamsize>(contents.size()));
+}
+
+inline void XorByte(const std::string& path, uint64_t offset, uint8_t mask) {
+  std::fstream f(path, std::ios::binary | std::ios::in | std::ios::out);
+  f.seekg(static_cast<std::streamoff>(offset));
+  char c = 0;
+  f.read(&c, 1);
+  c = static_cast<char>(static_cast<uint8_t>(c) ^ mask);
+  f.seekp(static_cast<std::streamoff>(offset));
+  f.write(&c, 1);
+}
+
+inline bool Exists(const std::string& path) {
+  struct stat st;
+  return ::lstat(path.c_str(), &st) == 0;
+}
+
+inline std::string Hex16(uint64_t v) { return absl::StrFormat("%016x", v); }
+
+inline std::string SafetensorsDTypeName(DType t) {
+  switch (t) {
+    case DType::kF32: return "F32";
+    case DType::kBF16: return "BF16";
+    case DType::kF16: return "F16";
+  }
+  return "?";
+}
+
+inline size_t ElementBytes(DType t) { return t == DType::kF32 ? 4 : 2; }
+
+// Everything in a directory, names only, sorted.
+inline std::vector<std::string> DirNames(const std::string& dir) {
+  std::vector<std::string> names;
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator(dir, ec)) {
+    names.push_back(e.path().filename().string());
+  }
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+class CheckpointTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    std::string tmpl = ::testing::TempDir() + "ferry_ckpt_test_XXXXXX";
+    ASSERT_NE(::mkdtemp(tmpl.data()), nullptr) << std::strerror(errno);
+    scratch_ = tmpl;
+    root_ = scratch_ + "/ckpts";
+    seed_ = std::random_device{}();
+    rng_.seed(seed_);
+  }
+  void TearDown() override {
+    std::error_code ec;
+    std::filesystem::remove_all(scratch_, ec);
+  }
+
+  // Fresh random bytes (every bit pattern, NaNs included: the comparisons are bitwise).
+  TestTensor Random(std::string name, DType dtype, std::vector<int64_t> shape,
+                    std::string kind = "model", std::string group = "g0") {
+    size_t n = ElementBytes(dtype);
+    for (int64_t d : shape) n *= static_cast<size_t>(d);
+    TestTensor t{std::move(name), dtype, std::move(shape), std::move(kind), std::move(group), {}};
+    t.data.resize(n);
+    for (size_t i = 0; i < n; i += 8) {
+      uint64_t w = rng_();
+      std::memcpy(t.data.data() + i, &w, std::min<size_t>(8, n - i));
+    }
+    if (n > 0) t.data[0] |= 1;  // never all zeros
+    return t;
+  }
+
+  // Every dtype, a scalar, 1-element tensors, an empty tensor, odd sizes that would misalign the
+  // next tensor, and tensors larger than the writer's 8 MiB I/O pieces.
+  std::vector<TestTensor> StandardSet() {
+    std::vector<TestTensor> v;
+    v.push_back(Random("layer0.weight", DType::kBF16, {64, 48}));
+    v.push_back(Random("layer0.master", DType::kF32, {64, 48}, "master"));
+    v.push_back(Random("layer0.exp_avg", DType::kF32, {64, 48}, "exp_avg"));
+    v.push_back(Random("layer0.exp_avg_sq", DType::kF32, {64, 48}, "exp_avg_sq"));
+    v.push_back(Random("odd.bf16", DType::kBF16, {3}, "model", "g1"));
+    v.push_back(Random("scale", DType::kF32, {}, "model", ""));
+    v.push_back(Random("one.bf16", DType::kBF16, {1}));
+    v.push_back(Random("one.f16", DType::kF16, {1, 1, 1}));
+    v.push_back(Random("h", DType::kF16, {3, 5, 7}, "model", "g1"));
+    v.push_back(Random("empty", DType::kF32, {4, 0}));
+    v.push_back(Random("big.master", DType::kF32, {3 * 1024 * 1024 + 5}, "master", "g2"));
+    v.push_back(Random("big.weight", DType::kBF16, {4096, 1030}, "model", "g2"));
+    return v;
+  }
+
+  // A small set without empty tensors (so file offsets are distinct).
+  std::vector<TestTensor> SmallSet() {
+    std::vector<TestTensor> v;
+    v.push_back(Random("a", DType::kF32, {5, 3}));
+    v.push_back(Random("b", DType::kBF16, {7}));
+    v.push_back(Random("c", DType::kF16, {2, 2, 3}, "exp_avg"));
+    v.push_back(Random("d", DType::kF32, {}, "exp_avg_sq"));
+    return v;
+  }
+
+  static std::vector<TensorRecord> Records(const std::vector<TestTensor>& tensors) {
+    std::vector<TensorRecord> r;
+    for (const TestTensor& t : tensors) {
+      r.push_back({.name = t.name,
+                   .dtype = t.dtype,
+                   .shape = t.shape,
+                   .data = t.data.data(),
+                   .bytes = t.data.size(),
+                   .kind = t.kind,
+                   .group = t.group});
+    }
+    return r;
+  }
+
+  absl::StatusOr<std::string> Write(int64_t step, const std::vector<TestTensor>& tensors,
+                                    CheckpointWriteOptions options = {}) {
+    std::vector<TensorRecord> records = Records(tensors);
+    return WriteCheckpoint(root_, step, records, skipped_, metadata_, options);
+  }
+
+  std::string StepDir(int64_t step) const { return absl::StrFormat("%s/step-%08d", root_, step); }
+  std::string Latest() const { return ReadWholeFile(root_ + "/latest"); }
+
+  // Checks that every tensor reads back bit-exactly through the reader.
+  void ExpectReadsBack(const CheckpointReader& reader, const std::vector<TestTensor>& tensors) {
+    ASSERT_EQ(reader.tensors().size(), tensors.size());
+    for (const TestTensor& t : tensors) {
+      SCOPED_TRACE(t.name);
+      std::vector<uint8_t> out(t.data.size(), 0xAB);
+      CKPT_ASSERT_OK(reader.ReadTensor(t.name, out.data(), out.size()));
+      EXPECT_TRUE(out == t.data) << "tensor bytes differ";
+    }
+  }
+
+  std::string scratch_;
+  std::string root_;
+  uint32_t seed_ = 0;
+  std::mt19937_64 rng_;
+  std::map<std::string, std::string> metadata_ = {
+      {"trainer", "llm.c"}, {"lr", "3e-4"}, {"note", "quote \" newline \n unicode \xc3\xbc"}};
+  std::vector<SkipRecord> skipped_ = {{"optimizer", "policy skip_optimizer_on_save"},
+                                      {"rng", "not tracked yet"}};
+};
+
+}  // namespace ferry::checkpoint_test
+
+#endif  // FERRY_TESTS_CKPT_CHECKPOINT_TEST_FIXTURE_H_
