@@ -141,7 +141,7 @@ def make_optimizer(row, model, args):
     if has_overlap_option():
         extra["overlap"] = row.get("overlap", False)
     opt = ferry.torch.Optimizer(groups, **kw, **extra)
-    if row.get("overlap") and has_overlap_option():
+    if row.get("overlap") and has_overlap_option() and not args.no_attach:
         opt.attach(model)  # each layer's forward waits only for its own group's upload
     if row.get("overlap") and not has_overlap_option():
         if not hasattr(torch.Tensor, "register_post_accumulate_grad_hook"):
@@ -153,6 +153,8 @@ def make_optimizer(row, model, args):
 def run_row(row, model, init, data, args):
     """Iteration time (s), losses (a CPU tensor), the offloaded step alone (s, or None)."""
     model.load_state_dict(init)
+    for p in model.parameters():
+        p.grad = None  # an optimizer adopts the grads it finds; each row starts from none
     opt, announcer = make_optimizer(row, model, args)
     if opt is None:
         return None, None, None, announcer
@@ -288,6 +290,8 @@ def main():
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--rows", default="", help="comma-separated row indices (default: all)")
     ap.add_argument("--cpu-threads", type=int, default=0, help="ferry's CPU Adam threads (0: its default)")
+    ap.add_argument("--no-attach", action="store_true",
+                    help="overlap rows without opt.attach(model): the next forward waits for every upload")
     ap.add_argument("--trace", default="", help="ferry trace file (Chrome JSON) of every ferry row")
     ap.add_argument("--check-exact", action="store_true",
                     help="deterministic kernels; the fp32 ferry rows' losses must be the same bits")
