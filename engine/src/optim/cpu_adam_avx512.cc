@@ -293,6 +293,16 @@ inline void StoreState(void* base, int64_t i, __m512 x, __mmask16 k, __m512i bit
   }
 }
 
+// StoreState with a streaming store of 16 whole lanes. REQUIRES: base + i aligned to 16 elements' bytes.
+template <bool kBf16, bool kSr, bool kHwBf16>
+inline void StreamState(void* base, int64_t i, __m512 x, __m512i bits) {
+  if constexpr (kBf16) {
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(base) + i), StateBf16<kSr, kHwBf16>(x, bits));
+  } else {
+    _mm512_stream_ps(static_cast<float*>(base) + i, x);
+  }
+}
+
 // `lo`: the low words of the 16 elements' global indices. With a bf16 master, P is kBF16 or
 // kNoParam: the param takes the master's bits.
 template <AdamMode M, int G, int P, int SF, bool kHwBf16, bool kStream>
@@ -331,6 +341,34 @@ inline void BlockTyped(const AdamCoeffs<F32x16>& c, const CpuAdamTensor& t, int6
   StoreState<kV16, kSr, kHwBf16>(t.exp_avg_sq, i, v.v, k, _mm512_srli_epi32(moment_bits, 16));
 }
 
+// Out of place, 16 whole lanes: the new state is written once and not read here again, so streaming
+// stores skip reading its lines first (as BlockOut for fp32 state). REQUIRES: master + i, exp_avg + i
+// and exp_avg_sq + i aligned to 16 of their elements. The param takes ordinary stores.
+template <AdamMode M, int G, int P, int SF, bool kHwBf16>
+inline void BlockTypedOut(const AdamCoeffs<F32x16>& c, const CpuAdamTensor& t, int64_t i, __m512i lo,
+                          const StateKindKeys& keys) {
+  constexpr bool kM16 = (SF & kMasterBf16) != 0;
+  constexpr bool kV16 = (SF & kMomentsBf16) != 0;
+  constexpr bool kSr = (SF & kStochastic) != 0;
+  const __mmask16 all = static_cast<__mmask16>(0xFFFF);
+  F32x16 p{LoadState<kM16>(t.master_src, i, all)};
+  F32x16 m{LoadState<kV16>(t.exp_avg_src, i, all)};
+  F32x16 v{LoadState<kV16>(t.exp_avg_sq_src, i, all)};
+  const F32x16 g{LoadGrad<G>(t.grad, i, all)};
+  simd::AdamUpdateGeneric<M>(c, p, m, v, g);
+  if constexpr (kM16) {
+    const __m256i h = StateBf16<kSr, kHwBf16>(p.v, kSr ? RandomWords(lo, keys.master) : lo);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(t.master) + i), h);
+    if constexpr (P != kNoParam) _mm256_mask_storeu_epi16(static_cast<uint16_t*>(t.param) + i, all, h);
+  } else {
+    _mm512_stream_ps(static_cast<float*>(t.master) + i, p.v);
+    if constexpr (P != kNoParam) StoreParamMasked<P, kHwBf16>(t.param, i, p.v, all);
+  }
+  const __m512i moment_bits = kSr && kV16 ? RandomWords(lo, keys.moments) : lo;  // m: low 16, v: high 16
+  StreamState<kV16, kSr, kHwBf16>(t.exp_avg, i, m.v, moment_bits);
+  StreamState<kV16, kSr, kHwBf16>(t.exp_avg_sq, i, v.v, _mm512_srli_epi32(moment_bits, 16));
+}
+
 template <AdamMode M, int G, int P, int SF, bool kHwBf16>
 void RangeTyped(const CpuAdamTensor& t_in, const AdamScalars& s, int64_t begin, int64_t end) {
   const AdamCoeffs<F32x16> c = Broadcast(s);
@@ -350,6 +388,32 @@ void RangeTyped(const CpuAdamTensor& t_in, const AdamScalars& s, int64_t begin, 
       return _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(lo0 + static_cast<uint32_t>(at - seg))), lanes);
     };
     int64_t at = i;
+    if (t_in.master_src != nullptr) {
+      // Out of place (a speculative step writing the spare buffers): when the three outputs reach
+      // their 16-element alignment at the same element, masked blocks up to it, then streaming stores
+      // of the state, so the update moves the bytes of an in-place one. The same bits either way.
+      constexpr int64_t kMs = (SF & kMasterBf16) != 0 ? 2 : 4;
+      constexpr int64_t kVs = (SF & kMomentsBf16) != 0 ? 2 : 4;
+      const uintptr_t master = reinterpret_cast<uintptr_t>(t.master) + static_cast<uintptr_t>(at * kMs);
+      const int64_t head = master % kMs != 0 ? -1
+                           : static_cast<int64_t>((16 * kMs - master % (16 * kMs)) % (16 * kMs)) / kMs;
+      auto lined = [&](void* base, int64_t e) {
+        return (reinterpret_cast<uintptr_t>(base) + static_cast<uintptr_t>(e * kVs)) % (16 * kVs) == 0;
+      };
+      if (head >= 0 && head < stop - at && lined(t.exp_avg, at + head) && lined(t.exp_avg_sq, at + head)) {
+        for (int64_t left = head; left > 0;) {
+          const int64_t n = left < 16 ? left : 16;
+          BlockTyped<M, G, P, SF, kHwBf16, false>(c, t, at, FirstLanes(n), lo_at(at), keys);
+          at += n;
+          left -= n;
+        }
+        for (; at + 16 <= stop; at += 16) BlockTypedOut<M, G, P, SF, kHwBf16>(c, t, at, lo_at(at), keys);
+        if (at < stop) BlockTyped<M, G, P, SF, kHwBf16, false>(c, t, at, FirstLanes(stop - at), lo_at(at), keys);
+        _mm_sfence();  // streaming stores are visible before the task ends
+        i = stop;
+        continue;
+      }
+    }
     if constexpr (P != kNoParam) {
       // Streaming stores need aligned lines: the elements up to the param's next 64-byte boundary take
       // ordinary masked stores.
