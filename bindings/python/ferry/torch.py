@@ -32,6 +32,7 @@ import warnings
 import torch
 
 import ferry
+from ferry import _zero
 
 _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _FIXED = ("betas", "eps", "weight_decay")
@@ -49,11 +50,16 @@ class Optimizer(torch.optim.Optimizer):
         None: every group on the device) and its ctx.args (values given as text).
       loss_scale, max_grad_norm, check_finite: the defaults of step()'s options of the same names.
       transfer_chunk_bytes, cpu_threads, numa, trace_path: EngineOptions (0 / "": Ferry's defaults).
+      process_group, shard, collective_timeout, checkpoint_timeout: several ranks (ferry._zero,
+        ferry.distributed; README "PyTorch on several ranks"). shard=True: ZeRO-1 over the ranks of
+        `process_group` (None: every rank) for replicated params; DTensor params (FSDP2) are always
+        registered as their local shards. Timeouts in seconds.
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, *, policy=None,
                  policy_args=None, loss_scale=1.0, max_grad_norm=0.0, check_finite=True, transfer_chunk_bytes=0,
-                 cpu_threads=0, numa="", trace_path=""):
+                 cpu_threads=0, numa="", trace_path="", process_group=None, shard=False, collective_timeout=300.0,
+                 checkpoint_timeout=3600.0):
         if not 0.0 <= lr:
             raise ValueError("Invalid learning rate: {}".format(lr))
         if not 0.0 <= eps:
@@ -76,12 +82,21 @@ class Optimizer(torch.optim.Optimizer):
         device = self._check_params()
         self._cuda = device.type == "cuda"
         self._device = device
+        # ---- several ranks (ferry._zero): the engine's comm and each param's range ----
+        self._zero = None
+        if process_group is None:
+            process_group = _zero.process_group_of(self._params, self._where)
+        if shard or process_group is not None:
+            self._zero = _zero.Sharding(self._params, self._where, process_group, shard, collective_timeout, device)
+        dist_args = {} if self._zero is None else dict(
+            comm=self._zero.comm, rank=self._zero.rank, world_size=self._zero.world,
+            collective_timeout=float(collective_timeout), checkpoint_timeout=float(checkpoint_timeout))
         engine = ferry.Engine(policy=ferry.policy_path(policy),
                               policy_args={str(k): str(v) for k, v in (policy_args or {}).items()},
                               lr=float(lr), beta1=float(betas[0]), beta2=float(betas[1]), eps=float(eps),
                               weight_decay=float(weight_decay), adamw=True, device="cuda" if self._cuda else "host",
                               device_ordinal=device.index or 0, transfer_chunk_bytes=int(transfer_chunk_bytes),
-                              cpu_threads=int(cpu_threads), numa=numa, trace_path=trace_path)
+                              cpu_threads=int(cpu_threads), numa=numa, trace_path=trace_path, **dist_args)
         self._groups = ["group%d" % gi for gi in range(len(self.param_groups))]
         self._fixed = []
         for gi, group in enumerate(self.param_groups):
@@ -96,6 +111,14 @@ class Optimizer(torch.optim.Optimizer):
         with torch.no_grad():
             for gi, group in enumerate(self.param_groups):
                 for p in group["params"]:
+                    if self._zero is not None:  # several ranks: this rank's range of the param
+                        buf = self._zero.grad_buffer(k, p)
+                        if p.grad is not None:
+                            buf.copy_(self._zero.grad_of(k, p.grad))
+                        self._zero.register(engine, "p%d" % k, self._groups[gi], k, p, buf, _DTYPES[p.dtype])
+                        self._grads.append(buf)
+                        k += 1
+                        continue
                     buf = torch.zeros_like(p, memory_format=torch.contiguous_format)
                     if p.grad is not None:
                         buf.copy_(p.grad)
@@ -103,9 +126,15 @@ class Optimizer(torch.optim.Optimizer):
                     engine.add_param("p%d" % k, self._groups[gi], list(p.shape) or [1], _DTYPES[p.dtype],
                                      p.data_ptr(), buf.data_ptr())
                     k += 1
-        engine.finalize()
+        try:
+            engine.finalize()
+        except BaseException as e:
+            if self._zero is not None:
+                self._zero.abort(e)
+            raise
         for p, buf in zip(self._params, self._grads):
-            p.grad = buf
+            if not _zero.is_dtensor(p):  # a DTensor's grads come from FSDP2 and are copied at step()
+                p.grad = buf
         self._signature = [self._signature_of(p) for p in self._params]
         self._group_sizes = [len(g["params"]) for g in self.param_groups]
         self._group_start = [sum(self._group_sizes[:gi]) for gi in range(len(self._group_sizes))]
@@ -120,6 +149,7 @@ class Optimizer(torch.optim.Optimizer):
         if not self._params:
             raise ValueError("ferry.torch.Optimizer got an empty parameter list")
         first = None
+        seen = []
         for p, where in zip(self._params, self._where):
             if not isinstance(p, torch.Tensor):
                 raise TypeError("%s is a %s, not a torch.Tensor" % (where, type(p).__name__))
@@ -133,18 +163,20 @@ class Optimizer(torch.optim.Optimizer):
             if p.dtype not in _DTYPES:
                 raise TypeError("%s has dtype %s: Ferry's params are torch.float32, torch.bfloat16 or torch.float16"
                                 % (where, p.dtype))
+            p = _zero.local(p)  # a DTensor's local shard holds its memory
             if p.is_sparse or p.layout != torch.strided:
                 raise ValueError("%s is not a dense (strided) tensor" % where)
             if not p.is_contiguous():
                 raise ValueError("%s is not contiguous (strides %s): Ferry updates params as flat memory; pass "
                                  "contiguous tensors" % (where, tuple(p.stride())))
-            if p.numel() == 0:
+            if p.numel() == 0 and not _zero.is_dtensor(self._params[len(seen)]):
                 raise ValueError("%s has no elements (shape %s)" % (where, tuple(p.shape)))
+            seen.append(where)
         return first[0]
 
     @staticmethod
     def _signature_of(p):
-        return (p.data_ptr(), tuple(p.shape), p.dtype, p.device)
+        return (_zero.local(p).data_ptr(), tuple(p.shape), p.dtype, p.device)
 
     def add_param_group(self, param_group):
         if getattr(self, "_engine", None) is not None:
@@ -168,11 +200,12 @@ class Optimizer(torch.optim.Optimizer):
                                    "with %d" % (gi, len(ps), self._group_sizes[gi]))
             for p in ps:
                 sig = self._signature[k]
-                if p is not self._params[k] or p.data_ptr() != sig[0] or p.shape != sig[1] or p.dtype != sig[2]:
+                if p is not self._params[k] or _zero.local(p).data_ptr() != sig[0] or p.shape != sig[1] or \
+                        p.dtype != sig[2]:
                     raise RuntimeError(
                         "%s changed after the optimizer was constructed (now %s %s at 0x%x; registered %s %s at "
                         "0x%x): Ferry registered its memory; build a new optimizer after replacing, moving or "
-                        "resizing params" % (self._where[k], tuple(p.shape), p.dtype, p.data_ptr(), sig[1], sig[2],
+                        "resizing params" % (self._where[k], tuple(p.shape), p.dtype, _zero.local(p).data_ptr(), sig[1], sig[2],
                                              sig[0]))
                 k += 1
             for key in _FIXED:
@@ -200,7 +233,21 @@ class Optimizer(torch.optim.Optimizer):
 
         loss_scale: the grads carry it and are divided by it; max_grad_norm (> 0): clip the global
         norm of the unscaled grads; check_finite: a NaN/Inf grad skips the whole step (stats()
-        reports it). Each defaults to the constructor's value."""
+        reports it). Each defaults to the constructor's value.
+
+        Several ranks: collective (every rank of the process group calls it). An exception on one rank
+        makes every other rank's step raise a FerryError naming it (ferry.distributed)."""
+        if self._zero is None:
+            return self._step(closure, loss_scale, max_grad_norm, check_finite)
+        try:
+            loss = self._step(closure, loss_scale, max_grad_norm, check_finite)
+            self._zero.gather_params()  # ZeRO-1: every rank's updated range into every replica
+            return loss
+        except BaseException as e:
+            self._zero.abort(e)
+            raise
+
+    def _step(self, closure, loss_scale, max_grad_norm, check_finite):
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -216,6 +263,10 @@ class Optimizer(torch.optim.Optimizer):
             buf = self._grads[k]
             if g is None:
                 skipped.append(k)
+            elif self._zero is not None and _zero.is_dtensor(p):  # FSDP2's grad: its local rows
+                g = g.to_local()
+                if g.data_ptr() != buf.data_ptr():
+                    buf.copy_(g)
             elif g is not buf:
                 if g.shape != p.shape:
                     raise ValueError("%s: its grad has shape %s, the param %s" % (self._where[k], tuple(g.shape),
@@ -312,13 +363,19 @@ class Optimizer(torch.optim.Optimizer):
                 p.grad = None
             return
         for p, buf in zip(self._params, self._grads):
-            if p.grad is not buf:
+            if _zero.is_dtensor(p):
+                p.grad = None  # FSDP2 assigns a new DTensor grad at the next backward
+            elif p.grad is not buf:
                 p.grad = buf
         torch._foreach_zero_(self._grads)
 
     # ---- state: torch's state_dict, Ferry's checkpoints ----------------------------------------------
 
     def _read(self, k, kind):
+        if self._zero is not None:  # this rank's range, flattened
+            t = torch.empty(self._zero.local_numel(k), dtype=torch.float32)
+            self._engine.read_state("p%d" % k, kind, t.data_ptr())
+            return t
         t = torch.empty(self._params[k].shape, dtype=torch.float32)
         self._engine.read_state("p%d" % k, kind, t.data_ptr())
         return t
@@ -326,8 +383,15 @@ class Optimizer(torch.optim.Optimizer):
     def state_dict(self):
         """torch.optim.AdamW's layout: {'state': {index: {'step', 'exp_avg', 'exp_avg_sq'[, 'master']}},
         'param_groups': [{..., 'params': [indices]}]}; fp32 CPU tensors, 'master' for params that are not
-        fp32. Params of groups that never stepped have no state, as in torch."""
+        fp32. Params of groups that never stepped have no state, as in torch.
+
+        Several ranks: collective; every rank gets the whole state (each param's full tensors, gathered
+        from the ranks' ranges), the same dict as one rank would have: it loads with any world size and
+        into torch.optim.AdamW. Ferry checkpoints (save_checkpoint) are the scalable per-rank form."""
         self._sync_torch()
+        if self._zero is not None:
+            full = {kind: self._zero.gather_state(lambda k, kind=kind: self._read(k, kind))
+                    for kind in ("exp_avg", "exp_avg_sq", "master")}
         state = {}
         groups = []
         k = 0
@@ -338,10 +402,11 @@ class Optimizer(torch.optim.Optimizer):
             step = self._engine.group_step(self._groups[gi])
             for p in group["params"]:
                 if step > 0:
-                    entry = {"step": torch.tensor(float(step)), "exp_avg": self._read(k, "exp_avg"),
-                             "exp_avg_sq": self._read(k, "exp_avg_sq")}
+                    read = (lambda kind: full[kind][k]) if self._zero is not None else (lambda kind: self._read(k, kind))
+                    entry = {"step": torch.tensor(float(step)), "exp_avg": read("exp_avg"),
+                             "exp_avg_sq": read("exp_avg_sq")}
                     if p.dtype != torch.float32:
-                        entry["master"] = self._read(k, "master")
+                        entry["master"] = read("master")
                     state[k] = entry
                 k += 1
         return {"state": state, "param_groups": groups}
@@ -394,7 +459,9 @@ class Optimizer(torch.optim.Optimizer):
                 if kind == "master" and (entry is None or kind not in entry):
                     continue  # the master synced from the param above
                 t = torch.zeros(numel, dtype=torch.float32) if entry is None else \
-                    entry[kind].detach().to(device="cpu", dtype=torch.float32).contiguous()
+                    _full_state(entry[kind]).detach().to(device="cpu", dtype=torch.float32).contiguous()
+                if self._zero is not None:  # this rank's range of the whole state
+                    t = self._zero.local_slice(k, t).contiguous()
                 self._engine.write_state("p%d" % k, kind, t.data_ptr())
         for gi, (group, saved) in enumerate(zip(self.param_groups, saved_groups)):
             self._engine.set_group_step(self._groups[gi], steps[gi])
@@ -417,6 +484,8 @@ class Optimizer(torch.optim.Optimizer):
         engine, bit-identical to the run that saved it. Returns the directory loaded."""
         self._sync_torch()
         self._engine.load_checkpoint(str(path), fall_back_to_previous=fall_back_to_previous)
+        if self._zero is not None:
+            self._zero.gather_params()  # each rank loaded its range of the params
         return self._engine.last_load()["dir"]
 
     def sync_from_model(self, groups=None, reset_optimizer=False):
@@ -446,6 +515,12 @@ class Optimizer(torch.optim.Optimizer):
         for d in out:
             d["param_group"] = self._groups.index(d["group"])
         return out
+
+
+def _full_state(t):
+    """A state tensor of a loaded state dict as a plain whole tensor (a DTensor's full_tensor(),
+    collective on its mesh)."""
+    return t.full_tensor() if _zero.is_dtensor(t) else t
 
 
 def _aslist(v):
