@@ -198,6 +198,9 @@ class Sharding:
         elif self.cuda and hasattr(dist, "_all_gather_base"):
             launch = lambda: dist._all_gather_base(flat, send, group=group, async_op=True)  # noqa: E731
         else:
+            if flat.dtype in (torch.bfloat16, torch.float16):  # gloo (torch 1.13) has no bf16: move the bytes
+                piece *= flat.element_size()
+                flat, send = flat.view(torch.uint8), send.view(torch.uint8)
             outs = list(flat.split(piece))
             launch = lambda: dist.all_gather(outs, send, group=group, async_op=True)  # noqa: E731
         self.comm.run(what, launch, self.timeout_s)
