@@ -165,8 +165,19 @@ class TorchComm:
     def run(self, what, launch, timeout_s, channel="g"):
         """Runs `launch()` (a torch.distributed call with async_op=True, on any group of these ranks)
         under this comm's deadline and abort rules; `channel` keeps its arrival count apart from the
-        engine's collectives. For the optimizer's own bulk collectives (ZeRO-1's all-gather)."""
-        self._run(what, launch, timeout_s, channel)
+        engine's collectives. For the optimizer's own bulk collectives (ZeRO-1's all-gather). Raises what the engine would:
+        ferry.DeadlineExceededError (a rank did not arrive), ferry.FerryError (a rank failed)."""
+        import ferry
+        try:
+            self._run(what, launch, timeout_s, channel)
+        except TimeoutError as e:
+            err = ferry.DeadlineExceededError(str(e))
+            err.code = "DEADLINE_EXCEEDED"
+            raise err from e
+        except RuntimeError as e:
+            err = ferry.FerryError(str(e))
+            err.code = "UNAVAILABLE"
+            raise err from e
 
     def _run(self, what, launch, timeout_s, channel=None):
         channel = channel or self._channel

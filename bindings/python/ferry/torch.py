@@ -97,6 +97,24 @@ class Optimizer(torch.optim.Optimizer):
                               weight_decay=float(weight_decay), adamw=True, device="cuda" if self._cuda else "host",
                               device_ordinal=device.index or 0, transfer_chunk_bytes=int(transfer_chunk_bytes),
                               cpu_threads=int(cpu_threads), numa=numa, trace_path=trace_path, **dist_args)
+        try:
+            self._register(engine)
+        except BaseException as e:
+            if self._zero is not None:  # the other ranks' Finalize then fails naming this rank
+                self._zero.abort(e)
+            raise
+        for p, buf in zip(self._params, self._grads):
+            if not _zero.is_dtensor(p):  # a DTensor's grads come from FSDP2 and are copied at step()
+                p.grad = buf
+        self._signature = [self._signature_of(p) for p in self._params]
+        self._group_sizes = [len(g["params"]) for g in self.param_groups]
+        self._group_start = [sum(self._group_sizes[:gi]) for gi in range(len(self._group_sizes))]
+        self._group_of = [self._groups[gi] for gi, n in enumerate(self._group_sizes) for _ in range(n)]
+        self._announced = set()  # groups given to grads_ready() since the last step()
+        self._engine = engine
+
+    def _register(self, engine):
+        """Adds the groups and params (on several ranks: each param's range) to `engine`, finalizes it."""
         self._groups = ["group%d" % gi for gi in range(len(self.param_groups))]
         self._fixed = []
         for gi, group in enumerate(self.param_groups):
@@ -126,21 +144,7 @@ class Optimizer(torch.optim.Optimizer):
                     engine.add_param("p%d" % k, self._groups[gi], list(p.shape) or [1], _DTYPES[p.dtype],
                                      p.data_ptr(), buf.data_ptr())
                     k += 1
-        try:
-            engine.finalize()
-        except BaseException as e:
-            if self._zero is not None:
-                self._zero.abort(e)
-            raise
-        for p, buf in zip(self._params, self._grads):
-            if not _zero.is_dtensor(p):  # a DTensor's grads come from FSDP2 and are copied at step()
-                p.grad = buf
-        self._signature = [self._signature_of(p) for p in self._params]
-        self._group_sizes = [len(g["params"]) for g in self.param_groups]
-        self._group_start = [sum(self._group_sizes[:gi]) for gi in range(len(self._group_sizes))]
-        self._group_of = [self._groups[gi] for gi, n in enumerate(self._group_sizes) for _ in range(n)]
-        self._announced = set()  # groups given to grads_ready() since the last step()
-        self._engine = engine
+        engine.finalize()
 
     # ---- construction checks ------------------------------------------------------------------------
 
