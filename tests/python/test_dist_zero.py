@@ -222,3 +222,44 @@ def test_torch_adamw_state_dict_loads_into_sharded(resumed, world):
             assert float(got[2]) == 3.0
         for i, (a, b) in enumerate(zip(res["adamw_params"], resumed["adamw_ref"])):
             assert_same_bits(a, b, "world %d rank %d: param %d two steps after loading AdamW's state" % (world, rank, i))
+
+
+ASYNC_POLICY = """
+return {
+  place = function(groups, ctx) local out = {} for _, g in ipairs(groups) do out[g.name] = "cpu" end return out end,
+  checkpoint = function(info, ctx) return { skip = {}, async = true, keep_last = 3 } end,
+}
+"""
+
+
+def async_saves(rank, world, policy, root, load_from):
+    """Asynchronous saves (the engine's writer thread runs the exchange on the comm's duplicate gloo
+    group while this thread keeps stepping on the main one), then, with load_from, a resume."""
+    import ferry.torch
+    ps = make_params()
+    groups = [{"params": ps[:len(F32)]}, {"params": ps[len(F32):]}]
+    opt = ferry.torch.Optimizer(groups, lr=1e-2, policy=policy, max_grad_norm=1.0, shard=True, collective_timeout=30)
+    first = 0
+    if load_from:
+        opt.load_checkpoint(load_from)
+        first = 4
+    for step in range(first, 10):
+        set_grads(ps, step + 100)
+        opt.step()
+        if not load_from and step in (1, 3):
+            opt.save_checkpoint(root, step + 1)  # returns at once; the next steps overlap the writer
+    opt.wait_checkpoint()
+    return [p.detach().clone() for p in ps]
+
+
+def test_async_saves_use_their_own_group_and_resume_on_other_world(tmp_path):
+    policy = tmp_path / "async.lua"
+    policy.write_text(ASYNC_POLICY)
+    root = str(tmp_path / "ck")
+    saved = dist_util.ok(dist_util.run_ranks(2, async_saves, str(policy), root, None, timeout=90))
+    assert os.path.isdir(os.path.join(root, "step-00000004"))
+    resumed = dist_util.ok(dist_util.run_ranks(3, async_saves, str(policy), root,
+                                               os.path.join(root, "step-00000004"), timeout=90))
+    for rank, res in enumerate(resumed):
+        for i, (a, b) in enumerate(zip(res, saved[0])):
+            assert_same_bits(a, b, "async save by 2 ranks, resumed on 3 (rank %d), param %d" % (rank, i))
