@@ -4,6 +4,8 @@ import numbers
 
 import torch
 
+from . import _zero
+
 DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
@@ -81,14 +83,16 @@ def check_params(params, wheres):
         if p.dtype not in DTYPES:
             raise TypeError("%s has dtype %s: Ferry's params are torch.float32, torch.bfloat16 or torch.float16"
                             % (at, p.dtype))
+        dtensor = _zero.is_dtensor(p)
+        p = _zero.local(p)  # a DTensor's local shard holds its memory
         if p.is_sparse or p.layout != torch.strided:
             raise ValueError("%s is not a dense (strided) tensor" % at)
         if not p.is_contiguous():
             raise ValueError("%s is not contiguous (strides %s): Ferry updates params as flat memory; pass "
                              "contiguous tensors" % (at, tuple(p.stride())))
-        if p.numel() == 0:
+        if p.numel() == 0 and not dtensor:  # a DTensor's shard on this rank may be empty
             raise ValueError("%s has no elements (shape %s)" % (at, tuple(p.shape)))
-    _check_disjoint(params, wheres)
+    _check_disjoint([_zero.local(p) for p in params], wheres)
     return first[0]
 
 

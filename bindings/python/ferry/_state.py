@@ -4,11 +4,17 @@ import warnings
 
 import torch
 
+from . import _zero
+
 FIXED = ("betas", "eps", "weight_decay")
 
 
 class StateMixin:
     def _read(self, k, kind):
+        if self._zero is not None:  # this rank's range, flattened
+            t = torch.empty(self._zero.local_numel(k), dtype=torch.float32)
+            self._engine.read_state("p%d" % k, kind, t.data_ptr())
+            return t
         t = torch.empty(self._params[k].shape, dtype=torch.float32)
         self._engine.read_state("p%d" % k, kind, t.data_ptr())
         return t
@@ -16,8 +22,15 @@ class StateMixin:
     def state_dict(self):
         """torch.optim.AdamW's layout: {'state': {index: {'step', 'exp_avg', 'exp_avg_sq'[, 'master']}},
         'param_groups': [{..., 'params': [indices]}]}; fp32 CPU tensors, 'master' for params that are not
-        fp32. Params of groups that never stepped have no state, as in torch."""
+        fp32. Params of groups that never stepped have no state, as in torch.
+
+        Several ranks: collective; every rank gets the whole state (each param's full tensors, gathered
+        from the ranks' ranges), the same dict as one rank would have: it loads with any world size and
+        into torch.optim.AdamW. Ferry checkpoints (save_checkpoint) are the scalable per-rank form."""
         self._sync_torch()
+        if self._zero is not None:
+            full = {kind: self._zero.gather_state(lambda k, kind=kind: self._read(k, kind))
+                    for kind in ("exp_avg", "exp_avg_sq", "master")}
         state = {}
         groups = []
         k = 0
@@ -28,10 +41,11 @@ class StateMixin:
             step = self._engine.group_step(self._groups[gi])
             for p in group["params"]:
                 if step > 0:
-                    entry = {"step": torch.tensor(float(step)), "exp_avg": self._read(k, "exp_avg"),
-                             "exp_avg_sq": self._read(k, "exp_avg_sq")}
+                    read = (lambda kind: full[kind][k]) if self._zero is not None else (lambda kind: self._read(k, kind))
+                    entry = {"step": torch.tensor(float(step)), "exp_avg": read("exp_avg"),
+                             "exp_avg_sq": read("exp_avg_sq")}
                     if p.dtype != torch.float32:
-                        entry["master"] = self._read(k, "master")
+                        entry["master"] = read("master")
                     state[k] = entry
                 k += 1
         return {"state": state, "param_groups": groups}
@@ -86,7 +100,9 @@ class StateMixin:
                 if kind == "master" and (entry is None or kind not in entry):
                     continue  # the master synced from the param above
                 t = torch.zeros(numel, dtype=torch.float32) if entry is None else \
-                    entry[kind].detach().to(device="cpu", dtype=torch.float32).contiguous()
+                    _full_state(entry[kind]).detach().to(device="cpu", dtype=torch.float32).contiguous()
+                if self._zero is not None:  # this rank's range of the whole state
+                    t = self._zero.local_slice(k, t).contiguous()
                 self._engine.write_state("p%d" % k, kind, t.data_ptr())
         for gi, (group, saved) in enumerate(zip(self.param_groups, saved_groups)):
             self._engine.set_group_step(self._groups[gi], steps[gi])
@@ -109,6 +125,8 @@ class StateMixin:
         engine, bit-identical to the run that saved it. Returns the directory loaded."""
         self._sync_torch()
         self._engine.load_checkpoint(str(path), fall_back_to_previous=fall_back_to_previous)
+        if self._zero is not None:
+            self._zero.gather_params()  # each rank loaded its range of the params
         return self._engine.last_load()["dir"]
 
     def sync_from_model(self, groups=None, reset_optimizer=False):
@@ -119,6 +137,11 @@ class StateMixin:
         names = [] if groups is None else [self._groups[gi] for gi in groups]
         self._engine.sync_from_model(names, reset_optimizer)
 
+
+def _full_state(t):
+    """A state tensor of a loaded state dict as a plain whole tensor (a DTensor's full_tensor(),
+    collective on its mesh)."""
+    return t.full_tensor() if _zero.is_dtensor(t) else t
 
 
 def _aslist(v):

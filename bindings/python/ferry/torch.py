@@ -54,6 +54,7 @@ import torch
 import ferry
 from . import _attach, _checks, _hooks
 from ._state import FIXED, StateMixin
+from . import _zero
 
 
 _INTERNAL = (os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.abspath(torch.__file__)))
@@ -84,13 +85,18 @@ class Optimizer(StateMixin, torch.optim.Optimizer):
         turns it off again (one warning). True: from the first backward (a step whose announced grads
         changed in place recomputes them, one warning). False: never. In both modes a second backward
         after an announcement raises RuntimeError at once (use accumulate()).
+      process_group, shard, collective_timeout, checkpoint_timeout: several ranks (ferry._zero,
+        ferry.distributed; README "PyTorch on several ranks"). shard=True: ZeRO-1 over the ranks of
+        `process_group` (None: every rank) for replicated params; DTensor params (FSDP2) are always
+        registered as their local shards. Timeouts in seconds.
     """
 
     _node_hooks = None  # tests: True forces the AccumulateGrad-node hooks of torch < 2.1
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, *, policy=None,
                  policy_args=None, loss_scale=1.0, max_grad_norm=0.0, check_finite=True, transfer_chunk_bytes=0,
-                 cpu_threads=0, numa="", trace_path="", overlap=None):
+                 cpu_threads=0, numa="", trace_path="", overlap=None, process_group=None, shard=False,
+                 collective_timeout=300.0, checkpoint_timeout=3600.0):
         _checks.check_arguments(lr, betas, eps, weight_decay, cpu_threads, transfer_chunk_bytes, overlap, numa,
                                 trace_path)
         self._engine = None
@@ -110,31 +116,30 @@ class Optimizer(StateMixin, torch.optim.Optimizer):
         device = _checks.check_params(self._params, self._where)
         self._cuda = device.type == "cuda"
         self._device = device
+        # ---- several ranks (ferry._zero): the engine's comm and each param's range ----
+        self._zero = None
+        if process_group is None:
+            process_group = _zero.process_group_of(self._params, self._where)
+        if shard or process_group is not None:
+            self._zero = _zero.Sharding(self._params, self._where, process_group, shard, collective_timeout, device)
+        dist_args = {} if self._zero is None else dict(
+            comm=self._zero.comm, rank=self._zero.rank, world_size=self._zero.world,
+            collective_timeout=float(collective_timeout), checkpoint_timeout=float(checkpoint_timeout))
         engine = ferry.Engine(policy=ferry.policy_path(policy),
                               policy_args={str(k): str(v) for k, v in (policy_args or {}).items()},
                               lr=float(lr), beta1=float(betas[0]), beta2=float(betas[1]), eps=float(eps),
                               weight_decay=float(weight_decay), adamw=True, device="cuda" if self._cuda else "host",
                               device_ordinal=device.index or 0, transfer_chunk_bytes=int(transfer_chunk_bytes),
-                              cpu_threads=int(cpu_threads), numa=numa, trace_path=trace_path)
-        self._groups = ["group%d" % gi for gi in range(len(self.param_groups))]
-        self._fixed = []
-        for gi, group in enumerate(self.param_groups):
-            b1, b2 = group["betas"]
-            engine.add_group(self._groups[gi], weight_decay=float(group["weight_decay"]), beta1=float(b1),
-                             beta2=float(b2), eps=float(group["eps"]))
-            self._fixed.append({k: group[k] for k in FIXED})
-        # The grad buffers the engine reads: p.grad of each param that requires grad points at its
-        # buffer once the engine is built (nothing changes when building it fails).
-        self._grads = []
-        with torch.no_grad():
-            for k, p in enumerate(self._params):
-                buf = torch.zeros_like(p, memory_format=torch.contiguous_format)
-                self._grads.append(buf)
-                engine.add_param("p%d" % k, self._groups[group_of[k]], list(p.shape) or [1], _checks.DTYPES[p.dtype],
-                                 p.data_ptr(), buf.data_ptr())
-        engine.finalize()
+                              cpu_threads=int(cpu_threads), numa=numa, trace_path=trace_path, **dist_args)
+        try:
+            self._register(engine, group_of)
+        except BaseException as e:
+            if self._zero is not None:  # the other ranks' Finalize then fails naming this rank
+                self._zero.abort(e)
+            raise
         for p, buf in zip(self._params, self._grads):
-            if p.grad is None and p.requires_grad:
+            # a DTensor's grads come from FSDP2 and are copied at step()
+            if p.grad is None and p.requires_grad and not _zero.is_dtensor(p):
                 p.grad = buf
         self._zeroed = [buf._version for buf in self._grads]
         self._signature = [self._signature_of(p) for p in self._params]
@@ -154,11 +159,37 @@ class Optimizer(StateMixin, torch.optim.Optimizer):
         self._tracker.announcing = overlap is True
         self._engine = engine
 
+    def _register(self, engine, group_of):
+        """Adds the groups and params (on several ranks: each param's range) to `engine`, finalizes it."""
+        self._groups = ["group%d" % gi for gi in range(len(self.param_groups))]
+        self._fixed = []
+        for gi, group in enumerate(self.param_groups):
+            b1, b2 = group["betas"]
+            engine.add_group(self._groups[gi], weight_decay=float(group["weight_decay"]), beta1=float(b1),
+                             beta2=float(b2), eps=float(group["eps"]))
+            self._fixed.append({k: group[k] for k in FIXED})
+        # The grad buffers the engine reads: p.grad of each param that requires grad points at its
+        # buffer once the engine is built (nothing changes when building it fails).
+        self._grads = []
+        with torch.no_grad():
+            for k, p in enumerate(self._params):
+                if self._zero is not None:  # several ranks: this rank's range of the param
+                    buf = self._zero.grad_buffer(k, p)
+                    self._grads.append(buf)
+                    self._zero.register(engine, "p%d" % k, self._groups[group_of[k]], k, p, buf,
+                                        _checks.DTYPES[p.dtype])
+                    continue
+                buf = torch.zeros_like(p, memory_format=torch.contiguous_format)
+                self._grads.append(buf)
+                engine.add_param("p%d" % k, self._groups[group_of[k]], list(p.shape) or [1], _checks.DTYPES[p.dtype],
+                                 p.data_ptr(), buf.data_ptr())
+        engine.finalize()
+
     # ---- construction checks; copies ---------------------------------------------------------------
 
     @staticmethod
     def _signature_of(p):
-        return (p.data_ptr(), tuple(p.shape), p.dtype, p.device)
+        return (_zero.local(p).data_ptr(), tuple(p.shape), p.dtype, p.device)
 
     def add_param_group(self, param_group):
         if getattr(self, "_engine", None) is not None:
@@ -191,11 +222,12 @@ class Optimizer(StateMixin, torch.optim.Optimizer):
                                    "with %d" % (gi, len(ps), self._group_sizes[gi]))
             for p in ps:
                 sig = self._signature[k]
-                if p is not self._params[k] or p.data_ptr() != sig[0] or p.shape != sig[1] or p.dtype != sig[2]:
+                if p is not self._params[k] or _zero.local(p).data_ptr() != sig[0] or p.shape != sig[1] or \
+                        p.dtype != sig[2]:
                     raise RuntimeError(
                         "%s changed after the optimizer was constructed (now %s %s at 0x%x; registered %s %s at "
                         "0x%x): Ferry registered its memory; build a new optimizer after replacing, moving or "
-                        "resizing params" % (self._where[k], tuple(p.shape), p.dtype, p.data_ptr(), sig[1], sig[2],
+                        "resizing params" % (self._where[k], tuple(p.shape), p.dtype, _zero.local(p).data_ptr(), sig[1], sig[2],
                                              sig[0]))
                 k += 1
             for key in FIXED:
@@ -243,6 +275,12 @@ class Optimizer(StateMixin, torch.optim.Optimizer):
         tensor) and p.grad point at it."""
         p, buf = self._params[k], self._grads[k]
         g = p.grad
+        if self._zero is not None and _zero.is_dtensor(p):  # FSDP2's grad: its local rows; p.grad stays
+            g = g.to_local()
+            if g.data_ptr() != buf.data_ptr():
+                buf.copy_(g)
+            self._tracker.got[k] = True
+            return
         if g is not buf:
             if g.shape != p.shape:
                 raise ValueError("%s: its grad has shape %s, the param %s" % (self._where[k], tuple(g.shape),
@@ -261,7 +299,21 @@ class Optimizer(StateMixin, torch.optim.Optimizer):
 
         loss_scale: the grads carry it and are divided by it; max_grad_norm (> 0): clip the global
         norm of the unscaled grads; check_finite: a NaN/Inf grad skips the whole step (stats()
-        reports it; warns once). Each defaults to the constructor's value."""
+        reports it; warns once). Each defaults to the constructor's value.
+
+        Several ranks: collective (every rank of the process group calls it). An exception on one rank
+        makes every other rank's step raise a FerryError naming it (ferry.distributed)."""
+        if self._zero is None:
+            return self._step(closure, loss_scale, max_grad_norm, check_finite)
+        try:
+            loss = self._step(closure, loss_scale, max_grad_norm, check_finite)
+            self._zero.gather_params()  # ZeRO-1: every rank's updated range into every replica
+            return loss
+        except BaseException as e:
+            self._zero.abort(e)
+            raise
+
+    def _step(self, closure, loss_scale, max_grad_norm, check_finite):
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -451,7 +503,9 @@ class Optimizer(StateMixin, torch.optim.Optimizer):
                 p.grad = None
             return
         for p, buf in zip(self._params, self._grads):
-            if p.grad is not buf and (p.grad is not None or p.requires_grad):
+            if _zero.is_dtensor(p):
+                p.grad = None  # FSDP2 assigns a new DTensor grad at the next backward
+            elif p.grad is not buf and (p.grad is not None or p.requires_grad):
                 p.grad = buf
         torch._foreach_zero_(self._grads)
         self._zeroed = [buf._version for buf in self._grads]
@@ -494,6 +548,10 @@ class Optimizer(StateMixin, torch.optim.Optimizer):
     # ---- introspection -------------------------------------------------------------------------------
 
     def _read(self, k, kind):
+        if self._zero is not None:  # this rank's range, flattened
+            t = torch.empty(self._zero.local_numel(k), dtype=torch.float32)
+            self._engine.read_state("p%d" % k, kind, t.data_ptr())
+            return t
         t = torch.empty(self._params[k].shape, dtype=torch.float32)
         self._engine.read_state("p%d" % k, kind, t.data_ptr())
         return t

@@ -13,10 +13,24 @@
 //
 // Threads: the calls that wait (step, synchronize, checkpoints, state copies) release the GIL; an
 // Engine object serializes its calls with a mutex (the C++ Engine is one thread at a time).
+//
+// Several ranks: Engine(comm=obj, rank=, world_size=) runs the engine's small collectives through
+// `obj`, a Python object (ferry.distributed.TorchComm over torch.distributed) with the methods
+//   all_reduce(values: list[float], op: "sum"|"max"|"min", timeout_s) -> list[float]
+//   all_gather(mine: bytes, timeout_s) -> bytes        (every rank the same length; world * len)
+//   barrier(timeout_s), broadcast(data: bytes, root, timeout_s) -> bytes   (optional)
+//   duplicate(timeout_s) -> another such object over the same ranks (optional)
+// mapped onto ferry::MakeCallbackComm. The engine calls them from the thread that drives it and,
+// for asynchronous checkpoint saves, from its writer thread (on the duplicate): each call takes the
+// GIL. A Python exception becomes an error Status: TimeoutError -> DeadlineExceeded, anything else
+// Unavailable, with the exception's type and message.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cstring>
+#include <stdexcept>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -26,6 +40,7 @@
 #include <utility>
 #include <vector>
 
+#include "ferry/comm.h"
 #include "ferry/engine.h"
 #include "ferry/version.h"
 
@@ -70,12 +85,107 @@ py::dict OptionsDict(const GroupOptions& o) {
   return d;
 }
 
+// A Python object whose last reference may be dropped without the GIL (the engine destroys its comm
+// from whatever thread runs its destructor): the reference is released under the GIL.
+struct PyRef {
+  explicit PyRef(py::object o) : obj(std::move(o)) {}
+  ~PyRef() {
+    if (!Py_IsInitialized()) {
+      obj.release();  // the interpreter is gone: leak rather than touch it
+      return;
+    }
+    py::gil_scoped_acquire gil;
+    obj = py::object();
+  }
+  PyRef(const PyRef&) = delete;
+  PyRef& operator=(const PyRef&) = delete;
+  py::object obj;
+};
+
+// Calls `fn` (which uses the Python API) under the GIL; a Python exception becomes an error Status
+// naming the callback and the exception.
+template <typename Fn>
+absl::Status CallPython(const char* what, Fn&& fn) {
+  if (!Py_IsInitialized()) return absl::UnavailableError(std::string(what) + ": the Python interpreter is gone");
+  py::gil_scoped_acquire gil;
+  try {
+    fn();
+    return absl::OkStatus();
+  } catch (py::error_already_set& e) {
+    const bool timeout = e.matches(PyExc_TimeoutError);
+    std::string message = std::string("Python ") + what + " raised " + e.what();
+    return timeout ? absl::DeadlineExceededError(message) : absl::UnavailableError(message);
+  } catch (const std::exception& e) {
+    return absl::UnavailableError(std::string("Python ") + what + ": " + e.what());
+  }
+}
+
+absl::StatusOr<CommCallbacks> MakePyCallbacks(py::object obj, int rank, int world_size) {
+  auto ref = std::make_shared<PyRef>(std::move(obj));
+  CommCallbacks cb;
+  cb.rank = rank;
+  cb.world_size = world_size;
+  cb.all_reduce = [ref](double* values, size_t n, ReduceOp op, double timeout_s) -> absl::Status {
+    return CallPython("all_reduce", [&] {
+      py::list in;
+      for (size_t i = 0; i < n; ++i) in.append(values[i]);
+      py::object out = ref->obj.attr("all_reduce")(in, std::string(ReduceOpName(op)), timeout_s);
+      std::vector<double> result = out.cast<std::vector<double>>();
+      if (result.size() != n) {
+        throw std::runtime_error("all_reduce returned " + std::to_string(result.size()) + " values, expected " +
+                                 std::to_string(n));
+      }
+      std::copy(result.begin(), result.end(), values);
+    });
+  };
+  cb.all_gather = [ref, world_size](const void* mine, size_t bytes, void* out, double timeout_s) -> absl::Status {
+    return CallPython("all_gather", [&] {
+      py::bytes in(static_cast<const char*>(mine), bytes);
+      std::string result = ref->obj.attr("all_gather")(in, timeout_s).cast<std::string>();
+      if (result.size() != bytes * static_cast<size_t>(world_size)) {
+        throw std::runtime_error("all_gather returned " + std::to_string(result.size()) + " bytes, expected " +
+                                 std::to_string(bytes * world_size));
+      }
+      if (!result.empty()) std::memcpy(out, result.data(), result.size());
+    });
+  };
+  py::gil_scoped_acquire gil;
+  if (py::hasattr(ref->obj, "barrier")) {
+    cb.barrier = [ref](double timeout_s) -> absl::Status {
+      return CallPython("barrier", [&] { ref->obj.attr("barrier")(timeout_s); });
+    };
+  }
+  if (py::hasattr(ref->obj, "broadcast")) {
+    cb.broadcast = [ref](void* data, size_t bytes, int root, double timeout_s) -> absl::Status {
+      return CallPython("broadcast", [&] {
+        py::bytes in(static_cast<const char*>(data), bytes);
+        std::string result = ref->obj.attr("broadcast")(in, root, timeout_s).cast<std::string>();
+        if (result.size() != bytes) {
+          throw std::runtime_error("broadcast returned " + std::to_string(result.size()) + " bytes, expected " +
+                                   std::to_string(bytes));
+        }
+        if (!result.empty()) std::memcpy(data, result.data(), result.size());
+      });
+    };
+  }
+  if (py::hasattr(ref->obj, "duplicate")) {
+    cb.duplicate = [ref, rank, world_size](double timeout_s) -> absl::StatusOr<CommCallbacks> {
+      py::object dup;
+      absl::Status s = CallPython("duplicate", [&] { dup = ref->obj.attr("duplicate")(timeout_s); });
+      if (!s.ok()) return s;
+      return MakePyCallbacks(std::move(dup), rank, world_size);  // takes the GIL itself
+    };
+  }
+  return cb;
+}
+
 // One Engine, created from keyword options; see ferry/engine.h for every method's contract.
 class PyEngine {
  public:
   PyEngine(const std::string& policy, const std::map<std::string, std::string>& policy_args, float lr, float beta1,
            float beta2, float eps, float weight_decay, bool adamw, const std::string& device, int device_ordinal,
-           size_t transfer_chunk_bytes, size_t cpu_threads, const std::string& numa, const std::string& trace_path) {
+           size_t transfer_chunk_bytes, size_t cpu_threads, const std::string& numa, const std::string& trace_path,
+           py::object comm, int rank, int world_size, double collective_timeout_s, double checkpoint_timeout_s) {
     EngineOptions o;
     o.policy_path = policy;
     o.policy_args = policy_args;
@@ -91,16 +201,31 @@ class PyEngine {
     o.cpu_threads = cpu_threads;
     o.numa = numa;
     o.trace_path = trace_path;
+    o.rank = rank;
+    o.world_size = world_size;
+    if (collective_timeout_s > 0) o.collective_timeout = absl::Seconds(collective_timeout_s);
+    if (checkpoint_timeout_s > 0) o.checkpoint_timeout = absl::Seconds(checkpoint_timeout_s);
+    if (!comm.is_none()) o.comm = Check(MakeCallbackComm(Check(MakePyCallbacks(std::move(comm), rank, world_size))));
+    py::gil_scoped_release release;  // Create runs no collective, but keep the GIL free for other threads
     engine_ = Check(Engine::Create(o));
+  }
+
+  // The engine's destructor waits for an asynchronous save, whose writer thread may need the GIL for
+  // its collectives: destroyed without the GIL.
+  ~PyEngine() {
+    py::gil_scoped_release release;
+    engine_.reset();
   }
 
   void AddParam(const std::string& name, const std::string& group, const std::vector<int64_t>& shape,
                 const std::string& dtype, uintptr_t param, uintptr_t grad, const std::optional<std::string>& grad_dtype,
-                const std::vector<std::string>& tags) {
+                const std::vector<std::string>& tags, int64_t shard_begin, int64_t shard_end) {
     ParamSpec spec{.name = name, .group = group, .shape = shape, .dtype = ParseDTypeOrThrow(dtype),
                    .param = Ptr(param), .grad = Ptr(grad)};
     if (grad_dtype) spec.grad_dtype = ParseDTypeOrThrow(*grad_dtype);
     spec.tags = tags;
+    spec.shard_begin = shard_begin;
+    spec.shard_end = shard_end;
     std::lock_guard<std::mutex> lock(mu_);
     Check(engine_->AddParam(spec));
   }
@@ -213,6 +338,7 @@ class PyEngine {
   py::list Placement() {
     std::vector<GroupPlacement> groups;
     {
+      py::gil_scoped_release release;
       std::lock_guard<std::mutex> lock(mu_);
       groups = engine_->Placement();
     }
@@ -224,6 +350,8 @@ class PyEngine {
       d["numel"] = g.numel;
       d["num_params"] = g.num_params;
       d["global_numel"] = g.global_numel;
+      d["host_state_bytes"] = g.host_state_bytes;
+      d["device_state_bytes"] = g.device_state_bytes;
       d["options"] = OptionsDict(g.options);
       out.append(d);
     }
@@ -232,11 +360,20 @@ class PyEngine {
 
   py::dict Stats() {
     EngineStats s;
+    int64_t host_state = 0, device_state = 0;
     {
+      py::gil_scoped_release release;
       std::lock_guard<std::mutex> lock(mu_);
       s = engine_->Stats();
+      for (const GroupPlacement& g : engine_->Placement()) {
+        host_state += g.host_state_bytes;
+        device_state += g.device_state_bytes;
+      }
     }
     py::dict d;
+    // This rank's optimizer state (masters and moments of the elements it holds), summed over groups.
+    d["host_state_bytes"] = host_state;
+    d["device_state_bytes"] = device_state;
     d["step"] = s.step;
     d["skipped_steps"] = s.skipped_steps;
     d["last_step_skipped"] = s.last_step_skipped;
@@ -338,15 +475,21 @@ PYBIND11_MODULE(_ferry, m) {
 
   py::class_<PyEngine>(m, "Engine")
       .def(py::init<const std::string&, const std::map<std::string, std::string>&, float, float, float, float, float,
-                    bool, const std::string&, int, size_t, size_t, const std::string&, const std::string&>(),
+                    bool, const std::string&, int, size_t, size_t, const std::string&, const std::string&, py::object,
+                    int, int, double, double>(),
            py::kw_only(), py::arg("policy") = "", py::arg("policy_args") = std::map<std::string, std::string>{},
            py::arg("lr") = 1e-3f, py::arg("beta1") = 0.9f, py::arg("beta2") = 0.999f, py::arg("eps") = 1e-8f,
            py::arg("weight_decay") = 0.0f, py::arg("adamw") = true, py::arg("device") = "",
            py::arg("device_ordinal") = 0, py::arg("transfer_chunk_bytes") = 0, py::arg("cpu_threads") = 0,
-           py::arg("numa") = "", py::arg("trace_path") = "")
+           py::arg("numa") = "", py::arg("trace_path") = "", py::arg("comm") = py::none(), py::arg("rank") = 0,
+           py::arg("world_size") = 1, py::arg("collective_timeout") = 0.0, py::arg("checkpoint_timeout") = 0.0,
+           "comm (with rank, world_size): the ranks' collectives (see the module comment); timeouts in seconds, "
+           "0: the engine's defaults.")
       .def("add_param", &PyEngine::AddParam, py::arg("name"), py::arg("group"), py::arg("shape"), py::arg("dtype"),
            py::arg("param"), py::arg("grad"), py::arg("grad_dtype") = py::none(),
-           py::arg("tags") = std::vector<std::string>{})
+           py::arg("tags") = std::vector<std::string>{}, py::arg("shard_begin") = 0, py::arg("shard_end") = -1,
+           "shape is the global shape; param and grad address elements [shard_begin, shard_end) of the "
+           "flattened global tensor (-1: its end; 0 addresses for an empty range).")
       .def("add_group", &PyEngine::AddGroup, py::arg("name"), py::kw_only(), py::arg("lr_scale") = py::none(),
            py::arg("weight_decay") = py::none(), py::arg("beta1") = py::none(), py::arg("beta2") = py::none(),
            py::arg("eps") = py::none(), py::arg("adamw") = py::none())

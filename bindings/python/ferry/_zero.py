@@ -1,0 +1,240 @@
+"""Sharding for ferry.torch.Optimizer on several ranks: ZeRO-1 ranges of replicated params (DDP) and
+FSDP2 local shards (DTensor params sharded on dim 0). Internal; see ferry.torch.Optimizer's
+`process_group` and `shard` arguments.
+
+Every param is registered with the engine as a range [begin, end) of its flattened global tensor:
+
+  * a plain tensor (every rank holds the whole param, as under DDP): with shard=True, the params of
+    one dtype are laid end to end (in the optimizer's param order) and that line is cut into
+    world_size pieces of ceil(n / world_size) elements; rank r holds piece r. A param's range on a
+    rank is its overlap with the rank's piece: uneven, often empty for small params. After each
+    step the updated pieces are all-gathered into every replica (``Sharding.gather_params``): one
+    all-gather per dtype into a flat buffer of the padded line, then copied into the params.
+    NCCL (the trainer's `process_group`) for CUDA params, the optimizer's gloo group for CPU params.
+  * a DTensor (FSDP2's fully_shard, torch >= 2.4) with placements (Shard(0),) on a 1-D mesh: its local
+    rows, as torch.chunk cuts dim 0 (ceil(rows / world) rows per rank, the last ranks fewer or none;
+    FSDP2 pads the storage of uneven shards, but its local tensor is the unpadded rows). The range is
+    rows [r * c, r * c + local rows) times the row's elements. FSDP2 gathers params itself: no
+    gather here.
+
+Both are exact: the engine's step is elementwise apart from the global clip and found-inf, which it
+reduces exactly across ranks, so the params are bit-identical to one rank's.
+"""
+import torch
+import torch.distributed as dist
+
+from . import distributed as fdist
+
+
+def dtensor_class():
+    """torch's DTensor class, or None where this torch has none."""
+    for mod in ("torch.distributed.tensor", "torch.distributed._tensor"):
+        try:
+            m = __import__(mod, fromlist=["DTensor"])
+            cls = getattr(m, "DTensor", None)
+            if cls is not None:
+                return cls
+        except ImportError:
+            continue
+    return None
+
+
+_DTensor = dtensor_class()
+
+
+def is_dtensor(t):
+    return _DTensor is not None and isinstance(t, _DTensor)
+
+
+def local(t):
+    """The tensor whose memory the engine uses: a DTensor's local shard, else the tensor."""
+    return t.to_local() if is_dtensor(t) else t
+
+
+def _shard0_group(p, where):
+    mesh = p.device_mesh
+    placements = tuple(p.placements)
+    if mesh.ndim != 1 or len(placements) != 1 or not placements[0].is_shard() or placements[0].dim != 0:
+        raise ValueError("%s is a DTensor with placements %s on a %d-D mesh: Ferry takes DTensors sharded on dim 0 "
+                         "of a 1-D mesh (FSDP2's fully_shard; not HSDP or tensor parallelism)"
+                         % (where, placements, mesh.ndim))
+    return mesh.get_group(0) if hasattr(mesh, "get_group") else mesh.get_dim_groups()[0]
+
+
+def process_group_of(params, wheres):
+    """The group of the DTensor params' mesh (every one the same), or None when no param is one."""
+    group, first = None, None
+    for p, where in zip(params, wheres):
+        if is_dtensor(p):
+            g = _shard0_group(p, where)
+            if group is None:
+                group, first = g, where
+            elif fdist.group_ranks(g) != fdist.group_ranks(group):
+                raise ValueError("%s and %s are sharded over different ranks (%s, %s): one optimizer takes one mesh"
+                                 % (first, where, fdist.group_ranks(group), fdist.group_ranks(g)))
+    return group
+
+
+class Sharding:
+    """Which range of each param this rank registers, and the collectives around the engine's step.
+    One thread at a time (the optimizer's)."""
+
+    def __init__(self, params, wheres, process_group, shard, timeout_s, device):
+        self.comm = fdist.make_comm(process_group, timeout_s)
+        if self.comm is None:
+            raise ValueError("ferry.torch.Optimizer: this rank (%d) is not in process_group %s"
+                             % (dist.get_rank(), fdist.group_ranks(process_group)))
+        self.rank, self.world = self.comm.rank, self.comm.world_size
+        self.timeout_s = float(timeout_s)
+        self.params = params
+        self.wheres = wheres
+        self.cuda = device.type == "cuda"
+        # The bulk all-gather: the trainer's group for CUDA tensors (NCCL), ours (gloo) for CPU tensors.
+        self.gather_group = process_group if self.cuda else self.comm.group
+        self.kind = []   # per param: "dtensor" or "replica"
+        self.table = []  # per param: [(begin, end)] of every rank
+        self.lines = {}  # dtype -> {"n", "piece", "members": [(k, offset)], "flat"}
+        offsets = {}
+        for k, (p, where) in enumerate(zip(params, wheres)):
+            if is_dtensor(p):
+                self.kind.append("dtensor")
+                self.table.append(self._dtensor_ranges(p, where))
+            else:
+                if not shard:
+                    raise ValueError("%s is a plain tensor but the optimizer has %d ranks and shard=False: every rank "
+                                     "would step the whole param; pass shard=True (ZeRO-1) or DTensor params"
+                                     % (where, self.world))
+                self.kind.append("replica")
+                line = self.lines.setdefault(p.dtype, {"n": 0, "members": []})
+                offsets[k] = line["n"]
+                line["members"].append((k, line["n"]))
+                line["n"] += p.numel()
+                self.table.append(None)
+        for line in self.lines.values():
+            line["piece"] = -(-line["n"] // self.world)
+            line["flat"] = None
+        for dtype, line in self.lines.items():
+            piece = line["piece"]
+            for k, off in line["members"]:
+                n = params[k].numel()
+                self.table[k] = [(min(max(r * piece - off, 0), n), min(max((r + 1) * piece - off, 0), n))
+                                 for r in range(self.world)]
+
+    def _dtensor_ranges(self, p, where):
+        group = _shard0_group(p, where)
+        if fdist.group_ranks(group) != fdist.group_ranks(self.comm.group):
+            raise ValueError("%s is sharded over ranks %s, the optimizer's process group holds ranks %s"
+                             % (where, fdist.group_ranks(group), fdist.group_ranks(self.comm.group)))
+        rows = p.shape[0]
+        row = p.numel() // rows if rows else 0
+        c = -(-rows // self.world)
+        ranges = [(min(r * c, rows) * row, min((r + 1) * c, rows) * row) for r in range(self.world)]
+        loc = p.to_local()
+        b, e = ranges[self.rank]
+        if loc.numel() != e - b or (loc.numel() and not loc.is_contiguous()):
+            raise ValueError("%s: its local shard on rank %d has shape %s (%s), but dim-0 sharding of %s over %d ranks "
+                             "gives rows [%d, %d): Ferry needs torch.chunk's split of dim 0 and contiguous local "
+                             "rows" % (where, self.rank, tuple(loc.shape),
+                                       "contiguous" if loc.is_contiguous() else "not contiguous", tuple(p.shape),
+                                       self.world, b // max(row, 1), e // max(row, 1)))
+        return ranges
+
+    # ---- registration --------------------------------------------------------------------------
+
+    def range(self, k):
+        return self.table[k][self.rank]
+
+    def local_numel(self, k):
+        b, e = self.range(k)
+        return e - b
+
+    def grad_buffer(self, k, p):
+        """The grad buffer the engine reads: the whole param's (replica), the local rows' (DTensor)."""
+        return torch.zeros_like(local(p), memory_format=torch.contiguous_format)
+
+    def register(self, engine, name, group, k, p, buf, dtype_name):
+        b, e = self.range(k)
+        t = local(p)
+        size = t.element_size()
+        base = 0 if self.kind[k] == "dtensor" else b  # a DTensor's local tensor starts at its range
+        pa = t.data_ptr() + base * size if e > b else 0
+        ga = buf.data_ptr() + base * buf.element_size() if e > b else 0
+        engine.add_param(name, group, list(p.shape) or [1], dtype_name, pa, ga, shard_begin=b, shard_end=e)
+
+    def local_slice(self, k, full):
+        """This rank's elements of a full (global) tensor `full`, flattened."""
+        b, e = self.range(k)
+        return full.reshape(-1)[b:e]
+
+    def grad_of(self, k, g):
+        """The local tensor of a grad (a DTensor's to_local())."""
+        return g.to_local() if is_dtensor(g) else g
+
+    # ---- after the step: every replica gets every rank's update -----------------------------------
+
+    @torch.no_grad()
+    def gather_params(self):
+        for dtype, line in self.lines.items():
+            piece = line["piece"]
+            if line["flat"] is None:
+                device = self.params[line["members"][0][0]].device
+                line["flat"] = torch.empty(piece * self.world, dtype=dtype, device=device)
+                line["send"] = torch.empty(piece, dtype=dtype, device=device)
+            flat, send = line["flat"], line["send"]
+            lo, hi = self.rank * piece, (self.rank + 1) * piece
+            for k, off in line["members"]:
+                b, e = self.range(k)
+                if e > b:
+                    send[off + b - lo:off + e - lo].copy_(self.params[k].view(-1)[b:e])
+            self._all_gather_flat(flat, send, piece, "ZeRO-1 all-gather of %d %s params" % (line["n"], dtype))
+            for k, off in line["members"]:
+                p = self.params[k]
+                p.view(-1).copy_(flat[off:off + p.numel()])
+
+    def _all_gather_flat(self, flat, send, piece, what):
+        group = self.gather_group
+        if self.cuda and hasattr(dist, "all_gather_into_tensor"):
+            launch = lambda: dist.all_gather_into_tensor(flat, send, group=group, async_op=True)  # noqa: E731
+        elif self.cuda and hasattr(dist, "_all_gather_base"):
+            launch = lambda: dist._all_gather_base(flat, send, group=group, async_op=True)  # noqa: E731
+        else:
+            if flat.dtype in (torch.bfloat16, torch.float16):  # gloo (torch 1.13) has no bf16: move the bytes
+                piece *= flat.element_size()
+                flat, send = flat.view(torch.uint8), send.view(torch.uint8)
+            outs = list(flat.split(piece))
+            launch = lambda: dist.all_gather(outs, send, group=group, async_op=True)  # noqa: E731
+        self.comm.run(what, launch, self.timeout_s)
+
+    # ---- state_dict: the whole state on every rank ------------------------------------------------
+
+    def gather_state(self, read_local):
+        """{k: full fp32 tensor of the param's shape} for `read_local(k)` (this rank's range of the
+        state as a flat fp32 CPU tensor). Collective (gloo, CPU)."""
+        sizes = [sum(self.table[k][r][1] - self.table[k][r][0] for k in range(len(self.params)))
+                 for r in range(self.world)]
+        longest = max(sizes)
+        send = torch.zeros(longest, dtype=torch.float32)
+        at = 0
+        for k in range(len(self.params)):
+            n = self.local_numel(k)
+            if n:
+                send[at:at + n].copy_(read_local(k))
+                at += n
+        out = torch.empty(longest * self.world, dtype=torch.float32)
+        outs = list(out.split(longest)) if longest else [torch.empty(0) for _ in range(self.world)]
+        if longest:
+            self.comm.run("state_dict all-gather of %d fp32 values per rank" % longest,
+                          lambda: dist.all_gather(outs, send, group=self.comm.group, async_op=True), self.timeout_s)
+        full = {}
+        cursor = [0] * self.world
+        for k, p in enumerate(self.params):
+            parts = []
+            for r in range(self.world):
+                b, e = self.table[k][r]
+                parts.append(outs[r][cursor[r]:cursor[r] + e - b])
+                cursor[r] += e - b
+            full[k] = torch.cat(parts).reshape(p.shape).clone()
+        return full
+
+    def abort(self, exc):
+        self.comm.abort("%s: %s" % (type(exc).__name__, exc))

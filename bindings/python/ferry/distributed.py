@@ -1,0 +1,225 @@
+"""ferry.distributed: the engine's collectives over torch.distributed.
+
+The C++ engine coordinates its ranks through a few small collectives (the Finalize exchange of the
+param specs, one all-reduce per step for the global grad check and clip, the checkpoint protocol).
+``TorchComm`` runs them on a torch.distributed **gloo** group of its own, beside the trainer's groups
+(NCCL or gloo): ``ferry.Engine(comm=TorchComm(...), rank=, world_size=)`` maps its methods onto the
+engine's callback comm (ferry::MakeCallbackComm).
+
+Why a group of its own: the engine calls these collectives from inside step() and checkpoint calls,
+interleaved with nothing of the trainer's, but torch.distributed collectives are not safe from two
+threads on one group, and asynchronous checkpoint saves run their exchange from the engine's writer
+thread. So ``make_comm`` creates two gloo groups over the same ranks: one for the thread that drives the
+optimizer and one that ``duplicate()`` hands to the engine's writer thread. gloo (never NCCL) because
+the payloads are a few host bytes and gloo's ops can be polled from the host.
+
+Nothing hangs, and failures are named. Every collective is started asynchronously and polled until
+its deadline (the engine passes the time left); meanwhile the store of the default group (a
+TCPStore or FileStore, under the prefix ``ferry/<n>/``) carries two things:
+  * an arrival count per rank (one ``add`` per collective): a rank that never arrives is named in the
+    TimeoutError the others raise ("rank 2 of 4 did not arrive"); the engine reports it as
+    DeadlineExceeded (ferry.DeadlineExceededError);
+  * abort notes: a rank that raises inside the optimizer (ferry.torch.Optimizer calls ``abort``)
+    leaves its exception's text there, and every other rank's pending or later collective raises
+    naming that rank and its error (ferry.FerryError) instead of waiting for the timeout.
+After a failure the engine considers the comm unusable (its later calls fail at once), as in C++.
+"""
+import datetime
+import itertools
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+_instances = itertools.count()
+_store_lock = threading.Lock()  # store clients are used from the trainer's thread and the writer thread
+
+
+def _global_rank(group, group_rank):
+    if group is None or group is dist.group.WORLD:
+        return group_rank
+    fn = getattr(dist, "get_global_rank", None) or dist.distributed_c10d._get_global_rank
+    return fn(group, group_rank)
+
+
+def group_ranks(group):
+    """The global ranks of `group` in group-rank order (WORLD or None: every rank)."""
+    if group is None or group is dist.group.WORLD:
+        return list(range(dist.get_world_size()))
+    return [_global_rank(group, r) for r in range(dist.get_world_size(group))]
+
+
+def _default_store():
+    return dist.distributed_c10d._get_default_store()
+
+
+class _Notes:
+    """The store under one comm's prefix: arrival counts and abort notes (shared by a comm and its
+    duplicate, so an abort reaches the writer thread's exchange as well)."""
+
+    def __init__(self, store, prefix, rank, world_size):
+        self.store = dist.PrefixStore(prefix, store)
+        self.rank = rank
+        self.world_size = world_size
+
+    def _add(self, key, n):
+        with _store_lock:
+            return int(self.store.add(key, n))
+
+    def arrive(self, channel):
+        return self._add("%s/seq/%d" % (channel, self.rank), 1)
+
+    def positions(self, channel):
+        return [self._add("%s/seq/%d" % (channel, r), 0) for r in range(self.world_size)]
+
+    def abort(self, message):
+        with _store_lock:
+            self.store.set("abort/%d" % self.rank, message.encode("utf-8", "replace"))
+        self._add("aborted/%d" % self.rank, 1)
+        self._add("aborts", 1)
+
+    def aborted(self):
+        """[(rank, message)] of the other ranks that aborted; one store round trip when none did."""
+        if self._add("aborts", 0) == 0:
+            return []
+        out = []
+        for r in range(self.world_size):
+            if r != self.rank and self._add("aborted/%d" % r, 0) > 0:
+                with _store_lock:
+                    out.append((r, self.store.get("abort/%d" % r).decode("utf-8", "replace")))
+        return out
+
+
+class TorchComm:
+    """The engine's comm over one gloo group (see the module's documentation). One thread at a time;
+    ``duplicate()`` gives the second thread its own group. Build it with ``make_comm``."""
+
+    def __init__(self, group, notes, channel, dup_group=None):
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self._notes = notes
+        self._channel = channel
+        self._dup_group = dup_group
+
+    # ---- the callbacks the engine calls (ferry._ferry's CommCallbacks) -------------------------------
+
+    def all_reduce(self, values, op, timeout_s):
+        t = torch.tensor(values, dtype=torch.float64)
+        self._run("all_reduce of %d values (%s)" % (len(values), op),
+                  lambda: dist.all_reduce(t, op=_REDUCE_OPS[op], group=self.group, async_op=True), timeout_s)
+        return t.tolist()
+
+    def all_gather(self, mine, timeout_s):
+        n = len(mine)
+        src = torch.frombuffer(bytearray(mine), dtype=torch.uint8) if n else torch.empty(0, dtype=torch.uint8)
+        out = torch.empty(n * self.world_size, dtype=torch.uint8)
+        outs = list(out.split(n)) if n else [torch.empty(0, dtype=torch.uint8) for _ in range(self.world_size)]
+        self._run("all_gather of %d bytes" % n,
+                  lambda: dist.all_gather(outs, src, group=self.group, async_op=True), timeout_s)
+        return out.numpy().tobytes()
+
+    def broadcast(self, data, root, timeout_s):
+        t = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+        if t.numel():
+            self._run("broadcast of %d bytes from rank %d" % (t.numel(), root),
+                      lambda: dist.broadcast(t, src=_global_rank(self.group, root), group=self.group,
+                                             async_op=True), timeout_s)
+        return t.numpy().tobytes()
+
+    def barrier(self, timeout_s):
+        t = torch.ones(1, dtype=torch.float64)
+        self._run("barrier", lambda: dist.all_reduce(t, group=self.group, async_op=True), timeout_s)
+
+    def duplicate(self, timeout_s):
+        if self._dup_group is None:
+            raise NotImplementedError("this TorchComm has no duplicate group (make_comm creates one)")
+        return TorchComm(self._dup_group, self._notes, self._channel + "d")
+
+    # ---- failures -------------------------------------------------------------------------------
+
+    def abort(self, message):
+        """Tells the other ranks that this rank failed (their collectives raise naming it)."""
+        try:
+            self._notes.abort(message)
+        except Exception:  # noqa: BLE001 -- the store may be gone with the failure; the timeout remains
+            pass
+
+    def check_aborts(self):
+        """RuntimeError naming the ranks that aborted, if any."""
+        aborted = self._notes.aborted()
+        if aborted:
+            raise RuntimeError("; ".join("rank %d of %d failed: %s" % (r, self.world_size, m) for r, m in aborted))
+
+    def _late(self, mine, channel):
+        pos = self._notes.positions(channel)
+        late = [r for r, p in enumerate(pos) if p < mine]
+        if not late:
+            return "every rank arrived (collective #%d)" % mine
+        return "%s of %d did not arrive at collective #%d (%s)" % (
+            ("rank %d" % late[0]) if len(late) == 1 else "ranks " + ", ".join(map(str, late)), self.world_size, mine,
+            ", ".join("rank %d at #%d" % (r, pos[r]) for r in late))
+
+    def run(self, what, launch, timeout_s, channel="g"):
+        """Runs `launch()` (a torch.distributed call with async_op=True, on any group of these ranks)
+        under this comm's deadline and abort rules; `channel` keeps its arrival count apart from the
+        engine's collectives. For the optimizer's own bulk collectives (ZeRO-1's all-gather). Raises what the engine would:
+        ferry.DeadlineExceededError (a rank did not arrive), ferry.FerryError (a rank failed)."""
+        import ferry
+        try:
+            self._run(what, launch, timeout_s, channel)
+        except TimeoutError as e:
+            err = ferry.DeadlineExceededError(str(e))
+            err.code = "DEADLINE_EXCEEDED"
+            raise err from e
+        except RuntimeError as e:
+            err = ferry.FerryError(str(e))
+            err.code = "UNAVAILABLE"
+            raise err from e
+
+    def _run(self, what, launch, timeout_s, channel=None):
+        channel = channel or self._channel
+        self.check_aborts()
+        mine = self._notes.arrive(channel)
+        work = launch()
+        start = time.monotonic()
+        deadline = start + max(float(timeout_s), 0.0)
+        pause, next_check = 2e-5, start + 0.05
+        while not work.is_completed():
+            now = time.monotonic()
+            if now >= next_check:
+                self.check_aborts()
+                next_check = now + 0.1
+            if now >= deadline:
+                raise TimeoutError("torch.distributed %s timed out after %.1f s on rank %d of %d: %s"
+                                   % (what, timeout_s, self.rank, self.world_size, self._late(mine, channel)))
+            time.sleep(pause)
+            pause = min(pause * 2, 5e-3)
+        try:
+            work.wait()
+        except Exception as e:  # noqa: BLE001 -- gloo's error, with the ranks named
+            self.check_aborts()
+            raise RuntimeError("torch.distributed %s failed on rank %d of %d: %s; %s"
+                               % (what, self.rank, self.world_size, e, self._late(mine, channel))) from e
+
+
+def make_comm(process_group=None, timeout_s=300.0, store=None):
+    """A TorchComm over the ranks of `process_group` (None: every rank), on two new gloo groups (the
+    second for the engine's writer thread). Collective over the whole world: every rank calls it in
+    the same order (torch.distributed.new_group's rule), also ranks outside `process_group`, which get
+    None. `store`: where arrivals and aborts are noted (default: the default group's store)."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("ferry: a process group needs torch.distributed initialised "
+                           "(torch.distributed.init_process_group)")
+    ranks = group_ranks(process_group)
+    timeout = datetime.timedelta(seconds=max(float(timeout_s), 1.0) + 5.0)
+    n = next(_instances)
+    main = dist.new_group(ranks=ranks, timeout=timeout, backend="gloo")
+    dup = dist.new_group(ranks=ranks, timeout=timeout, backend="gloo")
+    if dist.get_rank() not in ranks:
+        return None
+    notes = _Notes(store if store is not None else _default_store(), "ferry/%d/" % n, ranks.index(dist.get_rank()),
+                   len(ranks))
+    return TorchComm(main, notes, "m", dup)

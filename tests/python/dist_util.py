@@ -1,0 +1,83 @@
+"""Several ranks in one test: `run_ranks(world, fn, *args)` forks `world` processes that join a gloo
+process group (a FileStore in a temporary directory: nothing leaves the machine), run
+fn(rank, world, *args) and hand back its (picklable) result, or the exception it raised as a dict
+{"error": class name, "mro": [class names], "message": str}.
+
+Bounded: the whole group gets `timeout` seconds; a rank still running then is killed and the test
+fails naming it (a hang fails, it never blocks CI). Children end with os._exit after reporting, so
+no process-group teardown can hang either.
+
+fork (not spawn): the children inherit the imported torch and ferry (importing torch costs seconds
+per process on CI's 2 cores). The parent must not have created a ferry engine or joined a process
+group before forking: tests that use this module do all their ferry work in the children.
+"""
+import datetime
+import multiprocessing
+import os
+import pickle
+import shutil
+import tempfile
+import time
+import traceback
+
+
+def _child(fn, rank, world, store, out, args):
+    code = 0
+    try:
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        import torch
+        import torch.distributed as dist
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=60))
+        result = fn(rank, world, *args)
+    except BaseException as e:  # noqa: BLE001 -- reported to the parent
+        result = {"error": type(e).__name__, "mro": [c.__name__ for c in type(e).__mro__],
+                  "message": str(e), "traceback": traceback.format_exc()}
+        code = 3
+    try:
+        with open(os.path.join(out, "rank-%d.tmp" % rank), "wb") as f:
+            pickle.dump(result, f)
+        os.rename(os.path.join(out, "rank-%d.tmp" % rank), os.path.join(out, "rank-%d.pkl" % rank))
+    except BaseException:  # noqa: BLE001
+        code = 4
+    os._exit(code)
+
+
+def run_ranks(world, fn, *args, timeout=60.0):
+    """[result of rank 0, ..., rank world-1] (see the module's documentation)."""
+    tmp = tempfile.mkdtemp(prefix="ferry-dist-")
+    try:
+        ctx = multiprocessing.get_context("spawn")  # a fork of a process with threads (earlier suites) can crash
+        procs = [ctx.Process(target=_child, args=(fn, r, world, os.path.join(tmp, "store"), tmp, args), daemon=True)
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        for p in procs:
+            p.join(max(deadline - time.monotonic(), 0.0))
+        late = [r for r, p in enumerate(procs) if p.is_alive()]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        if late:
+            raise AssertionError("ranks %s of %d still running after %.0f s (killed): a hang" % (late, world, timeout))
+        results = []
+        for r, p in enumerate(procs):
+            path = os.path.join(tmp, "rank-%d.pkl" % r)
+            if not os.path.exists(path):
+                raise AssertionError("rank %d of %d exited with %s without a result" % (r, world, p.exitcode))
+            with open(path, "rb") as f:
+                results.append(pickle.load(f))
+        return results
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def ok(results):
+    """The results, after checking that no rank raised (the first error's traceback otherwise)."""
+    for r, res in enumerate(results):
+        if isinstance(res, dict) and "error" in res and "mro" in res:
+            raise AssertionError("rank %d raised %s: %s\n%s" % (r, res["error"], res["message"], res["traceback"]))
+    return results

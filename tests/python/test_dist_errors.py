@@ -1,0 +1,127 @@
+"""Failures across ranks (gloo, host backend): nothing hangs, and every rank's error names the rank at
+fault. A rank raising inside step() (in the engine's all-reduce, or in the ZeRO-1 all-gather after
+the engine's step) makes every other rank raise a FerryError naming it long before the timeout; a
+rank that never arrives makes the others raise DeadlineExceededError naming it; registrations that
+differ between ranks (a param missing, another shape, another dtype) are refused on every rank
+naming the rank and the param."""
+import time
+
+import pytest
+import torch
+
+import dist_util
+
+TIMEOUT = 20.0  # the optimizer's collective timeout in the abort tests: they must end far sooner
+
+
+def params(rank, shapes=((40, 9), (33,), (6,)), dtype=torch.float32):
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randn(s, generator=gen).to(dtype).requires_grad_() for s in shapes]
+
+
+def fill_grads(ps, step):
+    with torch.no_grad():
+        for i, p in enumerate(ps):
+            gen = torch.Generator().manual_seed(100 * step + i)
+            p.grad = torch.randn(p.shape, generator=gen)  # an assigned grad (in-place writes are not seen)
+
+
+def raise_mid_step(rank, world, where, bad_rank, timeout):
+    import ferry.torch
+    ps = params(rank)
+    opt = ferry.torch.Optimizer(ps, lr=1e-2, shard=True, policy="offload_all", collective_timeout=timeout)
+    fill_grads(ps, 0)
+    opt.step(max_grad_norm=1.0)  # one good step first
+    if rank == bad_rank:
+        if where == "engine":  # inside the C++ step: its grad-check all-reduce
+            def boom(values, op, timeout_s):
+                raise ValueError("injected failure in all_reduce")
+            opt._zero.comm.all_reduce = boom
+        else:  # after the engine's step, in the all-gather of the params
+            def boom(*args):
+                raise ValueError("injected failure in the all-gather")
+            opt._zero._all_gather_flat = boom
+    fill_grads(ps, 1)
+    start = time.monotonic()
+    try:
+        opt.step(max_grad_norm=1.0)
+    except Exception as e:
+        return {"error": type(e).__name__, "mro": [c.__name__ for c in type(e).__mro__], "message": str(e),
+                "seconds": time.monotonic() - start}
+    return {"seconds": time.monotonic() - start}
+
+
+@pytest.mark.parametrize("where", ["engine", "gather"])
+def test_rank_raising_in_step_fails_every_rank_naming_it(where):
+    world, bad = 3, 1
+    results = dist_util.run_ranks(world, raise_mid_step, where, bad, TIMEOUT, timeout=60)
+    for rank, res in enumerate(results):
+        assert "error" in res, "rank %d did not raise: %r" % (rank, res)
+        assert res["seconds"] < TIMEOUT / 2, "rank %d waited %.1f s (the abort should be seen at once)" % (
+            rank, res["seconds"])
+        if rank != bad:
+            assert "FerryError" in res["mro"], res
+            assert "rank %d of %d failed" % (bad, world) in res["message"], res["message"]
+            assert "injected failure" in res["message"], res["message"]
+    # The failing rank raises its own error (from the engine's callback: a FerryError).
+    assert "injected failure" in results[bad]["message"]
+    assert ("FerryError" if where == "engine" else "ValueError") in results[bad]["mro"]
+
+
+def late_rank(rank, world, late, timeout):
+    import ferry.torch
+    ps = params(rank)
+    opt = ferry.torch.Optimizer(ps, lr=1e-2, shard=True, collective_timeout=timeout)
+    fill_grads(ps, 0)
+    if rank == late:
+        time.sleep(timeout * 2.5)
+    start = time.monotonic()
+    try:
+        opt.step(max_grad_norm=1.0)
+    except Exception as e:
+        return {"error": type(e).__name__, "mro": [c.__name__ for c in type(e).__mro__], "message": str(e),
+                "seconds": time.monotonic() - start}
+    return {"seconds": time.monotonic() - start}
+
+
+def test_rank_that_never_arrives_is_named_after_the_timeout():
+    world, late, timeout = 3, 2, 2.0
+    results = dist_util.run_ranks(world, late_rank, late, timeout, timeout=60)
+    for rank, res in enumerate(results):
+        assert "error" in res, "rank %d did not raise: %r" % (rank, res)
+        assert "FerryError" in res["mro"], res
+        if rank != late:
+            assert "DeadlineExceededError" in res["mro"] and "TimeoutError" in res["mro"], res
+            assert "rank %d of %d did not arrive" % (late, world) in res["message"], res["message"]
+            assert timeout * 0.9 <= res["seconds"] < timeout + 5, res["seconds"]
+        else:
+            # It comes late: the others gave up and said so; it fails at once naming them.
+            assert res["seconds"] < 2.0, res["seconds"]
+            assert "rank 0 of 3 failed" in res["message"] and "rank 1 of 3 failed" in res["message"], res["message"]
+
+
+def mismatched(rank, world, case):
+    import ferry.torch
+    shapes = [(40, 9), (33,), (6,)]
+    dtypes = [torch.float32] * 3
+    if rank == 1:
+        if case == "missing":
+            shapes = shapes[:2]
+        elif case == "shape":
+            shapes[1] = (34,)
+        elif case == "dtype":
+            dtypes[1] = torch.bfloat16
+    gen = torch.Generator().manual_seed(0)
+    ps = [torch.randn(s, generator=gen).to(d).requires_grad_() for s, d in zip(shapes, dtypes)]
+    groups = [{"params": [p]} for p in ps]  # a group per param: a dtype may differ per group
+    ferry.torch.Optimizer(groups, lr=1e-2, shard=True, collective_timeout=TIMEOUT)
+    return "constructed"
+
+
+@pytest.mark.parametrize("case,param", [("missing", "p2"), ("shape", "p1"), ("dtype", "p1")])
+def test_mismatched_registration_refused_on_every_rank(case, param):
+    results = dist_util.run_ranks(2, mismatched, case, timeout=60)
+    for rank, res in enumerate(results):
+        assert isinstance(res, dict) and "error" in res, "rank %d accepted a mismatched registration" % rank
+        assert "FerryError" in res["mro"], res
+        assert "rank 1" in res["message"] and "'%s'" % param in res["message"], res["message"]

@@ -1,0 +1,262 @@
+"""ferry.torch.Optimizer on several ranks (gloo, host backend): ZeRO-1 (shard=True) is bit-identical
+to one rank over 50 steps with clipping, an lr schedule, grads_ready and an injected Inf, for 1, 2,
+3 and 4 ranks; each rank holds 1/W of the optimizer state; state_dict() gathers the whole state;
+checkpoints saved by W ranks resume on W' ranks for every pair in 1..4, bit-identical; a
+single-process torch.optim.AdamW state_dict loads into a sharded optimizer.
+
+Every rank's grads are the same (as after DDP's all-reduce): fresh random values per step."""
+import os
+
+import pytest
+import torch
+
+import dist_util
+
+STEPS = 50
+SAVE_AT = 20
+INF_AT = 17
+# Mixed dtypes, two param groups, a large param and small ones (empty ranges on most ranks).
+F32 = ((96, 64), (64, 33), (33,), (17, 5), (5,), (40,))
+BF16 = ((48, 20), (7,), (3, 3))
+ALIGN = 16  # the engine's alignment of each tensor's state (hybrid_optimizer.cc: kAlignElements)
+
+
+def make_params(seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    ps = [torch.randn(s, generator=gen).requires_grad_() for s in F32]
+    ps += [torch.randn(s, generator=gen).to(torch.bfloat16).requires_grad_() for s in BF16]
+    return ps
+
+
+def lr_at(step):
+    return 1e-2 * (1.0 - step / 80.0) if step >= 3 else 1e-2 * (step + 1) / 3.0  # warm-up, then decay
+
+
+def set_grads(ps, step):
+    with torch.no_grad():
+        for i, p in enumerate(ps):
+            gen = torch.Generator().manual_seed(7919 * step + i)
+            g = torch.randn(p.shape, generator=gen) * (1.0 + i)
+            if step == INF_AT and i == 1:
+                g[3, 4] = float("inf")  # one element: only the rank holding it sees it
+            p.grad = g.to(p.dtype)  # an assigned grad (in-place writes are not seen)
+
+
+def build(ps, sharded):
+    import ferry.torch
+    groups = [{"params": ps[:len(F32)], "weight_decay": 0.1},
+              {"params": ps[len(F32):], "weight_decay": 0.0}]
+    kw = dict(shard=True, collective_timeout=30) if sharded else {}
+    return ferry.torch.Optimizer(groups, lr=lr_at(0), policy="offload_fraction", policy_args={"fraction": "0.5"},
+                                 max_grad_norm=1.0, **kw)
+
+
+def run_steps(opt, ps, first, last):
+    for step in range(first, last):
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step)
+        set_grads(ps, step)
+        if step % 2:
+            opt.grads_ready([1])  # the early step of group 1 (offloaded or not), as on one rank
+        opt.step()
+
+
+def state_bytes(opt):
+    s = opt.stats()
+    return s["host_state_bytes"] + s["device_state_bytes"]
+
+
+def train(rank, world, sharded, root):
+    ps = make_params()
+    opt = build(ps, sharded)
+    run_steps(opt, ps, 0, SAVE_AT)
+    if root:
+        opt.save_checkpoint(root, SAVE_AT)
+        opt.wait_checkpoint()
+    run_steps(opt, ps, SAVE_AT, STEPS)
+    stats = opt.stats()
+    sd = opt.state_dict()
+    return {"params": [p.detach().clone() for p in ps], "state": sd["state"], "bytes": state_bytes(opt),
+            "skipped": stats["skipped_steps"], "steps": stats["step"]}
+
+
+def resume(rank, world, roots):
+    import ferry.torch
+    out = {}
+    ps = make_params(seed=99)  # other values: the load must replace them
+    opt = build(ps, True)
+    for w, root in roots.items():
+        opt.load_checkpoint(root)
+        run_steps(opt, ps, SAVE_AT, STEPS)
+        out[w] = [p.detach().clone() for p in ps]
+    # A single-process torch.optim.AdamW's state_dict into the sharded optimizer.
+    fp32 = [p.detach().clone().float().requires_grad_() for p in make_params(seed=5)]
+    ref = torch.optim.AdamW(fp32, lr=1e-2, weight_decay=0.1)
+    for step in range(3):
+        set_grads_plain(fp32, step)
+        ref.step()
+    sd = ref.state_dict()
+    mine = [p.detach().clone().requires_grad_() for p in fp32]
+    opt2 = ferry.torch.Optimizer(mine, lr=1e-2, weight_decay=0.1, shard=True, collective_timeout=30)
+    opt2.load_state_dict(sd)
+    back = opt2.state_dict()
+    for step in range(3, 5):
+        set_grads_plain(mine, step, into_grad=True)
+        opt2.step()
+    out["adamw_roundtrip"] = {k: (back["state"][k]["exp_avg"], back["state"][k]["exp_avg_sq"], back["state"][k]["step"])
+                              for k in back["state"]}
+    out["adamw_loaded"] = {k: (sd["state"][k]["exp_avg"], sd["state"][k]["exp_avg_sq"]) for k in sd["state"]}
+    out["adamw_params"] = [p.detach().clone() for p in mine]
+    return out
+
+
+def set_grads_plain(ps, step, into_grad=False):
+    with torch.no_grad():
+        for i, p in enumerate(ps):
+            gen = torch.Generator().manual_seed(31 * step + i)
+            g = torch.randn(p.shape, generator=gen)
+            p.grad = g  # an assigned grad (in-place writes are not seen)
+
+
+def adamw_after_load(rank, world):
+    """One rank, unsharded: the reference for the AdamW-load part of resume()."""
+    import ferry.torch
+    fp32 = [p.detach().clone().float().requires_grad_() for p in make_params(seed=5)]
+    ref = torch.optim.AdamW(fp32, lr=1e-2, weight_decay=0.1)
+    for step in range(3):
+        set_grads_plain(fp32, step)
+        ref.step()
+    sd = ref.state_dict()
+    mine = [p.detach().clone().requires_grad_() for p in fp32]
+    opt = ferry.torch.Optimizer(mine, lr=1e-2, weight_decay=0.1)
+    opt.load_state_dict(sd)
+    for step in range(3, 5):
+        set_grads_plain(mine, step)
+        opt.step()
+    return [p.detach().clone() for p in mine]
+
+
+def bits(t):
+    return t.view(torch.int16) if t.dtype in (torch.bfloat16, torch.float16) else t.view(torch.int32)
+
+
+def assert_same_bits(a, b, what):
+    assert a.dtype == b.dtype and a.shape == b.shape, what
+    diff = (bits(a) != bits(b)).nonzero()
+    assert diff.numel() == 0, "%s: %d elements differ, first at %s (%r vs %r)" % (
+        what, diff.shape[0], diff[0].tolist(), a[tuple(diff[0])].item(), b[tuple(diff[0])].item())
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("zero")
+    ref = dist_util.ok(dist_util.run_ranks(1, train, False, None, timeout=120))[0]
+    sharded = {}
+    for w in (1, 2, 3, 4):
+        sharded[w] = dist_util.ok(dist_util.run_ranks(w, train, True, str(root / ("w%d" % w)), timeout=120))
+    return {"ref": ref, "sharded": sharded, "root": root}
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_zero1_bit_identical_to_one_rank(runs, world):
+    ref = runs["ref"]
+    assert ref["skipped"] == 1, "the injected Inf skips exactly one step"
+    for rank, res in enumerate(runs["sharded"][world]):
+        assert res["steps"] == ref["steps"] == STEPS - 1 and res["skipped"] == 1  # the Inf step is not counted
+        for i, (a, b) in enumerate(zip(res["params"], ref["params"])):
+            assert_same_bits(a, b, "world %d, rank %d, param %d" % (world, rank, i))
+        # state_dict(): the whole state on every rank, the same bits as one rank's.
+        assert sorted(res["state"]) == sorted(ref["state"])
+        for k, entry in ref["state"].items():
+            for kind, t in entry.items():
+                assert_same_bits(res["state"][k][kind].reshape(t.shape), t,
+                                 "world %d, rank %d, state[%d][%s]" % (world, rank, k, kind))
+    # The run moved: the params differ from their start.
+    start = make_params()
+    assert not torch.equal(ref["params"][0], start[0].detach())
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_zero1_state_memory_is_one_wth(runs, world):
+    single = runs["ref"]["bytes"]
+    n_params = len(F32) + len(BF16)
+    slack = n_params * ALIGN * 12 + world * 12  # each range's alignment, and the pieces' rounding
+    per_rank = [res["bytes"] for res in runs["sharded"][world]]
+    for rank, b in enumerate(per_rank):
+        assert abs(b - single / world) <= slack, "rank %d of %d holds %d bytes of state; one rank %d (1/W = %.0f)" % (
+            rank, world, b, single, single / world)
+    assert abs(sum(per_rank) - single) <= world * slack
+
+
+@pytest.fixture(scope="module")
+def resumed(runs):
+    roots = {w: str(runs["root"] / ("w%d" % w)) for w in (1, 2, 3, 4)}
+    out = {}
+    for w2 in (1, 2, 3, 4):
+        out[w2] = dist_util.ok(dist_util.run_ranks(w2, resume, roots, timeout=150))
+    out["adamw_ref"] = dist_util.ok(dist_util.run_ranks(1, adamw_after_load, timeout=60))[0]
+    return out
+
+
+@pytest.mark.parametrize("resume_world", [1, 2, 3, 4])
+def test_checkpoint_saved_by_w_resumes_on_w2(runs, resumed, resume_world):
+    ref = runs["ref"]["params"]
+    assert os.path.exists(str(runs["root"] / "w3" / "latest"))
+    for rank, res in enumerate(resumed[resume_world]):
+        for save_world in (1, 2, 3, 4):
+            for i, (a, b) in enumerate(zip(res[save_world], ref)):
+                assert_same_bits(a, b, "saved by %d ranks, resumed on %d (rank %d), param %d"
+                                 % (save_world, resume_world, rank, i))
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_torch_adamw_state_dict_loads_into_sharded(resumed, world):
+    for rank, res in enumerate(resumed[world]):
+        for k, (exp_avg, exp_avg_sq) in res["adamw_loaded"].items():
+            got = res["adamw_roundtrip"][k]
+            assert_same_bits(got[0].reshape(exp_avg.shape), exp_avg.float(), "exp_avg %d" % k)
+            assert_same_bits(got[1].reshape(exp_avg_sq.shape), exp_avg_sq.float(), "exp_avg_sq %d" % k)
+            assert float(got[2]) == 3.0
+        for i, (a, b) in enumerate(zip(res["adamw_params"], resumed["adamw_ref"])):
+            assert_same_bits(a, b, "world %d rank %d: param %d two steps after loading AdamW's state" % (world, rank, i))
+
+
+ASYNC_POLICY = """
+return {
+  place = function(groups, ctx) local out = {} for _, g in ipairs(groups) do out[g.name] = "cpu" end return out end,
+  checkpoint = function(info, ctx) return { skip = {}, async = true, keep_last = 3 } end,
+}
+"""
+
+
+def async_saves(rank, world, policy, root, load_from):
+    """Asynchronous saves (the engine's writer thread runs the exchange on the comm's duplicate gloo
+    group while this thread keeps stepping on the main one), then, with load_from, a resume."""
+    import ferry.torch
+    ps = make_params()
+    groups = [{"params": ps[:len(F32)]}, {"params": ps[len(F32):]}]
+    opt = ferry.torch.Optimizer(groups, lr=1e-2, policy=policy, max_grad_norm=1.0, shard=True, collective_timeout=30)
+    first = 0
+    if load_from:
+        opt.load_checkpoint(load_from)
+        first = 4
+    for step in range(first, 10):
+        set_grads(ps, step + 100)
+        opt.step()
+        if not load_from and step in (1, 3):
+            opt.save_checkpoint(root, step + 1)  # returns at once; the next steps overlap the writer
+    opt.wait_checkpoint()
+    return [p.detach().clone() for p in ps]
+
+
+def test_async_saves_use_their_own_group_and_resume_on_other_world(tmp_path):
+    policy = tmp_path / "async.lua"
+    policy.write_text(ASYNC_POLICY)
+    root = str(tmp_path / "ck")
+    saved = dist_util.ok(dist_util.run_ranks(2, async_saves, str(policy), root, None, timeout=90))
+    assert os.path.isdir(os.path.join(root, "step-00000004"))
+    resumed = dist_util.ok(dist_util.run_ranks(3, async_saves, str(policy), root,
+                                               os.path.join(root, "step-00000004"), timeout=90))
+    for rank, res in enumerate(resumed):
+        for i, (a, b) in enumerate(zip(res, saved[0])):
+            assert_same_bits(a, b, "async save by 2 ranks, resumed on 3 (rank %d), param %d" % (rank, i))
