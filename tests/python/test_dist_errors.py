@@ -74,7 +74,7 @@ def late_rank(rank, world, late, timeout):
     opt = ferry.torch.Optimizer(ps, lr=1e-2, shard=True, collective_timeout=timeout)
     fill_grads(ps, 0)
     if rank == late:
-        time.sleep(timeout * 2.5)
+        time.sleep(timeout * 3)
     start = time.monotonic()
     try:
         opt.step(max_grad_norm=1.0)
@@ -85,7 +85,7 @@ def late_rank(rank, world, late, timeout):
 
 
 def test_rank_that_never_arrives_is_named_after_the_timeout():
-    world, late, timeout = 3, 2, 2.0
+    world, late, timeout = 3, 2, 4.0  # seconds; generous bounds below: CI runs this beside other tests
     results = dist_util.run_ranks(world, late_rank, late, timeout, timeout=60)
     for rank, res in enumerate(results):
         assert "error" in res, "rank %d did not raise: %r" % (rank, res)
@@ -93,10 +93,10 @@ def test_rank_that_never_arrives_is_named_after_the_timeout():
         if rank != late:
             assert "DeadlineExceededError" in res["mro"] and "TimeoutError" in res["mro"], res
             assert "rank %d of %d did not arrive" % (late, world) in res["message"], res["message"]
-            assert timeout * 0.9 <= res["seconds"] < timeout + 5, res["seconds"]
+            assert timeout * 0.9 <= res["seconds"] < timeout + 15, res["seconds"]
         else:
             # It comes late: the others gave up and said so; it fails at once naming them.
-            assert res["seconds"] < 2.0, res["seconds"]
+            assert res["seconds"] < timeout, res["seconds"]
             assert "rank 0 of 3 failed" in res["message"] and "rank 1 of 3 failed" in res["message"], res["message"]
 
 
