@@ -547,15 +547,6 @@ class Optimizer(StateMixin, torch.optim.Optimizer):
 
     # ---- introspection -------------------------------------------------------------------------------
 
-    def _read(self, k, kind):
-        if self._zero is not None:  # this rank's range, flattened
-            t = torch.empty(self._zero.local_numel(k), dtype=torch.float32)
-            self._engine.read_state("p%d" % k, kind, t.data_ptr())
-            return t
-        t = torch.empty(self._params[k].shape, dtype=torch.float32)
-        self._engine.read_state("p%d" % k, kind, t.data_ptr())
-        return t
-
     @property
     def engine(self):
         """The ferry.Engine underneath (params "p<k>", groups "group<i>")."""
