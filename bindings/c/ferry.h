@@ -182,6 +182,7 @@ typedef struct {
   uint64_t checkpoint_copied_aside_bytes;
   int64_t early_groups_kept;       /* ferry_grads_ready: early group updates the step kept */
   int64_t early_groups_recomputed; /* ... and recomputed (clipping triggered, other options) */
+  int64_t deferred_steps;          /* steps that returned before their offloaded update finished */
 } ferry_stats;
 
 ferry_status ferry_get_stats(ferry_engine* engine, ferry_stats* out);

@@ -338,6 +338,7 @@ ferry_status ferry_get_stats(ferry_engine* engine, ferry_stats* out) {
   out->checkpoint_copied_aside_bytes = s.checkpoint_copied_aside_bytes;
   out->early_groups_kept = s.early_groups_kept;
   out->early_groups_recomputed = s.early_groups_recomputed;
+  out->deferred_steps = s.deferred_steps;
   return Report(absl::OkStatus());
 }
 

@@ -541,6 +541,8 @@ int LEngineStats(lua_State* L) {
   lua_setfield(L, -2, "early_groups_kept");
   lua_pushnumber(L, static_cast<lua_Number>(s.early_groups_recomputed));
   lua_setfield(L, -2, "early_groups_recomputed");
+  lua_pushnumber(L, static_cast<lua_Number>(s.deferred_steps));
+  lua_setfield(L, -2, "deferred_steps");
   lua_pushnumber(L, static_cast<lua_Number>(s.skipped_steps));
   lua_setfield(L, -2, "skipped_steps");
   lua_pushboolean(L, s.last_step_skipped);

@@ -385,6 +385,7 @@ class PyEngine {
     d["checkpoint_copied_aside_bytes"] = s.checkpoint_copied_aside_bytes;
     d["early_groups_kept"] = s.early_groups_kept;
     d["early_groups_recomputed"] = s.early_groups_recomputed;
+    d["deferred_steps"] = s.deferred_steps;
     return d;
   }
 

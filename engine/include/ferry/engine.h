@@ -194,6 +194,10 @@ struct EngineStats {
   // triggered, other StepOptions, or the early work failed), summed over all steps.
   int64_t early_groups_kept = 0;
   int64_t early_groups_recomputed = 0;
+  // Steps that returned before their offloaded update had finished (StepOptions::wait_for_params
+  // false and every offloaded group announced: the update completes while the trainer's next
+  // forward runs, each layer waiting for its own groups with WaitParams).
+  int64_t deferred_steps = 0;
 };
 
 // How LoadCheckpoint treats a checkpoint that fails verification.

@@ -419,6 +419,7 @@ EngineStats EngineImpl::Stats() const {
   s.skipped_steps = skipped_steps_;
   s.early_groups_kept = early_kept_;
   s.early_groups_recomputed = early_recomputed_;
+  s.deferred_steps = deferred_steps_;
   s.last_step_skipped = last_step_skipped_;
   s.last_grad_norm = last_grad_norm_;
   if (optimizer_ != nullptr) {

@@ -207,7 +207,8 @@ class EngineImpl final : public Engine {
     return absl::OkStatus();
   }
   // RequireFinalized, and no step in progress (GradsReady without its Step yet).
-  absl::Status RequireBetweenSteps(std::string_view what) const;
+  // Also completes a deferred step (HybridOptimizer::Settle): what follows sees its state.
+  absl::Status RequireBetweenSteps(std::string_view what);
   // The optimizer's inputs of a step with `options` (without the several-ranks reduction).
   // InvalidArgument for a bad StepOptions::group_lr.
   absl::StatusOr<HybridStepParams> StepParams(const StepOptions& options) const;
@@ -280,6 +281,7 @@ class EngineImpl final : public Engine {
   int64_t skipped_steps_ = 0;
   int64_t early_kept_ = 0;        // EngineStats::early_groups_kept
   int64_t early_recomputed_ = 0;  // EngineStats::early_groups_recomputed
+  int64_t deferred_steps_ = 0;    // EngineStats::deferred_steps
   bool last_step_skipped_ = false;
   double last_grad_norm_ = 0.0;
   LoadReport last_load_;

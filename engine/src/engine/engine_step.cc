@@ -40,6 +40,7 @@ absl::Status EngineImpl::Step(const StepOptions& options, void* stream) {
   if (result.skipped) ++skipped_steps_;
   early_kept_ += static_cast<int64_t>(result.early_committed);
   early_recomputed_ += static_cast<int64_t>(result.early_recomputed);
+  if (optimizer_->deferred()) ++deferred_steps_;
   if (policy_ == nullptr || !policy_->has_hook("on_step")) return absl::OkStatus();
   return RunOnStep(absl::ToDoubleSeconds(absl::Now() - absl::UnixEpoch()) - start);
 }
@@ -64,9 +65,9 @@ absl::Status EngineImpl::WaitParams(const std::vector<std::string>& groups, void
   return optimizer_->WaitParams(idx, *trainer);
 }
 
-absl::Status EngineImpl::RequireBetweenSteps(std::string_view what) const {
+absl::Status EngineImpl::RequireBetweenSteps(std::string_view what) {
   FERRY_RETURN_IF_ERROR(RequireFinalized(what));
-  if (!optimizer_->step_in_progress()) return absl::OkStatus();
+  if (!optimizer_->step_in_progress()) return optimizer_->Settle();
   std::vector<std::string> names;
   for (size_t g = 0; g < group_names_.size(); ++g) {
     if (optimizer_->announced(g)) names.push_back(absl::StrCat("'", group_names_[g], "'"));

@@ -54,6 +54,8 @@ HybridOptimizer::HybridOptimizer(Device* device, ThreadPool* pool, HybridOptions
 }
 
 HybridOptimizer::~HybridOptimizer() {
+  // A deferred step completes: the trainer may go on using the params (an evaluation after training).
+  if (absl::Status s = Settle(); !s.ok()) FERRY_LOG(ERROR) << "HybridOptimizer: the last step's work failed at destruction: " << s;
   StopEarlyThread();
   WaitForStateReaders();  // a checkpoint may still read the offloaded state in place
   absl::Status s = Synchronize();
@@ -69,6 +71,7 @@ HybridOptimizer::~HybridOptimizer() {
       }
     }
   }
+  if (spare_arena_ != nullptr && !early_grads_.empty()) (void)spare_arena_->Release(early_grads_);
   if (arena_ != nullptr) {
     for (const HostSpan& slot : grad_slots_) (void)arena_->Release(slot);
     for (const HostSpan& slot : param_slots_) (void)arena_->Release(slot);
@@ -206,11 +209,13 @@ char* HybridOptimizer::StatePtr(size_t p, StateKind kind, size_t e) const {
   return g.state(kind) + (static_cast<size_t>(param_slot_[p]) + e) * es;
 }
 
-StateRoundingKey HybridOptimizer::RoundingKey(size_t p, size_t e0) const {
+StateRoundingKey HybridOptimizer::RoundingKey(size_t p, size_t e0, int64_t step) const {
   const Group& g = groups_[params_[p].group];
   StateRoundingKey key;
   key.index0 = params_[p].shard_begin + static_cast<int64_t>(e0);
-  if (g.format.stochastic()) key.tensor_key = RoundingTensorKey(options_.rounding_seed, param_ids_[p], g.step + 1);
+  if (g.format.stochastic()) {
+    key.tensor_key = RoundingTensorKey(options_.rounding_seed, param_ids_[p], step > 0 ? step : g.step + 1);
+  }
   return key;
 }
 
@@ -235,6 +240,7 @@ absl::Status HybridOptimizer::WaitPending() {
 }
 
 absl::Status HybridOptimizer::Synchronize() {
+  const absl::Status settled = Settle();  // a deferred step completes first
   absl::Status early = WaitEarlyIdle();  // the early thread's copies are in pending_ afterwards
   if (!early.ok() && !absl::IsCancelled(early)) {
     FERRY_LOG(WARNING) << "work started early failed (the step recomputes it): " << early;
@@ -248,7 +254,7 @@ absl::Status HybridOptimizer::Synchronize() {
     absl::Status w = work_stream_->Synchronize();
     if (s.ok()) s = w;
   }
-  return s;
+  return settled.ok() ? s : settled;
 }
 
 absl::Status HybridOptimizer::CheckStepParams(const HybridStepParams& params) const {
@@ -300,6 +306,7 @@ absl::StatusOr<HybridStepResult> HybridOptimizer::Step(const HybridStepParams& p
 
 absl::StatusOr<HybridStepResult> HybridOptimizer::StepChecked(const HybridStepParams& params, Stream& trainer) {
   const bool early = step_in_progress();
+  FERRY_RETURN_IF_ERROR(Settle());  // a step without announcements after a deferred one
   if (!early) {
     FERRY_RETURN_IF_ERROR(WaitPending());  // the previous step's staging is free again
     if (snapshot_pending_) {
@@ -343,7 +350,8 @@ absl::StatusOr<HybridStepResult> HybridOptimizer::StepChecked(const HybridStepPa
   speculate_ = !result.skipped && static_cast<float>(multiplier) == static_cast<float>(1.0 / static_cast<double>(params.loss_scale));
   std::vector<size_t> cpu_groups;  // offloaded groups updated in place below
   if (early) {
-    FERRY_ASSIGN_OR_RETURN(cpu_groups, SettleEarly(result.skipped, params.discard_early, scalars, trainer, result));
+    FERRY_ASSIGN_OR_RETURN(cpu_groups, SettleEarly(result.skipped, params.discard_early, !params.wait_for_params,
+                                                   scalars, trainer, result));
   } else if (!result.skipped) {
     for (size_t g = 0; g < groups_.size(); ++g) {
       if (groups_[g].offloaded) cpu_groups.push_back(g);
@@ -352,6 +360,14 @@ absl::StatusOr<HybridStepResult> HybridOptimizer::StepChecked(const HybridStepPa
   if (result.skipped) return result;  // nothing changed state; step counts unchanged
   FERRY_RETURN_IF_ERROR(trainer.Record(*grads_ready_));
   FERRY_RETURN_IF_ERROR(StepGpuGroups(scalars, trainer));
+  if (deferred_) {
+    // The offloaded groups finish on the early thread (Settle commits them); the GPU groups are
+    // done on the trainer's stream at step_done_ (WaitParams), trainer_point_ for Settle.
+    FERRY_RETURN_IF_ERROR(trainer.Record(*trainer_point_));
+    FERRY_RETURN_IF_ERROR(trainer.Record(*step_done_));
+    for (Group& g : groups_) ++g.step;
+    return result;
+  }
   {
     TraceSpan span(options_.tracer, "cpu_pipeline", "optim");
     const PipelinePlan plan = PlanFor(cpu_groups);
@@ -383,6 +399,21 @@ absl::Status HybridOptimizer::WaitParams(absl::Span<const size_t> groups, Stream
     if (g >= groups_.size()) return absl::InvalidArgumentError(absl::StrCat("WaitParams: no group ", g));
   }
   for (size_t g : groups) {
+    if (deferred_ && groups_[g].offloaded && !groups_[g].params.empty()) {
+      // The deferred step's CPU Adam may still run: wait until the group's upload is enqueued.
+      bool done = false;
+      {
+        TraceSpan wait(options_.tracer, "wait.upload", "optim");
+        std::unique_lock<std::mutex> lock(early_mu_);
+        early_cv_.wait(lock, [&] { return early_done_[g] != 0 || (!early_busy_ && early_queue_.empty()); });
+        done = early_done_[g] != 0;
+      }
+      if (done) {
+        FERRY_RETURN_IF_ERROR(stream.WaitFor(*group_uploaded_[g]));
+        continue;
+      }
+      FERRY_RETURN_IF_ERROR(Settle());  // the work stopped: its error, with the group's params restored
+    }
     if (group_upload_[g] != nullptr) {
       FERRY_RETURN_IF_ERROR(group_upload_[g]->MakeStreamWait(stream));
     } else {

@@ -149,7 +149,23 @@ class HybridOptimizer final {
   // Makes `stream` wait until the params of `groups` hold the values of the last Step (their
   // uploads, or their GPU update, are done), so a trainer can start its next forward before the
   // last groups' params arrived. Step's StepOptions decide whether Step itself waits for all.
+  // After a deferred Step (below) it blocks the calling thread until each group's upload has been
+  // enqueued (its CPU Adam is done), then orders `stream` after it.
   absl::Status WaitParams(absl::Span<const size_t> groups, Stream& stream);
+
+  // A deferred Step: with wait_for_params = false, a Step whose every offloaded group was started
+  // early (BeginGroups) and whose speculation holds returns as soon as the trainer's stream is
+  // ordered after the last grad download, while the early thread still runs CPU Adam on the
+  // groups whose grads arrived last (those the trainer's next forward needs first: it works on the
+  // latest announced grads first) and uploads them. The trainer's next forward waits per group
+  // (WaitParams). The update is committed by Settle, which every other call runs first (the next
+  // announcement, Step, Synchronize, state reads and writes, snapshots, the destructor): it waits
+  // for the rest of the work and swaps in the new state. Whether a deferred step is in progress:
+  bool deferred() const { return deferred_; }
+  // Completes a deferred step (nothing otherwise). When its work failed, the groups it did not
+  // finish keep their state of the step before (their params are rewritten from it and their step
+  // count goes back) and the error names them.
+  absl::Status Settle();
 
   // Re-reads the fp32 masters of `groups` (indices) from the params; with `reset_optimizer` zeroes
   // their m, v and step count.
@@ -249,26 +265,20 @@ class HybridOptimizer final {
     const PipelinePlan* plan = nullptr;
     const std::vector<AdamScalars>* scalars = nullptr;  // per group (unused by kRestoreParams)
     Event* ready = nullptr;           // every copy waits for it on the device
-    // When set (early steps), per group: the announcement's order and event. A chunk's copies wait for
-    // the event of its latest announced group instead of `ready` (events recorded later on the
-    // trainer's stream cover the earlier ones).
-    const std::vector<std::pair<int, Event*>>* group_ready = nullptr;
-    PipelineMode mode = PipelineMode::kInPlace;
-    const std::atomic<bool>* cancel = nullptr;  // checked between rounds: stop early (Cancelled)
+    PipelineMode mode = PipelineMode::kInPlace;  // kInPlace or kRestoreParams (kToSpare: RunEarlyPass)
   };
   // An announcement's work, queued for the early thread.
   struct EarlyItem {
     std::vector<size_t> groups;
     Event* ready = nullptr;
     std::vector<AdamScalars> scalars;  // per group (set for every group announced so far)
+    std::vector<int64_t> steps;        // per group: the step it computes (its rounding keys')
   };
   struct EarlyStep {
     std::vector<size_t> order;          // groups announced this step, in order
     std::vector<bool> announced;        // per group
     std::vector<AdamScalars> scalars;   // per group: the speculation's (set for announced groups)
     std::vector<uint8_t> queued;        // per group: its speculative update was started
-    std::vector<uint8_t> done;          // per group: its speculative update completed (written by
-                                        // the early thread under early_mu_ while it works)
     size_t events_used = 0;             // of early_events_
   };
 
@@ -308,10 +318,22 @@ class HybridOptimizer final {
   void EarlyLoop();
   absl::Status WaitEarlyIdle();
   absl::Status EnsureSpareState();
+  // The early thread's work from `first` on: every announcement queued meanwhile joins it (its
+  // grads go down at once, into the group's place in early_grads_), and CPU Adam takes the landed
+  // chunks of the latest announced groups first (hybrid_optimizer_early_pass.cc).
+  absl::Status RunEarlyPass(EarlyItem first);
+  // Under early_mu_: whether every group queued this step has its grad download enqueued (or the
+  // early work stopped with an error).
+  bool EarlyDownloadsEnqueued() const;
+  // Step's deferred end (see deferred()): the trainer's stream waits for the grad downloads; true
+  // when deferred, false when the early work failed before that (Step then settles as usual).
+  absl::StatusOr<bool> DeferSettle(const std::vector<size_t>& started, Stream& trainer);
   // Step's part for the announced groups once the step's decision is known (see BeginGroups).
   // Returns the offloaded groups Step must still update in place.
   // `discard`: recompute every announced group (HybridStepParams::discard_early).
-  absl::StatusOr<std::vector<size_t>> SettleEarly(bool skipped, bool discard, const std::vector<AdamScalars>& scalars,
+  // `may_defer`: the trainer waits per group (wait_for_params = false), so the step may be deferred.
+  absl::StatusOr<std::vector<size_t>> SettleEarly(bool skipped, bool discard, bool may_defer,
+                                                  const std::vector<AdamScalars>& scalars,
                                                   Stream& trainer, HybridStepResult& result);
   // Drops the step in progress: stops the early work and rewrites the announced offloaded groups'
   // params from their masters (trainer waits for them). Nothing of the state changed.
@@ -327,9 +349,21 @@ class HybridOptimizer final {
   // Pointer of param `p`'s `kind` state (host memory for offloaded groups, device memory otherwise),
   // at element `e`.
   char* StatePtr(size_t p, StateKind kind, size_t e = 0) const;
-  // Stochastic rounding: param `p`'s key at the step its group computes next, for local elements
-  // from `e0` on.
-  StateRoundingKey RoundingKey(size_t p, size_t e0) const;
+  // Stochastic rounding: param `p`'s key at step `step` (<= 0: the step its group computes next), for
+  // local elements from `e0` on.
+  StateRoundingKey RoundingKey(size_t p, size_t e0, int64_t step = 0) const;
+  // Chunk `chunk` of a plan over `params`: appends its CPU Adam work (grads at `grad`, new params
+  // into `param_out`; kToSpare: the new state into the spare buffers, at step `steps[group]`) and
+  // the uploads of its params. kRestoreParams: work without grads or scalars.
+  struct AdamWork {
+    std::vector<CpuAdamTensor> tensors;
+    std::vector<size_t> params;  // the param of each tensor
+  };
+  void ChunkWork(const std::vector<size_t>& params, const ChunkPlan& chunk, const char* grad, char* param_out,
+                 PipelineMode mode, const std::vector<AdamScalars>* scalars, const std::vector<int64_t>* steps,
+                 AdamWork& work, std::vector<CopyRegion>& uploads) const;
+  // One round of CPU Adam over `work` (of `chunks` chunks), after the state fence let go of its params.
+  absl::Status AdamRound(const AdamWork& work, size_t chunks);
   // The same in the group's spare buffers (offloaded groups, once EnsureSpareState ran).
   char* SpareStatePtr(size_t p, StateKind kind, size_t e = 0) const;
   absl::Status SyncParamsFromModel(const std::vector<size_t>& params);
@@ -356,7 +390,12 @@ class HybridOptimizer final {
   std::vector<HostSpan> grad_slots_;
   std::vector<HostSpan> param_slots_;
   std::unique_ptr<PinnedArena> arena_;
-  std::unique_ptr<PinnedArena> spare_arena_;  // the spare state buffers (EnsureSpareState)
+  std::unique_ptr<PinnedArena> spare_arena_;  // the spare state and early_grads_ (EnsureSpareState)
+  // Early steps download every announced group's grads at once, into its own place here (as much
+  // pinned memory as the offloaded grads), so the trainer may reuse its grads as soon as they are
+  // down, before CPU Adam has read them all (a deferred Step).
+  HostSpan early_grads_;
+  std::vector<size_t> early_grad_offset_;  // per offloaded group: its grads' bytes in early_grads_
   std::unique_ptr<Transfer> transfer_;
   std::unique_ptr<Stream> work_stream_;  // state init/copies of GPU groups
   std::unique_ptr<Event> grads_ready_;
@@ -391,6 +430,17 @@ class HybridOptimizer final {
   bool early_exit_ = false;             // guarded by early_mu_
   absl::Status early_status_;           // guarded by early_mu_: first error since WaitEarlyIdle
   std::atomic<bool> early_cancel_{false};
+  // Guarded by early_mu_, reset at a step's first announcement: per group, its speculative update
+  // is complete (CPU Adam done, upload enqueued and group_uploaded_ recorded after it); and how many
+  // of the step's groups have their grad download enqueued (early_downloaded_ recorded after them).
+  std::vector<uint8_t> early_done_;
+  size_t early_downloads_ = 0;
+  size_t early_queued_ = 0;  // groups queued for the early thread this step
+  std::unique_ptr<Event> early_downloaded_;               // on the D2H stream
+  std::vector<std::unique_ptr<Event>> group_uploaded_;    // per offloaded group, on the H2D stream
+  // A deferred step (see deferred()): owned by the trainer's thread.
+  bool deferred_ = false;
+  std::vector<size_t> deferred_groups_;  // its offloaded groups, all started early
   // Whether announcements start the speculative work: false after a step whose clipping triggered or
   // that was skipped (the next one likely does too, and its speculation would be wasted work that
   // competes with the recomputation); true again after a step that neither clipped nor skipped.

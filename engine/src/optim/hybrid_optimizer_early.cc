@@ -11,11 +11,15 @@
 // keeping a copy of the old state: the speculative pass then moves the same bytes as an in-place one
 // (read the state, write the state), where a copy adds a third stream of writes; both need as much
 // pinned memory again as the offloaded state.
+//
+// A deferred Step (see HybridOptimizer::deferred) leaves the rest of the early work running after it
+// returns; Settle commits it. The early pass itself is in hybrid_optimizer_early_pass.cc.
 #include <algorithm>
 #include <cstring>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "base/logging.h"
 #include "ferry/status.h"
 #include "optim/hybrid_optimizer.h"
@@ -51,7 +55,9 @@ absl::Status HybridOptimizer::BeginGroups(absl::Span<const size_t> groups, const
     if (speculate_ && groups_[g].offloaded && !groups_[g].params.empty()) cpu_groups.push_back(g);
   }
   if (!step_in_progress()) {
-    // The first announcement of a step: the last step's copies are done (the staging is free).
+    // The first announcement of a step: the last step is committed and its copies are done (the
+    // staging is free).
+    FERRY_RETURN_IF_ERROR(Settle());
     FERRY_RETURN_IF_ERROR(WaitEarlyIdle());
     FERRY_RETURN_IF_ERROR(WaitPending());
     if (snapshot_pending_) {
@@ -62,8 +68,11 @@ absl::Status HybridOptimizer::BeginGroups(absl::Span<const size_t> groups, const
     early_.announced.assign(groups_.size(), false);
     early_.scalars.assign(groups_.size(), AdamScalars{});
     early_.queued.assign(groups_.size(), 0);
-    early_.done.assign(groups_.size(), 0);
     early_.events_used = 0;
+    std::lock_guard<std::mutex> lock(early_mu_);
+    early_done_.assign(groups_.size(), 0);
+    early_downloads_ = 0;
+    early_queued_ = 0;
   }
   Event* ready = nullptr;
   if (!cpu_groups.empty()) {
@@ -83,13 +92,15 @@ absl::Status HybridOptimizer::BeginGroups(absl::Span<const size_t> groups, const
     early_.announced[g] = true;
     early_.order.push_back(g);
     early_.scalars[g] = GroupScalars(g, params, multiplier);
-    if (!groups_[g].offloaded || groups_[g].params.empty()) early_.done[g] = 1;  // nothing to start
   }
   for (size_t g : cpu_groups) early_.queued[g] = 1;
   if (cpu_groups.empty()) return absl::OkStatus();
+  std::vector<int64_t> steps(groups_.size());
+  for (size_t g = 0; g < groups_.size(); ++g) steps[g] = groups_[g].step + 1;
   {
     std::lock_guard<std::mutex> lock(early_mu_);
-    early_queue_.push_back(EarlyItem{std::move(cpu_groups), ready, early_.scalars});
+    early_queued_ += cpu_groups.size();
+    early_queue_.push_back(EarlyItem{std::move(cpu_groups), ready, early_.scalars, std::move(steps)});
   }
   if (!early_thread_.joinable()) early_thread_ = std::thread([this] { EarlyLoop(); });
   early_cv_.notify_all();
@@ -99,43 +110,21 @@ absl::Status HybridOptimizer::BeginGroups(absl::Span<const size_t> groups, const
 void HybridOptimizer::EarlyLoop() {
   if (options_.tracer != nullptr) options_.tracer->NameThread("ferry early step");
   for (;;) {
-    std::vector<size_t> groups;
-    Event* ready = nullptr;
-    std::vector<AdamScalars> scalars;
-    std::vector<std::pair<int, Event*>> group_ready(groups_.size(), {-1, nullptr});
+    EarlyItem first;
     {
       std::unique_lock<std::mutex> lock(early_mu_);
       early_cv_.wait(lock, [this] { return early_exit_ || !early_queue_.empty(); });
       if (early_queue_.empty()) return;  // early_exit_
-      // Every announcement queued so far runs as one pass (in announcement order); each chunk's
-      // copies wait for its own groups' announcement.
-      for (int order = 0; !early_queue_.empty(); ++order) {
-        EarlyItem& item = early_queue_.front();
-        groups.insert(groups.end(), item.groups.begin(), item.groups.end());
-        for (size_t g : item.groups) group_ready[g] = {order, item.ready};
-        ready = item.ready;
-        scalars = std::move(item.scalars);  // the latest holds every group queued before it
-        early_queue_.pop_front();
-      }
+      first = std::move(early_queue_.front());
+      early_queue_.pop_front();
       early_busy_ = true;
     }
-    absl::Status status;
-    if (early_cancel_.load(std::memory_order_relaxed)) {
-      status = absl::CancelledError("the step's early work was cancelled");
-    } else {
-      TraceSpan span(options_.tracer, "early.pipeline", "optim");
-      span.Arg("groups", static_cast<double>(groups.size()));
-      const PipelinePlan plan = PlanFor(groups);
-      status = RunPipeline(PipelineRun{.plan = &plan, .scalars = &scalars, .ready = ready, .group_ready = &group_ready,
-                                       .mode = PipelineMode::kToSpare, .cancel = &early_cancel_});
-    }
+    absl::Status status = early_cancel_.load(std::memory_order_relaxed)
+                              ? absl::CancelledError("the step's early work was cancelled")
+                              : RunEarlyPass(std::move(first));
     {
       std::lock_guard<std::mutex> lock(early_mu_);
-      if (status.ok()) {
-        for (size_t g : groups) early_.done[g] = 1;
-      } else if (early_status_.ok()) {
-        early_status_ = status;
-      }
+      if (!status.ok() && early_status_.ok()) early_status_ = status;
       early_busy_ = false;
     }
     early_cv_.notify_all();
@@ -167,13 +156,33 @@ absl::Status HybridOptimizer::EnsureSpareState() {
   for (const Group& g : groups_) {
     if (g.offloaded && !g.host_state.empty()) bytes += (g.host_state.bytes + 4095) / 4096 * 4096;
   }
+  // The early grads: every offloaded group's grads, each group's at a 4 KiB boundary.
+  std::vector<size_t> grad_offset(groups_.size(), 0);
+  size_t grad_bytes = 0;
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    if (!groups_[g].offloaded) continue;
+    grad_offset[g] = grad_bytes;
+    size_t n = 0;
+    for (size_t p : groups_[g].params) n += static_cast<size_t>(params_[p].numel) * DTypeSize(params_[p].grad_dtype);
+    grad_bytes += (n + 4095) / 4096 * 4096;
+  }
+  bytes += grad_bytes;
+  if (early_downloaded_ == nullptr) {
+    FERRY_ASSIGN_OR_RETURN(early_downloaded_, device_->CreateEvent());
+    group_uploaded_.resize(groups_.size());
+    for (size_t g = 0; g < groups_.size(); ++g) {
+      if (groups_[g].offloaded) {
+        FERRY_ASSIGN_OR_RETURN(group_uploaded_[g], device_->CreateEvent());
+      }
+    }
+  }
   PinnedArenaOptions arena_options;
-  arena_options.capacity_bytes = std::max<size_t>(bytes, 4096);
+  arena_options.capacity_bytes = bytes + 4096;  // the grads' alignment
   arena_options.numa = options_.numa;
   arena_options.numa_node = options_.numa_node;
   arena_options.name = "optimizer spare state (early steps)";
   FERRY_LOG(INFO) << "early steps: allocating " << bytes << " bytes of pinned host memory for the offloaded "
-                  << "groups' spare state (once)";
+                  << "groups' spare state and grads (once)";
   FERRY_ASSIGN_OR_RETURN(std::unique_ptr<PinnedArena> arena, PinnedArena::Create(device_, arena_options));
   std::vector<HostSpan> spans(groups_.size());
   absl::Status status;
@@ -186,6 +195,15 @@ absl::Status HybridOptimizer::EnsureSpareState() {
       status = span.status();
     }
   }
+  HostSpan grads;
+  if (status.ok() && grad_bytes > 0) {
+    absl::StatusOr<HostSpan> span = arena->Allocate(grad_bytes, 4096);
+    if (span.ok()) {
+      grads = *span;
+    } else {
+      status = span.status();
+    }
+  }
   if (!status.ok()) {
     for (const HostSpan& span : spans) {
       if (!span.empty()) (void)arena->Release(span);
@@ -193,11 +211,13 @@ absl::Status HybridOptimizer::EnsureSpareState() {
     return status;
   }
   for (size_t g = 0; g < groups_.size(); ++g) groups_[g].spare_state = spans[g];
+  early_grads_ = grads;
+  early_grad_offset_ = std::move(grad_offset);
   spare_arena_ = std::move(arena);
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::vector<size_t>> HybridOptimizer::SettleEarly(bool skipped, bool discard,
+absl::StatusOr<std::vector<size_t>> HybridOptimizer::SettleEarly(bool skipped, bool discard, bool may_defer,
                                                                  const std::vector<AdamScalars>& scalars,
                                                                  Stream& trainer, HybridStepResult& result) {
   bool valid = !skipped && !discard;
@@ -208,6 +228,18 @@ absl::StatusOr<std::vector<size_t>> HybridOptimizer::SettleEarly(bool skipped, b
     if (!SameScalars(early_.scalars[g], scalars[g])) valid = false;
   }
   if (!valid) early_cancel_.store(true);  // stop what still runs: it is recomputed or undone
+  bool all_started = !started.empty();
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    if (groups_[g].offloaded && !groups_[g].params.empty() && early_.queued[g] == 0) all_started = false;
+  }
+  if (valid && may_defer && all_started) {
+    FERRY_ASSIGN_OR_RETURN(const bool deferred, DeferSettle(started, trainer));
+    if (deferred) {
+      result.early_committed += started.size();
+      early_ = EarlyStep{};
+      return std::vector<size_t>{};
+    }
+  }
   absl::Status early_status;
   {
     TraceSpan wait(options_.tracer, "early.wait", "optim");
@@ -224,10 +256,15 @@ absl::StatusOr<std::vector<size_t>> HybridOptimizer::SettleEarly(bool skipped, b
     if (!restored.ok()) return restored;
     return rest;
   }
+  std::vector<uint8_t> done;
+  {
+    std::lock_guard<std::mutex> lock(early_mu_);
+    done = early_done_;
+  }
   for (size_t g = 0; g < groups_.size(); ++g) {
     Group& group = groups_[g];
     if (!group.offloaded) continue;
-    if (early_.queued[g] != 0 && valid && early_.done[g] != 0) {
+    if (early_.queued[g] != 0 && valid && done[g] != 0) {
       std::swap(group.host_state, group.spare_state);
       ++result.early_committed;
     } else {
@@ -237,6 +274,71 @@ absl::StatusOr<std::vector<size_t>> HybridOptimizer::SettleEarly(bool skipped, b
   }
   early_ = EarlyStep{};
   return rest;
+}
+
+bool HybridOptimizer::EarlyDownloadsEnqueued() const { return early_downloads_ >= early_queued_; }
+
+absl::StatusOr<bool> HybridOptimizer::DeferSettle(const std::vector<size_t>& started, Stream& trainer) {
+  bool enqueued = false;
+  {
+    // The early thread enqueues the downloads of what was announced at its next round (a few ms).
+    TraceSpan wait(options_.tracer, "early.downloads", "optim");
+    std::unique_lock<std::mutex> lock(early_mu_);
+    early_cv_.wait(lock, [this] { return EarlyDownloadsEnqueued() || (!early_busy_ && early_queue_.empty()); });
+    enqueued = EarlyDownloadsEnqueued() && early_status_.ok();
+  }
+  if (!enqueued) return false;  // the early work stopped: Step settles it as usual
+  // The trainer may change its grads once they are down; CPU Adam reads them from early_grads_.
+  FERRY_RETURN_IF_ERROR(trainer.WaitFor(*early_downloaded_));
+  deferred_ = true;
+  deferred_groups_ = started;
+  return true;
+}
+
+absl::Status HybridOptimizer::Settle() {
+  if (!deferred_) return absl::OkStatus();
+  deferred_ = false;
+  absl::Status status;
+  {
+    TraceSpan span(options_.tracer, "early.settle", "optim");
+    status = WaitEarlyIdle();
+  }
+  std::vector<size_t> failed;
+  {
+    std::lock_guard<std::mutex> lock(early_mu_);
+    for (size_t g : deferred_groups_) {
+      if (early_done_[g] != 0) {
+        std::swap(groups_[g].host_state, groups_[g].spare_state);
+      } else {
+        failed.push_back(g);
+      }
+    }
+  }
+  deferred_groups_.clear();
+  // step_done_ marks the end of the whole step again (Synchronize, snapshots, WaitParams): after the
+  // trainer's part (trainer_point_, recorded by Step) and the last upload.
+  absl::Status ordered = work_stream_->WaitFor(*trainer_point_);
+  if (ordered.ok() && last_upload_ != nullptr) ordered = last_upload_->MakeStreamWait(*work_stream_);
+  if (ordered.ok()) ordered = work_stream_->Record(*step_done_);
+  if (failed.empty()) {
+    if (!status.ok()) FERRY_LOG(WARNING) << "the last step's work reported an error after completing: " << status;
+    return ordered;
+  }
+  // Those groups keep the state of the step before: their step count goes back, and their params
+  // (some of them already uploaded) are rewritten from the unchanged masters.
+  std::vector<std::string> names;
+  for (size_t g : failed) {
+    --groups_[g].step;
+    names.push_back(absl::StrCat("'", groups_[g].name, "'"));
+  }
+  const absl::Status restored = RestoreParams(failed, *work_stream_);
+  if (status.ok()) status = absl::InternalError("the early work stopped before finishing");
+  return absl::Status(status.code(),
+                      absl::StrCat("the last step's update of groups ", absl::StrJoin(names, ", "),
+                                   " did not complete after Step returned (", status.message(), "); they keep "
+                                   "their state of the step before",
+                                   restored.ok() ? " and their params were rewritten from it"
+                                                 : absl::StrCat(", but rewriting their params failed: ", restored.message())));
 }
 
 absl::Status HybridOptimizer::RestoreParams(const std::vector<size_t>& groups, Stream& trainer) {

@@ -51,6 +51,72 @@ absl::StatusOr<std::unique_ptr<TransferBatch>> HybridOptimizer::SubmitGradChunk(
   return transfer_->DeviceToHost(regions, &grads_ready);
 }
 
+void HybridOptimizer::ChunkWork(const std::vector<size_t>& params, const ChunkPlan& chunk, const char* grad,
+                                char* param_out, PipelineMode mode, const std::vector<AdamScalars>* scalars,
+                                const std::vector<int64_t>* steps, AdamWork& work,
+                                std::vector<CopyRegion>& uploads) const {
+  const bool with_grads = mode != PipelineMode::kRestoreParams;
+  size_t grad_at = 0, param_at = 0;
+  for (const ChunkPiece& piece : chunk.pieces) {
+    const size_t p = params[piece.region];
+    const OptimParam& op = params_[p];
+    const size_t gsize = DTypeSize(op.grad_dtype), psize = DTypeSize(op.dtype);
+    FERRY_CHECK(piece.offset % gsize == 0 && piece.bytes % gsize == 0) << "chunk piece off element boundary";
+    const size_t e0 = piece.offset / gsize;
+    const size_t n = piece.bytes / gsize;
+    CpuAdamTensor t;
+    t.master = StatePtr(p, StateKind::kMaster, e0);
+    t.exp_avg = StatePtr(p, StateKind::kExpAvg, e0);
+    t.exp_avg_sq = StatePtr(p, StateKind::kExpAvgSq, e0);
+    t.state = groups_[op.group].format;
+    t.rounding = RoundingKey(p, e0, steps != nullptr ? (*steps)[op.group] : 0);
+    if (mode == PipelineMode::kToSpare) {
+      // Read the state in place, write the spare buffers.
+      t.master_src = t.master;
+      t.exp_avg_src = t.exp_avg;
+      t.exp_avg_sq_src = t.exp_avg_sq;
+      t.master = SpareStatePtr(p, StateKind::kMaster, e0);
+      t.exp_avg = SpareStatePtr(p, StateKind::kExpAvg, e0);
+      t.exp_avg_sq = SpareStatePtr(p, StateKind::kExpAvgSq, e0);
+    }
+    t.grad = grad + grad_at;
+    t.param = param_out + param_at;
+    t.numel = static_cast<int64_t>(n);
+    t.grad_dtype = op.grad_dtype;
+    t.param_dtype = op.dtype;
+    t.scalars = with_grads ? &(*scalars)[op.group] : nullptr;
+    work.tensors.push_back(t);
+    work.params.push_back(p);
+    uploads.push_back(CopyRegion{static_cast<char*>(op.param) + e0 * psize, param_out + param_at, n * psize});
+    grad_at += piece.bytes;
+    param_at += n * psize;
+  }
+}
+
+absl::Status HybridOptimizer::AdamRound(const AdamWork& work, size_t chunks) {
+  Tracer* const tracer = options_.tracer;
+  if (fence_ != nullptr && !fence_->all_released()) {
+    // A checkpoint still reads some offloaded state in place: the state of these chunks' params is
+    // copied aside for it first (or, being written right now, waited for). Also before a
+    // speculative update, which leaves that state as it is: conservative, and rare.
+    TraceSpan acquire(tracer, "fence.acquire", "optim");
+    fence_->Acquire(work.params, pool_);
+  }
+  TraceSpan round(tracer, "cpu_adam.round", "optim");
+  if (round.on()) {
+    double elements = 0.0, bytes = 0.0;
+    for (const CpuAdamTensor& t : work.tensors) {
+      elements += static_cast<double>(t.numel);
+      bytes += static_cast<double>(t.numel) *
+               static_cast<double>(2 * t.state.bytes_per_element() + DTypeSize(t.grad_dtype) + DTypeSize(t.param_dtype));
+    }
+    round.Arg("chunks", static_cast<double>(chunks));
+    round.Arg("elements", elements);
+    round.Arg("bytes", bytes);
+  }
+  return cpu_adam_.Step(work.tensors);
+}
+
 // The pipeline over grad chunks, `depth` = number of staging slots:
 //   D2H of chunk k+depth-1 | CPU Adam on chunk k | H2D of chunk k-1, all in flight at once.
 // Chunk k's grads land in grad slot k % depth; CPU Adam writes its new params into param slot k % depth,
@@ -60,6 +126,7 @@ absl::StatusOr<std::unique_ptr<TransferBatch>> HybridOptimizer::SubmitGradChunk(
 absl::Status HybridOptimizer::RunPipeline(const PipelineRun& run) {
   const PipelinePlan& plan = *run.plan;
   if (plan.params.empty()) return absl::OkStatus();
+  FERRY_CHECK(run.mode != PipelineMode::kToSpare) << "speculative updates run in RunEarlyPass";
   // The uploads of an earlier pass may still read the param slots this pass is about to write.
   if (last_upload_ != nullptr) FERRY_RETURN_IF_ERROR(last_upload_->Wait());
   const bool with_grads = run.mode != PipelineMode::kRestoreParams;
@@ -67,18 +134,8 @@ absl::Status HybridOptimizer::RunPipeline(const PipelineRun& run) {
   const size_t depth = grad_slots_.size();
   std::vector<std::unique_ptr<TransferBatch>> down(num_chunks), up(num_chunks);
   absl::Status status;
-  // The event chunk k's copies wait for.
-  auto chunk_ready = [&](size_t k) -> Event* {
-    if (run.group_ready == nullptr) return run.ready;
-    std::pair<int, Event*> latest{-1, run.ready};
-    for (const ChunkPiece& piece : plan.chunks[k].pieces) {
-      const std::pair<int, Event*>& g = (*run.group_ready)[params_[plan.params[piece.region]].group];
-      if (g.first > latest.first) latest = g;
-    }
-    return latest.second;
-  };
   for (size_t k = 0; with_grads && k < std::min(depth, num_chunks); ++k) {
-    absl::StatusOr<std::unique_ptr<TransferBatch>> first = SubmitGradChunk(plan, k, *chunk_ready(k));
+    absl::StatusOr<std::unique_ptr<TransferBatch>> first = SubmitGradChunk(plan, k, *run.ready);
     if (!first.ok()) {
       status = first.status();
       break;
@@ -94,26 +151,10 @@ absl::Status HybridOptimizer::RunPipeline(const PipelineRun& run) {
     absl::StatusOr<bool> d = batch->ChunkDone(batch->num_chunks() - 1);
     return d.ok() && *d;
   };
-  std::vector<CpuAdamTensor> work;
+  AdamWork work;
   std::vector<std::vector<CopyRegion>> regions(depth);
   size_t k = 0;
   while (k < num_chunks && status.ok()) {
-    if (run.cancel != nullptr && run.cancel->load(std::memory_order_relaxed)) {
-      status = absl::CancelledError("the step's early work was cancelled");
-      break;
-    }
-    if (with_grads && run.group_ready != nullptr) {
-      // Early steps: the chunk's grads may not exist yet (the trainer's backward has not reached
-      // its groups). Sleep on the announcement's event (a blocking one) rather than spin on the
-      // copy's: the wait can last the rest of the backward, and CPU Adam needs the core.
-      Event* ready = chunk_ready(k);
-      absl::StatusOr<bool> reached = ready != nullptr ? ready->Query() : absl::StatusOr<bool>(true);
-      if (reached.ok() && !*reached) {
-        TraceSpan wait(tracer, "wait.grads", "optim");
-        status = ready->Synchronize();
-        if (!status.ok()) break;
-      }
-    }
     {
       TraceSpan wait(tracer, "wait.copies", "optim");
       if (with_grads) status = down[k]->Wait();
@@ -127,89 +168,32 @@ absl::Status HybridOptimizer::RunPipeline(const PipelineRun& run) {
            (end < depth || done(up[end - depth].get()))) {
       ++end;
     }
-    work.clear();
+    work.tensors.clear();
+    work.params.clear();
     for (size_t j = k; j < end; ++j) {
-      const char* grad_slot = grad_slots_[j % depth].as<char>();
-      char* param_slot = param_slots_[j % depth].as<char>();
-      std::vector<CopyRegion>& up_regions = regions[j - k];
-      up_regions.clear();
-      size_t grad_at = 0, param_at = 0;
-      for (const ChunkPiece& piece : plan.chunks[j].pieces) {
-        const size_t p = plan.params[piece.region];
-        const OptimParam& op = params_[p];
-        const size_t gsize = DTypeSize(op.grad_dtype), psize = DTypeSize(op.dtype);
-        FERRY_CHECK(piece.offset % gsize == 0 && piece.bytes % gsize == 0) << "chunk piece off element boundary";
-        const size_t e0 = piece.offset / gsize;
-        const size_t n = piece.bytes / gsize;
-        CpuAdamTensor t;
-        t.master = StatePtr(p, StateKind::kMaster, e0);
-        t.exp_avg = StatePtr(p, StateKind::kExpAvg, e0);
-        t.exp_avg_sq = StatePtr(p, StateKind::kExpAvgSq, e0);
-        t.state = groups_[op.group].format;
-        t.rounding = RoundingKey(p, e0);
-        if (run.mode == PipelineMode::kToSpare) {
-          // Read the state in place, write the spare buffers.
-          t.master_src = t.master;
-          t.exp_avg_src = t.exp_avg;
-          t.exp_avg_sq_src = t.exp_avg_sq;
-          t.master = SpareStatePtr(p, StateKind::kMaster, e0);
-          t.exp_avg = SpareStatePtr(p, StateKind::kExpAvg, e0);
-          t.exp_avg_sq = SpareStatePtr(p, StateKind::kExpAvgSq, e0);
-        }
-        t.grad = grad_slot + grad_at;
-        t.param = param_slot + param_at;
-        t.numel = static_cast<int64_t>(n);
-        t.grad_dtype = op.grad_dtype;
-        t.param_dtype = op.dtype;
-        t.scalars = with_grads ? &(*run.scalars)[op.group] : nullptr;
-        work.push_back(t);
-        up_regions.push_back(CopyRegion{static_cast<char*>(op.param) + e0 * psize, param_slot + param_at, n * psize});
-        grad_at += piece.bytes;
-        param_at += n * psize;
-      }
-    }
-    if (with_grads && fence_ != nullptr && !fence_->all_released()) {
-      // A checkpoint still reads some offloaded state in place: the state of these chunks' params is
-      // copied aside for it first (or, being written right now, waited for). Also before a
-      // speculative update, which leaves that state as it is: conservative, and rare.
-      std::vector<size_t> touched;
-      for (size_t j = k; j < end; ++j) {
-        for (const ChunkPiece& piece : plan.chunks[j].pieces) touched.push_back(plan.params[piece.region]);
-      }
-      TraceSpan acquire(tracer, "fence.acquire", "optim");
-      fence_->Acquire(touched, pool_);
+      regions[j - k].clear();
+      ChunkWork(plan.params, plan.chunks[j], grad_slots_[j % depth].as<char>(), param_slots_[j % depth].as<char>(),
+                run.mode, run.scalars, /*steps=*/nullptr, work, regions[j - k]);
     }
     TraceObserve(d2h_trace_, /*block=*/false);
     TraceObserve(h2d_trace_, /*block=*/false);
     if (!with_grads) {
       // The params from the masters: the same rounding as every update's param output.
-      pool_->ParallelFor(work.size(), [&](size_t i) {
-        const CpuAdamTensor& t = work[i];
+      pool_->ParallelFor(work.tensors.size(), [&](size_t i) {
+        const CpuAdamTensor& t = work.tensors[i];
         for (int64_t e = 0; e < t.numel; ++e) {
           const size_t el = static_cast<size_t>(e);
           StoreFromF32(t.param, t.param_dtype, el, LoadAsF32(t.master, t.state.master, el));
         }
       });
     } else {
-      TraceSpan round(tracer, "cpu_adam.round", "optim");
-      if (round.on()) {
-        double elements = 0.0, bytes = 0.0;
-        for (const CpuAdamTensor& t : work) {
-          elements += static_cast<double>(t.numel);
-          bytes += static_cast<double>(t.numel) *
-                   static_cast<double>(2 * t.state.bytes_per_element() + DTypeSize(t.grad_dtype) + DTypeSize(t.param_dtype));
-        }
-        round.Arg("chunks", static_cast<double>(end - k));
-        round.Arg("elements", elements);
-        round.Arg("bytes", bytes);
-      }
-      status = cpu_adam_.Step(work);
+      status = AdamRound(work, end - k);
     }
     TraceObserve(d2h_trace_, /*block=*/false);
     TraceObserve(h2d_trace_, /*block=*/false);
     for (size_t j = k; j < end && status.ok(); ++j) {
       // The trainer's stream may still read the params until the grads are ready: the upload waits.
-      absl::StatusOr<std::unique_ptr<TransferBatch>> upload = transfer_->HostToDevice(regions[j - k], chunk_ready(j));
+      absl::StatusOr<std::unique_ptr<TransferBatch>> upload = transfer_->HostToDevice(regions[j - k], run.ready);
       if (!upload.ok()) {
         status = upload.status();
         break;
@@ -219,7 +203,7 @@ absl::Status HybridOptimizer::RunPipeline(const PipelineRun& run) {
       for (const ChunkPiece& piece : plan.chunks[j].pieces) group_upload_[params_[plan.params[piece.region]].group] = up[j].get();
       last_upload_ = up[j].get();
       if (with_grads && j + depth < num_chunks) {
-        absl::StatusOr<std::unique_ptr<TransferBatch>> next = SubmitGradChunk(plan, j + depth, *chunk_ready(j + depth));
+        absl::StatusOr<std::unique_ptr<TransferBatch>> next = SubmitGradChunk(plan, j + depth, *run.ready);
         if (!next.ok()) {
           status = next.status();
           break;
