@@ -175,7 +175,11 @@ absl::Status HybridOptimizer::Init(std::vector<OptimParam> params, std::vector<O
     }
     const size_t param_slot_bytes = chunk_bytes * ratio;
     const size_t slots = std::min(depth, full_plan_.chunks.size());
-    arena_bytes += slots * (AlignUp(chunk_bytes, kStageAlign) + AlignUp(param_slot_bytes, kStageAlign)) +
+    // Twice as many param slots as grad slots: the early pass (RunEarlyPass) fills `slots` of them per
+    // round, and the uploads of the round before still read the others (the in-place pipeline uses
+    // the first `slots`).
+    const size_t param_slots = 2 * slots;
+    arena_bytes += slots * AlignUp(chunk_bytes, kStageAlign) + param_slots * AlignUp(param_slot_bytes, kStageAlign) +
                    4 * kStageAlign;
     PinnedArenaOptions arena_options;
     arena_options.capacity_bytes = arena_bytes;
@@ -191,6 +195,8 @@ absl::Status HybridOptimizer::Init(std::vector<OptimParam> params, std::vector<O
     for (size_t i = 0; i < slots; ++i) {
       FERRY_ASSIGN_OR_RETURN(HostSpan grad_slot, arena_->Allocate(chunk_bytes, kStageAlign));
       grad_slots_.push_back(grad_slot);
+    }
+    for (size_t i = 0; i < param_slots; ++i) {
       FERRY_ASSIGN_OR_RETURN(HostSpan param_slot, arena_->Allocate(param_slot_bytes, kStageAlign));
       param_slots_.push_back(param_slot);
     }

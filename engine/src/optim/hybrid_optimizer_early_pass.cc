@@ -10,8 +10,8 @@
 // announces the last layers first). When the host runs ahead of the GPU, every group is announced
 // before its grads exist, the pass waits for the first download in order, and once the backward has
 // ended the rest of the work runs in forward order, overlapping the trainer's next forward, which
-// waits per group (WaitParams). The new params go up through the param slots, a slot being reused
-// once its last upload has completed.
+// waits per group (WaitParams). The new params go up through the param slots, in turn, a slot being
+// reused once its last upload has completed (two rounds later: by then it has).
 #include <algorithm>
 #include <deque>
 #include <utility>
@@ -28,7 +28,8 @@ absl::Status HybridOptimizer::RunEarlyPass(EarlyItem first) {
   TraceSpan span(tracer, "early.pipeline", "optim");
   // The uploads of an earlier pass may still read the param slots this pass is about to write.
   if (last_upload_ != nullptr) FERRY_RETURN_IF_ERROR(last_upload_->Wait());
-  const size_t depth = param_slots_.size();
+  const size_t depth = grad_slots_.size();  // chunks per round; the param slots are twice as many
+  const size_t num_slots = param_slots_.size();
   // Per group; CPU Adam's tensors point into `scalars`, which never grows.
   std::vector<AdamScalars> scalars(groups_.size());
   std::vector<int64_t> steps(groups_.size(), 0);
@@ -48,7 +49,7 @@ absl::Status HybridOptimizer::RunEarlyPass(EarlyItem first) {
   std::deque<GroupWork> works;  // stable addresses
   std::vector<PassChunk> chunks;    // in download order: they land in this order
   std::vector<std::unique_ptr<TransferBatch>> uploads;
-  std::vector<TransferBatch*> slot_upload(depth, nullptr);
+  std::vector<TransferBatch*> slot_upload(num_slots, nullptr);
   size_t next_slot = 0, landed = 0, updated = 0;
 
   // A group is done once its last chunk's upload is enqueued: group_uploaded_ follows it on the H2D
@@ -164,7 +165,7 @@ absl::Status HybridOptimizer::RunEarlyPass(EarlyItem first) {
       TraceSpan wait(tracer, "wait.copies", "optim");
       for (size_t r = 0; r < round.size() && status.ok(); ++r) {
         slots[r] = next_slot;
-        next_slot = (next_slot + 1) % depth;
+        next_slot = (next_slot + 1) % num_slots;
         if (slot_upload[slots[r]] != nullptr) status = slot_upload[slots[r]]->Wait();  // its slot is rewritten now
       }
     }
