@@ -292,9 +292,9 @@ TEST_P(EarlyStepTest, WaitParamsOrdersTheNextForward) {
 
 // A deferred step (wait_for_params = false, every group announced): Step returns while CPU Adam still
 // runs, and whatever comes next sees the step's values. After each deferred step one of these
-// follows at once, before any WaitParams: the trainer overwrites its grads (they are down already),
-// a save, a state read, a step without announcements, a clipped step (not deferred), a model-only
-// sync, or the engine's destruction. Params, checkpoints and state equal an engine that only steps.
+// follows at once, before any WaitParams: the trainer waits per group in forward order and then
+// reuses its grads, a save, a state read, a step without announcements, a clipped step (not
+// deferred), a check of the masters, or the engine's destruction. Params, checkpoints and state equal an engine that only steps.
 TEST_P(EarlyStepTest, DeferredStepsEndTheSameWhateverFollowsThem) {
   Model ref_model(device_.get(), kSizes, 21), early_model(device_.get(), kSizes, 21);
   auto ref = MakeParam(ref_model);
@@ -331,7 +331,8 @@ TEST_P(EarlyStepTest, DeferredStepsEndTheSameWhateverFollowsThem) {
     if (any_offloaded && speculating && !clip) ++expected_deferred;
     speculating = !clip;
     switch (step % 6) {
-      case 0:  // the trainer reuses its grads at once (its stream waited for their download)
+      case 0:  // the next forward waits per group; then the grads may change
+        for (size_t g = 0; g < kSizes.size(); ++g) ASSERT_OK(early->WaitParams({GroupName(g)}));
         early_model.SetGrads(grad_seed + 1000);
         break;
       case 1: {
@@ -350,7 +351,8 @@ TEST_P(EarlyStepTest, DeferredStepsEndTheSameWhateverFollowsThem) {
         }
         break;
       }
-      case 3:  // the next step without announcements
+      case 3:  // the next step without announcements (after a forward: the grads may change)
+        ASSERT_OK(early->WaitParams({}));
         ref_model.SetGrads(grad_seed + 2000);
         early_model.SetGrads(grad_seed + 2000);
         ASSERT_OK(ref->Step(options));

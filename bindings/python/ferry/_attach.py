@@ -8,6 +8,11 @@ the first module of a group waits, later ones find it done. A module owning para
 waits for each of them; a group spread over several modules is waited for by the first of them to
 run. Groups none of whose params a module owns are waited for right after step(). The hooks cost a
 set lookup per module and one stream wait per group and step; no host synchronization.
+
+After a deferred step the engine may still read a group's grads until that wait, so zero_grad()
+zeroes such a group's grads at the wait (Optimizer._wait_groups). A grad hook on every param makes
+sure of it before a backward accumulates into a grad whose group nothing waited for yet (a param
+used outside the forward of the modules owning it).
 """
 import weakref
 
@@ -27,11 +32,22 @@ class ModuleWaits:
                 self.handles.append(module.register_forward_pre_hook(_pre_hook(me, tuple(groups))))
         if not self.handles:
             raise ValueError("attach: no module of %s owns a param of this optimizer" % type(model).__name__)
+        for p in optimizer._params:
+            if p.requires_grad and id(p) in group_index:
+                self.handles.append(p.register_hook(_grad_hook(me, group_index[id(p)])))
 
     def remove(self):
         for h in self.handles:
             h.remove()
         self.handles = []
+
+
+def _grad_hook(me, group):
+    def hook(_grad):
+        opt = me()
+        if opt is not None and group in opt._zero_pending:
+            opt._wait_groups((group,))
+    return hook
 
 
 def _pre_hook(me, groups):

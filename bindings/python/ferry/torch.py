@@ -154,6 +154,7 @@ class Optimizer(StateMixin, torch.optim.Optimizer):
         self._by_hooks = set()  # groups the hooks announced in this step
         self._waits = None  # attach(): the forward pre-hooks
         self._pending = set()  # attach(): groups whose new params no stream waited for yet
+        self._zero_pending = set()  # of those, groups whose grads zero_grad() left for _wait_groups
         self._tracker = _hooks.GradTracker(self._params, self._where, group_of, len(self._groups),
                                            self._announce_from_hook, node_hooks=self._node_hooks)
         self._tracker.announcing = overlap is True
@@ -507,7 +508,13 @@ class Optimizer(StateMixin, torch.optim.Optimizer):
                 p.grad = None  # FSDP2 assigns a new DTensor grad at the next backward
             elif p.grad is not buf and (p.grad is not None or p.requires_grad):
                 p.grad = buf
-        torch._foreach_zero_(self._grads)
+        # After a deferred step (attach()), the engine may still read the grads of a group whose new
+        # params no stream waited for yet: those are zeroed when the stream waits for that group
+        # (its forward pre-hook, or wait_params()), in _wait_groups.
+        self._zero_pending = set(self._pending)
+        ready = [buf for k, buf in enumerate(self._grads) if self._group_of[k] not in self._zero_pending]
+        if ready:
+            torch._foreach_zero_(ready)
         self._zeroed = [buf._version for buf in self._grads]
 
     # ---- the next forward waits per layer ------------------------------------------------------------
@@ -542,6 +549,14 @@ class Optimizer(StateMixin, torch.optim.Optimizer):
             return
         self._engine.wait_params([self._groups[gi] for gi in need], stream=self._stream())
         self._pending.difference_update(need)
+        zero = [gi for gi in need if gi in self._zero_pending]
+        if zero:  # zero_grad() of these groups, now ordered after the engine's reads of their grads
+            self._zero_pending.difference_update(zero)
+            bufs = [k for k, gi in enumerate(self._group_of) if gi in zero]
+            with torch.no_grad():
+                torch._foreach_zero_([self._grads[k] for k in bufs])
+            for k in bufs:
+                self._zeroed[k] = self._grads[k]._version
         if self._tracker.trace is not None:
             self._tracker.trace.append(("wait", tuple(need)))
 

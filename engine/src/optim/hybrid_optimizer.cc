@@ -71,7 +71,6 @@ HybridOptimizer::~HybridOptimizer() {
       }
     }
   }
-  if (spare_arena_ != nullptr && !early_grads_.empty()) (void)spare_arena_->Release(early_grads_);
   if (arena_ != nullptr) {
     for (const HostSpan& slot : grad_slots_) (void)arena_->Release(slot);
     for (const HostSpan& slot : param_slots_) (void)arena_->Release(slot);

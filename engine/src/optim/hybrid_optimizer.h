@@ -154,13 +154,15 @@ class HybridOptimizer final {
   absl::Status WaitParams(absl::Span<const size_t> groups, Stream& stream);
 
   // A deferred Step: with wait_for_params = false, a Step whose every offloaded group was started
-  // early (BeginGroups) and whose speculation holds returns as soon as the trainer's stream is
-  // ordered after the last grad download, while the early thread still runs CPU Adam on the
-  // groups whose grads arrived last (those the trainer's next forward needs first: it works on the
-  // latest announced grads first) and uploads them. The trainer's next forward waits per group
-  // (WaitParams). The update is committed by Settle, which every other call runs first (the next
-  // announcement, Step, Synchronize, state reads and writes, snapshots, the destructor): it waits
-  // for the rest of the work and swaps in the new state. Whether a deferred step is in progress:
+  // early (BeginGroups) and whose speculation holds returns at once, while the early thread still
+  // downloads grads, runs CPU Adam and uploads params (the work left when the backward ended runs
+  // in forward order: see hybrid_optimizer_early_pass.cc). The trainer's next forward waits per
+  // group (WaitParams). REQUIRES: the trainer leaves each offloaded group's grads unchanged until
+  // its WaitParams (work its stream enqueues after that call may change them): its next backward
+  // comes after its forward anyway; grads zeroed right after Step must wait. The update is
+  // committed by Settle, which every other call runs first (the next announcement, Step,
+  // Synchronize, state reads and writes, snapshots, the destructor): it waits for the rest of the
+  // work and swaps in the new state. Whether a deferred step is in progress:
   bool deferred() const { return deferred_; }
   // Completes a deferred step (nothing otherwise). When its work failed, the groups it did not
   // finish keep their state of the step before (their params are rewritten from it and their step
@@ -318,16 +320,13 @@ class HybridOptimizer final {
   void EarlyLoop();
   absl::Status WaitEarlyIdle();
   absl::Status EnsureSpareState();
-  // The early thread's work from `first` on: every announcement queued meanwhile joins it (its
-  // grads go down at once, into the group's place in early_grads_), and CPU Adam takes the landed
-  // chunks of the latest announced groups first (hybrid_optimizer_early_pass.cc).
+  // The early thread's work from `first` on: every announcement queued meanwhile joins it, and the
+  // ring downloads the chunks of the latest announced group whose grads are final first
+  // (hybrid_optimizer_early_pass.cc).
   absl::Status RunEarlyPass(EarlyItem first);
-  // Under early_mu_: whether every group queued this step has its grad download enqueued (or the
-  // early work stopped with an error).
-  bool EarlyDownloadsEnqueued() const;
-  // Step's deferred end (see deferred()): the trainer's stream waits for the grad downloads; true
-  // when deferred, false when the early work failed before that (Step then settles as usual).
-  absl::StatusOr<bool> DeferSettle(const std::vector<size_t>& started, Stream& trainer);
+  // Step's deferred end (see deferred()) for the offloaded groups `started`: true when deferred, false
+  // when the early work has failed already (Step then settles it as usual).
+  absl::StatusOr<bool> DeferSettle(const std::vector<size_t>& started);
   // Step's part for the announced groups once the step's decision is known (see BeginGroups).
   // Returns the offloaded groups Step must still update in place.
   // `discard`: recompute every announced group (HybridStepParams::discard_early).
@@ -369,8 +368,8 @@ class HybridOptimizer final {
   absl::Status SyncParamsFromModel(const std::vector<size_t>& params);
   // Snapshot (to_host) or Restore: device copies on work_stream_, offloaded state by the pool.
   absl::Status CopyItems(absl::Span<const SnapshotItem> items, bool to_host);
-  // Enqueues the D2H copy of grad chunk k into its ring slot.
-  absl::StatusOr<std::unique_ptr<TransferBatch>> SubmitGradChunk(const PipelinePlan& plan, size_t k,
+  // Enqueues the D2H copy of grad chunk k into grad slot `slot`.
+  absl::StatusOr<std::unique_ptr<TransferBatch>> SubmitGradChunk(const PipelinePlan& plan, size_t k, size_t slot,
                                                                   Event& grads_ready);
 
   Device* device_;
@@ -390,12 +389,7 @@ class HybridOptimizer final {
   std::vector<HostSpan> grad_slots_;
   std::vector<HostSpan> param_slots_;
   std::unique_ptr<PinnedArena> arena_;
-  std::unique_ptr<PinnedArena> spare_arena_;  // the spare state and early_grads_ (EnsureSpareState)
-  // Early steps download every announced group's grads at once, into its own place here (as much
-  // pinned memory as the offloaded grads), so the trainer may reuse its grads as soon as they are
-  // down, before CPU Adam has read them all (a deferred Step).
-  HostSpan early_grads_;
-  std::vector<size_t> early_grad_offset_;  // per offloaded group: its grads' bytes in early_grads_
+  std::unique_ptr<PinnedArena> spare_arena_;  // the spare state buffers (EnsureSpareState)
   std::unique_ptr<Transfer> transfer_;
   std::unique_ptr<Stream> work_stream_;  // state init/copies of GPU groups
   std::unique_ptr<Event> grads_ready_;
@@ -431,12 +425,8 @@ class HybridOptimizer final {
   absl::Status early_status_;           // guarded by early_mu_: first error since WaitEarlyIdle
   std::atomic<bool> early_cancel_{false};
   // Guarded by early_mu_, reset at a step's first announcement: per group, its speculative update
-  // is complete (CPU Adam done, upload enqueued and group_uploaded_ recorded after it); and how many
-  // of the step's groups have their grad download enqueued (early_downloaded_ recorded after them).
+  // is complete (CPU Adam done, upload enqueued and group_uploaded_ recorded after it).
   std::vector<uint8_t> early_done_;
-  size_t early_downloads_ = 0;
-  size_t early_queued_ = 0;  // groups queued for the early thread this step
-  std::unique_ptr<Event> early_downloaded_;               // on the D2H stream
   std::vector<std::unique_ptr<Event>> group_uploaded_;    // per offloaded group, on the H2D stream
   // A deferred step (see deferred()): owned by the trainer's thread.
   bool deferred_ = false;

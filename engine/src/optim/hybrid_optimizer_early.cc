@@ -71,8 +71,6 @@ absl::Status HybridOptimizer::BeginGroups(absl::Span<const size_t> groups, const
     early_.events_used = 0;
     std::lock_guard<std::mutex> lock(early_mu_);
     early_done_.assign(groups_.size(), 0);
-    early_downloads_ = 0;
-    early_queued_ = 0;
   }
   Event* ready = nullptr;
   if (!cpu_groups.empty()) {
@@ -99,7 +97,6 @@ absl::Status HybridOptimizer::BeginGroups(absl::Span<const size_t> groups, const
   for (size_t g = 0; g < groups_.size(); ++g) steps[g] = groups_[g].step + 1;
   {
     std::lock_guard<std::mutex> lock(early_mu_);
-    early_queued_ += cpu_groups.size();
     early_queue_.push_back(EarlyItem{std::move(cpu_groups), ready, early_.scalars, std::move(steps)});
   }
   if (!early_thread_.joinable()) early_thread_ = std::thread([this] { EarlyLoop(); });
@@ -156,19 +153,7 @@ absl::Status HybridOptimizer::EnsureSpareState() {
   for (const Group& g : groups_) {
     if (g.offloaded && !g.host_state.empty()) bytes += (g.host_state.bytes + 4095) / 4096 * 4096;
   }
-  // The early grads: every offloaded group's grads, each group's at a 4 KiB boundary.
-  std::vector<size_t> grad_offset(groups_.size(), 0);
-  size_t grad_bytes = 0;
-  for (size_t g = 0; g < groups_.size(); ++g) {
-    if (!groups_[g].offloaded) continue;
-    grad_offset[g] = grad_bytes;
-    size_t n = 0;
-    for (size_t p : groups_[g].params) n += static_cast<size_t>(params_[p].numel) * DTypeSize(params_[p].grad_dtype);
-    grad_bytes += (n + 4095) / 4096 * 4096;
-  }
-  bytes += grad_bytes;
-  if (early_downloaded_ == nullptr) {
-    FERRY_ASSIGN_OR_RETURN(early_downloaded_, device_->CreateEvent());
+  if (group_uploaded_.empty()) {
     group_uploaded_.resize(groups_.size());
     for (size_t g = 0; g < groups_.size(); ++g) {
       if (groups_[g].offloaded) {
@@ -177,12 +162,12 @@ absl::Status HybridOptimizer::EnsureSpareState() {
     }
   }
   PinnedArenaOptions arena_options;
-  arena_options.capacity_bytes = bytes + 4096;  // the grads' alignment
+  arena_options.capacity_bytes = std::max<size_t>(bytes, 4096);
   arena_options.numa = options_.numa;
   arena_options.numa_node = options_.numa_node;
   arena_options.name = "optimizer spare state (early steps)";
   FERRY_LOG(INFO) << "early steps: allocating " << bytes << " bytes of pinned host memory for the offloaded "
-                  << "groups' spare state and grads (once)";
+                  << "groups' spare state (once)";
   FERRY_ASSIGN_OR_RETURN(std::unique_ptr<PinnedArena> arena, PinnedArena::Create(device_, arena_options));
   std::vector<HostSpan> spans(groups_.size());
   absl::Status status;
@@ -195,15 +180,6 @@ absl::Status HybridOptimizer::EnsureSpareState() {
       status = span.status();
     }
   }
-  HostSpan grads;
-  if (status.ok() && grad_bytes > 0) {
-    absl::StatusOr<HostSpan> span = arena->Allocate(grad_bytes, 4096);
-    if (span.ok()) {
-      grads = *span;
-    } else {
-      status = span.status();
-    }
-  }
   if (!status.ok()) {
     for (const HostSpan& span : spans) {
       if (!span.empty()) (void)arena->Release(span);
@@ -211,8 +187,6 @@ absl::Status HybridOptimizer::EnsureSpareState() {
     return status;
   }
   for (size_t g = 0; g < groups_.size(); ++g) groups_[g].spare_state = spans[g];
-  early_grads_ = grads;
-  early_grad_offset_ = std::move(grad_offset);
   spare_arena_ = std::move(arena);
   return absl::OkStatus();
 }
@@ -233,7 +207,7 @@ absl::StatusOr<std::vector<size_t>> HybridOptimizer::SettleEarly(bool skipped, b
     if (groups_[g].offloaded && !groups_[g].params.empty() && early_.queued[g] == 0) all_started = false;
   }
   if (valid && may_defer && all_started) {
-    FERRY_ASSIGN_OR_RETURN(const bool deferred, DeferSettle(started, trainer));
+    FERRY_ASSIGN_OR_RETURN(const bool deferred, DeferSettle(started));
     if (deferred) {
       result.early_committed += started.size();
       early_ = EarlyStep{};
@@ -276,20 +250,11 @@ absl::StatusOr<std::vector<size_t>> HybridOptimizer::SettleEarly(bool skipped, b
   return rest;
 }
 
-bool HybridOptimizer::EarlyDownloadsEnqueued() const { return early_downloads_ >= early_queued_; }
-
-absl::StatusOr<bool> HybridOptimizer::DeferSettle(const std::vector<size_t>& started, Stream& trainer) {
-  bool enqueued = false;
+absl::StatusOr<bool> HybridOptimizer::DeferSettle(const std::vector<size_t>& started) {
   {
-    // The early thread enqueues the downloads of what was announced at its next round (a few ms).
-    TraceSpan wait(options_.tracer, "early.downloads", "optim");
-    std::unique_lock<std::mutex> lock(early_mu_);
-    early_cv_.wait(lock, [this] { return EarlyDownloadsEnqueued() || (!early_busy_ && early_queue_.empty()); });
-    enqueued = EarlyDownloadsEnqueued() && early_status_.ok();
+    std::lock_guard<std::mutex> lock(early_mu_);
+    if (!early_status_.ok()) return false;  // the early work failed: Step settles it as usual
   }
-  if (!enqueued) return false;  // the early work stopped: Step settles it as usual
-  // The trainer may change its grads once they are down; CPU Adam reads them from early_grads_.
-  FERRY_RETURN_IF_ERROR(trainer.WaitFor(*early_downloaded_));
   deferred_ = true;
   deferred_groups_ = started;
   return true;

@@ -39,9 +39,9 @@ void HybridOptimizer::TraceObserve(LaneTrace& lane, bool block) {
 }
 
 absl::StatusOr<std::unique_ptr<TransferBatch>> HybridOptimizer::SubmitGradChunk(const PipelinePlan& plan, size_t k,
-                                                                                 Event& grads_ready) {
+                                                                                 size_t slot_index, Event& grads_ready) {
   std::vector<CopyRegion> regions;
-  char* slot = grad_slots_[k % grad_slots_.size()].as<char>();
+  char* slot = grad_slots_[slot_index].as<char>();
   size_t at = 0;
   for (const ChunkPiece& piece : plan.chunks[k].pieces) {
     const OptimParam& op = params_[plan.params[piece.region]];
@@ -135,7 +135,7 @@ absl::Status HybridOptimizer::RunPipeline(const PipelineRun& run) {
   std::vector<std::unique_ptr<TransferBatch>> down(num_chunks), up(num_chunks);
   absl::Status status;
   for (size_t k = 0; with_grads && k < std::min(depth, num_chunks); ++k) {
-    absl::StatusOr<std::unique_ptr<TransferBatch>> first = SubmitGradChunk(plan, k, *run.ready);
+    absl::StatusOr<std::unique_ptr<TransferBatch>> first = SubmitGradChunk(plan, k, k % depth, *run.ready);
     if (!first.ok()) {
       status = first.status();
       break;
@@ -203,7 +203,7 @@ absl::Status HybridOptimizer::RunPipeline(const PipelineRun& run) {
       for (const ChunkPiece& piece : plan.chunks[j].pieces) group_upload_[params_[plan.params[piece.region]].group] = up[j].get();
       last_upload_ = up[j].get();
       if (with_grads && j + depth < num_chunks) {
-        absl::StatusOr<std::unique_ptr<TransferBatch>> next = SubmitGradChunk(plan, j + depth, *run.ready);
+        absl::StatusOr<std::unique_ptr<TransferBatch>> next = SubmitGradChunk(plan, j + depth, (j + depth) % depth, *run.ready);
         if (!next.ok()) {
           status = next.status();
           break;
