@@ -20,6 +20,8 @@ Every param is registered with the engine as a range [begin, end) of its flatten
 Both are exact: the engine's step is elementwise apart from the global clip and found-inf, which it
 reduces exactly across ranks, so the params are bit-identical to one rank's.
 """
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -75,6 +77,14 @@ def process_group_of(params, wheres):
     return group
 
 
+def moved_shard_message(where):
+    return ("%s: FSDP2 replaced this DTensor's local tensor after the optimizer registered its memory. "
+            "torch 2.5 to 2.9 re-pad every unevenly sharded param once, at the model's first forward "
+            "(FSDPParam.reset_sharded_param from lazy init, pytorch PR 132954; a no-op when nothing "
+            "changed since PR 163130): on those versions construct ferry.torch.Optimizer after the model's "
+            "first forward and backward (or one forward followed by model.reshard())" % where)
+
+
 class Sharding:
     """Which range of each param this rank registers, and the collectives around the engine's step.
     One thread at a time (the optimizer's)."""
@@ -89,8 +99,9 @@ class Sharding:
         self.params = params
         self.wheres = wheres
         self.cuda = device.type == "cuda"
-        # The bulk all-gather: the trainer's group for CUDA tensors (NCCL), ours (gloo) for CPU tensors.
-        self.gather_group = process_group if self.cuda else self.comm.group
+        self.gather_group, self.gather_via = self._gather_group(process_group)
+        self.last_gather_seconds = 0.0  # the last gather_params' wall time (benchmarks read it)
+        self.registered = []  # the local tensors whose memory the engine holds: kept alive here
         self.kind = []   # per param: "dtensor" or "replica"
         self.table = []  # per param: [(begin, end)] of every rank
         self.lines = {}  # dtype -> {"n", "piece", "members": [(k, offset)], "flat"}
@@ -119,6 +130,20 @@ class Sharding:
                 n = params[k].numel()
                 self.table[k] = [(min(max(r * piece - off, 0), n), min(max((r + 1) * piece - off, 0), n))
                                  for r in range(self.world)]
+
+    def _gather_group(self, process_group):
+        """(group, description) of ZeRO-1's bulk all-gather of the updated params. NCCL (the trainer's
+        `process_group`, when its backend for CUDA tensors is NCCL) for CUDA params; otherwise Ferry's
+        own gloo group: CPU params, and CUDA params whose process group is gloo (e.g. several ranks
+        sharing one GPU, which NCCL refuses): gloo's all_gather takes CUDA tensors and stages them
+        through host memory (ProcessGroupGloo's CUDA allgather work), slower than NCCL but correct."""
+        if not self.cuda:
+            return self.comm.group, "gloo (Ferry's group; CPU tensors)"
+        backend = str(dist.get_backend(process_group)).lower()
+        if "nccl" in backend:
+            return process_group, "nccl (the process group; CUDA tensors)"
+        return self.comm.group, ("gloo (Ferry's group; CUDA tensors staged through host memory: the process "
+                                 "group's backend is %s, not NCCL)" % backend)
 
     def _dtensor_ranges(self, p, where):
         group = _shard0_group(p, where)
@@ -160,6 +185,9 @@ class Sharding:
         pa = t.data_ptr() + base * size if e > b else 0
         ga = buf.data_ptr() + base * buf.element_size() if e > b else 0
         engine.add_param(name, group, list(p.shape) or [1], dtype_name, pa, ga, shard_begin=b, shard_end=e)
+        # The engine writes into t's memory at every step: keep t alive even if its owner (FSDP2)
+        # replaces a DTensor's local tensor (the optimizer then refuses to step; see torch.py).
+        self.registered.append(t)
 
     def local_slice(self, k, full):
         """This rank's elements of a full (global) tensor `full`, flattened."""
@@ -174,6 +202,11 @@ class Sharding:
 
     @torch.no_grad()
     def gather_params(self):
+        start = time.perf_counter()
+        self._gather_params()
+        self.last_gather_seconds = time.perf_counter() - start
+
+    def _gather_params(self):
         for dtype, line in self.lines.items():
             piece = line["piece"]
             if line["flat"] is None:
@@ -193,9 +226,10 @@ class Sharding:
 
     def _all_gather_flat(self, flat, send, piece, what):
         group = self.gather_group
-        if self.cuda and hasattr(dist, "all_gather_into_tensor"):
+        nccl = self.cuda and group is not self.comm.group
+        if nccl and hasattr(dist, "all_gather_into_tensor"):
             launch = lambda: dist.all_gather_into_tensor(flat, send, group=group, async_op=True)  # noqa: E731
-        elif self.cuda and hasattr(dist, "_all_gather_base"):
+        elif nccl and hasattr(dist, "_all_gather_base"):
             launch = lambda: dist._all_gather_base(flat, send, group=group, async_op=True)  # noqa: E731
         else:
             if flat.dtype in (torch.bfloat16, torch.float16):  # gloo (torch 1.13) has no bf16: move the bytes
