@@ -214,7 +214,7 @@ class Sharding:
                 line["flat"] = torch.empty(piece * self.world, dtype=dtype, device=device)
                 line["send"] = torch.empty(piece, dtype=dtype, device=device)
             flat, send = line["flat"], line["send"]
-            lo, hi = self.rank * piece, (self.rank + 1) * piece
+            lo = self.rank * piece
             for k, off in line["members"]:
                 b, e = self.range(k)
                 if e > b:
