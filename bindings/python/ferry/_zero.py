@@ -10,12 +10,18 @@ Every param is registered with the engine as a range [begin, end) of its flatten
     rank is its overlap with the rank's piece: uneven, often empty for small params. After each
     step the updated pieces are all-gathered into every replica (``Sharding.gather_params``): one
     all-gather per dtype into a flat buffer of the padded line, then copied into the params.
-    NCCL (the trainer's `process_group`) for CUDA params, the optimizer's gloo group for CPU params.
+    NCCL (the trainer's `process_group`) for CUDA params when that group's backend is NCCL, else the
+    optimizer's gloo group (CPU params; CUDA params under a gloo group: see _gather_group).
   * a DTensor (FSDP2's fully_shard, torch >= 2.4) with placements (Shard(0),) on a 1-D mesh: its local
-    rows, as torch.chunk cuts dim 0 (ceil(rows / world) rows per rank, the last ranks fewer or none;
-    FSDP2 pads the storage of uneven shards, but its local tensor is the unpadded rows). The range is
-    rows [r * c, r * c + local rows) times the row's elements. FSDP2 gathers params itself: no
-    gather here.
+    rows, as torch.chunk cuts dim 0 (ceil(rows / world) rows per rank, the last ranks fewer or none).
+    The range is rows [r * c, r * c + local rows) times the row's elements. FSDP2 gathers params
+    itself: no gather here. What this relies on, from torch's FSDPParam._init_sharded_param
+    (torch/distributed/fsdp/_fully_shard/_fsdp_param.py, 2.4 to 2.11): the shards are
+    `_chunk_with_empty(param, world, dim=0)`; each rank's storage is padded to chunk 0's size
+    (`_sharded_param_data`, what FSDP2's all-gather reads) and the DTensor's local tensor is
+    `padded.narrow(0, 0, rows)`: contiguous, the unpadded rows, at the start of that storage, so an
+    in-place update of the local tensor is what the next all-gather sends. DTensor.to_local() returns
+    that `_local_tensor` (a view of it under autograd), so its data_ptr() is the storage's.
 
 Both are exact: the engine's step is elementwise apart from the global clip and found-inf, which it
 reduces exactly across ranks, so the params are bit-identical to one rank's.
@@ -79,10 +85,10 @@ def process_group_of(params, wheres):
 
 def moved_shard_message(where):
     return ("%s: FSDP2 replaced this DTensor's local tensor after the optimizer registered its memory. "
-            "torch 2.5 to 2.9 re-pad every unevenly sharded param once, at the model's first forward "
-            "(FSDPParam.reset_sharded_param from lazy init, pytorch PR 132954; a no-op when nothing "
-            "changed since PR 163130): on those versions construct ferry.torch.Optimizer after the model's "
-            "first forward and backward (or one forward followed by model.reshard())" % where)
+            "From torch 2.5 (pytorch PR 132954) until PR 163130 (September 2025; torch 2.11 has it), "
+            "FSDP2's lazy init re-pads every unevenly sharded param once, at the model's first forward "
+            "(FSDPParam.reset_sharded_param): on those versions construct ferry.torch.Optimizer after the "
+            "model's first forward and backward" % where)
 
 
 class Sharding:
