@@ -71,6 +71,20 @@ def check_same(step, rank, params, ref_params):
                                  "first at %s" % (step, rank, i, tuple(a.shape), diff.shape[0], diff[0].tolist()))
 
 
+def forward_backward(model, opts, step, args, gen, device, dtype):
+    """Sets this step's lr in the optimizers (None: left out), runs one batch forward and backward;
+    returns the loss."""
+    for o in opts:
+        if o is not None:
+            for g in o.param_groups:
+                g["lr"] = lr_at(step, args.steps)
+    x = torch.randn(args.batch, args.hidden, generator=gen).to(device=device, dtype=dtype)
+    target = torch.randn(args.batch, args.hidden, generator=gen).to(device=device, dtype=dtype)
+    loss = F.mse_loss(model(x).float(), target.float())
+    loss.backward()
+    return loss
+
+
 def worker(rank, world, local_rank, args):
     import ferry.torch
     device = dist_launch.cuda_device(local_rank) if args.device == "cuda" else torch.device("cpu")
@@ -97,14 +111,7 @@ def worker(rank, world, local_rank, args):
     gen = torch.Generator().manual_seed(1000 + rank)  # each rank its own batches
     times = {"zero1": [], "unsharded": [], "engine": [], "gather": [], "overhead": []}
     for step in range(args.steps):
-        for o in (opt, ref):
-            if o is not None:
-                for g in o.param_groups:
-                    g["lr"] = lr_at(step, args.steps)
-        x = torch.randn(args.batch, args.hidden, generator=gen).to(device=device, dtype=dtype)
-        target = torch.randn(args.batch, args.hidden, generator=gen).to(device=device, dtype=dtype)
-        loss = F.mse_loss(ddp(x).float(), target.float())
-        loss.backward()
+        loss = forward_backward(ddp, (opt, ref), step, args, gen, device, dtype)
         if ref is not None:
             with torch.no_grad():
                 for p, q in zip(model.parameters(), ref_model.parameters()):

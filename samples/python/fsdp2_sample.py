@@ -22,10 +22,9 @@ import sys
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 import dist_launch
-from ddp_zero1 import check_same, lr_at, make_model, sync
+from ddp_zero1 import check_same, forward_backward, lr_at, make_model, sync
 
 
 def fsdp2():
@@ -69,14 +68,7 @@ def worker(rank, world, local_rank, args):
                                      info["dtensor"], "{:,}".format(info["local_numel"])))
     gen = torch.Generator().manual_seed(1000 + rank)
     for step in range(args.steps):
-        for o in (opt, ref):
-            if o is not None:
-                for g in o.param_groups:
-                    g["lr"] = lr_at(step, args.steps)
-        x = torch.randn(args.batch, args.hidden, generator=gen).to(device=device, dtype=dtype)
-        target = torch.randn(args.batch, args.hidden, generator=gen).to(device=device, dtype=dtype)
-        loss = F.mse_loss(model(x).float(), target.float())
-        loss.backward()
+        loss = forward_backward(model, (opt, ref), step, args, gen, device, dtype)
         if ref is not None:
             with torch.no_grad():
                 for p, q in zip(params, ref_model.parameters()):
