@@ -213,6 +213,8 @@ class Sharding:
         self.last_gather_seconds = time.perf_counter() - start
 
     def _gather_params(self):
+        if self.world == 1:
+            return  # the one rank's range is every param, stepped in place: nothing to gather
         for dtype, line in self.lines.items():
             piece = line["piece"]
             if line["flat"] is None:
