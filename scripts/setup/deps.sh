@@ -37,10 +37,13 @@ set -euo pipefail
 #   python3-dev          the Python headers that extension compiles against
 #   python3-torch        the Python package's tests and sample (ferry.torch.Optimizer vs torch.optim.AdamW)
 #   python3-pytest       runs those tests (tests/python)
+#   python3-venv python3-pip python3-setuptools python3-wheel  `pip install --no-build-isolation .`
+#                        (pyproject.toml) and its CI test (tests/install: install.pip, into a venv)
 readonly REQUIRED=(
   build-essential cmake ninja-build pkg-config libluajit-5.1-dev libabsl-dev libnuma-dev
   libgtest-dev libgmock-dev nlohmann-json3-dev libxxhash-dev clang libclang-rt-dev python3
   libopenmpi-dev openmpi-bin pybind11-dev python3-dev python3-torch python3-pytest
+  python3-venv python3-pip python3-setuptools python3-wheel
 )
 
 dry_run=0

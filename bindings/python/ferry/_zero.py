@@ -10,16 +10,24 @@ Every param is registered with the engine as a range [begin, end) of its flatten
     rank is its overlap with the rank's piece: uneven, often empty for small params. After each
     step the updated pieces are all-gathered into every replica (``Sharding.gather_params``): one
     all-gather per dtype into a flat buffer of the padded line, then copied into the params.
-    NCCL (the trainer's `process_group`) for CUDA params, the optimizer's gloo group for CPU params.
+    NCCL (the trainer's `process_group`) for CUDA params when that group's backend is NCCL, else the
+    optimizer's gloo group (CPU params; CUDA params under a gloo group: see _gather_group).
   * a DTensor (FSDP2's fully_shard, torch >= 2.4) with placements (Shard(0),) on a 1-D mesh: its local
-    rows, as torch.chunk cuts dim 0 (ceil(rows / world) rows per rank, the last ranks fewer or none;
-    FSDP2 pads the storage of uneven shards, but its local tensor is the unpadded rows). The range is
-    rows [r * c, r * c + local rows) times the row's elements. FSDP2 gathers params itself: no
-    gather here.
+    rows, as torch.chunk cuts dim 0 (ceil(rows / world) rows per rank, the last ranks fewer or none).
+    The range is rows [r * c, r * c + local rows) times the row's elements. FSDP2 gathers params
+    itself: no gather here. What this relies on, from torch's FSDPParam._init_sharded_param
+    (torch/distributed/fsdp/_fully_shard/_fsdp_param.py, 2.4 to 2.11): the shards are
+    `_chunk_with_empty(param, world, dim=0)`; each rank's storage is padded to chunk 0's size
+    (`_sharded_param_data`, what FSDP2's all-gather reads) and the DTensor's local tensor is
+    `padded.narrow(0, 0, rows)`: contiguous, the unpadded rows, at the start of that storage, so an
+    in-place update of the local tensor is what the next all-gather sends. DTensor.to_local() returns
+    that `_local_tensor` (a view of it under autograd), so its data_ptr() is the storage's.
 
 Both are exact: the engine's step is elementwise apart from the global clip and found-inf, which it
 reduces exactly across ranks, so the params are bit-identical to one rank's.
 """
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -75,6 +83,14 @@ def process_group_of(params, wheres):
     return group
 
 
+def moved_shard_message(where):
+    return ("%s: FSDP2 replaced this DTensor's local tensor after the optimizer registered its memory. "
+            "From torch 2.5 (pytorch PR 132954) until PR 163130 (September 2025; torch 2.11 has it), "
+            "FSDP2's lazy init re-pads every unevenly sharded param once, at the model's first forward "
+            "(FSDPParam.reset_sharded_param): on those versions construct ferry.torch.Optimizer after the "
+            "model's first forward and backward" % where)
+
+
 class Sharding:
     """Which range of each param this rank registers, and the collectives around the engine's step.
     One thread at a time (the optimizer's)."""
@@ -89,8 +105,9 @@ class Sharding:
         self.params = params
         self.wheres = wheres
         self.cuda = device.type == "cuda"
-        # The bulk all-gather: the trainer's group for CUDA tensors (NCCL), ours (gloo) for CPU tensors.
-        self.gather_group = process_group if self.cuda else self.comm.group
+        self.gather_group, self.gather_via = self._gather_group(process_group)
+        self.last_gather_seconds = 0.0  # the last gather_params' wall time (benchmarks read it)
+        self.registered = []  # the local tensors whose memory the engine holds: kept alive here
         self.kind = []   # per param: "dtensor" or "replica"
         self.table = []  # per param: [(begin, end)] of every rank
         self.lines = {}  # dtype -> {"n", "piece", "members": [(k, offset)], "flat"}
@@ -119,6 +136,20 @@ class Sharding:
                 n = params[k].numel()
                 self.table[k] = [(min(max(r * piece - off, 0), n), min(max((r + 1) * piece - off, 0), n))
                                  for r in range(self.world)]
+
+    def _gather_group(self, process_group):
+        """(group, description) of ZeRO-1's bulk all-gather of the updated params. NCCL (the trainer's
+        `process_group`, when its backend for CUDA tensors is NCCL) for CUDA params; otherwise Ferry's
+        own gloo group: CPU params, and CUDA params whose process group is gloo (e.g. several ranks
+        sharing one GPU, which NCCL refuses): gloo's all_gather takes CUDA tensors and stages them
+        through host memory (ProcessGroupGloo's CUDA allgather work), slower than NCCL but correct."""
+        if not self.cuda:
+            return self.comm.group, "gloo (Ferry's group; CPU tensors)"
+        backend = str(dist.get_backend(process_group)).lower()
+        if "nccl" in backend:
+            return process_group, "nccl (the process group; CUDA tensors)"
+        return self.comm.group, ("gloo (Ferry's group; CUDA tensors staged through host memory: the process "
+                                 "group's backend is %s, not NCCL)" % backend)
 
     def _dtensor_ranges(self, p, where):
         group = _shard0_group(p, where)
@@ -160,6 +191,9 @@ class Sharding:
         pa = t.data_ptr() + base * size if e > b else 0
         ga = buf.data_ptr() + base * buf.element_size() if e > b else 0
         engine.add_param(name, group, list(p.shape) or [1], dtype_name, pa, ga, shard_begin=b, shard_end=e)
+        # The engine writes into t's memory at every step: keep t alive even if its owner (FSDP2)
+        # replaces a DTensor's local tensor (the optimizer then refuses to step; see torch.py).
+        self.registered.append(t)
 
     def local_slice(self, k, full):
         """This rank's elements of a full (global) tensor `full`, flattened."""
@@ -174,6 +208,13 @@ class Sharding:
 
     @torch.no_grad()
     def gather_params(self):
+        start = time.perf_counter()
+        self._gather_params()
+        self.last_gather_seconds = time.perf_counter() - start
+
+    def _gather_params(self):
+        if self.world == 1:
+            return  # the one rank's range is every param, stepped in place: nothing to gather
         for dtype, line in self.lines.items():
             piece = line["piece"]
             if line["flat"] is None:
@@ -181,7 +222,7 @@ class Sharding:
                 line["flat"] = torch.empty(piece * self.world, dtype=dtype, device=device)
                 line["send"] = torch.empty(piece, dtype=dtype, device=device)
             flat, send = line["flat"], line["send"]
-            lo, hi = self.rank * piece, (self.rank + 1) * piece
+            lo = self.rank * piece
             for k, off in line["members"]:
                 b, e = self.range(k)
                 if e > b:
@@ -193,9 +234,10 @@ class Sharding:
 
     def _all_gather_flat(self, flat, send, piece, what):
         group = self.gather_group
-        if self.cuda and hasattr(dist, "all_gather_into_tensor"):
+        nccl = self.cuda and group is not self.comm.group
+        if nccl and hasattr(dist, "all_gather_into_tensor"):
             launch = lambda: dist.all_gather_into_tensor(flat, send, group=group, async_op=True)  # noqa: E731
-        elif self.cuda and hasattr(dist, "_all_gather_base"):
+        elif nccl and hasattr(dist, "_all_gather_base"):
             launch = lambda: dist._all_gather_base(flat, send, group=group, async_op=True)  # noqa: E731
         else:
             if flat.dtype in (torch.bfloat16, torch.float16):  # gloo (torch 1.13) has no bf16: move the bytes

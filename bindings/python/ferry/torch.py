@@ -223,6 +223,8 @@ class Optimizer(StateMixin, torch.optim.Optimizer):
                                    "with %d" % (gi, len(ps), self._group_sizes[gi]))
             for p in ps:
                 sig = self._signature[k]
+                if p is self._params[k] and _zero.is_dtensor(p) and _zero.local(p).data_ptr() != sig[0]:
+                    raise RuntimeError(_zero.moved_shard_message(self._where[k]))
                 if p is not self._params[k] or _zero.local(p).data_ptr() != sig[0] or p.shape != sig[1] or \
                         p.dtype != sig[2]:
                     raise RuntimeError(
@@ -574,8 +576,25 @@ class Optimizer(StateMixin, torch.optim.Optimizer):
 
     def stats(self):
         """EngineStats as a dict: step, skipped_steps, last_step_skipped, last_grad_norm, pinned_bytes,
-        gpu_state_bytes, early_groups_kept, early_groups_recomputed, ..."""
-        return self._engine.stats()
+        gpu_state_bytes, early_groups_kept, early_groups_recomputed, ..., last_step_seconds (the host
+        wall time of the engine's last step call) and, on several ranks, last_gather_seconds (ZeRO-1's
+        all-gather after it)."""
+        stats = self._engine.stats()
+        if self._zero is not None:
+            stats["last_gather_seconds"] = self._zero.last_gather_seconds
+        return stats
+
+    @property
+    def sharding(self):
+        """None on one rank; else a dict: rank, world_size, all_gather (how ZeRO-1's all-gather of
+        the updated params runs: its backend and group), replicated / dtensor (how many params of
+        each kind), local_numel (the elements this rank's engine steps)."""
+        z = self._zero
+        if z is None:
+            return None
+        return {"rank": z.rank, "world_size": z.world, "all_gather": z.gather_via if z.lines else None,
+                "replicated": z.kind.count("replica"), "dtensor": z.kind.count("dtensor"),
+                "local_numel": sum(z.local_numel(k) for k in range(len(self._params)))}
 
     def placement(self):
         """One dict per param group: group (Ferry's name), param_group (the index), offloaded, numel,

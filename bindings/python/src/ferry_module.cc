@@ -243,7 +243,12 @@ class PyEngine {
 
   // Returns (skipped, grad_norm) of this step.
   std::pair<bool, double> Step(StepOptions options, uintptr_t stream) {
-    Locked([&] { return engine_->Step(options, Ptr(stream)); });
+    Locked([&] {
+      const auto start = std::chrono::steady_clock::now();
+      absl::Status s = engine_->Step(options, Ptr(stream));
+      last_step_seconds_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      return s;
+    });
     EngineStats s = engine_->Stats();
     return {s.last_step_skipped, s.last_grad_norm};
   }
@@ -361,10 +366,12 @@ class PyEngine {
   py::dict Stats() {
     EngineStats s;
     int64_t host_state = 0, device_state = 0;
+    double last_step_seconds = 0.0;
     {
       py::gil_scoped_release release;
       std::lock_guard<std::mutex> lock(mu_);
       s = engine_->Stats();
+      last_step_seconds = last_step_seconds_;
       for (const GroupPlacement& g : engine_->Placement()) {
         host_state += g.host_state_bytes;
         device_state += g.device_state_bytes;
@@ -386,6 +393,9 @@ class PyEngine {
     d["early_groups_kept"] = s.early_groups_kept;
     d["early_groups_recomputed"] = s.early_groups_recomputed;
     d["deferred_steps"] = s.deferred_steps;
+    // The binding's own measure: the host wall time of the last Engine::Step call (without taking the
+    // GIL and the engine's mutex; on CUDA, until Step returned, not until its stream finished).
+    d["last_step_seconds"] = last_step_seconds;
     return d;
   }
 
@@ -407,6 +417,7 @@ class PyEngine {
 
   std::mutex mu_;
   std::unique_ptr<Engine> engine_;
+  double last_step_seconds_ = 0.0;  // Step's host wall time (see Stats); guarded by mu_
 };
 
 StepOptions MakeStepOptions(std::optional<float> lr, const std::vector<std::pair<std::string, float>>& group_lr,
