@@ -307,3 +307,45 @@ def test_a_dropped_optimizer_leaves_the_params(device):
     assert gone() is None and tracker() is None
     ref = torch.optim.AdamW(net_groups(net), lr=1e-2)
     train_step(net, ref, 2)  # no hook of the old optimizer runs (it would fail on a dead engine)
+
+
+class Functional(torch.nn.Module):
+    """`b`'s weight is used only functionally: b's own forward (and its pre-hook) never runs."""
+
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(3)
+        self.a = torch.nn.Linear(8, 8)
+        self.b = torch.nn.Linear(8, 8, bias=False)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+
+    def forward(self, x):
+        return torch.nn.functional.linear(torch.tanh(self.a(x)), self.b.weight)
+
+
+def test_attach_zeroes_grads_of_a_group_its_forward_never_waited_for(device):
+    """After a deferred step zero_grad() leaves a group's grads until a stream waits for the group
+    (the engine may still read them); a param used outside its modules' forward gets them zeroed by
+    its grad hook before the backward accumulates: the same bits as without attach(), every step."""
+    nets, opts = [], []
+    for attach in (True, False):
+        net = Functional().to(device)
+        opt = ferry.torch.Optimizer([{"params": [net.a.weight, net.a.bias]}, {"params": [net.b.weight]}], lr=1e-2,
+                                    weight_decay=0.1, policy="offload_all", overlap=True, transfer_chunk_bytes=1024)
+        if attach:
+            opt.attach(net)
+        nets.append(net)
+        opts.append(opt)
+    g = torch.Generator().manual_seed(5)
+    for step in range(6):
+        x = torch.randn(16, 8, generator=g).to(device)
+        for net, opt in zip(nets, opts):
+            net(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        assert opts[0].stats()["deferred_steps"] == step + 1
+        for opt in opts:
+            opt.engine.synchronize()  # for reading here (not wait_params(): the next forward waits)
+        assert_same_bits(nets[0], nets[1], "step %d" % step)
