@@ -76,20 +76,20 @@ class Model(torch.nn.Module):
     def __init__(self, seed):
         super().__init__()
         self.f32 = Holder(F32, torch.float32, seed)
-        self.half = Holder(BF16, torch.bfloat16, seed + 1)
+        self.low = Holder(BF16, torch.bfloat16, seed + 1)
 
 
 def plain_params(seed=0):
     m = Model(seed)
     return [p.detach().clone().requires_grad_() for p in m.f32.parameters()], \
-           [p.detach().clone().requires_grad_() for p in m.half.parameters()]
+           [p.detach().clone().requires_grad_() for p in m.low.parameters()]
 
 
 def sharded_model(world, seed=0):
     fully_shard, _, _, init_device_mesh = fsdp2()
     mesh = init_device_mesh("cpu", (world,))
     m = Model(seed)
-    fully_shard(m.half, mesh=mesh)
+    fully_shard(m.low, mesh=mesh)
     fully_shard(m, mesh=mesh)
     return m, mesh
 
@@ -153,7 +153,7 @@ def fsdp_train(rank, world, root):
     facts and the gathered state_dict."""
     _, DTensor, Shard, _ = fsdp2()
     m, mesh = sharded_model(world)
-    f32, half = list(m.f32.parameters()), list(m.half.parameters())
+    f32, half = list(m.f32.parameters()), list(m.low.parameters())
     params = f32 + half
     facts = {"dtensor": [isinstance(p, DTensor) and tuple(p.placements) == (Shard(0),) for p in params],
              "local_shapes": [tuple(p.to_local().shape) for p in params],
@@ -337,7 +337,7 @@ def test_real_fsdp2_training_follows_torch_adamw(world):
 def fsdp_resume(rank, world, roots):
     """Fresh FSDP2 params (other values), each root's checkpoint loaded, the steps after SAVE_AT."""
     m, mesh = sharded_model(world, seed=42)
-    f32, half = list(m.f32.parameters()), list(m.half.parameters())
+    f32, half = list(m.f32.parameters()), list(m.low.parameters())
     params = f32 + half
     opt = build([f32, half])
     out = {}
