@@ -174,12 +174,11 @@ absl::Status HybridOptimizer::Init(std::vector<OptimParam> params, std::vector<O
     }
     const size_t param_slot_bytes = chunk_bytes * ratio;
     const size_t slots = std::min(depth, full_plan_.chunks.size());
-    // The early pass (RunEarlyPass) downloads into twice as many grad slots (its rounds take every
-    // landed chunk) and writes params into twice as many again (a round does not wait for the
-    // uploads of the round before); the in-place pipeline uses the first `slots` of each.
-    const size_t grad_slots = 2 * slots;
-    const size_t param_slots = 4 * slots;
-    arena_bytes += grad_slots * AlignUp(chunk_bytes, kStageAlign) + param_slots * AlignUp(param_slot_bytes, kStageAlign) +
+    // Twice as many param slots as grad slots: the early pass (RunEarlyPass) fills `slots` of them per
+    // round, and the uploads of the round before still read the others (the in-place pipeline uses
+    // the first `slots`).
+    const size_t param_slots = 2 * slots;
+    arena_bytes += slots * AlignUp(chunk_bytes, kStageAlign) + param_slots * AlignUp(param_slot_bytes, kStageAlign) +
                    4 * kStageAlign;
     PinnedArenaOptions arena_options;
     arena_options.capacity_bytes = arena_bytes;
@@ -192,8 +191,7 @@ absl::Status HybridOptimizer::Init(std::vector<OptimParam> params, std::vector<O
       FERRY_ASSIGN_OR_RETURN(g.host_state, arena_->Allocate(static_cast<size_t>(g.layout.total_elements()) *
                                                             g.format.bytes_per_element()));
     }
-    pipeline_depth_ = slots;
-    for (size_t i = 0; i < grad_slots; ++i) {
+    for (size_t i = 0; i < slots; ++i) {
       FERRY_ASSIGN_OR_RETURN(HostSpan grad_slot, arena_->Allocate(chunk_bytes, kStageAlign));
       grad_slots_.push_back(grad_slot);
     }

@@ -382,12 +382,10 @@ class HybridOptimizer final {
   std::vector<uint64_t> param_ids_;  // param -> RoundingParamId of its name
 
   // Offloaded params in pipeline order, the chunks of their grads (a plan over the concatenation of
-  // their grad tensors), and the pinned staging ring: 2 x `pipeline_depth` grad slots of chunk_bytes
-  // and 4 x as many param slots (the in-place pipeline uses `pipeline_depth` of each, the early pass
-  // all). Host memory per offloaded param is its state (12 bytes of fp32 state, 8 with
+  // their grad tensors), and the pinned staging ring: `pipeline_depth` grad slots of chunk_bytes and
+  // as many param slots. Host memory per offloaded param is its state (12 bytes of fp32 state, 8 with
   // bf16 moments, 6 all bf16); the staging is a constant.
   PipelinePlan full_plan_;             // every offloaded param
-  size_t pipeline_depth_ = 0;          // slots the in-place pipeline uses (the early pass more)
   std::vector<HostSpan> grad_slots_;
   std::vector<HostSpan> param_slots_;
   std::unique_ptr<PinnedArena> arena_;

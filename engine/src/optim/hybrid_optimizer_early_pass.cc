@@ -11,9 +11,9 @@
 // group (WaitParams) after a deferred Step. Announcements made while the pass runs join it at its
 // next round. Grads stay in the ring's few slots, which the host's last-level cache holds (PCIe
 // writes land there): a copy of every grad in host memory, read back later, costs CPU Adam about a
-// fifth of its rate (measured on the H200 machine). The pass uses twice the in-place pipeline's grad
-// slots; CPU Adam takes every landed chunk in a round; the new params go up through the param slots
-// in turn (twice as many as grad slots, so a round does not wait for the uploads of the round before).
+// fifth of its rate (measured on the H200 machine). CPU Adam takes every landed chunk in a round;
+// the new params go up through the param slots in turn (twice as many as grad slots, so a round
+// does not wait for the uploads of the round before).
 #include <algorithm>
 #include <deque>
 #include <utility>
@@ -30,7 +30,7 @@ absl::Status HybridOptimizer::RunEarlyPass(EarlyItem first) {
   TraceSpan span(tracer, "early.pipeline", "optim");
   // The uploads of an earlier pass may still read the param slots this pass is about to write.
   if (last_upload_ != nullptr) FERRY_RETURN_IF_ERROR(last_upload_->Wait());
-  const size_t depth = grad_slots_.size();  // every grad slot (twice the in-place pipeline's)
+  const size_t depth = grad_slots_.size();
   const size_t num_param_slots = param_slots_.size();
   // Per group; CPU Adam's tensors point into `scalars`, which never grows.
   std::vector<AdamScalars> scalars(groups_.size());

@@ -131,7 +131,7 @@ absl::Status HybridOptimizer::RunPipeline(const PipelineRun& run) {
   if (last_upload_ != nullptr) FERRY_RETURN_IF_ERROR(last_upload_->Wait());
   const bool with_grads = run.mode != PipelineMode::kRestoreParams;
   const size_t num_chunks = plan.chunks.size();
-  const size_t depth = pipeline_depth_;  // the first grad and param slots
+  const size_t depth = grad_slots_.size();
   std::vector<std::unique_ptr<TransferBatch>> down(num_chunks), up(num_chunks);
   absl::Status status;
   for (size_t k = 0; with_grads && k < std::min(depth, num_chunks); ++k) {
