@@ -16,6 +16,8 @@ used outside the forward of the modules owning it).
 """
 import weakref
 
+import torch
+
 
 class ModuleWaits:
     """The forward pre-hooks of one attach(model)."""
@@ -56,3 +58,51 @@ def _pre_hook(me, groups):
         if opt is not None:
             opt._wait_groups(groups)
     return hook
+
+
+class AttachMixin:
+    """ferry.torch.Optimizer's attach(), detach() and wait_params(): the next forward waits per layer.
+    Uses the optimizer's _waits (the ModuleWaits of attach(), or None), _pending (groups whose new
+    params no stream waited for yet), _zero_pending (of those, groups whose grads zero_grad() left for
+    the wait), _group_of, _grads, _zeroed, _groups, _engine, _stream() and _tracker."""
+
+    def attach(self, model):
+        """Forward pre-hooks on the modules of `model` that own params of this optimizer: step() then
+        returns without waiting for the uploads of new params, and each module's forward waits only
+        for its own groups' params (above). The same bits as without it. Code that reads a
+        param outside the forward of a module owning it calls opt.wait_params() first. Returns self."""
+        if self._waits is not None:
+            raise RuntimeError("attach: the optimizer is attached already; detach() first")
+        index = {id(p): self._group_of[k] for k, p in enumerate(self._params)}
+        self._waits = ModuleWaits(self, model, index)
+        return self
+
+    def detach(self):
+        """Removes attach()'s hooks; the stream waits for every pending upload, and steps wait again."""
+        if self._waits is not None:
+            self._waits.remove()
+            self._waits = None
+        self.wait_params()
+
+    def wait_params(self, groups=None):
+        """Makes the current stream wait for the new params of `groups` (param group indices; None:
+        all) from the last step, where it has not yet (only with attach())."""
+        if self._pending:
+            self._wait_groups(sorted(self._pending) if groups is None else groups)
+
+    def _wait_groups(self, groups):
+        need = [gi for gi in groups if gi in self._pending]
+        if not need:
+            return
+        self._engine.wait_params([self._groups[gi] for gi in need], stream=self._stream())
+        self._pending.difference_update(need)
+        zero = [gi for gi in need if gi in self._zero_pending]
+        if zero:  # zero_grad() of these groups, now ordered after the engine's reads of their grads
+            self._zero_pending.difference_update(zero)
+            bufs = [k for k, gi in enumerate(self._group_of) if gi in zero]
+            with torch.no_grad():
+                torch._foreach_zero_([self._grads[k] for k in bufs])
+            for k in bufs:
+                self._zeroed[k] = self._grads[k]._version
+        if self._tracker.trace is not None:
+            self._tracker.trace.append(("wait", tuple(need)))
