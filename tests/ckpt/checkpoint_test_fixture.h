@@ -5,6 +5,7 @@
 #define FERRY_TESTS_CKPT_CHECKPOINT_TEST_FIXTURE_H_
 
 #include "ckpt/checkpoint.h"
+#include "ckpt/ckpt_test_util.h"
 
 #include <fcntl.h>
 #include <stdlib.h>
@@ -37,55 +38,14 @@ using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 using Json = nlohmann::json;
 
-#define CKPT_CONCAT_INNER_(a, b) a##b
-#define CKPT_CONCAT_(a, b) CKPT_CONCAT_INNER_(a, b)
-#define CKPT_ASSERT_OK(expr)              \
-  do {                                    \
-    const absl::Status ckpt_s_ = (expr);  \
-    ASSERT_TRUE(ckpt_s_.ok()) << ckpt_s_; \
-  } while (0)
-#define CKPT_ASSERT_OK_AND_ASSIGN(lhs, rexpr) \
-  CKPT_ASSERT_OK_AND_ASSIGN_IMPL_(CKPT_CONCAT_(ckpt_sor_, __LINE__), lhs, rexpr)
-#define CKPT_ASSERT_OK_AND_ASSIGN_IMPL_(tmp, lhs, rexpr) \
-  auto tmp = (rexpr);                                    \
-  ASSERT_TRUE(tmp.ok()) << tmp.status();                 \
-  lhs = std::move(tmp).value()
-
 inline constexpr char kRankFile[] = "rank-00000.safetensors";
 
-struct TestTensor {
-  std::string name;
-  DType dtype;
-  std::vector<int64_t> shape;
-  std::string kind;
-  std::string group;
-  std::vector<uint8_t> data;
-};
-
-inline std::string ReadWholeFile(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-}
-
-inline void WriteWholeFile(const std::string& path, const std::string& contents) {
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  out.write(contents.data(), static_cast<std::streamsize>(contents.size()));
-}
-
-inline void XorByte(const std::string& path, uint64_t offset, uint8_t mask) {
-  std::fstream f(path, std::ios::binary | std::ios::in | std::ios::out);
-  f.seekg(static_cast<std::streamoff>(offset));
-  char c = 0;
-  f.read(&c, 1);
-  c = static_cast<char>(static_cast<uint8_t>(c) ^ mask);
-  f.seekp(static_cast<std::streamoff>(offset));
-  f.write(&c, 1);
-}
-
-inline bool Exists(const std::string& path) {
-  struct stat st;
-  return ::lstat(path.c_str(), &st) == 0;
-}
+using ckpt_test::Exists;
+using ckpt_test::ReadWholeFile;
+using ckpt_test::Records;
+using ckpt_test::TestTensor;
+using ckpt_test::WriteWholeFile;
+using ckpt_test::XorByte;
 
 inline std::string Hex16(uint64_t v) { return absl::StrFormat("%016x", v); }
 
@@ -168,20 +128,6 @@ class CheckpointTest : public ::testing::Test {
     v.push_back(Random("c", DType::kF16, {2, 2, 3}, "exp_avg"));
     v.push_back(Random("d", DType::kF32, {}, "exp_avg_sq"));
     return v;
-  }
-
-  static std::vector<TensorRecord> Records(const std::vector<TestTensor>& tensors) {
-    std::vector<TensorRecord> r;
-    for (const TestTensor& t : tensors) {
-      r.push_back({.name = t.name,
-                   .dtype = t.dtype,
-                   .shape = t.shape,
-                   .data = t.data.data(),
-                   .bytes = t.data.size(),
-                   .kind = t.kind,
-                   .group = t.group});
-    }
-    return r;
   }
 
   absl::StatusOr<std::string> Write(int64_t step, const std::vector<TestTensor>& tensors,

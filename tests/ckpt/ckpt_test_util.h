@@ -103,11 +103,17 @@ inline void WriteWholeFile(const std::string& path, const std::string& contents)
   out.write(contents.data(), static_cast<std::streamsize>(contents.size()));
 }
 
+// Flips the bits `mask` of the byte at `offset` in place.
 inline void XorByte(const std::string& path, uint64_t offset, uint8_t mask) {
-  std::string s = ReadWholeFile(path);
-  ASSERT_LT(offset, s.size());
-  s[offset] = static_cast<char>(static_cast<uint8_t>(s[offset]) ^ mask);
-  WriteWholeFile(path, s);
+  std::error_code ec;
+  ASSERT_LT(offset, std::filesystem::file_size(path, ec)) << path << (ec ? ": " + ec.message() : "");
+  std::fstream f(path, std::ios::binary | std::ios::in | std::ios::out);
+  f.seekg(static_cast<std::streamoff>(offset));
+  char c = 0;
+  f.read(&c, 1);
+  c = static_cast<char>(static_cast<uint8_t>(c) ^ mask);
+  f.seekp(static_cast<std::streamoff>(offset));
+  f.write(&c, 1);
 }
 
 inline bool Exists(const std::string& path) {
