@@ -7,6 +7,7 @@
 #include <optional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -526,25 +527,22 @@ int LEnginePlacement(lua_State* L) {
 int LEngineStats(lua_State* L) {
   Engine* e = CheckEngine(L, 1);
   EngineStats s = e->Stats();
-  lua_createtable(L, 0, 6);
-  lua_pushnumber(L, static_cast<lua_Number>(s.step));
-  lua_setfield(L, -2, "step");
-  lua_pushnumber(L, static_cast<lua_Number>(s.host_registrations));
-  lua_setfield(L, -2, "host_registrations");
-  lua_pushnumber(L, static_cast<lua_Number>(s.pinned_bytes));
-  lua_setfield(L, -2, "pinned_bytes");
-  lua_pushnumber(L, static_cast<lua_Number>(s.gpu_state_bytes));
-  lua_setfield(L, -2, "gpu_state_bytes");
-  lua_pushnumber(L, static_cast<lua_Number>(s.checkpoint_copied_aside_bytes));
-  lua_setfield(L, -2, "checkpoint_copied_aside_bytes");
-  lua_pushnumber(L, static_cast<lua_Number>(s.early_groups_kept));
-  lua_setfield(L, -2, "early_groups_kept");
-  lua_pushnumber(L, static_cast<lua_Number>(s.early_groups_recomputed));
-  lua_setfield(L, -2, "early_groups_recomputed");
-  lua_pushnumber(L, static_cast<lua_Number>(s.deferred_steps));
-  lua_setfield(L, -2, "deferred_steps");
-  lua_pushnumber(L, static_cast<lua_Number>(s.skipped_steps));
-  lua_setfield(L, -2, "skipped_steps");
+  lua_createtable(L, 0, 12);
+  const std::pair<const char*, double> numbers[] = {
+      {"step", static_cast<double>(s.step)},
+      {"host_registrations", static_cast<double>(s.host_registrations)},
+      {"pinned_bytes", static_cast<double>(s.pinned_bytes)},
+      {"gpu_state_bytes", static_cast<double>(s.gpu_state_bytes)},
+      {"checkpoint_copied_aside_bytes", static_cast<double>(s.checkpoint_copied_aside_bytes)},
+      {"early_groups_kept", static_cast<double>(s.early_groups_kept)},
+      {"early_groups_recomputed", static_cast<double>(s.early_groups_recomputed)},
+      {"deferred_steps", static_cast<double>(s.deferred_steps)},
+      {"skipped_steps", static_cast<double>(s.skipped_steps)},
+  };
+  for (const auto& [name, value] : numbers) {
+    lua_pushnumber(L, static_cast<lua_Number>(value));
+    lua_setfield(L, -2, name);
+  }
   lua_pushboolean(L, s.last_step_skipped);
   lua_setfield(L, -2, "last_step_skipped");
   lua_pushnumber(L, s.last_grad_norm);
