@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "bindings/command_capture.h"
 #include "absl/strings/str_split.h"
 #include "ckpt/checkpoint.h"
 #include "ferry/version.h"
@@ -47,30 +48,6 @@ class TempDir {
  private:
   std::string path_;
 };
-
-struct Result {
-  int status = -1;
-  std::string out, err;
-};
-
-// Runs a verb with its output captured in memory.
-template <typename Verb>
-Result RunVerb(Verb verb, const std::vector<std::string>& args) {
-  Result r;
-  char* out_buf = nullptr;
-  char* err_buf = nullptr;
-  size_t out_len = 0, err_len = 0;
-  std::FILE* out = open_memstream(&out_buf, &out_len);
-  std::FILE* err = open_memstream(&err_buf, &err_len);
-  r.status = verb(args, out, err);
-  std::fclose(out);
-  std::fclose(err);
-  r.out.assign(out_buf, out_len);
-  r.err.assign(err_buf, err_len);
-  free(out_buf);
-  free(err_buf);
-  return r;
-}
 
 Result Check(const std::vector<std::string>& args) { return RunVerb(CheckCommand, args); }
 Result Inspect(const std::vector<std::string>& args) { return RunVerb(InspectCommand, args); }

@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "bindings/command_capture.h"
 #include "ckpt/checkpoint.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -23,27 +24,7 @@ namespace {
 using ::testing::HasSubstr;
 using ::testing::Not;
 
-struct Result {
-  int status = -1;
-  std::string out, err;
-};
-
-Result Inspect(const std::vector<std::string>& args) {
-  Result r;
-  char* out_buf = nullptr;
-  char* err_buf = nullptr;
-  size_t out_len = 0, err_len = 0;
-  std::FILE* out = open_memstream(&out_buf, &out_len);
-  std::FILE* err = open_memstream(&err_buf, &err_len);
-  r.status = InspectCommand(args, out, err);
-  std::fclose(out);
-  std::fclose(err);
-  r.out.assign(out_buf, out_len);
-  r.err.assign(err_buf, err_len);
-  free(out_buf);
-  free(err_buf);
-  return r;
-}
+Result Inspect(const std::vector<std::string>& args) { return RunVerb(InspectCommand, args); }
 
 void WriteFile(const std::string& path, size_t bytes) { std::ofstream(path, std::ios::binary) << std::string(bytes, 'z'); }
 

@@ -58,7 +58,7 @@ inline std::string SafetensorsDTypeName(DType t) {
   return "?";
 }
 
-inline size_t ElementBytes(DType t) { return t == DType::kF32 ? 4 : 2; }
+using ckpt_test::ElementBytes;
 
 // Everything in a directory, names only, sorted.
 inline std::vector<std::string> DirNames(const std::string& dir) {
@@ -89,16 +89,7 @@ class CheckpointTest : public ::testing::Test {
   // Fresh random bytes (every bit pattern, NaNs included: the comparisons are bitwise).
   TestTensor Random(std::string name, DType dtype, std::vector<int64_t> shape,
                     std::string kind = "model", std::string group = "g0") {
-    size_t n = ElementBytes(dtype);
-    for (int64_t d : shape) n *= static_cast<size_t>(d);
-    TestTensor t{std::move(name), dtype, std::move(shape), std::move(kind), std::move(group), {}};
-    t.data.resize(n);
-    for (size_t i = 0; i < n; i += 8) {
-      uint64_t w = rng_();
-      std::memcpy(t.data.data() + i, &w, std::min<size_t>(8, n - i));
-    }
-    if (n > 0) t.data[0] |= 1;  // never all zeros
-    return t;
+    return ckpt_test::RandomTensor(rng_, std::move(name), dtype, std::move(shape), std::move(kind), std::move(group));
   }
 
   // Every dtype, a scalar, 1-element tensors, an empty tensor, odd sizes that would misalign the

@@ -26,6 +26,17 @@ def fill_grads(ps, step):
             p.grad = torch.randn(p.shape, generator=gen)  # an assigned grad (in-place writes are not seen)
 
 
+def timed_step(opt):
+    """One clipped step: its time, and the error it raised (name, classes, message), if any."""
+    start = time.monotonic()
+    try:
+        opt.step(max_grad_norm=1.0)
+    except Exception as e:
+        return {"error": type(e).__name__, "mro": [c.__name__ for c in type(e).__mro__], "message": str(e),
+                "seconds": time.monotonic() - start}
+    return {"seconds": time.monotonic() - start}
+
+
 def raise_mid_step(rank, world, where, bad_rank, timeout):
     import ferry.torch
     ps = params(rank)
@@ -42,13 +53,7 @@ def raise_mid_step(rank, world, where, bad_rank, timeout):
                 raise ValueError("injected failure in the all-gather")
             opt._zero._all_gather_flat = boom
     fill_grads(ps, 1)
-    start = time.monotonic()
-    try:
-        opt.step(max_grad_norm=1.0)
-    except Exception as e:
-        return {"error": type(e).__name__, "mro": [c.__name__ for c in type(e).__mro__], "message": str(e),
-                "seconds": time.monotonic() - start}
-    return {"seconds": time.monotonic() - start}
+    return timed_step(opt)
 
 
 @pytest.mark.parametrize("where", ["engine", "gather"])
@@ -75,13 +80,7 @@ def late_rank(rank, world, late, timeout):
     fill_grads(ps, 0)
     if rank == late:
         time.sleep(timeout * 3)
-    start = time.monotonic()
-    try:
-        opt.step(max_grad_norm=1.0)
-    except Exception as e:
-        return {"error": type(e).__name__, "mro": [c.__name__ for c in type(e).__mro__], "message": str(e),
-                "seconds": time.monotonic() - start}
-    return {"seconds": time.monotonic() - start}
+    return timed_step(opt)
 
 
 def test_rank_that_never_arrives_is_named_after_the_timeout():

@@ -90,18 +90,12 @@ def resume(rank, world, roots):
         run_steps(opt, ps, SAVE_AT, STEPS)
         out[w] = [p.detach().clone() for p in ps]
     # A single-process torch.optim.AdamW's state_dict into the sharded optimizer.
-    fp32 = [p.detach().clone().float().requires_grad_() for p in make_params(seed=5)]
-    ref = torch.optim.AdamW(fp32, lr=1e-2, weight_decay=0.1)
-    for step in range(3):
-        set_grads_plain(fp32, step)
-        ref.step()
-    sd = ref.state_dict()
-    mine = [p.detach().clone().requires_grad_() for p in fp32]
+    mine, sd = adamw_state_dict()
     opt2 = ferry.torch.Optimizer(mine, lr=1e-2, weight_decay=0.1, shard=True, collective_timeout=30)
     opt2.load_state_dict(sd)
     back = opt2.state_dict()
     for step in range(3, 5):
-        set_grads_plain(mine, step, into_grad=True)
+        set_grads_plain(mine, step)
         opt2.step()
     out["adamw_roundtrip"] = {k: (back["state"][k]["exp_avg"], back["state"][k]["exp_avg_sq"], back["state"][k]["step"])
                               for k in back["state"]}
@@ -110,7 +104,7 @@ def resume(rank, world, roots):
     return out
 
 
-def set_grads_plain(ps, step, into_grad=False):
+def set_grads_plain(ps, step):
     with torch.no_grad():
         for i, p in enumerate(ps):
             gen = torch.Generator().manual_seed(31 * step + i)
@@ -118,16 +112,20 @@ def set_grads_plain(ps, step, into_grad=False):
             p.grad = g  # an assigned grad (in-place writes are not seen)
 
 
-def adamw_after_load(rank, world):
-    """One rank, unsharded: the reference for the AdamW-load part of resume()."""
-    import ferry.torch
+def adamw_state_dict():
+    """A single-process torch.optim.AdamW's state_dict after 3 steps, and fresh copies of its params."""
     fp32 = [p.detach().clone().float().requires_grad_() for p in make_params(seed=5)]
     ref = torch.optim.AdamW(fp32, lr=1e-2, weight_decay=0.1)
     for step in range(3):
         set_grads_plain(fp32, step)
         ref.step()
-    sd = ref.state_dict()
-    mine = [p.detach().clone().requires_grad_() for p in fp32]
+    return [p.detach().clone().requires_grad_() for p in fp32], ref.state_dict()
+
+
+def adamw_after_load(rank, world):
+    """One rank, unsharded: the reference for the AdamW-load part of resume()."""
+    import ferry.torch
+    mine, sd = adamw_state_dict()
     opt = ferry.torch.Optimizer(mine, lr=1e-2, weight_decay=0.1)
     opt.load_state_dict(sd)
     for step in range(3, 5):
