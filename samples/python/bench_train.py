@@ -91,12 +91,15 @@ class Model(torch.nn.Module):
         logits = self.head(self.ln(x))
         return F.cross_entropy(logits.float().view(-1, VOCAB), tokens[:, 1:].reshape(-1))
 
-    def param_groups(self):
-        """One group per block, then one for the embeddings, the final norm and the head."""
-        groups = [{"params": list(b.parameters())} for b in self.blocks]
-        groups.append({"params": list(self.embed.parameters()) + list(self.ln.parameters()) +
-                       list(self.head.parameters())})
-        return groups
+    def param_groups(self, layout="split"):
+        """split: the embeddings, one group per block, then the final norm and the head (in forward
+        order: a backward makes the head's grads final first, the embeddings' last). joined: one group
+        per block, then one for the embeddings, the final norm and the head together."""
+        blocks = [{"params": list(b.parameters())} for b in self.blocks]
+        head = list(self.ln.parameters()) + list(self.head.parameters())
+        if layout == "joined":
+            return blocks + [{"params": list(self.embed.parameters()) + head}]
+        return [{"params": list(self.embed.parameters())}] + blocks + [{"params": head}]
 
 
 def has_overlap_option():
@@ -128,7 +131,7 @@ class Announcer:
 
 
 def make_optimizer(row, model, args):
-    groups = model.param_groups()
+    groups = model.param_groups(args.groups)
     kw = dict(lr=args.lr, weight_decay=0.1)
     if row["kind"] == "torch":
         fused = {"fused": True} if "fused" in inspect.signature(torch.optim.AdamW).parameters and \
@@ -245,7 +248,8 @@ def bench_size(name, args):
     data = [torch.randint(0, VOCAB, (batch, seq + 1), generator=gen).to(args.device) for _ in range(4)]
     numel = sum(p.numel() for p in model.parameters())
     print("== %s: dim %d, %d blocks, %.0fM bf16 params, batch %d x %d tokens, %d groups, %d timed steps after %d"
-          % (name, dim, blocks, numel / 1e6, batch, seq, blocks + 1, args.steps, args.warmup), flush=True)
+          % (name, dim, blocks, numel / 1e6, batch, seq, len(model.param_groups(args.groups)), args.steps,
+             args.warmup), flush=True)
     fwd_bwd = compute_alone(model, data, args)
     print("   forward + backward alone: %.1f ms" % (fwd_bwd * 1e3), flush=True)
     results = []
@@ -299,6 +303,8 @@ def main():
     ap.add_argument("--cpu-threads", type=int, default=0, help="ferry's CPU Adam threads (0: its default)")
     ap.add_argument("--no-attach", action="store_true",
                     help="overlap rows without opt.attach(model): the next forward waits for every upload")
+    ap.add_argument("--groups", default="split", choices=["split", "joined"],
+                    help="split: embeddings, blocks, head (default); joined: blocks, then embeddings + head")
     ap.add_argument("--trace", default="", help="ferry trace file (Chrome JSON) of every ferry row")
     ap.add_argument("--check-exact", action="store_true",
                     help="deterministic kernels; the fp32 ferry rows' losses must be the same bits")

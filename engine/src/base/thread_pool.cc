@@ -3,14 +3,57 @@
 #include <sched.h>
 
 #include <algorithm>
-#include <atomic>
+#include <chrono>
+#include <cstdlib>
 #include <utility>
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
 
 namespace ferry {
+namespace {
 
-ThreadPool::ThreadPool(size_t num_threads) {
+inline void CpuRelax() {
+#if defined(__x86_64__) || defined(__i386__)
+  _mm_pause();
+#else
+  std::this_thread::yield();
+#endif
+}
+
+// Spins (CpuRelax) until done() or `spin_ns` passed; returns done()'s last value.
+template <typename Done>
+bool SpinUntil(int64_t spin_ns, Done done) {
+  if (done()) return true;
+  if (spin_ns <= 0) return false;
+  const auto start = std::chrono::steady_clock::now();
+  for (unsigned i = 1;; ++i) {
+    CpuRelax();
+    if (done()) return true;
+    if ((i & 63) == 0 &&
+        std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count() > spin_ns) {
+      return false;
+    }
+  }
+}
+
+}  // namespace
+
+int64_t ThreadPool::DefaultSpinUs() {
+  static const int64_t spin_us = [] {
+    const char* env = std::getenv("FERRY_POOL_SPIN_US");
+    if (env == nullptr || *env == '\0') return kDefaultSpinUs;
+    char* end = nullptr;
+    const long long v = std::strtoll(env, &end, 10);
+    return (end != nullptr && *end == '\0' && v >= 0 && v <= 1000000) ? static_cast<int64_t>(v) : kDefaultSpinUs;
+  }();
+  return spin_us;
+}
+
+ThreadPool::ThreadPool(size_t num_threads, int64_t spin_us) {
   if (num_threads == 0) num_threads = 1;
+  spin_ns_ = (spin_us < 0 ? DefaultSpinUs() : spin_us) * 1000;
   workers_.reserve(num_threads);
   for (size_t i = 0; i < num_threads; ++i) workers_.emplace_back([this] { WorkerLoop(); });
 }
@@ -19,30 +62,72 @@ ThreadPool::~ThreadPool() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     stopping_ = true;
+    PostLocked();
   }
-  cv_.notify_all();
   for (std::thread& t : workers_) t.join();
 }
 
+void ThreadPool::PostLocked() {
+  posted_.fetch_add(1, std::memory_order_release);
+  if (sleepers_ > 0) cv_.notify_all();
+}
+
 void ThreadPool::Schedule(std::function<void()> fn) {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    queue_.push_back(std::move(fn));
+  std::lock_guard<std::mutex> lock(mu_);
+  queue_.push_back(std::move(fn));
+  PostLocked();
+}
+
+bool ThreadPool::SpinFor(uint64_t seen) const {
+  return SpinUntil(spin_ns_, [&] { return posted_.load(std::memory_order_acquire) != seen; });
+}
+
+void ThreadPool::Drain(Job& job) {
+  for (size_t i = job.next.fetch_add(1, std::memory_order_relaxed); i < job.num_tasks;
+       i = job.next.fetch_add(1, std::memory_order_relaxed)) {
+    (*job.fn)(i);
+    if (job.done.fetch_add(1, std::memory_order_acq_rel) + 1 == job.num_tasks) {
+      std::lock_guard<std::mutex> lock(job.mu);
+      job.finished = true;
+      job.cv.notify_all();
+    }
   }
-  cv_.notify_one();
 }
 
 void ThreadPool::WorkerLoop() {
+  std::unique_lock<std::mutex> lock(mu_);
   while (true) {
-    std::function<void()> fn;
-    {
-      std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
-      if (queue_.empty()) return;  // stopping and drained
-      fn = std::move(queue_.front());
+    if (!queue_.empty()) {
+      std::function<void()> fn = std::move(queue_.front());
       queue_.pop_front();
+      lock.unlock();
+      fn();
+      lock.lock();
+      continue;
     }
-    fn();
+    std::shared_ptr<Job> job;
+    for (const std::shared_ptr<Job>& j : jobs_) {
+      if (j->next.load(std::memory_order_relaxed) < j->num_tasks) {
+        job = j;
+        break;
+      }
+    }
+    if (job != nullptr) {
+      lock.unlock();
+      Drain(*job);
+      job.reset();
+      lock.lock();
+      continue;
+    }
+    if (stopping_) return;  // and drained
+    const uint64_t seen = posted_.load(std::memory_order_relaxed);
+    lock.unlock();
+    const bool changed = SpinFor(seen);
+    lock.lock();
+    if (changed || posted_.load(std::memory_order_relaxed) != seen) continue;
+    ++sleepers_;
+    cv_.wait(lock, [&] { return posted_.load(std::memory_order_relaxed) != seen; });
+    --sleepers_;
   }
 }
 
@@ -53,24 +138,22 @@ void ThreadPool::ParallelFor(size_t num_tasks, const std::function<void(size_t)>
     return;
   }
   // Tasks are claimed dynamically, but each task index names fixed work, so the result is the same.
-  std::atomic<size_t> next{0};
-  size_t helpers = std::min(num_tasks - 1, workers_.size());
-  size_t remaining = helpers;  // guarded by done_mu
-  std::mutex done_mu;
-  std::condition_variable done_cv;
-  auto drain = [&] {
-    for (size_t i = next.fetch_add(1); i < num_tasks; i = next.fetch_add(1)) fn(i);
-  };
-  for (size_t h = 0; h < helpers; ++h) {
-    Schedule([&] {
-      drain();
-      std::lock_guard<std::mutex> lock(done_mu);
-      if (--remaining == 0) done_cv.notify_all();
-    });
+  auto job = std::make_shared<Job>();
+  job->fn = &fn;
+  job->num_tasks = num_tasks;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    jobs_.push_back(job);
+    PostLocked();
   }
-  drain();
-  std::unique_lock<std::mutex> lock(done_mu);
-  done_cv.wait(lock, [&] { return remaining == 0; });
+  Drain(*job);
+  // Every task is claimed; wait for those other threads still run (their writes are visible after).
+  if (!SpinUntil(spin_ns_, [&] { return job->done.load(std::memory_order_acquire) == num_tasks; })) {
+    std::unique_lock<std::mutex> lock(job->mu);
+    job->cv.wait(lock, [&] { return job->finished; });
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  jobs_.erase(std::find(jobs_.begin(), jobs_.end(), job));
 }
 
 size_t ThreadPool::DefaultThreads() {
