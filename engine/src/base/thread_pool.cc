@@ -31,9 +31,11 @@ bool SpinUntil(int64_t spin_ns, Done done) {
   for (unsigned i = 1;; ++i) {
     CpuRelax();
     if (done()) return true;
-    if ((i & 63) == 0 &&
-        std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count() > spin_ns) {
-      return false;
+    if ((i & 63) == 0) {
+      if (std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count() > spin_ns) {
+        return false;
+      }
+      sched_yield();  // a thread with work to do (more threads than CPUs) takes the CPU
     }
   }
 }
@@ -131,10 +133,11 @@ void ThreadPool::WorkerLoop() {
   }
 }
 
-void ThreadPool::ParallelFor(size_t num_tasks, const std::function<void(size_t)>& fn) {
-  if (num_tasks == 0) return;
-  if (num_tasks == 1) {
-    fn(0);
+void ThreadPool::ParallelFor(size_t num_tasks, const std::function<void(size_t)>& fn,
+                             const std::function<void()>* meanwhile) {
+  if (num_tasks == 0 || (num_tasks == 1 && meanwhile == nullptr)) {
+    if (meanwhile != nullptr) (*meanwhile)();
+    if (num_tasks == 1) fn(0);
     return;
   }
   // Tasks are claimed dynamically, but each task index names fixed work, so the result is the same.
@@ -146,6 +149,7 @@ void ThreadPool::ParallelFor(size_t num_tasks, const std::function<void(size_t)>
     jobs_.push_back(job);
     PostLocked();
   }
+  if (meanwhile != nullptr) (*meanwhile)();
   Drain(*job);
   // Every task is claimed; wait for those other threads still run (their writes are visible after).
   if (!SpinUntil(spin_ns_, [&] { return job->done.load(std::memory_order_acquire) == num_tasks; })) {

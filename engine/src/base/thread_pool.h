@@ -24,13 +24,14 @@ namespace ferry {
 // from its idle state): a CPU Adam round of ~2 ms on 16 threads lost ~8% of its time to it on the
 // H200 machine. So a worker that runs out of work spins for `spin_us` before it sleeps, and so does
 // ParallelFor's caller waiting for the last tasks: back-to-back ParallelFor calls find the workers
-// awake. Spinning uses the pause instruction and only follows work, so an idle pool costs nothing.
+// awake. Spinning pauses and yields the CPU to any other runnable thread every few microseconds, and
+// only follows work, so an idle pool costs nothing.
 class ThreadPool final {
  public:
   // The default spin: kDefaultSpinUs, or the FERRY_POOL_SPIN_US environment variable (0 = sleep at
   // once), read once per process.
   static int64_t DefaultSpinUs();
-  static constexpr int64_t kDefaultSpinUs = 100;
+  static constexpr int64_t kDefaultSpinUs = 1000;
 
   // REQUIRES: num_threads >= 1 (0 is taken as 1); spin_us >= 0 (< 0: DefaultSpinUs()).
   explicit ThreadPool(size_t num_threads, int64_t spin_us = -1);
@@ -47,8 +48,11 @@ class ThreadPool final {
   // Runs fn(i) for i in [0, num_tasks) across the workers and the calling thread, and returns when all
   // have finished. Task i always covers the same work whatever the thread count (callers partition
   // statically by task index), so results do not depend on the number of threads.
+  // `meanwhile`, when given, runs once on the calling thread after the workers were handed the tasks
+  // and before it joins them (a pipeline submits its next copies while the workers compute).
   // REQUIRES: not called from inside a task of this pool.
-  void ParallelFor(size_t num_tasks, const std::function<void(size_t)>& fn);
+  void ParallelFor(size_t num_tasks, const std::function<void(size_t)>& fn,
+                   const std::function<void()>* meanwhile = nullptr);
 
   // The default number of workers: the CPUs this process may run on.
   static size_t DefaultThreads();

@@ -265,6 +265,7 @@ absl::StatusOr<CpuAdamStepResult> CpuAdam::Step(absl::Span<const CpuAdamTensor> 
   }
   if (stats != nullptr && stats->found_inf != 0) {
     result.skipped = true;
+    if (options.meanwhile != nullptr) (*options.meanwhile)();
     return result;
   }
 
@@ -279,7 +280,7 @@ absl::StatusOr<CpuAdamStepResult> CpuAdam::Step(absl::Span<const CpuAdamTensor> 
     scalars[i] = *tensors[i].scalars;
     if (set_multiplier) scalars[i].grad_multiplier = multiplier;
   }
-  FERRY_RETURN_IF_ERROR(Run(tensors, scalars));
+  FERRY_RETURN_IF_ERROR(Run(tensors, scalars, options.meanwhile));
   return result;
 }
 
@@ -304,27 +305,32 @@ void RunTask(absl::Span<const CpuAdamTensor> tensors, absl::Span<const AdamScala
 
 }  // namespace
 
-absl::Status CpuAdam::Run(absl::Span<const CpuAdamTensor> tensors, absl::Span<const AdamScalars> scalars) {
+absl::Status CpuAdam::Run(absl::Span<const CpuAdamTensor> tensors, absl::Span<const AdamScalars> scalars,
+                          const std::function<void()>* meanwhile) {
   // Work is the tensors' elements laid end to end, cut into equal contiguous ranges: each thread walks
   // memory sequentially, and a range covers several tensors when they are small.
   std::vector<int64_t> ends(tensors.size());  // running end of each tensor in the joined range
   int64_t total = 0;
   for (size_t i = 0; i < tensors.size(); ++i) ends[i] = total += tensors[i].numel;
-  if (total == 0) return absl::OkStatus();
+  if (total == 0) {
+    if (meanwhile != nullptr) (*meanwhile)();
+    return absl::OkStatus();
+  }
   const int64_t participants = static_cast<int64_t>(pool_->num_threads()) + 1;
   const int64_t num_tasks = std::max<int64_t>(
       1, std::min((total + block_elements_ - 1) / block_elements_, kTasksPerThread * participants));
   const AdamRangeFn range_fn = RangeFn(isa_);
-  if (tracer_ != nullptr) return RunTraced(tensors, scalars, ends, total, num_tasks, range_fn);
-  pool_->ParallelFor(static_cast<size_t>(num_tasks), [&](size_t task) {
-    RunTask(tensors, scalars, ends, total, num_tasks, range_fn, task);
-  });
+  if (tracer_ != nullptr) return RunTraced(tensors, scalars, ends, total, num_tasks, range_fn, meanwhile);
+  pool_->ParallelFor(
+      static_cast<size_t>(num_tasks),
+      [&](size_t task) { RunTask(tensors, scalars, ends, total, num_tasks, range_fn, task); }, meanwhile);
   return absl::OkStatus();
 }
 
 absl::Status CpuAdam::RunTraced(absl::Span<const CpuAdamTensor> tensors, absl::Span<const AdamScalars> scalars,
                                const std::vector<int64_t>& ends, int64_t total, int64_t num_tasks,
-                               void (*range_fn)(const CpuAdamTensor&, const AdamScalars&, int64_t, int64_t)) {
+                               void (*range_fn)(const CpuAdamTensor&, const AdamScalars&, int64_t, int64_t),
+                               const std::function<void()>* meanwhile) {
   // Memory traffic per element: master, m and v read and written, the grad read, the param written.
   double traffic = 0.0;
   for (const CpuAdamTensor& t : tensors) {
@@ -367,7 +373,7 @@ absl::Status CpuAdam::RunTraced(absl::Span<const CpuAdamTensor> tensors, absl::S
       slots[my_slot].end_ns = tracer->NowNs();
       slots[my_slot].elements += hi - lo;
     }
-  });
+  }, meanwhile);
   const size_t used = std::min(next_slot.load(std::memory_order_relaxed), slots.size());
   for (size_t s = 0; s < used; ++s) {
     const Slot& slot = slots[s];

@@ -17,6 +17,7 @@
 #define FERRY_OPTIM_CPU_ADAM_H_
 
 #include <cstdint>
+#include <functional>
 #include <string_view>
 
 #include "absl/status/status.h"
@@ -99,6 +100,10 @@ struct CpuAdamStepOptions {
   float grad_scale = 0.0f;
   // Clip the unscaled gradients to this global L2 norm (needs grad_stats or check_grads); 0: no clip.
   float max_grad_norm = 0.0f;
+  // Work for the calling thread while the workers start on the update (the offload pipeline submits
+  // its copies): run once when the arguments are valid (also for a skipped step), before Step
+  // returns. Borrowed; null: none.
+  const std::function<void()>* meanwhile = nullptr;
   // When grad_scale > 0 or max_grad_norm > 0, every tensor's gradient multiplier is replaced by
   // AdamGradMultiplier(grad_scale or 1, sum_sq, max_grad_norm) (the same rule as
   // Device::LaunchAdamWith, so both give the same bits).
@@ -144,11 +149,13 @@ class CpuAdam final {
   void set_tracer(Tracer* tracer) { tracer_ = tracer; }
 
  private:
-  absl::Status Run(absl::Span<const CpuAdamTensor> tensors, absl::Span<const AdamScalars> scalars);
+  absl::Status Run(absl::Span<const CpuAdamTensor> tensors, absl::Span<const AdamScalars> scalars,
+                   const std::function<void()>* meanwhile);
   // Run with tracing on: the same tasks, and a span per participating thread.
   absl::Status RunTraced(absl::Span<const CpuAdamTensor> tensors, absl::Span<const AdamScalars> scalars,
                          const std::vector<int64_t>& ends, int64_t total, int64_t num_tasks,
-                         void (*range_fn)(const CpuAdamTensor&, const AdamScalars&, int64_t, int64_t));
+                         void (*range_fn)(const CpuAdamTensor&, const AdamScalars&, int64_t, int64_t),
+                         const std::function<void()>* meanwhile);
 
   ThreadPool* pool_;
   int64_t block_elements_;

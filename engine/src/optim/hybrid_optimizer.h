@@ -362,7 +362,9 @@ class HybridOptimizer final {
                  PipelineMode mode, const std::vector<AdamScalars>* scalars, const std::vector<int64_t>* steps,
                  AdamWork& work, std::vector<CopyRegion>& uploads) const;
   // One round of CPU Adam over `work` (of `chunks` chunks), after the state fence let go of its params.
-  absl::Status AdamRound(const AdamWork& work, size_t chunks);
+  // `meanwhile` (optional): the calling thread's work while the workers start on the round (the
+  // pipeline's submissions); it runs once unless the round fails before it starts.
+  absl::Status AdamRound(const AdamWork& work, size_t chunks, const std::function<void()>* meanwhile = nullptr);
   // The same in the group's spare buffers (offloaded groups, once EnsureSpareState ran).
   char* SpareStatePtr(size_t p, StateKind kind, size_t e = 0) const;
   absl::Status SyncParamsFromModel(const std::vector<size_t>& params);

@@ -12,8 +12,10 @@
 // next round. Grads stay in the ring's few slots, which the host's last-level cache holds (PCIe
 // writes land there): a copy of every grad in host memory, read back later, costs CPU Adam about a
 // fifth of its rate (measured on the H200 machine). CPU Adam takes every landed chunk in a round;
-// the new params go up through the param slots in turn (twice as many as grad slots, so a round
-// does not wait for the uploads of the round before).
+// while the workers start on it, the early thread uploads the round before's new params and fills
+// the grad slots it freed (its CUDA calls took ~90 us between rounds, ~10 ms of a 735M step, when
+// they ran between rounds). The new params go up through the param slots in turn (twice as many as
+// grad slots, so a round does not wait for the uploads of the round before).
 #include <algorithm>
 #include <deque>
 #include <utility>
@@ -48,6 +50,7 @@ absl::Status HybridOptimizer::RunEarlyPass(EarlyItem first) {
     size_t k = 0;     // chunk of its plan
     size_t slot = 0;  // grad slot
     std::unique_ptr<TransferBatch> batch;
+    size_t param_slot = 0;  // once in a round: where CPU Adam writes its new params
   };
   std::deque<GroupWork> works;     // in announcement order
   std::deque<Download> in_flight;  // in submission order: they land in this order
@@ -107,44 +110,70 @@ absl::Status HybridOptimizer::RunEarlyPass(EarlyItem first) {
     items.push_back(std::move(first));
     status = join(items);
   }
+  // Announcements made since the last look join; downloads go into the free grad slots.
+  auto refill = [&]() -> absl::Status {
+    {
+      std::deque<EarlyItem> items;
+      {
+        std::lock_guard<std::mutex> lock(early_mu_);
+        items.swap(early_queue_);
+      }
+      FERRY_RETURN_IF_ERROR(join(items));
+    }
+    while (!free_slots.empty()) {
+      const size_t i = pick();
+      if (i == kNone) break;
+      GroupWork& w = works[i];
+      const size_t slot = free_slots.back();
+      FERRY_ASSIGN_OR_RETURN(std::unique_ptr<TransferBatch> down, SubmitGradChunk(w.plan, w.next_down, slot, *w.ready));
+      TraceSubmitted(d2h_trace_, down.get());
+      free_slots.pop_back();
+      in_flight.push_back(Download{i, w.next_down, slot, std::move(down)});
+      ++w.next_down;
+    }
+    return absl::OkStatus();
+  };
+  // The last round's chunks, whose new params are not uploaded yet (and grad slots not yet free):
+  // they go while the next round runs (CPU Adam's `meanwhile`), so the workers never wait for the
+  // submissions between two rounds.
+  std::vector<Download> updated;
+  std::vector<std::vector<CopyRegion>> updated_regions;
+  auto upload_updated = [&]() -> absl::Status {
+    absl::Status s;
+    for (size_t r = 0; r < updated.size() && s.ok(); ++r) {
+      Download& d = updated[r];
+      GroupWork& w = works[d.work];
+      // The trainer's stream may still read the params until the grads are final: the upload waits.
+      absl::StatusOr<std::unique_ptr<TransferBatch>> upload = transfer_->HostToDevice(updated_regions[r], w.ready);
+      if (!upload.ok()) {
+        s = upload.status();
+        break;
+      }
+      TraceSubmitted(h2d_trace_, upload->get());
+      param_slot_upload[d.param_slot] = upload->get();
+      last_upload_ = upload->get();
+      done_batches.push_back(*std::move(upload));
+      free_slots.push_back(d.slot);  // CPU Adam has read it
+      done_batches.push_back(std::move(d.batch));
+      if (--w.left == 0) s = finish_group(w.group);
+    }
+    // On an error, the chunks not uploaded leave their groups unfinished (Settle restores them).
+    for (Download& d : updated) {
+      if (d.batch != nullptr) done_batches.push_back(std::move(d.batch));
+    }
+    updated.clear();
+    return s;
+  };
+  if (status.ok()) status = refill();
   AdamWork work;
-  std::vector<std::vector<CopyRegion>> up_regions;
+  std::vector<Download> round;
+  std::vector<std::vector<CopyRegion>> round_regions;
   while (status.ok()) {
     if (early_cancel_.load(std::memory_order_relaxed)) {
       status = absl::CancelledError("the step's early work was cancelled");
       break;
     }
-    {
-      std::deque<EarlyItem> items;  // announced since the last round
-      {
-        std::lock_guard<std::mutex> lock(early_mu_);
-        items.swap(early_queue_);
-      }
-      status = join(items);
-      if (!status.ok()) break;
-    }
-    while (!free_slots.empty() && status.ok()) {
-      const size_t i = pick();
-      if (i == kNone) break;
-      GroupWork& w = works[i];
-      const size_t slot = free_slots.back();
-      absl::StatusOr<std::unique_ptr<TransferBatch>> down = SubmitGradChunk(w.plan, w.next_down, slot, *w.ready);
-      if (!down.ok()) {
-        status = down.status();
-        break;
-      }
-      TraceSubmitted(d2h_trace_, down->get());
-      free_slots.pop_back();
-      in_flight.push_back(Download{i, w.next_down, slot, *std::move(down)});
-      ++w.next_down;
-    }
-    if (!status.ok()) break;
-    if (in_flight.empty()) {
-      std::lock_guard<std::mutex> lock(early_mu_);
-      if (early_queue_.empty()) break;  // done; a later announcement starts a new pass
-      continue;
-    }
-    // The round: every landed download (they land in submission order).
+    // This round: every landed download (they land in submission order).
     size_t landed = 0;
     while (landed < in_flight.size()) {
       const Download& d = in_flight[landed];
@@ -155,68 +184,88 @@ absl::Status HybridOptimizer::RunEarlyPass(EarlyItem first) {
     }
     if (!status.ok()) break;
     if (landed == 0) {
-      // Nothing landed yet: wait for the first download. Sleep on its announcement's event (a
-      // blocking one) rather than spin on the copy's: that wait can last the rest of the backward,
-      // and CPU Adam needs the core.
-      const Download& d = in_flight.front();
-      GroupWork& w = works[d.work];
-      if (!w.final) {
-        absl::StatusOr<bool> reached = w.ready->Query();
-        if (reached.ok() && !*reached) {
-          TraceSpan wait(tracer, "wait.grads", "optim");
-          status = w.ready->Synchronize();
-          if (!status.ok()) break;
-        }
-        w.final = true;
+      if (!updated.empty()) {
+        // Nothing to overlap the last round's submissions with: they go now.
+        status = upload_updated();
+        if (status.ok()) status = refill();
+        continue;
       }
-      TraceSpan wait(tracer, "wait.copies", "optim");
-      status = d.batch->Wait();
+      if (in_flight.empty()) {
+        std::lock_guard<std::mutex> lock(early_mu_);
+        if (early_queue_.empty()) break;  // done; a later announcement starts a new pass
+      } else {
+        // Nothing landed yet: wait for the first download. Sleep on its announcement's event (a
+        // blocking one) rather than spin on the copy's: that wait can last the rest of the backward,
+        // and CPU Adam needs the core.
+        const Download& d = in_flight.front();
+        GroupWork& w = works[d.work];
+        if (!w.final) {
+          absl::StatusOr<bool> reached = w.ready->Query();
+          if (reached.ok() && !*reached) {
+            TraceSpan wait(tracer, "wait.grads", "optim");
+            status = w.ready->Synchronize();
+            if (!status.ok()) break;
+          }
+          w.final = true;
+        }
+        TraceSpan wait(tracer, "wait.copies", "optim");
+        status = d.batch->Wait();
+        if (!status.ok()) break;
+      }
+      status = refill();
       continue;
     }
-    std::vector<size_t> param_slots(landed);
+    round.clear();
+    for (size_t r = 0; r < landed; ++r) {
+      round.push_back(std::move(in_flight.front()));
+      in_flight.pop_front();
+    }
     {
       TraceSpan wait(tracer, "wait.copies", "optim");
       for (size_t r = 0; r < landed && status.ok(); ++r) {
-        param_slots[r] = next_param_slot;
+        round[r].param_slot = next_param_slot;
         next_param_slot = (next_param_slot + 1) % num_param_slots;
-        TransferBatch* previous = param_slot_upload[param_slots[r]];
+        TransferBatch* previous = param_slot_upload[round[r].param_slot];
         if (previous != nullptr) status = previous->Wait();  // the slot is rewritten now
       }
     }
-    if (!status.ok()) break;
+    if (!status.ok()) {
+      for (Download& d : round) done_batches.push_back(std::move(d.batch));
+      break;
+    }
     work.tensors.clear();
     work.params.clear();
-    up_regions.assign(landed, {});
+    round_regions.assign(landed, {});
     for (size_t r = 0; r < landed; ++r) {
-      const Download& d = in_flight[r];
+      const Download& d = round[r];
       const GroupWork& w = works[d.work];
-      ChunkWork(w.plan.params, w.plan.chunks[d.k], grad_slots_[d.slot].as<char>(), param_slots_[param_slots[r]].as<char>(),
-                PipelineMode::kToSpare, &scalars, &steps, work, up_regions[r]);
+      ChunkWork(w.plan.params, w.plan.chunks[d.k], grad_slots_[d.slot].as<char>(), param_slots_[d.param_slot].as<char>(),
+                PipelineMode::kToSpare, &scalars, &steps, work, round_regions[r]);
     }
     TraceObserve(d2h_trace_, /*block=*/false);
     TraceObserve(h2d_trace_, /*block=*/false);
-    status = AdamRound(work, landed);
+    absl::Status submitted;
+    const std::function<void()> meanwhile = [&] {
+      submitted = upload_updated();
+      if (submitted.ok()) submitted = refill();
+    };
+    status = AdamRound(work, landed, &meanwhile);
+    if (status.ok()) status = submitted;
     TraceObserve(d2h_trace_, /*block=*/false);
     TraceObserve(h2d_trace_, /*block=*/false);
-    for (size_t r = 0; r < landed && status.ok(); ++r) {
-      Download& d = in_flight.front();
-      GroupWork& w = works[d.work];
-      // The trainer's stream may still read the params until the grads are final: the upload waits.
-      absl::StatusOr<std::unique_ptr<TransferBatch>> upload = transfer_->HostToDevice(up_regions[r], w.ready);
-      if (!upload.ok()) {
-        status = upload.status();
-        break;
-      }
-      TraceSubmitted(h2d_trace_, upload->get());
-      param_slot_upload[param_slots[r]] = upload->get();
-      last_upload_ = upload->get();
-      done_batches.push_back(*std::move(upload));
-      free_slots.push_back(d.slot);  // CPU Adam has read it
-      done_batches.push_back(std::move(d.batch));
-      in_flight.pop_front();
-      if (--w.left == 0) status = finish_group(w.group);
+    if (!status.ok()) {
+      for (Download& d : round) done_batches.push_back(std::move(d.batch));
+      break;
     }
+    // Two rounds in a row hold at most `depth` chunks (the next one's downloads went into the slots
+    // this one did not hold), so their param slots differ: this round's uploads may wait for the next
+    // round.
+    updated = std::move(round);
+    updated_regions.swap(round_regions);
+    round.clear();
   }
+  if (status.ok() && !updated.empty()) status = upload_updated();
+  for (Download& d : updated) done_batches.push_back(std::move(d.batch));
   if (span.on()) span.Arg("groups", static_cast<double>(works.size()));
   if (!status.ok()) {
     // Stopped early: downloads still in flight read the trainer's grads. They finish first.

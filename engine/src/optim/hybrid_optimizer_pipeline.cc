@@ -93,7 +93,7 @@ void HybridOptimizer::ChunkWork(const std::vector<size_t>& params, const ChunkPl
   }
 }
 
-absl::Status HybridOptimizer::AdamRound(const AdamWork& work, size_t chunks) {
+absl::Status HybridOptimizer::AdamRound(const AdamWork& work, size_t chunks, const std::function<void()>* meanwhile) {
   Tracer* const tracer = options_.tracer;
   if (fence_ != nullptr && !fence_->all_released()) {
     // A checkpoint still reads some offloaded state in place: the state of these chunks' params is
@@ -114,7 +114,9 @@ absl::Status HybridOptimizer::AdamRound(const AdamWork& work, size_t chunks) {
     round.Arg("elements", elements);
     round.Arg("bytes", bytes);
   }
-  return cpu_adam_.Step(work.tensors);
+  CpuAdamStepOptions options;
+  options.meanwhile = meanwhile;
+  return cpu_adam_.Step(work.tensors, options).status();
 }
 
 // The pipeline over grad chunks, `depth` = number of staging slots:
