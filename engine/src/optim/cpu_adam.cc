@@ -58,7 +58,14 @@ using cpu_adam_internal::AdamRangeFn;
 
 // Tasks per participating thread: a few, so a thread slowed by something else does not hold up the
 // step (tasks are claimed as threads become free).
-constexpr int64_t kTasksPerThread = 4;
+int64_t TasksPerThread() {
+  static const int64_t n = [] {
+    const char* e = std::getenv("FERRY_EXP_TASKS");
+    return e != nullptr ? std::max<int64_t>(1, std::atoll(e)) : int64_t{4};
+  }();
+  return n;
+}
+#define kTasksPerThread TasksPerThread()
 
 // The floating-point environment the kernels need, for the lifetime of the guard: round to nearest,
 // all exceptions masked, no flush-to-zero, no denormals-are-zero (a trainer may have set FTZ/DAZ on its
@@ -180,6 +187,7 @@ CpuAdam::CpuAdam(ThreadPool* pool, int64_t block_elements)
 
 CpuAdam::CpuAdam(ThreadPool* pool, const CpuAdamOptions& options)
     : pool_(pool), block_elements_(options.block_elements > 0 ? options.block_elements : (1 << 16)) {
+  if (const char* e = std::getenv("FERRY_EXP_BLOCK"); e != nullptr) block_elements_ = std::atoll(e);
   absl::StatusOr<CpuAdamIsa> isa = ResolveIsa(options.isa);
   if (isa.ok()) {
     isa_ = *isa;
