@@ -13,17 +13,19 @@ all-GPU iteration of the same model in the same run:
 Beside each offloaded row, its bound: the offloaded step measured alone (the GPU idle, the grads
 ready: CPU Adam and the copies). When that bound exceeds forward + backward (also measured alone),
 no overlap can bring the iteration down to the all-GPU one: the row says which case it is. With
-overlap the CPU work can start only when the first block's grads are final, and the next forward
-needs the first block's params, updated last: an overlapped iteration takes at least about
-forward + one block's backward + the step alone.
+overlap the CPU work can start only when the first announced group's grads are final (the head's,
+after the forward and the head's backward), and with deferred steps the work left when the backward
+ends runs beside the next forward: a CPU-bound overlapped iteration takes about the step alone plus
+the time CPU Adam has nothing to do (the forward to the first group's grads).
 
     python3 samples/python/bench_train.py                        # the 735M model (dim 2048, 12 blocks)
     python3 samples/python/bench_train.py --size all             # small, medium and large
     python3 samples/python/bench_train.py --check-exact          # losses bit-identical across rows
     python3 samples/python/bench_train.py --device cpu --size tiny --steps 2   # smoke (host backend)
 
-Each ferry group is one transformer block (plus one group for the embeddings, the head and the final
-norm). A benchmark, not a test: it asserts nothing about time; --check-exact exits non-zero when the
+Ferry's groups (--groups split, the default): the embeddings, one group per transformer block, and
+the final norm with the head, 14 groups at 735M; --groups joined puts the embeddings with the head
+(their grads are final last, so CPU Adam starts one block's backward later). A benchmark, not a test: it asserts nothing about time; --check-exact exits non-zero when the
 losses of the fp32 Ferry rows differ in any bit.
 """
 import argparse
