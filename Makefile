@@ -81,7 +81,7 @@ asan: deps
 tsan: deps
 	$(CONFIGURE) -B build-tsan $(TSAN_ARGS) $(CMAKE_ARGS)
 	cmake --build build-tsan -j$(JOBS)
-	TSAN_OPTIONS=$${TSAN_OPTIONS:-halt_on_error=1:second_deadlock_stack=1} \
+	TSAN_OPTIONS=$${TSAN_OPTIONS:-halt_on_error=1:second_deadlock_stack=1:history_size=7:suppressions=$(CURDIR)/tests/tsan.supp} \
 	$(CTEST) --test-dir build-tsan
 
 gpu-test: deps
