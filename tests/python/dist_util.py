@@ -7,9 +7,10 @@ Bounded: the whole group gets `timeout` seconds; a rank still running then is ki
 fails naming it (a hang fails, it never blocks CI). Children end with os._exit after reporting, so
 no process-group teardown can hang either.
 
-fork (not spawn): the children inherit the imported torch and ferry (importing torch costs seconds
-per process on CI's 2 cores). The parent must not have created a ferry engine or joined a process
-group before forking: tests that use this module do all their ferry work in the children.
+spawn (not fork: a fork of a process whose earlier tests started threads can crash). The parent
+must not have joined a process group: tests that use this module do all their ferry work in the
+children. A rank dies with its parent (PR_SET_PDEATHSIG): a runner killed by its timeout leaves no
+rank running to slow what comes after it.
 """
 import datetime
 import multiprocessing
@@ -21,7 +22,20 @@ import time
 import traceback
 
 
-def _child(fn, rank, world, store, out, args):
+def _die_with_parent(parent):
+    """Linux: SIGKILL this process when its parent exits (a killed test runner)."""
+    try:
+        import ctypes
+        import signal
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the parent was gone before prctl took effect
+        os._exit(5)
+
+
+def _child(fn, rank, world, store, out, args, parent):
+    _die_with_parent(parent)
     code = 0
     try:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -49,7 +63,8 @@ def run_ranks(world, fn, *args, timeout=60.0):
     tmp = tempfile.mkdtemp(prefix="ferry-dist-")
     try:
         ctx = multiprocessing.get_context("spawn")  # a fork of a process with threads (earlier suites) can crash
-        procs = [ctx.Process(target=_child, args=(fn, r, world, os.path.join(tmp, "store"), tmp, args), daemon=True)
+        procs = [ctx.Process(target=_child, args=(fn, r, world, os.path.join(tmp, "store"), tmp, args, os.getpid()),
+                             daemon=True)
                  for r in range(world)]
         for p in procs:
             p.start()
