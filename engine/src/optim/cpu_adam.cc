@@ -309,6 +309,12 @@ void RunTask(absl::Span<const CpuAdamTensor> tensors, absl::Span<const AdamScala
 
 }  // namespace
 
+int64_t CpuAdam::NumTasks(int64_t total) const {
+  const int64_t participants = static_cast<int64_t>(pool_->num_threads()) + 1;
+  return std::max<int64_t>(1, std::min((total + block_elements_ - 1) / block_elements_,
+                                       kTasksPerThread * participants));
+}
+
 absl::Status CpuAdam::Run(absl::Span<const CpuAdamTensor> tensors, absl::Span<const AdamScalars> scalars,
                           const std::function<void()>* meanwhile) {
   // Work is the tensors' elements laid end to end, cut into equal contiguous ranges: each thread walks
@@ -320,9 +326,7 @@ absl::Status CpuAdam::Run(absl::Span<const CpuAdamTensor> tensors, absl::Span<co
     if (meanwhile != nullptr) (*meanwhile)();
     return absl::OkStatus();
   }
-  const int64_t participants = static_cast<int64_t>(pool_->num_threads()) + 1;
-  const int64_t num_tasks = std::max<int64_t>(
-      1, std::min((total + block_elements_ - 1) / block_elements_, kTasksPerThread * participants));
+  const int64_t num_tasks = NumTasks(total);
   const AdamRangeFn range_fn = RangeFn(isa_);
   if (tracer_ != nullptr) return RunTraced(tensors, scalars, ends, total, num_tasks, range_fn, meanwhile);
   pool_->ParallelFor(
@@ -410,9 +414,7 @@ absl::StatusOr<GradStats> CpuAdam::ComputeGradStats(absl::Span<const CpuGradTens
   }
   // The sum is exact (base/exact_sum.h), so any split gives the same bits: tasks take equal contiguous
   // ranges of the tensors laid end to end, each sums its own, and the partial sums are added in any order.
-  const int64_t participants = static_cast<int64_t>(pool_->num_threads()) + 1;
-  const int64_t num_tasks = std::max<int64_t>(
-      1, std::min((total + block_elements_ - 1) / block_elements_, kTasksPerThread * participants));
+  const int64_t num_tasks = NumTasks(total);
   std::vector<ExactSumSq> sums(static_cast<size_t>(num_tasks));
   std::vector<uint8_t> found_inf(static_cast<size_t>(num_tasks), 0);
   if (total > 0) {

@@ -156,6 +156,9 @@ class CpuAdam final {
                          const std::vector<int64_t>& ends, int64_t total, int64_t num_tasks,
                          void (*range_fn)(const CpuAdamTensor&, const AdamScalars&, int64_t, int64_t),
                          const std::function<void()>* meanwhile);
+  // How many tasks `total` elements are cut into: kTasksPerThread per participating thread (the pool's
+  // and the caller), none smaller than a block, at least one.
+  int64_t NumTasks(int64_t total) const;
 
   ThreadPool* pool_;
   int64_t block_elements_;
