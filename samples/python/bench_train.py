@@ -25,8 +25,9 @@ the time CPU Adam has nothing to do (the forward to the first group's grads).
 
 Ferry's groups (--groups split, the default): the embeddings, one group per transformer block, and
 the final norm with the head, 14 groups at 735M; --groups joined puts the embeddings with the head
-(their grads are final last, so CPU Adam starts one block's backward later). A benchmark, not a test: it asserts nothing about time; --check-exact exits non-zero when the
-losses of the fp32 Ferry rows differ in any bit.
+(their grads are final last, so CPU Adam starts one block's backward later). A benchmark, not a
+test: it asserts nothing about time; --check-exact exits non-zero when the losses of the fp32 Ferry
+rows differ in any bit.
 """
 import argparse
 import gc
