@@ -174,9 +174,8 @@ absl::Status HybridOptimizer::Init(std::vector<OptimParam> params, std::vector<O
     }
     const size_t param_slot_bytes = chunk_bytes * ratio;
     const size_t slots = std::min(depth, full_plan_.chunks.size());
-    // Twice as many param slots as grad slots: the early pass (RunEarlyPass) fills `slots` of them per
-    // round, and the uploads of the round before still read the others (the in-place pipeline uses
-    // the first `slots`).
+    // Twice as many param slots as grad slots: a round (RunPipeline, RunEarlyPass) fills up to `slots`
+    // of them, and the uploads of the round before still read the others.
     const size_t param_slots = 2 * slots;
     arena_bytes += slots * AlignUp(chunk_bytes, kStageAlign) + param_slots * AlignUp(param_slot_bytes, kStageAlign) +
                    4 * kStageAlign;

@@ -119,12 +119,16 @@ absl::Status HybridOptimizer::AdamRound(const AdamWork& work, size_t chunks, con
   return cpu_adam_.Step(work.tensors, options).status();
 }
 
-// The pipeline over grad chunks, `depth` = number of staging slots:
-//   D2H of chunk k+depth-1 | CPU Adam on chunk k | H2D of chunk k-1, all in flight at once.
-// Chunk k's grads land in grad slot k % depth; CPU Adam writes its new params into param slot k % depth,
-// which the H2D of chunk k reads. A grad slot is refilled once CPU Adam has read it; a param slot is
-// rewritten only after the H2D that read it completed. kRestoreParams copies no grads: each chunk's
-// params are the masters rounded to the params' dtype.
+// The pipeline over grad chunks, `depth` = number of grad slots:
+//   D2H of chunks up to k+depth-1 | CPU Adam on chunks k.. (a round) | H2D of the round before.
+// Chunk k's grads land in grad slot k % depth; CPU Adam writes its new params into param slot
+// k % (2 * depth), which the H2D of chunk k reads. A round takes every chunk that has landed (at most
+// `depth`). While its workers compute, the calling thread (CPU Adam's `meanwhile`) submits the round
+// before's uploads and the downloads into the grad slots that round freed, so the workers do not wait
+// for those submissions between rounds (as in RunEarlyPass). Two rounds in a row hold at most
+// 2 * depth chunks, so their param slots differ; a param slot is rewritten only after the H2D that
+// read it completed. kRestoreParams copies no grads: each chunk's params are the masters rounded to
+// the params' dtype.
 absl::Status HybridOptimizer::RunPipeline(const PipelineRun& run) {
   const PipelinePlan& plan = *run.plan;
   if (plan.params.empty()) return absl::OkStatus();
@@ -134,17 +138,17 @@ absl::Status HybridOptimizer::RunPipeline(const PipelineRun& run) {
   const bool with_grads = run.mode != PipelineMode::kRestoreParams;
   const size_t num_chunks = plan.chunks.size();
   const size_t depth = grad_slots_.size();
+  const size_t num_param_slots = param_slots_.size();
+  FERRY_CHECK(num_param_slots >= 2 * depth) << "the pipeline needs two param slots per grad slot";
   std::vector<std::unique_ptr<TransferBatch>> down(num_chunks), up(num_chunks);
+  auto submit_down = [&](size_t j) -> absl::Status {
+    FERRY_ASSIGN_OR_RETURN(std::unique_ptr<TransferBatch> batch, SubmitGradChunk(plan, j, j % depth, *run.ready));
+    down[j] = std::move(batch);
+    TraceSubmitted(d2h_trace_, down[j].get());
+    return absl::OkStatus();
+  };
   absl::Status status;
-  for (size_t k = 0; with_grads && k < std::min(depth, num_chunks); ++k) {
-    absl::StatusOr<std::unique_ptr<TransferBatch>> first = SubmitGradChunk(plan, k, k % depth, *run.ready);
-    if (!first.ok()) {
-      status = first.status();
-      break;
-    }
-    down[k] = *std::move(first);
-    TraceSubmitted(d2h_trace_, down[k].get());
-  }
+  for (size_t k = 0; with_grads && k < std::min(depth, num_chunks) && status.ok(); ++k) status = submit_down(k);
   Tracer* const tracer = options_.tracer;
   // A batch done without blocking: its events complete in stream order, so its last chunk tells.
   auto done = [](TransferBatch* batch) {
@@ -153,32 +157,60 @@ absl::Status HybridOptimizer::RunPipeline(const PipelineRun& run) {
     absl::StatusOr<bool> d = batch->ChunkDone(batch->num_chunks() - 1);
     return d.ok() && *d;
   };
+  // The round before's chunks [updated_begin, updated_end): their params go up, and their grad slots
+  // take the next downloads.
+  size_t updated_begin = 0, updated_end = 0;
+  std::vector<std::vector<CopyRegion>> regions(depth), updated_regions(depth);
+  auto upload_updated = [&]() -> absl::Status {
+    for (; updated_begin < updated_end; ++updated_begin) {
+      const size_t j = updated_begin;
+      // The trainer's stream may still read the params until the grads are ready: the upload waits.
+      FERRY_ASSIGN_OR_RETURN(std::unique_ptr<TransferBatch> upload,
+                             transfer_->HostToDevice(updated_regions[j % depth], run.ready));
+      up[j] = std::move(upload);
+      TraceSubmitted(h2d_trace_, up[j].get());
+      for (const ChunkPiece& piece : plan.chunks[j].pieces) group_upload_[params_[plan.params[piece.region]].group] = up[j].get();
+      last_upload_ = up[j].get();
+      if (with_grads && j + depth < num_chunks) FERRY_RETURN_IF_ERROR(submit_down(j + depth));
+    }
+    return absl::OkStatus();
+  };
   AdamWork work;
-  std::vector<std::vector<CopyRegion>> regions(depth);
   size_t k = 0;
   while (k < num_chunks && status.ok()) {
+    if (with_grads && down[k] == nullptr) {
+      // Its grad slot is the round before's (that round took every slot): nothing to overlap that
+      // round's submissions with, so they go now.
+      status = upload_updated();
+      FERRY_CHECK(!status.ok() || down[k] != nullptr) << "chunk " << k << "'s download was never submitted";
+      continue;
+    }
     {
       TraceSpan wait(tracer, "wait.copies", "optim");
       if (with_grads) status = down[k]->Wait();
-      if (status.ok() && k >= depth) status = up[k - depth]->Wait();  // its param slot is rewritten now
+      // Its param slot is rewritten now (the chunk that used it is two rounds back, uploaded).
+      if (status.ok() && k >= num_param_slots) status = up[k - num_param_slots]->Wait();
     }
     if (!status.ok()) break;
     // Every further chunk that has already landed (and whose param slot is free) joins this round, so
     // CPU Adam runs as few parallel sections as the copies allow.
     size_t end = k + 1;
     while (end < num_chunks && end < k + depth && (!with_grads || done(down[end].get())) &&
-           (end < depth || done(up[end - depth].get()))) {
+           (end < num_param_slots || done(up[end - num_param_slots].get()))) {
       ++end;
     }
     work.tensors.clear();
     work.params.clear();
     for (size_t j = k; j < end; ++j) {
-      regions[j - k].clear();
-      ChunkWork(plan.params, plan.chunks[j], grad_slots_[j % depth].as<char>(), param_slots_[j % depth].as<char>(),
-                run.mode, run.scalars, /*steps=*/nullptr, work, regions[j - k]);
+      regions[j % depth].clear();
+      ChunkWork(plan.params, plan.chunks[j], grad_slots_[j % depth].as<char>(),
+                param_slots_[j % num_param_slots].as<char>(), run.mode, run.scalars, /*steps=*/nullptr, work,
+                regions[j % depth]);
     }
     TraceObserve(d2h_trace_, /*block=*/false);
     TraceObserve(h2d_trace_, /*block=*/false);
+    absl::Status submitted;
+    const std::function<void()> meanwhile = [&] { submitted = upload_updated(); };
     if (!with_grads) {
       // The params from the masters: the same rounding as every update's param output.
       pool_->ParallelFor(work.tensors.size(), [&](size_t i) {
@@ -187,40 +219,27 @@ absl::Status HybridOptimizer::RunPipeline(const PipelineRun& run) {
           const size_t el = static_cast<size_t>(e);
           StoreFromF32(t.param, t.param_dtype, el, LoadAsF32(t.master, t.state.master, el));
         }
-      });
+      }, &meanwhile);
     } else {
-      status = AdamRound(work, end - k);
+      status = AdamRound(work, end - k, &meanwhile);
     }
+    if (status.ok()) status = submitted;
+    // A round that returned before its `meanwhile` ran leaves the round before's submissions.
+    if (status.ok()) status = upload_updated();
     TraceObserve(d2h_trace_, /*block=*/false);
     TraceObserve(h2d_trace_, /*block=*/false);
-    for (size_t j = k; j < end && status.ok(); ++j) {
-      // The trainer's stream may still read the params until the grads are ready: the upload waits.
-      absl::StatusOr<std::unique_ptr<TransferBatch>> upload = transfer_->HostToDevice(regions[j - k], run.ready);
-      if (!upload.ok()) {
-        status = upload.status();
-        break;
-      }
-      up[j] = *std::move(upload);
-      TraceSubmitted(h2d_trace_, up[j].get());
-      for (const ChunkPiece& piece : plan.chunks[j].pieces) group_upload_[params_[plan.params[piece.region]].group] = up[j].get();
-      last_upload_ = up[j].get();
-      if (with_grads && j + depth < num_chunks) {
-        absl::StatusOr<std::unique_ptr<TransferBatch>> next = SubmitGradChunk(plan, j + depth, (j + depth) % depth, *run.ready);
-        if (!next.ok()) {
-          status = next.status();
-          break;
-        }
-        down[j + depth] = *std::move(next);
-        TraceSubmitted(d2h_trace_, down[j + depth].get());
-      }
-    }
+    if (!status.ok()) break;
+    updated_begin = k;
+    updated_end = end;
+    regions.swap(updated_regions);
     k = end;
   }
+  if (status.ok()) status = upload_updated();
   if (!status.ok()) {
     // Stopped early: grad copies still in flight read the trainer's grads, which it may change once
     // the step returns. They finish first (at most `depth` chunks).
-    for (size_t j = k; j < num_chunks; ++j) {
-      if (down[j] != nullptr) (void)down[j]->Wait();
+    for (auto& batch : down) {
+      if (batch != nullptr) (void)batch->Wait();
     }
   }
   // Everything submitted stays alive until it completed (WaitPending at the next call).
