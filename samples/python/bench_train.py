@@ -143,6 +143,8 @@ def make_optimizer(row, model, args):
     extra = {"policy": row["policy"], "policy_args": row.get("policy_args"), "trace_path": args.trace or ""}
     if args.cpu_threads:
         extra["cpu_threads"] = args.cpu_threads
+    if args.chunk_bytes:
+        extra["transfer_chunk_bytes"] = args.chunk_bytes
     announcer = None
     if has_overlap_option():
         extra["overlap"] = row.get("overlap", False)
@@ -304,6 +306,8 @@ def main():
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--rows", default="", help="comma-separated row indices (default: all)")
     ap.add_argument("--cpu-threads", type=int, default=0, help="ferry's CPU Adam threads (0: its default)")
+    ap.add_argument("--chunk-bytes", type=int, default=0,
+                    help="ferry's transfer_chunk_bytes: grads per pipeline chunk (0: its default, 8 MiB)")
     ap.add_argument("--no-attach", action="store_true",
                     help="overlap rows without opt.attach(model): the next forward waits for every upload")
     ap.add_argument("--groups", default="split", choices=["split", "joined"],
