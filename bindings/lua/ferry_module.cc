@@ -1,6 +1,5 @@
 #include "lua/ferry_module.h"
 
-#include <cmath>
 #include <cstring>
 #include <initializer_list>
 #include <map>
@@ -16,146 +15,21 @@
 #include "ferry/engine.h"
 #include "ferry/status.h"
 #include "ferry/version.h"
+#include "lua/lua_tensor.h"
 
 namespace ferry {
 namespace {
 
-constexpr char kTensorMeta[] = "ferry.Tensor";
 constexpr char kEngineMeta[] = "ferry.Engine";
-
-// The device the module's tensors live on: one per process, chosen like the engine's (FERRY_DEVICE).
-std::unique_ptr<Device>& ModuleDeviceSlot() {
-  static auto* device = new std::unique_ptr<Device>();  // released by CloseFerryModule, never at exit
-  return *device;
-}
-
-Device* ModuleDevice(lua_State* L) {
-  std::unique_ptr<Device>& device = ModuleDeviceSlot();
-  if (device == nullptr) {
-    absl::StatusOr<std::unique_ptr<Device>> d = CreateDevice();
-    if (!d.ok()) {
-      std::string msg = std::string(d.status().message());
-      luaL_error(L, "ferry: cannot open a device: %s", msg.c_str());
-    }
-    device = *std::move(d);
-  }
-  return device.get();
-}
-
-[[noreturn]] void RaiseStatus(lua_State* L, const absl::Status& s) {
-  lua_pushstring(L, std::string(s.message()).c_str());
-  lua_error(L);
-  __builtin_unreachable();
-}
-
-struct Tensor {
-  DeviceBuffer buffer;
-  DType dtype = DType::kF32;
-  int64_t numel = 0;
-};
 
 struct EngineBox {
   std::unique_ptr<Engine> engine;
 };
 
-Tensor* CheckTensor(lua_State* L, int idx) { return static_cast<Tensor*>(luaL_checkudata(L, idx, kTensorMeta)); }
-
 Engine* CheckEngine(lua_State* L, int idx) {
   auto* box = static_cast<EngineBox*>(luaL_checkudata(L, idx, kEngineMeta));
   if (box->engine == nullptr) luaL_error(L, "ferry: the engine was closed");
   return box->engine.get();
-}
-
-DType CheckDType(lua_State* L, int idx) {
-  const char* name = luaL_checkstring(L, idx);
-  absl::StatusOr<DType> t = ParseDType(name);
-  if (!t.ok()) RaiseStatus(L, t.status());
-  return *t;
-}
-
-// ferry.tensor(dtype, numel): device memory, zero-filled.
-int LTensor(lua_State* L) {
-  DType dtype = CheckDType(L, 1);
-  lua_Number n = luaL_checknumber(L, 2);
-  if (!(n >= 1) || n != std::floor(n) || n > 1e12) luaL_error(L, "ferry.tensor: numel must be a positive integer, got %f", n);
-  Device* device = ModuleDevice(L);
-  auto* t = static_cast<Tensor*>(lua_newuserdata(L, sizeof(Tensor)));
-  new (t) Tensor();
-  luaL_getmetatable(L, kTensorMeta);
-  lua_setmetatable(L, -2);
-  t->dtype = dtype;
-  t->numel = static_cast<int64_t>(n);
-  const size_t bytes = static_cast<size_t>(t->numel) * DTypeSize(dtype);
-  absl::StatusOr<DeviceBuffer> buf = device->Allocate(bytes);
-  if (!buf.ok()) RaiseStatus(L, buf.status());
-  t->buffer = *std::move(buf);
-  std::vector<char> zeros(bytes, 0);
-  absl::Status s = device->Copy(t->buffer.data(), zeros.data(), bytes, CopyKind::kHostToDevice);
-  if (!s.ok()) RaiseStatus(L, s);
-  return 1;
-}
-
-int LTensorGc(lua_State* L) {
-  auto* t = static_cast<Tensor*>(luaL_checkudata(L, 1, kTensorMeta));
-  t->~Tensor();
-  return 0;
-}
-
-// t:upload(values): a Lua array of numbers, rounded to the tensor's dtype.
-int LTensorUpload(lua_State* L) {
-  Tensor* t = CheckTensor(L, 1);
-  luaL_checktype(L, 2, LUA_TTABLE);
-  const size_t n = lua_objlen(L, 2);
-  if (static_cast<int64_t>(n) != t->numel) {
-    luaL_error(L, "tensor:upload: got %d values for a tensor of %d elements", static_cast<int>(n), static_cast<int>(t->numel));
-  }
-  std::vector<char> host(static_cast<size_t>(t->numel) * DTypeSize(t->dtype));
-  for (size_t i = 0; i < n; ++i) {
-    lua_rawgeti(L, 2, static_cast<int>(i + 1));
-    if (!lua_isnumber(L, -1)) luaL_error(L, "tensor:upload: element %d is not a number", static_cast<int>(i + 1));
-    StoreFromF32(host.data(), t->dtype, i, static_cast<float>(lua_tonumber(L, -1)));
-    lua_pop(L, 1);
-  }
-  absl::Status s = ModuleDevice(L)->Copy(t->buffer.data(), host.data(), host.size(), CopyKind::kHostToDevice);
-  if (!s.ok()) RaiseStatus(L, s);
-  return 0;
-}
-
-std::vector<char> Download(lua_State* L, Tensor* t) {
-  std::vector<char> host(static_cast<size_t>(t->numel) * DTypeSize(t->dtype));
-  absl::Status s = ModuleDevice(L)->Copy(host.data(), t->buffer.data(), host.size(), CopyKind::kDeviceToHost);
-  if (!s.ok()) RaiseStatus(L, s);
-  return host;
-}
-
-// t:download() -> array of numbers.
-int LTensorDownload(lua_State* L) {
-  Tensor* t = CheckTensor(L, 1);
-  std::vector<char> host = Download(L, t);
-  lua_createtable(L, static_cast<int>(t->numel), 0);
-  for (int64_t i = 0; i < t->numel; ++i) {
-    lua_pushnumber(L, LoadAsF32(host.data(), t->dtype, static_cast<size_t>(i)));
-    lua_rawseti(L, -2, static_cast<int>(i + 1));
-  }
-  return 1;
-}
-
-// t:raw() -> the tensor's bytes as a string (for bit-exact comparisons).
-int LTensorRaw(lua_State* L) {
-  Tensor* t = CheckTensor(L, 1);
-  std::vector<char> host = Download(L, t);
-  lua_pushlstring(L, host.data(), host.size());
-  return 1;
-}
-
-int LTensorNumel(lua_State* L) {
-  lua_pushnumber(L, static_cast<lua_Number>(CheckTensor(L, 1)->numel));
-  return 1;
-}
-
-int LTensorDType(lua_State* L) {
-  lua_pushstring(L, std::string(DTypeName(CheckTensor(L, 1)->dtype)).c_str());
-  return 1;
 }
 
 // Field helpers for option tables.
@@ -266,8 +140,8 @@ int LEngineAddParam(lua_State* L) {
     }
   }
   lua_pop(L, 1);
-  Tensor* param = nullptr;
-  Tensor* grad = nullptr;
+  LuaTensor* param = nullptr;
+  LuaTensor* grad = nullptr;
   lua_getfield(L, 2, "param");
   if (!lua_isnil(L, -1)) param = CheckTensor(L, -1);
   lua_getfield(L, 2, "grad");
@@ -552,34 +426,9 @@ int LEngineStats(lua_State* L) {
   return 1;
 }
 
-int LBackend(lua_State* L) {
-  lua_pushstring(L, std::string(BackendName(ModuleDevice(L)->backend())).c_str());
-  return 1;
-}
-
-int LDeviceName(lua_State* L) {
-  lua_pushstring(L, ModuleDevice(L)->name().c_str());
-  return 1;
-}
-
-void NewMeta(lua_State* L, const char* name, const luaL_Reg* methods, lua_CFunction gc) {
-  luaL_newmetatable(L, name);
-  lua_newtable(L);
-  luaL_register(L, nullptr, methods);
-  lua_setfield(L, -2, "__index");
-  lua_pushcfunction(L, gc);
-  lua_setfield(L, -2, "__gc");
-  lua_pushstring(L, name);
-  lua_setfield(L, -2, "__metatable");
-  lua_pop(L, 1);
-}
-
 }  // namespace
 
 int OpenFerryModule(lua_State* L) {
-  static const luaL_Reg tensor_methods[] = {{"upload", LTensorUpload},   {"download", LTensorDownload},
-                                            {"raw", LTensorRaw},         {"numel", LTensorNumel},
-                                            {"dtype", LTensorDType},     {nullptr, nullptr}};
   static const luaL_Reg engine_methods[] = {
       {"add_param", LEngineAddParam}, {"finalize", LEngineFinalize}, {"step", LEngineStep},
       {"save", LEngineSave},          {"load", LEngineLoad},         {"sync_from_model", LEngineSync},
@@ -591,8 +440,8 @@ int OpenFerryModule(lua_State* L) {
   static const luaL_Reg functions[] = {{"tensor", LTensor},         {"engine", LEngine},
                                        {"backend", LBackend},       {"device_name", LDeviceName},
                                        {nullptr, nullptr}};
-  NewMeta(L, kTensorMeta, tensor_methods, LTensorGc);
-  NewMeta(L, kEngineMeta, engine_methods, LEngineGc);
+  RegisterTensorType(L);
+  NewLuaType(L, kEngineMeta, engine_methods, LEngineGc);
   lua_newtable(L);
   luaL_register(L, nullptr, functions);
   lua_pushstring(L, FERRY_VERSION_STRING);
@@ -600,7 +449,7 @@ int OpenFerryModule(lua_State* L) {
   return 1;
 }
 
-void CloseFerryModule() { ModuleDeviceSlot().reset(); }
+void CloseFerryModule() { CloseModuleDevice(); }
 
 void InstallFerryModule(lua_State* L, const std::string& script_dir) {
   OpenFerryModule(L);
