@@ -385,8 +385,9 @@ class HybridOptimizer final {
 
   // Offloaded params in pipeline order, the chunks of their grads (a plan over the concatenation of
   // their grad tensors), and the pinned staging ring: `pipeline_depth` grad slots of chunk_bytes and
-  // twice as many param slots (the in-place pipeline uses the first half, the early pass all). Host memory per offloaded param is its state (12 bytes of fp32 state, 8 with
-  // bf16 moments, 6 all bf16); the staging is a constant.
+  // twice as many param slots (both pipelines take them in turn, so two rounds in a row never share
+  // one). Host memory per offloaded param is its state (12 bytes of fp32 state, 8 with bf16 moments,
+  // 6 all bf16); the staging is a constant.
   PipelinePlan full_plan_;             // every offloaded param
   std::vector<HostSpan> grad_slots_;
   std::vector<HostSpan> param_slots_;
