@@ -207,10 +207,14 @@ TEST(PinnedArenaTest, RegistrationFailureAboveTheMemlockLimitBlamesTheDevice) {
 
 TEST(PinnedArenaTest, EverySpanIsAlignedAndInside) {
   FakeDevice device;
-  std::unique_ptr<PinnedArena> arena = MakeArena(&device, 1 << 20);
+  // Room for every span at its worst padding (200 x (3000 + 64 KiB)): random alignments of up to
+  // 64 KiB once exhausted a 1 MiB arena.
+  std::unique_ptr<PinnedArena> arena = MakeArena(&device, 16 << 20);
   ASSERT_NE(arena, nullptr);
   const auto base = reinterpret_cast<uintptr_t>(arena->base());
-  std::mt19937_64 rng(std::random_device{}());
+  const uint64_t seed = std::random_device{}();
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  std::mt19937_64 rng(seed);
   std::vector<HostSpan> spans;
   for (int i = 0; i < 200; ++i) {
     const size_t alignment = i % 3 == 0 ? 0 : size_t{1} << (rng() % 17);  // 0 = default 256
