@@ -145,6 +145,90 @@ TEST(ThreadPool, DestructorRunsEverythingScheduled) {
   }
 }
 
+// Post returns before its tasks have run; batches posted back to back (joined in either order, or by
+// the handle's destructor) run every index exactly once, and each batch's plain writes are visible
+// once it is joined.
+TEST(ThreadPool, PostedBatchesRunEveryIndexOnceInAnyJoinOrder) {
+  for (int64_t spin : kSpins) {
+  for (size_t threads : kThreadCounts) {
+    ThreadPool pool(threads, spin);
+    for (int order = 0; order < 3; ++order) {
+      SCOPED_TRACE(testing::Message() << threads << " threads, spin " << spin << ", join order " << order);
+      constexpr size_t kBatches = 4;
+      const size_t sizes[kBatches] = {1, 65, 1000, 7};
+      std::vector<std::vector<uint64_t>> results(kBatches);
+      std::vector<std::vector<std::atomic<int>>> runs(kBatches);
+      std::vector<ThreadPool::Pending> pending;
+      for (size_t b = 0; b < kBatches; ++b) {
+        results[b].assign(sizes[b], 0);
+        runs[b] = std::vector<std::atomic<int>>(sizes[b]);
+        pending.push_back(pool.Post(sizes[b], [&results, &runs, b](size_t i) {
+          runs[b][i].fetch_add(1, std::memory_order_relaxed);
+          results[b][i] = (b + 1) * 1000003 + i;
+        }));
+        EXPECT_FALSE(pending.back().empty());
+      }
+      auto check = [&](size_t b) {
+        size_t wrong = 0;
+        for (size_t i = 0; i < sizes[b]; ++i) {
+          wrong += runs[b][i].load() != 1 || results[b][i] != (b + 1) * 1000003 + i;
+        }
+        EXPECT_EQ(wrong, 0u) << "batch " << b;
+      };
+      if (order == 0) {
+        for (size_t b = 0; b < kBatches; ++b) {
+          pending[b].Join();
+          check(b);
+        }
+      } else if (order == 1) {
+        for (size_t b = kBatches; b-- > 0;) {
+          pending[b].Join();
+          check(b);
+        }
+      } else {
+        pending.clear();  // the destructors join
+        for (size_t b = 0; b < kBatches; ++b) check(b);
+      }
+      for (ThreadPool::Pending& p : pending) {
+        p.Join();  // joined twice: a no-op
+        EXPECT_TRUE(p.empty());
+        EXPECT_FALSE(p.RunOne());
+      }
+    }
+    EXPECT_TRUE(pool.Post(0, [](size_t) { ADD_FAILURE() << "a task of an empty batch ran"; }).empty());
+  }
+  }
+}
+
+// The caller's RunOne takes tasks of its own batch; Join, while the batch's last task still runs on a
+// worker, runs the tasks of batches posted after it on the calling thread. Deterministic: the only
+// worker holds batch A's one task until batch B's last task lets it go, and nobody else runs B.
+TEST(ThreadPool, JoinRunsLaterBatchesWhileItsLastTaskRuns) {
+  ThreadPool pool(1, /*spin_us=*/100);
+  std::atomic<bool> started{false};
+  std::atomic<bool> release{false};
+  ThreadPool::Pending a = pool.Post(1, [&](size_t) {
+    started.store(true);
+    while (!release.load()) std::this_thread::yield();
+  });
+  while (!started.load()) std::this_thread::yield();  // the worker holds A's task
+  constexpr size_t kTasks = 50;
+  const std::thread::id caller = std::this_thread::get_id();
+  std::atomic<size_t> by_caller{0};
+  std::atomic<size_t> done{0};
+  ThreadPool::Pending b = pool.Post(kTasks, [&](size_t) {
+    if (std::this_thread::get_id() == caller) by_caller.fetch_add(1);
+    if (done.fetch_add(1) + 1 == kTasks) release.store(true);
+  });
+  EXPECT_TRUE(b.RunOne());  // one of B's tasks, here
+  EXPECT_EQ(by_caller.load(), 1u);
+  a.Join();  // returns once A's task ends, which needs every task of B: the caller ran them
+  EXPECT_EQ(by_caller.load(), kTasks);
+  EXPECT_FALSE(b.RunOne());
+  b.Join();
+  EXPECT_EQ(done.load(), kTasks);
+}
+
 TEST(ThreadPool, DefaultThreadsIsUsable) {
   const size_t n = ThreadPool::DefaultThreads();
   EXPECT_GE(n, 1u);

@@ -322,7 +322,12 @@ Scenario MakeScenario(uint64_t seed, int steps, bool nonfinite_grads) {
   return s;
 }
 
-std::vector<std::vector<uint8_t>> RunScenario(Scenario s, CpuAdamIsa isa, size_t threads, int64_t block) {
+// How RunScenario hands each step to CpuAdam: one Step, or (kStarted) the tensors in three rounds
+// started back to back, the caller helping with the second, finished in the order started.
+enum class Handing { kStep, kStarted };
+
+std::vector<std::vector<uint8_t>> RunScenario(Scenario s, CpuAdamIsa isa, size_t threads, int64_t block,
+                                              Handing handing = Handing::kStep) {
   ThreadPool pool(threads);
   CpuAdam adam = MakeAdam(&pool, isa, block);
   EXPECT_EQ(adam.isa(), isa);
@@ -337,7 +342,23 @@ std::vector<std::vector<uint8_t>> RunScenario(Scenario s, CpuAdamIsa isa, size_t
       std::memcpy(t.grad(), s.grads[step][k].data(), s.grads[step][k].size());
       args.push_back(t.Args(&scalars[t.group]));
     }
-    EXPECT_TRUE(adam.Step(args).ok());
+    if (handing == Handing::kStep) {
+      EXPECT_TRUE(adam.Step(args).ok());
+      continue;
+    }
+    const size_t third = args.size() / 3;
+    const absl::Span<const CpuAdamTensor> all(args);
+    std::vector<CpuAdamPending> rounds;
+    for (absl::Span<const CpuAdamTensor> part : {all.subspan(0, third), all.subspan(third, third), all.subspan(2 * third)}) {
+      absl::StatusOr<CpuAdamPending> round = adam.Start(part, CpuAdamStepOptions{});
+      EXPECT_TRUE(round.ok()) << round.status();
+      if (round.ok()) rounds.push_back(*std::move(round));
+    }
+    if (rounds.size() == 3) {
+      while (rounds[1].HelpOne()) {
+      }
+    }
+    for (CpuAdamPending& round : rounds) EXPECT_FALSE(round.Finish().skipped);
   }
   std::vector<std::vector<uint8_t>> out;
   for (HostTensor& t : s.tensors) out.push_back(t.Snapshot());
@@ -389,6 +410,23 @@ TEST_P(CpuAdamIsaTest, ThreadCountsAreBitIdentical) {
     for (int64_t block : {17, 4096}) {
       ExpectSameBytes(want, RunScenario(s, isa, threads, block), s,
                       absl::StrFormat("%s, %d threads, block %d", IsaName(isa), threads, block));
+    }
+  }
+}
+
+// Rounds started back to back (Start, no barrier between them on the workers) give the same bits as
+// one Step over the same tensors.
+TEST_P(CpuAdamIsaTest, RoundsStartedBackToBackEqualOneStep) {
+  const CpuAdamIsa isa = GetParam();
+  FERRY_SKIP_UNLESS_SUPPORTED(isa);
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE(absl::StrFormat("seed %u", seed));
+  const Scenario s = MakeScenario(seed, 3, /*nonfinite_grads=*/true);
+  const auto want = RunScenario(s, isa, 1, 1 << 16);
+  for (size_t threads : {size_t{1}, size_t{3}, ThreadPool::DefaultThreads()}) {
+    for (int64_t block : {int64_t{17}, kDefaultBlockElements}) {
+      ExpectSameBytes(want, RunScenario(s, isa, threads, block, Handing::kStarted), s,
+                      absl::StrFormat("%s, started rounds, %d threads, block %d", IsaName(isa), threads, block));
     }
   }
 }
@@ -754,6 +792,7 @@ TEST(CpuAdamErrors, BadArgumentsAreRefused) {
   absl::Status st = adam.Step({&t, 1});
   EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(st.message().find("not aligned"), absl::string_view::npos) << st;
+  EXPECT_EQ(adam.Start({&t, 1}, CpuAdamStepOptions{}).status().code(), absl::StatusCode::kInvalidArgument);
   t.grad = buf.data() + 24;
   t.numel = -1;
   EXPECT_EQ(adam.Step({&t, 1}).code(), absl::StatusCode::kInvalidArgument);
@@ -768,6 +807,35 @@ TEST(CpuAdamErrors, BadArgumentsAreRefused) {
   EXPECT_EQ(adam.Step({&t, 1}, o).status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(adam.ComputeGradStats({CpuGradTensor{nullptr, 3, DType::kBF16}}).status().code(),
             absl::StatusCode::kInvalidArgument);
+}
+
+// A started round with the gradient check skips on a NaN gradient like Step: nothing changes, and
+// Finish says so (once; a second Finish has nothing to report).
+TEST(CpuAdamStart, GradientCheckSkipsTheRound) {
+  ThreadPool pool(2);
+  CpuAdam adam(&pool);
+  ASSERT_TRUE(adam.init_status().ok()) << adam.init_status();
+  std::mt19937_64 rng(FreshSeed());
+  AdamScalars s = MakeAdamScalars(AdamHyper{}, 1);
+  constexpr size_t kN = 1000;
+  std::vector<float> master(kN), m(kN, 0.0f), v(kN, 0.0f), grad(kN);
+  for (size_t i = 0; i < kN; ++i) {
+    master[i] = std::normal_distribution<float>(0.0f, 1.0f)(rng);
+    grad[i] = std::normal_distribution<float>(0.0f, 1.0f)(rng);
+  }
+  grad[rng() % kN] = std::numeric_limits<float>::quiet_NaN();
+  const std::vector<float> before = master;
+  CpuAdamTensor t{master.data(), m.data(), v.data(), grad.data(), nullptr, kN, DType::kF32, DType::kF32, &s};
+  CpuAdamStepOptions o;
+  o.check_grads = true;
+  absl::StatusOr<CpuAdamPending> round = adam.Start({&t, 1}, o);
+  ASSERT_TRUE(round.ok()) << round.status();
+  EXPECT_FALSE(round->HelpOne());
+  const CpuAdamStepResult result = round->Finish();
+  EXPECT_TRUE(result.skipped);
+  EXPECT_NE(result.grad_stats.found_inf, 0);
+  EXPECT_EQ(master, before);
+  EXPECT_FALSE(round->Finish().skipped);
 }
 
 TEST(CpuAdamConfig, EnvironmentChoosesThePath) {

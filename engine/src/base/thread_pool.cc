@@ -85,15 +85,20 @@ bool ThreadPool::SpinFor(uint64_t seen) const {
 }
 
 void ThreadPool::Drain(Job& job) {
-  for (size_t i = job.next.fetch_add(1, std::memory_order_relaxed); i < job.num_tasks;
-       i = job.next.fetch_add(1, std::memory_order_relaxed)) {
-    (*job.fn)(i);
-    if (job.done.fetch_add(1, std::memory_order_acq_rel) + 1 == job.num_tasks) {
-      std::lock_guard<std::mutex> lock(job.mu);
-      job.finished = true;
-      job.cv.notify_all();
-    }
+  while (RunOne(job)) {
   }
+}
+
+bool ThreadPool::RunOne(Job& job) {
+  const size_t i = job.next.fetch_add(1, std::memory_order_relaxed);
+  if (i >= job.num_tasks) return false;
+  (*job.fn)(i);
+  if (job.done.fetch_add(1, std::memory_order_acq_rel) + 1 == job.num_tasks) {
+    std::lock_guard<std::mutex> lock(job.mu);
+    job.finished = true;
+    job.cv.notify_all();
+  }
+  return true;
 }
 
 void ThreadPool::WorkerLoop() {
@@ -133,6 +138,39 @@ void ThreadPool::WorkerLoop() {
   }
 }
 
+void ThreadPool::Enqueue(const std::shared_ptr<Job>& job) {
+  std::lock_guard<std::mutex> lock(mu_);
+  jobs_.push_back(job);
+  PostLocked();
+}
+
+void ThreadPool::Wait(const std::shared_ptr<Job>& job) {
+  Drain(*job);
+  // Every task is claimed; until those still running on other threads finish, help with any other
+  // batch (a Post made while this one ran), then spin, then sleep.
+  const auto finished = [&] { return job->done.load(std::memory_order_acquire) == job->num_tasks; };
+  while (!finished()) {
+    std::shared_ptr<Job> other;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (const std::shared_ptr<Job>& j : jobs_) {
+        if (j != job && j->next.load(std::memory_order_relaxed) < j->num_tasks) {
+          other = j;
+          break;
+        }
+      }
+    }
+    if (other != nullptr && RunOne(*other)) continue;
+    if (!SpinUntil(spin_ns_, finished)) {
+      std::unique_lock<std::mutex> lock(job->mu);
+      job->cv.wait(lock, [&] { return job->finished; });
+    }
+    break;
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  jobs_.erase(std::find(jobs_.begin(), jobs_.end(), job));
+}
+
 void ThreadPool::ParallelFor(size_t num_tasks, const std::function<void(size_t)>& fn,
                              const std::function<void()>* meanwhile) {
   if (num_tasks == 0 || (num_tasks == 1 && meanwhile == nullptr)) {
@@ -144,20 +182,45 @@ void ThreadPool::ParallelFor(size_t num_tasks, const std::function<void(size_t)>
   auto job = std::make_shared<Job>();
   job->fn = &fn;
   job->num_tasks = num_tasks;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    jobs_.push_back(job);
-    PostLocked();
-  }
+  Enqueue(job);
   if (meanwhile != nullptr) (*meanwhile)();
-  Drain(*job);
-  // Every task is claimed; wait for those other threads still run (their writes are visible after).
-  if (!SpinUntil(spin_ns_, [&] { return job->done.load(std::memory_order_acquire) == num_tasks; })) {
-    std::unique_lock<std::mutex> lock(job->mu);
-    job->cv.wait(lock, [&] { return job->finished; });
+  Wait(job);
+}
+
+ThreadPool::Pending ThreadPool::Post(size_t num_tasks, std::function<void(size_t)> fn) {
+  Pending pending;
+  if (num_tasks == 0) return pending;
+  auto job = std::make_shared<Job>();
+  job->owned = std::move(fn);
+  job->fn = &job->owned;
+  job->num_tasks = num_tasks;
+  Enqueue(job);
+  pending.pool_ = this;
+  pending.job_ = std::move(job);
+  return pending;
+}
+
+ThreadPool::Pending::Pending(Pending&& other) noexcept : pool_(other.pool_), job_(std::move(other.job_)) {
+  other.job_ = nullptr;
+}
+
+ThreadPool::Pending& ThreadPool::Pending::operator=(Pending&& other) noexcept {
+  if (this != &other) {
+    Join();
+    pool_ = other.pool_;
+    job_ = std::move(other.job_);
+    other.job_ = nullptr;
   }
-  std::lock_guard<std::mutex> lock(mu_);
-  jobs_.erase(std::find(jobs_.begin(), jobs_.end(), job));
+  return *this;
+}
+
+bool ThreadPool::Pending::RunOne() { return job_ != nullptr && ThreadPool::RunOne(*job_); }
+
+void ThreadPool::Pending::Join() {
+  if (job_ == nullptr) return;
+  std::shared_ptr<Job> job = std::move(job_);
+  job_ = nullptr;
+  pool_->Wait(job);
 }
 
 size_t ThreadPool::DefaultThreads() {

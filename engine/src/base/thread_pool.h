@@ -58,9 +58,46 @@ class ThreadPool final {
   static size_t DefaultThreads();
 
  private:
-  // One ParallelFor call: tasks are claimed through `next`; `done` counts finished ones.
+  struct Job;
+
+ public:
+  // Tasks handed to the workers by Post, running until Join. Move-only; destroying one that was not
+  // joined joins it (its tasks may read what the caller is about to free).
+  class Pending final {
+   public:
+    Pending() = default;
+    Pending(Pending&& other) noexcept;
+    Pending& operator=(Pending&& other) noexcept;
+    Pending(const Pending&) = delete;
+    Pending& operator=(const Pending&) = delete;
+    ~Pending() { Join(); }
+
+    // Returns when every task has finished (their writes are visible after). While the last tasks
+    // still run on other threads, the calling thread runs tasks of batches posted after this one, one
+    // at a time (so it returns within about one task of the last), rather than leave its core idle.
+    // No-op when empty or joined.
+    void Join();
+    // Runs one task not yet claimed on the calling thread; false when none was left (or empty).
+    bool RunOne();
+    bool empty() const { return job_ == nullptr; }
+
+   private:
+    friend class ThreadPool;
+    ThreadPool* pool_ = nullptr;
+    std::shared_ptr<Job> job_;
+  };
+
+  // Hands fn(i) for i in [0, num_tasks) to the workers and returns at once: the asynchronous
+  // ParallelFor. Workers take batches in the order they were posted, so a batch posted while another
+  // runs starts on each worker as soon as that worker finds no task left in the earlier one (no
+  // barrier between them). `fn` is owned by the batch. The same REQUIRES as ParallelFor.
+  Pending Post(size_t num_tasks, std::function<void(size_t)> fn);
+
+ private:
+  // One ParallelFor or Post call: tasks are claimed through `next`; `done` counts finished ones.
   struct Job {
     const std::function<void(size_t)>* fn = nullptr;
+    std::function<void(size_t)> owned;  // Post's fn (fn points to it)
     size_t num_tasks = 0;
     std::atomic<size_t> next{0};
     std::atomic<size_t> done{0};
@@ -72,6 +109,13 @@ class ThreadPool final {
   void WorkerLoop();
   // Claims and runs `job`'s tasks until none is left.
   static void Drain(Job& job);
+  // Claims and runs one task of `job`; false when none was left.
+  static bool RunOne(Job& job);
+  // Queues `job` for the workers (ParallelFor, Post).
+  void Enqueue(const std::shared_ptr<Job>& job);
+  // Waits until every task of `job` has finished, running tasks of later batches meanwhile, then
+  // forgets it.
+  void Wait(const std::shared_ptr<Job>& job);
   // Posts a change (a closure, a job, stopping) and wakes the sleeping workers. REQUIRES: mu_ held.
   void PostLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Spins until `posted_` differs from `seen` or spin_ns_ passed; true if it did.

@@ -60,8 +60,10 @@ using cpu_adam_internal::AdamRangeFn;
 // something else (the trainer's own threads, the copies submitted meanwhile) does not hold up the
 // step; the last tasks of a round are what the other threads wait for at its end. Measured on the
 // 735M bench_train model (H100 host, 16 threads, fp32 moments, overlap): 16 per thread took the
-// overlapped iteration from 212-223 ms (4 per thread) to 191-204 ms, bf16 moments 166 -> 151-157 ms;
-// smaller blocks (16K elements) on top changed nothing beyond the noise.
+// overlapped iteration from 212-223 ms (4 per thread) to 191-204 ms, bf16 moments 166 -> 151-157 ms.
+// A round of one chunk reaches 16 per thread only with blocks of 16K elements (kDefaultBlockElements).
+// 32 per thread with 8K-element blocks was no better on the H200 machine (171.5-176.4 against
+// 165.2-172.8 ms, interleaved).
 constexpr int64_t kTasksPerThread = 16;
 
 // The floating-point environment the kernels need, for the lifetime of the guard: round to nearest,
@@ -183,7 +185,7 @@ CpuAdam::CpuAdam(ThreadPool* pool, int64_t block_elements)
     : CpuAdam(pool, CpuAdamOptions{.isa = CpuAdamIsa::kAuto, .block_elements = block_elements}) {}
 
 CpuAdam::CpuAdam(ThreadPool* pool, const CpuAdamOptions& options)
-    : pool_(pool), block_elements_(options.block_elements > 0 ? options.block_elements : (1 << 16)) {
+    : pool_(pool), block_elements_(options.block_elements > 0 ? options.block_elements : kDefaultBlockElements) {
   absl::StatusOr<CpuAdamIsa> isa = ResolveIsa(options.isa);
   if (isa.ok()) {
     isa_ = *isa;
@@ -196,12 +198,169 @@ void CpuAdam::StepSerial(const CpuAdamTensor& t, int64_t begin, int64_t end) {
   cpu_adam_internal::AdamRangeScalar(t, *t.scalars, begin, end);
 }
 
+namespace {
+
+// Task `task` of `num_tasks` over the joined range of `tensors` (ends[i]: the running end of tensor i):
+// the elements [total * task / num_tasks, total * (task + 1) / num_tasks), tensor by tensor.
+void RunTask(absl::Span<const CpuAdamTensor> tensors, absl::Span<const AdamScalars> scalars,
+             const std::vector<int64_t>& ends, int64_t total, int64_t num_tasks,
+             void (*range_fn)(const CpuAdamTensor&, const AdamScalars&, int64_t, int64_t), size_t task) {
+  const ScopedDefaultFloatEnv float_env;
+  const int64_t lo = total * static_cast<int64_t>(task) / num_tasks;
+  const int64_t hi = total * (static_cast<int64_t>(task) + 1) / num_tasks;
+  size_t i = static_cast<size_t>(std::upper_bound(ends.begin(), ends.end(), lo) - ends.begin());
+  for (int64_t at = lo; at < hi && i < tensors.size(); ++i) {
+    const int64_t start = ends[i] - tensors[i].numel;
+    const int64_t stop = std::min(ends[i], hi);
+    if (stop > at) range_fn(tensors[i], scalars[i], at - start, stop - start);
+    at = stop;
+  }
+}
+
+}  // namespace
+
+int64_t CpuAdam::NumTasks(int64_t total) const {
+  const int64_t participants = static_cast<int64_t>(pool_->num_threads()) + 1;
+  return std::max<int64_t>(1, std::min((total + block_elements_ - 1) / block_elements_,
+                                       kTasksPerThread * participants));
+}
+
+// One Step's update on the pool: the tensors' elements laid end to end, cut into equal contiguous
+// ranges (each thread walks memory sequentially, and a range covers several tensors when they are
+// small). It owns copies of everything its tasks read, so that it can run while its caller goes on
+// (Start).
+struct CpuAdamRound {
+  std::vector<CpuAdamTensor> tensors;
+  std::vector<AdamScalars> scalars;
+  std::vector<int64_t> ends;  // running end of each tensor in the joined range
+  int64_t total = 0;
+  int64_t num_tasks = 0;
+  AdamRangeFn range_fn = nullptr;
+  CpuAdamStepResult result;
+  ThreadPool::Pending pending;
+  // Tracing (when `tracer` is set): one slot per participating thread (the workers and whoever runs
+  // a task while it waits), claimed by its first task of this round; only that thread writes it, and
+  // the join orders those writes before Finish reads them.
+  struct Slot {
+    int tid = 0;
+    int64_t start_ns = 0;
+    int64_t end_ns = 0;
+    int64_t elements = 0;
+  };
+  Tracer* tracer = nullptr;
+  uint64_t id = 0;
+  std::vector<Slot> slots;
+  std::atomic<size_t> next_slot{0};
+  double bytes_per_element = 0.0;  // memory traffic: master, m and v read and written, the grad, the param
+
+  void Task(size_t task);
+  void TracedTask(size_t task);
+  // Joins the tasks, then records the threads' spans.
+  void Finish();
+};
+
+void CpuAdamRound::Task(size_t task) {
+  RunTask(tensors, scalars, ends, total, num_tasks, range_fn, task);
+}
+
+void CpuAdamRound::TracedTask(size_t task) {
+  thread_local uint64_t my_round = 0;
+  thread_local size_t my_slot = 0;
+  const int64_t start_ns = tracer->NowNs();
+  if (my_round != id) {
+    my_round = id;
+    my_slot = next_slot.fetch_add(1, std::memory_order_relaxed);
+    if (my_slot < slots.size()) {
+      tracer->NameThread("cpu adam worker", /*if_unnamed=*/true);
+      slots[my_slot].tid = tracer->ThreadId();
+      slots[my_slot].start_ns = start_ns;
+    }
+  }
+  Task(task);
+  const int64_t lo = total * static_cast<int64_t>(task) / num_tasks;
+  const int64_t hi = total * (static_cast<int64_t>(task) + 1) / num_tasks;
+  if (my_slot < slots.size()) {
+    slots[my_slot].end_ns = tracer->NowNs();
+    slots[my_slot].elements += hi - lo;
+  }
+}
+
+void CpuAdamRound::Finish() {
+  pending.Join();
+  if (tracer == nullptr) return;
+  const size_t used = std::min(next_slot.load(std::memory_order_relaxed), slots.size());
+  for (size_t s = 0; s < used; ++s) {
+    const Slot& slot = slots[s];
+    tracer->Complete("cpu_adam.thread", "optim", slot.start_ns, slot.end_ns,
+                     {{"elements", static_cast<double>(slot.elements)},
+                      {"bytes", static_cast<double>(slot.elements) * bytes_per_element}},
+                     {}, slot.tid);
+  }
+  tracer = nullptr;
+}
+
+void CpuAdam::Post(Round& round) {
+  for (size_t i = 0; i < round.tensors.size(); ++i) round.ends[i] = round.total += round.tensors[i].numel;
+  if (round.total == 0) return;
+  round.num_tasks = NumTasks(round.total);
+  round.range_fn = RangeFn(isa_);
+  if (tracer_ != nullptr) {
+    static std::atomic<uint64_t> rounds{0};
+    double traffic = 0.0;
+    for (const CpuAdamTensor& t : round.tensors) {
+      traffic += static_cast<double>(t.numel) *
+                 (2.0 * static_cast<double>(t.state.bytes_per_element()) + static_cast<double>(DTypeSize(t.grad_dtype)) +
+                  (t.param != nullptr ? static_cast<double>(DTypeSize(t.param_dtype)) : 0.0));
+    }
+    round.tracer = tracer_;
+    round.id = rounds.fetch_add(1, std::memory_order_relaxed) + 1;
+    round.slots.resize(pool_->num_threads() + 1);
+    round.bytes_per_element = traffic / static_cast<double>(round.total);
+  }
+  Round* const r = &round;
+  round.pending = pool_->Post(static_cast<size_t>(round.num_tasks), [r](size_t task) {
+    if (r->tracer != nullptr) {
+      r->TracedTask(task);
+    } else {
+      r->Task(task);
+    }
+  });
+}
+
+CpuAdamPending::CpuAdamPending() = default;
+CpuAdamPending::CpuAdamPending(CpuAdamPending&&) noexcept = default;
+CpuAdamPending& CpuAdamPending::operator=(CpuAdamPending&& other) noexcept {
+  if (this != &other) {
+    Finish();
+    round_ = std::move(other.round_);
+  }
+  return *this;
+}
+CpuAdamPending::~CpuAdamPending() { Finish(); }
+
+bool CpuAdamPending::HelpOne() { return round_ != nullptr && round_->pending.RunOne(); }
+
+CpuAdamStepResult CpuAdamPending::Finish() {
+  if (round_ == nullptr) return CpuAdamStepResult{};
+  round_->Finish();
+  CpuAdamStepResult result = round_->result;
+  round_.reset();
+  return result;
+}
+
 absl::Status CpuAdam::Step(absl::Span<const CpuAdamTensor> tensors) {
   return Step(tensors, CpuAdamStepOptions{}).status();
 }
 
 absl::StatusOr<CpuAdamStepResult> CpuAdam::Step(absl::Span<const CpuAdamTensor> tensors,
                                                 const CpuAdamStepOptions& options) {
+  FERRY_ASSIGN_OR_RETURN(CpuAdamPending pending, Start(tensors, options));
+  if (options.meanwhile != nullptr) (*options.meanwhile)();
+  return pending.Finish();
+}
+
+absl::StatusOr<CpuAdamPending> CpuAdam::Start(absl::Span<const CpuAdamTensor> tensors,
+                                              const CpuAdamStepOptions& options) {
   FERRY_RETURN_IF_ERROR(init_status_);
   for (size_t i = 0; i < tensors.size(); ++i) {
     const CpuAdamTensor& t = tensors[i];
@@ -256,7 +415,10 @@ absl::StatusOr<CpuAdamStepResult> CpuAdam::Step(absl::Span<const CpuAdamTensor> 
         "CpuAdam::Step: max_grad_norm needs the gradient check (grad_stats or check_grads)");
   }
 
-  CpuAdamStepResult result;
+  CpuAdamPending pending;
+  pending.round_ = std::make_unique<Round>();
+  Round& round = *pending.round_;
+  CpuAdamStepResult& result = round.result;
   const GradStats* stats = options.grad_stats;
   if (stats == nullptr && options.check_grads) {
     std::vector<CpuGradTensor> grads;
@@ -269,11 +431,11 @@ absl::StatusOr<CpuAdamStepResult> CpuAdam::Step(absl::Span<const CpuAdamTensor> 
   }
   if (stats != nullptr && stats->found_inf != 0) {
     result.skipped = true;
-    if (options.meanwhile != nullptr) (*options.meanwhile)();
-    return result;
+    return pending;
   }
 
-  std::vector<AdamScalars> scalars(tensors.size());
+  std::vector<AdamScalars>& scalars = round.scalars;
+  scalars.resize(tensors.size());
   const bool set_multiplier = options.grad_scale > 0.0f || options.max_grad_norm > 0.0f;
   const float multiplier =
       set_multiplier ? AdamGradMultiplier(options.grad_scale > 0.0f ? options.grad_scale : 1.0f,
@@ -284,113 +446,10 @@ absl::StatusOr<CpuAdamStepResult> CpuAdam::Step(absl::Span<const CpuAdamTensor> 
     scalars[i] = *tensors[i].scalars;
     if (set_multiplier) scalars[i].grad_multiplier = multiplier;
   }
-  FERRY_RETURN_IF_ERROR(Run(tensors, scalars, options.meanwhile));
-  return result;
-}
-
-namespace {
-
-// Task `task` of `num_tasks` over the joined range of `tensors` (ends[i]: the running end of tensor i):
-// the elements [total * task / num_tasks, total * (task + 1) / num_tasks), tensor by tensor.
-void RunTask(absl::Span<const CpuAdamTensor> tensors, absl::Span<const AdamScalars> scalars,
-             const std::vector<int64_t>& ends, int64_t total, int64_t num_tasks,
-             void (*range_fn)(const CpuAdamTensor&, const AdamScalars&, int64_t, int64_t), size_t task) {
-  const ScopedDefaultFloatEnv float_env;
-  const int64_t lo = total * static_cast<int64_t>(task) / num_tasks;
-  const int64_t hi = total * (static_cast<int64_t>(task) + 1) / num_tasks;
-  size_t i = static_cast<size_t>(std::upper_bound(ends.begin(), ends.end(), lo) - ends.begin());
-  for (int64_t at = lo; at < hi && i < tensors.size(); ++i) {
-    const int64_t start = ends[i] - tensors[i].numel;
-    const int64_t stop = std::min(ends[i], hi);
-    if (stop > at) range_fn(tensors[i], scalars[i], at - start, stop - start);
-    at = stop;
-  }
-}
-
-}  // namespace
-
-int64_t CpuAdam::NumTasks(int64_t total) const {
-  const int64_t participants = static_cast<int64_t>(pool_->num_threads()) + 1;
-  return std::max<int64_t>(1, std::min((total + block_elements_ - 1) / block_elements_,
-                                       kTasksPerThread * participants));
-}
-
-absl::Status CpuAdam::Run(absl::Span<const CpuAdamTensor> tensors, absl::Span<const AdamScalars> scalars,
-                          const std::function<void()>* meanwhile) {
-  // Work is the tensors' elements laid end to end, cut into equal contiguous ranges: each thread walks
-  // memory sequentially, and a range covers several tensors when they are small.
-  std::vector<int64_t> ends(tensors.size());  // running end of each tensor in the joined range
-  int64_t total = 0;
-  for (size_t i = 0; i < tensors.size(); ++i) ends[i] = total += tensors[i].numel;
-  if (total == 0) {
-    if (meanwhile != nullptr) (*meanwhile)();
-    return absl::OkStatus();
-  }
-  const int64_t num_tasks = NumTasks(total);
-  const AdamRangeFn range_fn = RangeFn(isa_);
-  if (tracer_ != nullptr) return RunTraced(tensors, scalars, ends, total, num_tasks, range_fn, meanwhile);
-  pool_->ParallelFor(
-      static_cast<size_t>(num_tasks),
-      [&](size_t task) { RunTask(tensors, scalars, ends, total, num_tasks, range_fn, task); }, meanwhile);
-  return absl::OkStatus();
-}
-
-absl::Status CpuAdam::RunTraced(absl::Span<const CpuAdamTensor> tensors, absl::Span<const AdamScalars> scalars,
-                               const std::vector<int64_t>& ends, int64_t total, int64_t num_tasks,
-                               void (*range_fn)(const CpuAdamTensor&, const AdamScalars&, int64_t, int64_t),
-                               const std::function<void()>* meanwhile) {
-  // Memory traffic per element: master, m and v read and written, the grad read, the param written.
-  double traffic = 0.0;
-  for (const CpuAdamTensor& t : tensors) {
-    traffic += static_cast<double>(t.numel) *
-               (2.0 * static_cast<double>(t.state.bytes_per_element()) + static_cast<double>(DTypeSize(t.grad_dtype)) +
-                (t.param != nullptr ? static_cast<double>(DTypeSize(t.param_dtype)) : 0.0));
-  }
-  const double bytes_per_element = traffic / static_cast<double>(total);
-  // One slot per participating thread (the workers and the caller), claimed by its first task of
-  // this round; only that thread writes it, and ParallelFor's return orders those writes before the
-  // reads below.
-  struct Slot {
-    int tid = 0;
-    int64_t start_ns = 0;
-    int64_t end_ns = 0;
-    int64_t elements = 0;
-  };
-  static std::atomic<uint64_t> rounds{0};
-  const uint64_t round = rounds.fetch_add(1, std::memory_order_relaxed) + 1;
-  std::vector<Slot> slots(pool_->num_threads() + 1);
-  std::atomic<size_t> next_slot{0};
-  Tracer* const tracer = tracer_;
-  pool_->ParallelFor(static_cast<size_t>(num_tasks), [&](size_t task) {
-    thread_local uint64_t my_round = 0;
-    thread_local size_t my_slot = 0;
-    const int64_t start_ns = tracer->NowNs();
-    if (my_round != round) {
-      my_round = round;
-      my_slot = next_slot.fetch_add(1, std::memory_order_relaxed);
-      if (my_slot < slots.size()) {
-        tracer->NameThread("cpu adam worker", /*if_unnamed=*/true);
-        slots[my_slot].tid = tracer->ThreadId();
-        slots[my_slot].start_ns = start_ns;
-      }
-    }
-    RunTask(tensors, scalars, ends, total, num_tasks, range_fn, task);
-    const int64_t lo = total * static_cast<int64_t>(task) / num_tasks;
-    const int64_t hi = total * (static_cast<int64_t>(task) + 1) / num_tasks;
-    if (my_slot < slots.size()) {
-      slots[my_slot].end_ns = tracer->NowNs();
-      slots[my_slot].elements += hi - lo;
-    }
-  }, meanwhile);
-  const size_t used = std::min(next_slot.load(std::memory_order_relaxed), slots.size());
-  for (size_t s = 0; s < used; ++s) {
-    const Slot& slot = slots[s];
-    tracer->Complete("cpu_adam.thread", "optim", slot.start_ns, slot.end_ns,
-                     {{"elements", static_cast<double>(slot.elements)},
-                      {"bytes", static_cast<double>(slot.elements) * bytes_per_element}},
-                     {}, slot.tid);
-  }
-  return absl::OkStatus();
+  round.tensors.assign(tensors.begin(), tensors.end());
+  round.ends.resize(tensors.size());
+  Post(round);
+  return pending;
 }
 
 absl::StatusOr<GradStats> CpuAdam::ComputeGradStats(absl::Span<const CpuGradTensor> grads) {

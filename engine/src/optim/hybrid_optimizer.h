@@ -365,6 +365,17 @@ class HybridOptimizer final {
   // `meanwhile` (optional): the calling thread's work while the workers start on the round (the
   // pipeline's submissions); it runs once unless the round fails before it starts.
   absl::Status AdamRound(const AdamWork& work, size_t chunks, const std::function<void()>* meanwhile = nullptr);
+  // AdamRound in two halves: StartAdamRound hands the round to the workers and returns, and
+  // FinishAdamRound waits for it. A round started before the previous one finished follows it on the
+  // workers without a barrier (RunEarlyPass). `work`'s buffers stay untouched until the finish.
+  struct RoundInFlight {
+    CpuAdamPending pending;
+    int64_t start_ns = 0;  // tracing: when it started, or the round before it finished
+    double chunks = 0.0, elements = 0.0, bytes = 0.0;
+  };
+  absl::StatusOr<RoundInFlight> StartAdamRound(const AdamWork& work, size_t chunks);
+  absl::Status FinishAdamRound(RoundInFlight& round);
+  int64_t last_round_end_ns_ = 0;  // tracing: the last FinishAdamRound's end
   // The same in the group's spare buffers (offloaded groups, once EnsureSpareState ran).
   char* SpareStatePtr(size_t p, StateKind kind, size_t e = 0) const;
   absl::Status SyncParamsFromModel(const std::vector<size_t>& params);

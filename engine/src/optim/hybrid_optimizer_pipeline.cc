@@ -94,6 +94,13 @@ void HybridOptimizer::ChunkWork(const std::vector<size_t>& params, const ChunkPl
 }
 
 absl::Status HybridOptimizer::AdamRound(const AdamWork& work, size_t chunks, const std::function<void()>* meanwhile) {
+  absl::StatusOr<RoundInFlight> round = StartAdamRound(work, chunks);
+  if (!round.ok()) return round.status();
+  if (meanwhile != nullptr) (*meanwhile)();
+  return FinishAdamRound(*round);
+}
+
+absl::StatusOr<HybridOptimizer::RoundInFlight> HybridOptimizer::StartAdamRound(const AdamWork& work, size_t chunks) {
   Tracer* const tracer = options_.tracer;
   if (fence_ != nullptr && !fence_->all_released()) {
     // A checkpoint still reads some offloaded state in place: the state of these chunks' params is
@@ -102,21 +109,33 @@ absl::Status HybridOptimizer::AdamRound(const AdamWork& work, size_t chunks, con
     TraceSpan acquire(tracer, "fence.acquire", "optim");
     fence_->Acquire(work.params, pool_);
   }
-  TraceSpan round(tracer, "cpu_adam.round", "optim");
-  if (round.on()) {
-    double elements = 0.0, bytes = 0.0;
+  RoundInFlight round;
+  if (tracer != nullptr) {
+    round.start_ns = tracer->NowNs();
+    round.chunks = static_cast<double>(chunks);
     for (const CpuAdamTensor& t : work.tensors) {
-      elements += static_cast<double>(t.numel);
-      bytes += static_cast<double>(t.numel) *
-               static_cast<double>(2 * t.state.bytes_per_element() + DTypeSize(t.grad_dtype) + DTypeSize(t.param_dtype));
+      round.elements += static_cast<double>(t.numel);
+      round.bytes += static_cast<double>(t.numel) *
+                     static_cast<double>(2 * t.state.bytes_per_element() + DTypeSize(t.grad_dtype) + DTypeSize(t.param_dtype));
     }
-    round.Arg("chunks", static_cast<double>(chunks));
-    round.Arg("elements", elements);
-    round.Arg("bytes", bytes);
   }
-  CpuAdamStepOptions options;
-  options.meanwhile = meanwhile;
-  return cpu_adam_.Step(work.tensors, options).status();
+  FERRY_ASSIGN_OR_RETURN(round.pending, cpu_adam_.Start(work.tensors, CpuAdamStepOptions{}));
+  return round;
+}
+
+absl::Status HybridOptimizer::FinishAdamRound(RoundInFlight& round) {
+  round.pending.Finish();
+  Tracer* const tracer = options_.tracer;
+  if (tracer != nullptr) {
+    // Rounds started back to back overlap: each span starts where the one before it ended, so the
+    // spans tile the time CPU Adam was busy (the writer adds each one's GB/s).
+    const int64_t end_ns = tracer->NowNs();
+    const int64_t start_ns = std::max(round.start_ns, last_round_end_ns_);
+    tracer->Complete("cpu_adam.round", "optim", start_ns, end_ns,
+                     {{"chunks", round.chunks}, {"elements", round.elements}, {"bytes", round.bytes}});
+    last_round_end_ns_ = end_ns;
+  }
+  return absl::OkStatus();
 }
 
 // The pipeline over grad chunks, `depth` = number of grad slots:
