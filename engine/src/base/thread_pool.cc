@@ -144,17 +144,21 @@ void ThreadPool::Enqueue(const std::shared_ptr<Job>& job) {
   PostLocked();
 }
 
-void ThreadPool::Wait(const std::shared_ptr<Job>& job) {
+void ThreadPool::Wait(const std::shared_ptr<Job>& job, bool help) {
   Drain(*job);
-  // Every task is claimed; until those still running on other threads finish, help with any other
-  // batch (a Post made while this one ran), then spin, then sleep.
+  // Every task is claimed; until those still running on other threads finish, help with a batch
+  // posted (Post) after this one when asked, then spin, then sleep. Only Post's batches: a
+  // ParallelFor's caller may hold a lock that another caller's tasks take.
   const auto finished = [&] { return job->done.load(std::memory_order_acquire) == job->num_tasks; };
   while (!finished()) {
     std::shared_ptr<Job> other;
-    {
+    if (help) {
       std::lock_guard<std::mutex> lock(mu_);
+      bool after = false;
       for (const std::shared_ptr<Job>& j : jobs_) {
-        if (j != job && j->next.load(std::memory_order_relaxed) < j->num_tasks) {
+        if (j == job) {
+          after = true;
+        } else if (after && j->posted && j->next.load(std::memory_order_relaxed) < j->num_tasks) {
           other = j;
           break;
         }
@@ -184,7 +188,7 @@ void ThreadPool::ParallelFor(size_t num_tasks, const std::function<void(size_t)>
   job->num_tasks = num_tasks;
   Enqueue(job);
   if (meanwhile != nullptr) (*meanwhile)();
-  Wait(job);
+  Wait(job, /*help=*/false);
 }
 
 ThreadPool::Pending ThreadPool::Post(size_t num_tasks, std::function<void(size_t)> fn) {
@@ -194,6 +198,7 @@ ThreadPool::Pending ThreadPool::Post(size_t num_tasks, std::function<void(size_t
   job->owned = std::move(fn);
   job->fn = &job->owned;
   job->num_tasks = num_tasks;
+  job->posted = true;
   Enqueue(job);
   pending.pool_ = this;
   pending.job_ = std::move(job);
@@ -220,7 +225,7 @@ void ThreadPool::Pending::Join() {
   if (job_ == nullptr) return;
   std::shared_ptr<Job> job = std::move(job_);
   job_ = nullptr;
-  pool_->Wait(job);
+  pool_->Wait(job, /*help=*/true);
 }
 
 size_t ThreadPool::DefaultThreads() {

@@ -73,9 +73,10 @@ class ThreadPool final {
     ~Pending() { Join(); }
 
     // Returns when every task has finished (their writes are visible after). While the last tasks
-    // still run on other threads, the calling thread runs tasks of batches posted after this one, one
-    // at a time (so it returns within about one task of the last), rather than leave its core idle.
-    // No-op when empty or joined.
+    // still run on other threads, the calling thread runs tasks of batches Post-ed after this one,
+    // one at a time (so it returns within about one task of the last), rather than leave its core
+    // idle: so Post's tasks must not take a lock that a joining thread may hold. No-op when empty or
+    // joined.
     void Join();
     // Runs one task not yet claimed on the calling thread; false when none was left (or empty).
     bool RunOne();
@@ -98,6 +99,7 @@ class ThreadPool final {
   struct Job {
     const std::function<void(size_t)>* fn = nullptr;
     std::function<void(size_t)> owned;  // Post's fn (fn points to it)
+    bool posted = false;                // by Post: a Join elsewhere may run its tasks
     size_t num_tasks = 0;
     std::atomic<size_t> next{0};
     std::atomic<size_t> done{0};
@@ -113,9 +115,9 @@ class ThreadPool final {
   static bool RunOne(Job& job);
   // Queues `job` for the workers (ParallelFor, Post).
   void Enqueue(const std::shared_ptr<Job>& job);
-  // Waits until every task of `job` has finished, running tasks of later batches meanwhile, then
-  // forgets it.
-  void Wait(const std::shared_ptr<Job>& job);
+  // Waits until every task of `job` has finished, then forgets it. `help`: runs tasks of batches
+  // Post-ed after it meanwhile (Pending::Join).
+  void Wait(const std::shared_ptr<Job>& job, bool help);
   // Posts a change (a closure, a job, stopping) and wakes the sleeping workers. REQUIRES: mu_ held.
   void PostLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Spins until `posted_` differs from `seen` or spin_ns_ passed; true if it did.
