@@ -205,16 +205,13 @@ ThreadPool::Pending ThreadPool::Post(size_t num_tasks, std::function<void(size_t
   return pending;
 }
 
-ThreadPool::Pending::Pending(Pending&& other) noexcept : pool_(other.pool_), job_(std::move(other.job_)) {
-  other.job_ = nullptr;
-}
+ThreadPool::Pending::Pending(Pending&& other) noexcept : pool_(other.pool_), job_(std::move(other.job_)) {}
 
 ThreadPool::Pending& ThreadPool::Pending::operator=(Pending&& other) noexcept {
   if (this != &other) {
     Join();
     pool_ = other.pool_;
     job_ = std::move(other.job_);
-    other.job_ = nullptr;
   }
   return *this;
 }
@@ -223,8 +220,7 @@ bool ThreadPool::Pending::RunOne() { return job_ != nullptr && ThreadPool::RunOn
 
 void ThreadPool::Pending::Join() {
   if (job_ == nullptr) return;
-  std::shared_ptr<Job> job = std::move(job_);
-  job_ = nullptr;
+  const std::shared_ptr<Job> job = std::move(job_);  // empty now: a second Join does nothing
   pool_->Wait(job, /*help=*/true);
 }
 

@@ -251,7 +251,7 @@ struct CpuAdamRound {
   uint64_t id = 0;
   std::vector<Slot> slots;
   std::atomic<size_t> next_slot{0};
-  double bytes_per_element = 0.0;  // memory traffic: master, m and v read and written, the grad, the param
+  double bytes_per_element = 0.0;  // CpuAdamTrafficBytes per element
 
   void Task(size_t task);
   void TracedTask(size_t task);
@@ -300,6 +300,7 @@ void CpuAdamRound::Finish() {
 }
 
 void CpuAdam::Post(Round& round) {
+  round.ends.resize(round.tensors.size());
   for (size_t i = 0; i < round.tensors.size(); ++i) round.ends[i] = round.total += round.tensors[i].numel;
   if (round.total == 0) return;
   round.num_tasks = NumTasks(round.total);
@@ -307,11 +308,7 @@ void CpuAdam::Post(Round& round) {
   if (tracer_ != nullptr) {
     static std::atomic<uint64_t> rounds{0};
     double traffic = 0.0;
-    for (const CpuAdamTensor& t : round.tensors) {
-      traffic += static_cast<double>(t.numel) *
-                 (2.0 * static_cast<double>(t.state.bytes_per_element()) + static_cast<double>(DTypeSize(t.grad_dtype)) +
-                  (t.param != nullptr ? static_cast<double>(DTypeSize(t.param_dtype)) : 0.0));
-    }
+    for (const CpuAdamTensor& t : round.tensors) traffic += CpuAdamTrafficBytes(t);
     round.tracer = tracer_;
     round.id = rounds.fetch_add(1, std::memory_order_relaxed) + 1;
     round.slots.resize(pool_->num_threads() + 1);
@@ -447,7 +444,6 @@ absl::StatusOr<CpuAdamPending> CpuAdam::Start(absl::Span<const CpuAdamTensor> te
     if (set_multiplier) scalars[i].grad_multiplier = multiplier;
   }
   round.tensors.assign(tensors.begin(), tensors.end());
-  round.ends.resize(tensors.size());
   Post(round);
   return pending;
 }

@@ -123,6 +123,16 @@ struct CpuAdamStepResult {
   GradStats grad_stats{};  // the gradient check used (zero when none)
 };
 
+// The host memory one update of `t` moves: master, m and v read and written, the grad read, the param
+// (when set) written. For traces' GB/s.
+inline double CpuAdamTrafficBytes(const CpuAdamTensor& t) {
+  return static_cast<double>(t.numel) *
+         (2.0 * static_cast<double>(t.state.bytes_per_element()) + static_cast<double>(DTypeSize(t.grad_dtype)) +
+          (t.param != nullptr ? static_cast<double>(DTypeSize(t.param_dtype)) : 0.0));
+}
+
+struct CpuAdamRound;
+
 // A CpuAdam::Start whose tasks may still run on the pool. Finish waits for them and gives the step's
 // result; destroying one unfinished finishes it. Move-only.
 class CpuAdamPending final {
@@ -143,7 +153,7 @@ class CpuAdamPending final {
 
  private:
   friend class CpuAdam;
-  std::unique_ptr<struct CpuAdamRound> round_;
+  std::unique_ptr<CpuAdamRound> round_;
 };
 
 // CpuAdam updates many tensors on a thread pool. One thread at a time per object; the pool may be
@@ -189,7 +199,6 @@ class CpuAdam final {
   void set_tracer(Tracer* tracer) { tracer_ = tracer; }
 
  private:
-  friend class CpuAdamPending;
   using Round = CpuAdamRound;
   // Sets the round's task split and hands its tasks to the pool (none when it has no elements).
   void Post(Round& round);

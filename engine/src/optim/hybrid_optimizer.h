@@ -374,7 +374,7 @@ class HybridOptimizer final {
     double chunks = 0.0, elements = 0.0, bytes = 0.0;
   };
   absl::StatusOr<RoundInFlight> StartAdamRound(const AdamWork& work, size_t chunks);
-  absl::Status FinishAdamRound(RoundInFlight& round);
+  void FinishAdamRound(RoundInFlight& round);
   int64_t last_round_end_ns_ = 0;  // tracing: the last FinishAdamRound's end
   // The same in the group's spare buffers (offloaded groups, once EnsureSpareState ran).
   char* SpareStatePtr(size_t p, StateKind kind, size_t e = 0) const;

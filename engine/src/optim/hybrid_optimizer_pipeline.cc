@@ -97,7 +97,8 @@ absl::Status HybridOptimizer::AdamRound(const AdamWork& work, size_t chunks, con
   absl::StatusOr<RoundInFlight> round = StartAdamRound(work, chunks);
   if (!round.ok()) return round.status();
   if (meanwhile != nullptr) (*meanwhile)();
-  return FinishAdamRound(*round);
+  FinishAdamRound(*round);
+  return absl::OkStatus();
 }
 
 absl::StatusOr<HybridOptimizer::RoundInFlight> HybridOptimizer::StartAdamRound(const AdamWork& work, size_t chunks) {
@@ -115,15 +116,14 @@ absl::StatusOr<HybridOptimizer::RoundInFlight> HybridOptimizer::StartAdamRound(c
     round.chunks = static_cast<double>(chunks);
     for (const CpuAdamTensor& t : work.tensors) {
       round.elements += static_cast<double>(t.numel);
-      round.bytes += static_cast<double>(t.numel) *
-                     static_cast<double>(2 * t.state.bytes_per_element() + DTypeSize(t.grad_dtype) + DTypeSize(t.param_dtype));
+      round.bytes += CpuAdamTrafficBytes(t);
     }
   }
   FERRY_ASSIGN_OR_RETURN(round.pending, cpu_adam_.Start(work.tensors, CpuAdamStepOptions{}));
   return round;
 }
 
-absl::Status HybridOptimizer::FinishAdamRound(RoundInFlight& round) {
+void HybridOptimizer::FinishAdamRound(RoundInFlight& round) {
   round.pending.Finish();
   Tracer* const tracer = options_.tracer;
   if (tracer != nullptr) {
@@ -135,7 +135,6 @@ absl::Status HybridOptimizer::FinishAdamRound(RoundInFlight& round) {
                      {{"chunks", round.chunks}, {"elements", round.elements}, {"bytes", round.bytes}});
     last_round_end_ns_ = end_ns;
   }
-  return absl::OkStatus();
 }
 
 // The pipeline over grad chunks, `depth` = number of grad slots:
