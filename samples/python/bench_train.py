@@ -34,6 +34,7 @@ import gc
 import inspect
 import math
 import os
+import re
 import statistics
 import sys
 import time
@@ -133,6 +134,15 @@ class Announcer:
             h.remove()
 
 
+def trace_path(path, row):
+    """Each ferry row's own trace: 'run.json' -> 'run.offload_overlap.json' for 'ferry offload + overlap'."""
+    if not path:
+        return ""
+    slug = "_".join(w for w in re.split(r"[^a-z0-9]+", row["name"].lower()) if w and w != "ferry")
+    root, ext = os.path.splitext(path)
+    return "%s.%s%s" % (root, slug, ext or ".json")
+
+
 def make_optimizer(row, model, args):
     groups = model.param_groups(args.groups)
     kw = dict(lr=args.lr, weight_decay=0.1)
@@ -140,7 +150,7 @@ def make_optimizer(row, model, args):
         fused = {"fused": True} if "fused" in inspect.signature(torch.optim.AdamW).parameters and \
             args.device == "cuda" else {}
         return torch.optim.AdamW(groups, **kw, **fused), None
-    extra = {"policy": row["policy"], "policy_args": row.get("policy_args"), "trace_path": args.trace or ""}
+    extra = {"policy": row["policy"], "policy_args": row.get("policy_args"), "trace_path": trace_path(args.trace, row)}
     if args.cpu_threads:
         extra["cpu_threads"] = args.cpu_threads
     if args.chunk_bytes:
@@ -312,7 +322,8 @@ def main():
                     help="overlap rows without opt.attach(model): the next forward waits for every upload")
     ap.add_argument("--groups", default="split", choices=["split", "joined"],
                     help="split: embeddings, blocks, head (default); joined: blocks, then embeddings + head")
-    ap.add_argument("--trace", default="", help="ferry trace file (Chrome JSON) of every ferry row")
+    ap.add_argument("--trace", default="", help="ferry trace (Chrome JSON) of each ferry row: PATH with the row's name before the "
+                    "extension, e.g. run.offload_overlap.json")
     ap.add_argument("--check-exact", action="store_true",
                     help="deterministic kernels; the fp32 ferry rows' losses must be the same bits")
     args = ap.parse_args()
