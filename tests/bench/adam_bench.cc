@@ -6,7 +6,8 @@
 //   - CPU Adam, every implementation this CPU supports (--isa to choose): fp32 grads without a param
 //     output, and bf16 grads with bf16 params out; then the latter with bf16 moments (rounded to
 //     nearest, and stochastically: 20 bytes per param instead of 28) and its params/s relative to fp32
-//     moments (target >= 1.3x); the CPU gradient check;
+//     moments (target >= 1.3x); the fp32-moment update out of place, as the offload pipeline's
+//     speculative (early) steps run it; the CPU gradient check;
 //   - device Adam (LaunchAdam) in the same variants (bf16 moments against the d2d copy at their 20
 //     bytes per param: target >= 90%), LaunchAdamWith with every runtime input read from device
 //     memory, and the device gradient check (LaunchGradStats).
@@ -323,7 +324,8 @@ int Run(int argc, char** argv) {
   // ---- data: the same values on the host and the device ----
   const size_t nz = static_cast<size_t>(n);
   HostArray master(4 * nz), m(4 * nz), v(4 * nz), g32(4 * nz), g16(2 * nz), p16(2 * nz), m16(2 * nz), v16(2 * nz);
-  for (const HostArray* a : {&master, &m, &v, &g32, &g16, &p16, &m16, &v16}) {
+  HostArray master2(4 * nz), m2(4 * nz), v2(4 * nz);  // the other copy of the state, out of place
+  for (const HostArray* a : {&master, &m, &v, &g32, &g16, &p16, &m16, &v16, &master2, &m2, &v2}) {
     if (a->data == nullptr) return fail(absl::ResourceExhaustedError("could not allocate the host arrays"));
   }
   ForRanges(pool, o.threads, n, [&](int64_t lo, int64_t hi) {
@@ -339,6 +341,7 @@ int Run(int argc, char** argv) {
       p16.as<uint16_t>()[i] = 0;
       m16.as<uint16_t>()[i] = F32ToBF16(m.as<float>()[i]);
       v16.as<uint16_t>()[i] = F32ToBF16(v.as<float>()[i]);
+      master2.as<float>()[i] = m2.as<float>()[i] = v2.as<float>()[i] = 0.0f;  // first touch
     }
   });
   AdamHyper hyper;
@@ -505,6 +508,47 @@ int Run(int argc, char** argv) {
                                            t.grad_dtype, t.param, t.param_dtype, read_host);
       if (!bad.ok()) return fail(bad.status());
       ReportMismatch(cpu + var.name, *bad);
+    }
+    {
+      // The early steps' path: the fp32-moment update with bf16 grads and params, out of place (it
+      // reads one copy of the state and writes the other; they swap every step), as the offload
+      // pipeline runs a speculative step. The same bytes as in place.
+      const Variant& var = kVariants[kFp32Reference];
+      AdamScalars scalars{};
+      CpuAdamTensor t;
+      t.grad = g16.data;
+      t.param = p16.data;
+      t.numel = n;
+      t.grad_dtype = var.grad_dtype;
+      t.param_dtype = DType::kBF16;
+      t.scalars = &scalars;
+      t.state = var.state;
+      void* from[3] = {master.data, m.data, v.data};
+      void* to[3] = {master2.data, m2.data, v2.data};
+      Sample sample(n, var.state);
+      absl::Status s = Capture(sample, n, from[0], from[1], from[2], t.grad, t.grad_dtype, read_host);
+      if (!s.ok()) return fail(s);
+      std::vector<StepInputs> history;
+      absl::StatusOr<double> sec = MedianSeconds(o.iters, [&]() -> absl::Status {
+        const int64_t step = static_cast<int64_t>(history.size()) + 1;
+        history.push_back(StepInputs{MakeAdamScalars(hyper, step), BenchKey(step)});
+        scalars = history.back().scalars;
+        t.rounding = StateRoundingKey{history.back().tensor_key, 0};
+        t.master_src = from[0];
+        t.exp_avg_src = from[1];
+        t.exp_avg_sq_src = from[2];
+        t.master = to[0];
+        t.exp_avg = to[1];
+        t.exp_avg_sq = to[2];
+        std::swap(from, to);  // the next step reads what this one writes
+        return adam.Step({&t, 1});
+      });
+      if (!sec.ok()) return fail(sec.status());
+      PrintRow(cpu + "  same, out of place (early steps)", n, *sec, var.bytes, *triad, "triad");
+      absl::StatusOr<int64_t> bad = Verify(sample, n, history, from[0], from[1], from[2], t.grad_dtype, t.param,
+                                           t.param_dtype, read_host);
+      if (!bad.ok()) return fail(bad.status());
+      ReportMismatch(cpu + "out of place", *bad);
     }
     for (int k = 0; k < 2; ++k) {
       const CpuGradTensor g{k == 0 ? g32.data : g16.data, n, k == 0 ? DType::kF32 : DType::kBF16};
