@@ -3,6 +3,8 @@
 // H2D of params, GPU Adam) on the same data; then fully offloaded with fp32 and with bf16 moments side
 // by side (step, CPU Adam, host memory per param). Reports the step time, the stages, their sum and the
 // overlap efficiency = slowest stage / step time (1.0 = the step costs no more than its slowest stage).
+// --streamed=SHARE,...: the offloaded step of part of the params beside a GPU Adam that streams the
+// rest's host-resident state through the device (bench/streamed_adam.h), against the fully offloaded step.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -16,6 +18,7 @@
 
 #include "base/thread_pool.h"
 #include "bench/bench.h"
+#include "bench/streamed_adam.h"
 #include "device/device.h"
 #include "ferry/engine.h"
 #include "ferry/status.h"
@@ -31,6 +34,9 @@ struct Options {
   int tensors = 200;
   int steps = 5;
   size_t chunk_bytes = size_t{8} << 20;
+  // --streamed: elements per streamed piece (0: as many as a grad chunk holds) and pieces in flight.
+  int64_t streamed_piece = 0;
+  size_t streamed_slots = 4;
 };
 
 struct Tensors {
@@ -74,10 +80,11 @@ absl::StatusOr<double> MedianSeconds(int reps, F&& fn) {
   return Median(samples);
 }
 
-// Step time of an engine over `t` with `policy` (every group its own tensor).
-absl::StatusOr<double> EngineStep(Device& device, Tensors& t, const Options& o, const std::string& policy,
-                                  const std::map<std::string, std::string>& args, int64_t* offloaded_numel,
-                                  const std::string& trace_path = "", size_t* pinned_bytes = nullptr) {
+// A finalized engine over the first `count` tensors of `t` with `policy` (every group its own tensor).
+absl::StatusOr<std::unique_ptr<Engine>> MakeEngine(Device& device, Tensors& t, const Options& o,
+                                                   const std::string& policy,
+                                                   const std::map<std::string, std::string>& args, size_t count,
+                                                   const std::string& trace_path = "") {
   EngineOptions eo;
   eo.trace_path = trace_path;
   eo.policy_path = policy;
@@ -85,7 +92,7 @@ absl::StatusOr<double> EngineStep(Device& device, Tensors& t, const Options& o, 
   eo.device = std::string(BackendName(device.backend()));
   eo.transfer_chunk_bytes = o.chunk_bytes;
   FERRY_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine, Engine::Create(eo));
-  for (size_t i = 0; i < t.sizes.size(); ++i) {
+  for (size_t i = 0; i < count; ++i) {
     ParamSpec spec;
     spec.name = "t" + std::to_string(i);
     spec.shape = {t.sizes[i]};
@@ -94,6 +101,15 @@ absl::StatusOr<double> EngineStep(Device& device, Tensors& t, const Options& o, 
     FERRY_RETURN_IF_ERROR(engine->AddParam(spec));
   }
   FERRY_RETURN_IF_ERROR(engine->Finalize());
+  return engine;
+}
+
+// Step time of an engine over `t` with `policy` (every group its own tensor).
+absl::StatusOr<double> EngineStep(Device& device, Tensors& t, const Options& o, const std::string& policy,
+                                  const std::map<std::string, std::string>& args, int64_t* offloaded_numel,
+                                  const std::string& trace_path = "", size_t* pinned_bytes = nullptr) {
+  FERRY_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine,
+                         MakeEngine(device, t, o, policy, args, t.sizes.size(), trace_path));
   *offloaded_numel = 0;
   for (const GroupPlacement& g : engine->Placement()) *offloaded_numel += g.offloaded ? g.numel : 0;
   if (pinned_bytes != nullptr) *pinned_bytes = engine->Stats().pinned_bytes;
@@ -182,6 +198,67 @@ absl::StatusOr<Stages> TimeStages(Device& device, Tensors& t, const Options& o, 
   return s;
 }
 
+// `ferry bench step --streamed=SHARE,...`: per share, the offloaded step of the first (1 - SHARE) of
+// the params alone, the streamed Adam of the rest alone, and both at once, against the fully
+// offloaded step.
+int RunStreamed(Device& device, Tensors& t, const Options& o, const std::vector<double>& shares) {
+  const std::string policy = std::string(FERRY_SOURCE_DIR) + "/scripts/policies/offload_all.lua";
+  auto fail = [](const absl::Status& s) {
+    std::fprintf(stderr, "ferry bench step: %s\n", std::string(s.message()).c_str());
+    return 1;
+  };
+  int64_t all_numel = 0;
+  absl::StatusOr<double> full = EngineStep(device, t, o, policy, {}, &all_numel);
+  if (!full.ok()) return fail(full.status());
+  std::printf("\nGPU-streamed Adam beside the offloaded step (fp32 state in pinned host memory, 12 B up and 12 B "
+              "down per param)\n");
+  std::printf("  fully offloaded step: %.2f ms (%.2f G params/s)\n", *full * 1e3,
+              static_cast<double>(t.total) / *full / 1e9);
+  std::printf("  %6s %10s %10s %12s %12s %12s %10s\n", "share", "CPU params", "streamed", "CPU step", "streamed",
+              "both", "vs full");
+  for (double share : shares) {
+    size_t first = 0;  // the tensors before `first` stay on the offloaded step
+    for (int64_t acc = 0; first < t.sizes.size() &&
+                          static_cast<double>(acc + t.sizes[first]) <= (1.0 - share) * static_cast<double>(t.total);
+         ++first) {
+      acc += t.sizes[first];
+    }
+    absl::StatusOr<std::unique_ptr<Engine>> engine =
+        first > 0 ? MakeEngine(device, t, o, policy, {}, first) : absl::StatusOr<std::unique_ptr<Engine>>(nullptr);
+    if (!engine.ok()) return fail(engine.status());
+    std::vector<StreamedAdam::Tensor> rest;
+    for (size_t i = first; i < t.sizes.size(); ++i) rest.push_back({t.params[i].data(), t.grads[i].data(), t.sizes[i]});
+    const int64_t piece =
+        o.streamed_piece > 0 ? o.streamed_piece : std::max<int64_t>(1, static_cast<int64_t>(o.chunk_bytes / 2));
+    absl::StatusOr<std::unique_ptr<StreamedAdam>> streamed =
+        StreamedAdam::Create(device, rest, piece, o.streamed_slots);
+    if (!streamed.ok()) return fail(streamed.status());
+    auto step = [&]() -> absl::Status {
+      if (*engine == nullptr) return absl::OkStatus();
+      FERRY_RETURN_IF_ERROR((*engine)->Step());
+      return (*engine)->Synchronize();
+    };
+    absl::StatusOr<double> cpu = MedianSeconds(o.steps, step);
+    absl::StatusOr<double> alone = MedianSeconds(o.steps, [&]() -> absl::Status {
+      (*streamed)->Start();
+      return (*streamed)->Wait();
+    });
+    absl::StatusOr<double> both = MedianSeconds(o.steps, [&]() -> absl::Status {
+      (*streamed)->Start();
+      const absl::Status stepped = step();
+      const absl::Status waited = (*streamed)->Wait();
+      return stepped.ok() ? waited : stepped;
+    });
+    if (!cpu.ok() || !alone.ok() || !both.ok()) return fail(!cpu.ok() ? cpu.status() : !alone.ok() ? alone.status() : both.status());
+    std::printf("  %6.2f %10lld %10lld %9.2f ms %9.2f ms %9.2f ms %9.2fx\n", share,
+                static_cast<long long>(t.total - (*streamed)->numel()), static_cast<long long>((*streamed)->numel()),
+                *cpu * 1e3, *alone * 1e3, *both * 1e3, *full / *both);
+  }
+  std::printf("  (vs full: the fully offloaded step's time / both's; both = the step of the CPU share with the "
+              "streamed share beside it)\n");
+  return 0;
+}
+
 void PrintRow(const char* name, double seconds, int64_t numel) {
   std::printf("  %-28s %9.2f ms  %7.2f G params/s\n", name, seconds * 1e3,
               seconds > 0 ? static_cast<double>(numel) / seconds / 1e9 : 0.0);
@@ -191,6 +268,7 @@ int Run(int argc, char** argv) {
   Options o;
   bool quick = false;
   std::string trace_path;  // the fully offloaded engine's trace (`ferry trace FILE` summarizes it)
+  std::vector<double> streamed;  // --streamed=SHARE,...: only the GPU-streamed measurement
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     auto value = [&](const char* flag) -> const char* {
@@ -200,10 +278,14 @@ int Run(int argc, char** argv) {
     };
     if (a == "--help" || a == "-h") {
       std::puts("usage: ferry bench step [--quick] [--params=N] [--tensors=N] [--steps=N] [--chunk-mib=N] [--trace FILE]\n"
+                "                        [--streamed=SHARE,... [--streamed-piece-mib=N] [--streamed-slots=N]]\n"
                 "  One Adam step of N bf16 params (default 1e9) in ~200 tensors, fully offloaded and half\n"
                 "  offloaded, against each pipeline stage timed alone; prints overlap efficiency; then fully\n"
                 "  offloaded with fp32 and with bf16 moments side by side (step, stages, host bytes per param).\n"
-                "  --trace FILE: the fully offloaded engine writes a trace of its steps to FILE.");
+                "  --trace FILE: the fully offloaded engine writes a trace of its steps to FILE.\n"
+                "  --streamed=SHARE,...: instead, per share (0 to 1), the offloaded step of the other params\n"
+                "  beside a GPU Adam that streams this share's fp32 state from pinned host memory and back,\n"
+                "  in pieces of N MiB per state tensor (default: a grad chunk's elements), N in flight (4).");
       return 0;
     } else if (a == "--quick") {
       quick = true;
@@ -219,6 +301,21 @@ int Run(int argc, char** argv) {
       o.steps = std::atoi(v3);
     } else if (const char* v4 = value("--chunk-mib")) {
       o.chunk_bytes = static_cast<size_t>(std::atof(v4) * (1 << 20));
+    } else if (const char* v6 = value("--streamed-piece-mib")) {
+      o.streamed_piece = static_cast<int64_t>(std::atof(v6) * (1 << 20) / 4);  // MiB of one fp32 state tensor
+    } else if (const char* v7 = value("--streamed-slots")) {
+      o.streamed_slots = static_cast<size_t>(std::max(1, std::atoi(v7)));
+    } else if (const char* v5 = value("--streamed")) {
+      for (const char* at = v5; *at != '\0';) {
+        char* end = nullptr;
+        const double share = std::strtod(at, &end);
+        if (end == at || share < 0.0 || share > 1.0 || (*end != ',' && *end != '\0')) {
+          std::fprintf(stderr, "ferry bench step: --streamed takes shares from 0 to 1, comma-separated; got '%s'\n", v5);
+          return 2;
+        }
+        streamed.push_back(share);
+        at = *end == ',' ? end + 1 : end;
+      }
     } else {
       std::fprintf(stderr, "ferry bench step: unknown argument '%s' (--help)\n", a.c_str());
       return 2;
@@ -248,6 +345,7 @@ int Run(int argc, char** argv) {
               "median of %d\n",
               (*device)->name().c_str(), static_cast<long long>(tensors->total), o.tensors,
               static_cast<double>(o.chunk_bytes) / (1 << 20), ThreadPool::DefaultThreads(), o.steps);
+  if (!streamed.empty()) return RunStreamed(**device, *tensors, o, streamed);
   const std::string policies = std::string(FERRY_SOURCE_DIR) + "/scripts/policies/";
   int64_t cpu_numel = 0;
   size_t pinned_fp32 = 0, pinned_bf16 = 0;
