@@ -207,6 +207,9 @@ int RunStreamed(Device& device, Tensors& t, const Options& o, const std::vector<
     std::fprintf(stderr, "ferry bench step: %s\n", std::string(s.message()).c_str());
     return 1;
   };
+  // Elements per streamed piece: as many as a grad chunk of the pipeline holds unless given.
+  const int64_t piece =
+      o.streamed_piece > 0 ? o.streamed_piece : std::max<int64_t>(1, static_cast<int64_t>(o.chunk_bytes / 2));
   int64_t all_numel = 0;
   absl::StatusOr<double> full = EngineStep(device, t, o, policy, {}, &all_numel);
   if (!full.ok()) return fail(full.status());
@@ -228,8 +231,6 @@ int RunStreamed(Device& device, Tensors& t, const Options& o, const std::vector<
     if (!engine.ok()) return fail(engine.status());
     std::vector<StreamedAdam::Tensor> rest;
     for (size_t i = first; i < t.sizes.size(); ++i) rest.push_back({t.params[i].data(), t.grads[i].data(), t.sizes[i]});
-    const int64_t piece =
-        o.streamed_piece > 0 ? o.streamed_piece : std::max<int64_t>(1, static_cast<int64_t>(o.chunk_bytes / 2));
     absl::StatusOr<std::unique_ptr<StreamedAdam>> streamed =
         StreamedAdam::Create(device, rest, piece, o.streamed_slots);
     if (!streamed.ok()) return fail(streamed.status());

@@ -82,6 +82,7 @@ class StreamedAdam {
   // is down (a blocking wait), so at most slots_count_ pieces' copies are queued ahead of anyone else's on
   // the copy engines (enqueued all at once, they delayed the offloaded step's copies until the end).
   void Start() {
+    if (worker_.joinable()) worker_.join();  // a step not waited for finishes first
     worker_ = std::thread([this] { status_ = Run(); });
   }
   absl::Status Wait() {
