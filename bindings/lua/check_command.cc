@@ -25,6 +25,9 @@
 #include "absl/strings/strip.h"
 #include "base/absl_compat.h"
 #include "base/errors.h"
+#include "base/host_share.h"
+#include "device/device.h"
+#include "memory/pinned_budget.h"
 #include "ferry/dtype.h"
 #include "ferry/status.h"
 #include "lua/commands.h"
@@ -42,6 +45,8 @@ ABSL_FLAG(std::string, ferry_check_pinned_budget, "0",
 ABSL_FLAG(int32_t, ferry_check_rank, 0, "ctx.rank");
 ABSL_FLAG(int32_t, ferry_check_world_size, 1, "ctx.world_size");
 ABSL_FLAG(int32_t, ferry_check_numa_nodes, 1, "ctx.numa_nodes");
+ABSL_FLAG(int32_t, ferry_check_local_world_size, 0,
+          "ranks sharing this host, for the host section (0: the launcher's environment, else 1)");
 ABSL_FLAG(int64_t, ferry_check_step, 1000, "info.step of the checkpoint() call");
 ABSL_FLAG(int32_t, ferry_check_steps, 3,
           "on_step() calls to simulate, each applying the moves it asks for");
@@ -59,6 +64,7 @@ const std::vector<VerbFlag>& CheckFlags() {
       {"rank", "ferry_check_rank", "N"},
       {"world_size", "ferry_check_world_size", "N"},
       {"numa_nodes", "ferry_check_numa_nodes", "N"},
+      {"local_world_size", "ferry_check_local_world_size", "N"},
       {"step", "ferry_check_step", "N"},
       {"steps", "ferry_check_steps", "N"},
       {"step_seconds", "ferry_check_step_seconds", "SECONDS"},
@@ -66,6 +72,33 @@ const std::vector<VerbFlag>& CheckFlags() {
   return *flags;
 }
 
+
+// Each local rank's share of this host, as the engines of `local_world_size` ranks (0: the launcher's
+// environment) would take it: their CPU Adam workers' CPUs and their pinned budgets.
+void PrintHostShares(std::FILE* out, int local_world_size) {
+  const HostTopology topo = ReadHostTopology();
+  const LocalRanks detected = DetectLocalRanks(-1, -1);
+  const int ranks = local_world_size > 0 ? local_world_size : detected.local_world_size;
+  std::set<int> cores;
+  for (const HostCpu& c : topo.cpus) cores.insert(c.core);
+  absl::FPrintF(out, "host: %d CPUs online; this process may run on %d (%d cores); %d local rank%s (%s)\n",
+                topo.online_cpus, topo.cpus.size(), cores.size(), ranks, ranks == 1 ? "" : "s",
+                local_world_size > 0 ? "--local_world_size" : detected.source);
+  const std::vector<int> gpu_nodes = CudaNumaNodes();
+  for (int r = 0; r < ranks; ++r) {
+    std::vector<int> nodes;
+    for (int j = 0; !gpu_nodes.empty() && j < ranks; ++j) nodes.push_back(gpu_nodes[static_cast<size_t>(j) % gpu_nodes.size()]);
+    const HostShare share = SplitHost(topo, LocalRanks{r, ranks, "check"}, nodes, /*trainer_threads=*/1);
+    const size_t workers = share.Workers(0, CpuThreadsCap(0));
+    std::vector<int> cpus;
+    for (size_t i = 0; i < workers && !share.cpus.empty(); ++i) cpus.push_back(share.WorkerCpu(i));
+    absl::FPrintF(out, "  local rank %d: %d CPU Adam workers on CPUs %s%s, %d CPU%s left to the trainer; pinned budget %s\n",
+                  r, workers, FormatCpuList(cpus), share.split ? " (pinned)" : " (not pinned)", share.trainer_cpus,
+                  share.trainer_cpus == 1 ? "" : "s",
+                  HumanBytes(static_cast<int64_t>(PinnedBudget::DefaultProcessLimit() / static_cast<size_t>(ranks))));
+    if (r == 0) absl::FPrintF(out, "    (%s)\n", share.reason);
+  }
+}
 
 // Collects the report's errors.
 class Reporter final {
@@ -287,6 +320,8 @@ int CheckCommand(const std::vector<std::string>& args, std::FILE* out, std::FILE
                 "numa_nodes %d, args {%s}\n",
                 ctx.rank, ctx.world_size, ctx.gpu_free_bytes, HumanBytes(ctx.gpu_free_bytes),
                 ctx.pinned_budget_bytes, ctx.numa_nodes, absl::StrJoin(arg_text, ", "));
+
+  PrintHostShares(out, absl::GetFlag(FLAGS_ferry_check_local_world_size));
 
   // place()
   absl::FPrintF(out, "\nplace():\n");

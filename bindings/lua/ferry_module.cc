@@ -401,7 +401,7 @@ int LEnginePlacement(lua_State* L) {
 int LEngineStats(lua_State* L) {
   Engine* e = CheckEngine(L, 1);
   EngineStats s = e->Stats();
-  lua_createtable(L, 0, 12);
+  lua_createtable(L, 0, 19);
   const std::pair<const char*, double> numbers[] = {
       {"step", static_cast<double>(s.step)},
       {"host_registrations", static_cast<double>(s.host_registrations)},
@@ -412,6 +412,11 @@ int LEngineStats(lua_State* L) {
       {"early_groups_recomputed", static_cast<double>(s.early_groups_recomputed)},
       {"deferred_steps", static_cast<double>(s.deferred_steps)},
       {"skipped_steps", static_cast<double>(s.skipped_steps)},
+      {"local_rank", static_cast<double>(s.local_rank)},
+      {"local_world_size", static_cast<double>(s.local_world_size)},
+      {"cpu_threads", static_cast<double>(s.cpu_threads)},
+      {"numa_node", static_cast<double>(s.numa_node)},
+      {"pinned_limit_bytes", static_cast<double>(s.pinned_limit_bytes)},
   };
   for (const auto& [name, value] : numbers) {
     lua_pushnumber(L, static_cast<lua_Number>(value));
@@ -423,6 +428,10 @@ int LEngineStats(lua_State* L) {
   lua_setfield(L, -2, "last_grad_norm");
   lua_pushstring(L, e->DeviceName().c_str());
   lua_setfield(L, -2, "device");
+  lua_pushstring(L, s.cpu_list.c_str());
+  lua_setfield(L, -2, "cpu_list");
+  lua_pushstring(L, s.host_share.c_str());
+  lua_setfield(L, -2, "host_share");
   return 1;
 }
 

@@ -16,6 +16,9 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "base/thread_pool.h"
 #include "bench/bench.h"
 #include "bench/streamed_adam.h"
@@ -37,6 +40,7 @@ struct Options {
   // --streamed: elements per streamed piece (0: as many as a grad chunk holds) and pieces in flight.
   int64_t streamed_piece = 0;
   size_t streamed_slots = 4;
+  size_t cpu_threads = 0;  // EngineOptions::cpu_threads and CPU Adam alone's workers (0: the defaults)
 };
 
 struct Tensors {
@@ -91,6 +95,7 @@ absl::StatusOr<std::unique_ptr<Engine>> MakeEngine(Device& device, Tensors& t, c
   eo.policy_args = args;
   eo.device = std::string(BackendName(device.backend()));
   eo.transfer_chunk_bytes = o.chunk_bytes;
+  eo.cpu_threads = o.cpu_threads;
   FERRY_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine, Engine::Create(eo));
   for (size_t i = 0; i < count; ++i) {
     ParamSpec spec;
@@ -107,9 +112,11 @@ absl::StatusOr<std::unique_ptr<Engine>> MakeEngine(Device& device, Tensors& t, c
 // Step time of an engine over `t` with `policy` (every group its own tensor).
 absl::StatusOr<double> EngineStep(Device& device, Tensors& t, const Options& o, const std::string& policy,
                                   const std::map<std::string, std::string>& args, int64_t* offloaded_numel,
-                                  const std::string& trace_path = "", size_t* pinned_bytes = nullptr) {
+                                  const std::string& trace_path = "", size_t* pinned_bytes = nullptr,
+                                  size_t* workers = nullptr) {
   FERRY_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine,
                          MakeEngine(device, t, o, policy, args, t.sizes.size(), trace_path));
+  if (workers != nullptr) *workers = engine->Stats().cpu_threads;
   *offloaded_numel = 0;
   for (const GroupPlacement& g : engine->Placement()) *offloaded_numel += g.offloaded ? g.numel : 0;
   if (pinned_bytes != nullptr) *pinned_bytes = engine->Stats().pinned_bytes;
@@ -160,7 +167,7 @@ absl::StatusOr<Stages> TimeStages(Device& device, Tensors& t, const Options& o, 
     std::vector<float> master(static_cast<size_t>(cpu_numel), 0.01f);
     std::vector<float> m(bf16_moments ? 0 : master.size(), 0.0f), v(m.size(), 0.0f);
     std::vector<uint16_t> m16(bf16_moments ? master.size() : 0, 0), v16(m16.size(), 0);
-    ThreadPool pool(ThreadPool::DefaultThreads());
+    ThreadPool pool(o.cpu_threads > 0 ? o.cpu_threads : ThreadPool::DefaultThreads());
     CpuAdam adam(&pool);
     AdamScalars scalars = MakeAdamScalars(AdamHyper{}, 1);
     CpuAdamTensor ct{master.data(), bf16_moments ? static_cast<void*>(m16.data()) : m.data(),
@@ -260,6 +267,38 @@ int RunStreamed(Device& device, Tensors& t, const Options& o, const std::vector<
   return 0;
 }
 
+// `ferry bench step --threads=N,...`: the fully offloaded fp32 step and CPU Adam alone with N workers
+// each (beside the thread that runs the step), and the engine's own choice (0), against the copies
+// alone: where more workers stop helping, and whether the step follows CPU Adam alone.
+int RunThreadSweep(Device& device, Tensors& t, Options o, const std::vector<size_t>& counts,
+                   const std::string& trace_path) {
+  const std::string policy = std::string(FERRY_SOURCE_DIR) + "/scripts/policies/offload_all.lua";
+  auto fail = [](const absl::Status& s) {
+    std::fprintf(stderr, "ferry bench step: %s\n", std::string(s.message()).c_str());
+    return 1;
+  };
+  std::printf("\nworkers sweep, fully offloaded fp32\n");
+  std::printf("  %8s %12s %16s %12s %12s %12s %12s\n", "workers", "step", "CPU Adam alone", "D2H alone", "H2D alone",
+              "efficiency", "step / Adam");
+  for (size_t n : counts) {
+    o.cpu_threads = n;
+    int64_t numel = 0;
+    size_t workers = 0;
+    const std::string trace = trace_path.empty() ? "" : absl::StrCat(trace_path, ".workers-", n, ".json");
+    absl::StatusOr<double> step = EngineStep(device, t, o, policy, {}, &numel, trace, nullptr, &workers);
+    if (!step.ok()) return fail(step.status());
+    o.cpu_threads = workers;
+    absl::StatusOr<Stages> alone = TimeStages(device, t, o, t.sizes.size());
+    if (!alone.ok()) return fail(alone.status());
+    const double slowest = std::max({alone->d2h, alone->h2d, alone->cpu_adam});
+    std::printf("  %5zu%3s %9.2f ms %13.2f ms %9.2f ms %9.2f ms %12.3f %12.3f\n", workers, n == 0 ? "(0)" : "",
+                *step * 1e3, alone->cpu_adam * 1e3, alone->d2h * 1e3, alone->h2d * 1e3, slowest / *step,
+                *step / alone->cpu_adam);
+  }
+  std::printf("  ((0): the engine's own choice; efficiency = slowest stage alone / step, target >= 0.9)\n");
+  return 0;
+}
+
 void PrintRow(const char* name, double seconds, int64_t numel) {
   std::printf("  %-28s %9.2f ms  %7.2f G params/s\n", name, seconds * 1e3,
               seconds > 0 ? static_cast<double>(numel) / seconds / 1e9 : 0.0);
@@ -270,6 +309,7 @@ int Run(int argc, char** argv) {
   bool quick = false;
   std::string trace_path;  // the fully offloaded engine's trace (`ferry trace FILE` summarizes it)
   std::vector<double> streamed;  // --streamed=SHARE,...: only the GPU-streamed measurement
+  std::vector<size_t> sweep;     // --threads=N,...: only the workers sweep
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     auto value = [&](const char* flag) -> const char* {
@@ -280,13 +320,16 @@ int Run(int argc, char** argv) {
     if (a == "--help" || a == "-h") {
       std::puts("usage: ferry bench step [--quick] [--params=N] [--tensors=N] [--steps=N] [--chunk-mib=N] [--trace FILE]\n"
                 "                        [--streamed=SHARE,... [--streamed-piece-mib=N] [--streamed-slots=N]]\n"
+                "                        [--threads=N,...]\n"
                 "  One Adam step of N bf16 params (default 1e9) in ~200 tensors, fully offloaded and half\n"
                 "  offloaded, against each pipeline stage timed alone; prints overlap efficiency; then fully\n"
                 "  offloaded with fp32 and with bf16 moments side by side (step, stages, host bytes per param).\n"
                 "  --trace FILE: the fully offloaded engine writes a trace of its steps to FILE.\n"
                 "  --streamed=SHARE,...: instead, per share (0 to 1), the offloaded step of the other params\n"
                 "  beside a GPU Adam that streams this share's fp32 state from pinned host memory and back,\n"
-                "  in pieces of N MiB per state tensor (default: a grad chunk's elements), N in flight (4).");
+                "  in pieces of N MiB per state tensor (default: a grad chunk's elements), N in flight (4).\n"
+                "  --threads=N,...: instead, the fully offloaded fp32 step and CPU Adam alone with N workers\n"
+                "  each (0: the engine's own choice), beside the copies alone (traces: FILE.workers-N.json).");
       return 0;
     } else if (a == "--quick") {
       quick = true;
@@ -302,6 +345,16 @@ int Run(int argc, char** argv) {
       o.steps = std::atoi(v3);
     } else if (const char* v4 = value("--chunk-mib")) {
       o.chunk_bytes = static_cast<size_t>(std::atof(v4) * (1 << 20));
+    } else if (const char* v8 = value("--threads")) {
+      for (absl::string_view part : absl::StrSplit(v8, ',')) {
+        size_t n = 0;
+        if (!absl::SimpleAtoi(part, &n)) {
+          std::fprintf(stderr, "ferry bench step: --threads takes worker counts (0: the engine's choice), "
+                               "comma-separated; got '%s'\n", v8);
+          return 2;
+        }
+        sweep.push_back(n);
+      }
     } else if (const char* v6 = value("--streamed-piece-mib")) {
       o.streamed_piece = static_cast<int64_t>(std::atof(v6) * (1 << 20) / 4);  // MiB of one fp32 state tensor
     } else if (const char* v7 = value("--streamed-slots")) {
@@ -347,6 +400,7 @@ int Run(int argc, char** argv) {
               (*device)->name().c_str(), static_cast<long long>(tensors->total), o.tensors,
               static_cast<double>(o.chunk_bytes) / (1 << 20), ThreadPool::DefaultThreads(), o.steps);
   if (!streamed.empty()) return RunStreamed(**device, *tensors, o, streamed);
+  if (!sweep.empty()) return RunThreadSweep(**device, *tensors, o, sweep, trace_path);
   const std::string policies = std::string(FERRY_SOURCE_DIR) + "/scripts/policies/";
   int64_t cpu_numel = 0;
   size_t pinned_fp32 = 0, pinned_bf16 = 0;

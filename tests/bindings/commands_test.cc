@@ -17,7 +17,9 @@
 #include "absl/strings/str_cat.h"
 #include "bindings/command_capture.h"
 #include "absl/strings/str_split.h"
+#include "base/host_share.h"
 #include "ckpt/checkpoint.h"
+#include "memory/pinned_budget.h"
 #include "ferry/version.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -193,6 +195,26 @@ TEST(CheckCommandTest, WarnsWhenTheStateDoesNotFit) {
   EXPECT_THAT(r.out, HasSubstr("warning: the GPU state exceeds gpu_free_bytes (9.8 KiB) by 2.0 KiB"));
   EXPECT_THAT(r.out, HasSubstr("hooks: place, checkpoint (absent: engine default), after_load "
                                "(absent: engine default), on_step (absent: engine default)\n"));
+}
+
+// The host section: each local rank's share of this machine's CPUs, disjoint, and its pinned budget.
+TEST(CheckCommandTest, ShowsEachLocalRanksShareOfTheHost) {
+  Result r = Check({kPolicies + "offload_all.lua", "--model", "a:1000", "--local_world_size", "2"});
+  EXPECT_EQ(r.status, 0) << r.err;
+  EXPECT_THAT(r.out, HasSubstr("2 local ranks (--local_world_size)\n"));
+  const HostTopology topo = ReadHostTopology();
+  std::vector<std::string> lists;
+  for (int rank = 0; rank < 2; ++rank) {
+    const HostShare share = SplitHost(topo, LocalRanks{rank, 2, "test"}, {}, 1);
+    std::vector<int> cpus;
+    const size_t workers = share.Workers(0, CpuThreadsCap(0));
+    for (size_t i = 0; i < workers; ++i) cpus.push_back(share.WorkerCpu(i));
+    EXPECT_THAT(r.out, HasSubstr(absl::StrCat("  local rank ", rank, ": ", workers, " CPU Adam workers on CPUs ",
+                                              FormatCpuList(cpus))));
+  }
+  EXPECT_THAT(r.out, HasSubstr("pinned budget " + HumanBytes(static_cast<int64_t>(PinnedBudget::DefaultProcessLimit() / 2))));
+  Result one = Check({kPolicies + "offload_all.lua", "--model", "a:1000", "--local_world_size", "1"});
+  EXPECT_THAT(one.out, HasSubstr("one rank on this host: every CPU of the process"));
 }
 
 // Per-group state precision: the table's last column and the bytes follow it (8 B per element with

@@ -89,6 +89,9 @@ class Optimizer(StateMixin, _attach.AttachMixin, torch.optim.Optimizer):
         ferry.distributed; README "PyTorch on several ranks"). shard=True: ZeRO-1 over the ranks of
         `process_group` (None: every rank) for replicated params; DTensor params (FSDP2) are always
         registered as their local shards. Timeouts in seconds.
+      local_rank, local_world_size: this process's place among the ranks of its host, which gives its
+        share of the host's CPUs and pinned budget (None: from torchrun's, Open MPI's, MPICH's or
+        Slurm's environment; README "Ranks that share a host"). stats() shows the share.
     """
 
     _node_hooks = None  # tests: True forces the AccumulateGrad-node hooks of torch < 2.1
@@ -96,7 +99,7 @@ class Optimizer(StateMixin, _attach.AttachMixin, torch.optim.Optimizer):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, *, policy=None,
                  policy_args=None, loss_scale=1.0, max_grad_norm=0.0, check_finite=True, transfer_chunk_bytes=0,
                  cpu_threads=0, numa="", trace_path="", overlap=None, process_group=None, shard=False,
-                 collective_timeout=300.0, checkpoint_timeout=3600.0):
+                 collective_timeout=300.0, checkpoint_timeout=3600.0, local_rank=None, local_world_size=None):
         _checks.check_arguments(lr, betas, eps, weight_decay, cpu_threads, transfer_chunk_bytes, overlap, numa,
                                 trace_path)
         self._engine = None
@@ -130,7 +133,10 @@ class Optimizer(StateMixin, _attach.AttachMixin, torch.optim.Optimizer):
                               lr=float(lr), beta1=float(betas[0]), beta2=float(betas[1]), eps=float(eps),
                               weight_decay=float(weight_decay), adamw=True, device="cuda" if self._cuda else "host",
                               device_ordinal=device.index or 0, transfer_chunk_bytes=int(transfer_chunk_bytes),
-                              cpu_threads=int(cpu_threads), numa=numa, trace_path=trace_path, **dist_args)
+                              cpu_threads=int(cpu_threads), numa=numa, trace_path=trace_path,
+                              local_rank=-1 if local_rank is None else int(local_rank),
+                              local_world_size=-1 if local_world_size is None else int(local_world_size),
+                              **dist_args)
         try:
             self._register(engine, group_of)
         except BaseException as e:

@@ -185,7 +185,8 @@ class PyEngine {
   PyEngine(const std::string& policy, const std::map<std::string, std::string>& policy_args, float lr, float beta1,
            float beta2, float eps, float weight_decay, bool adamw, const std::string& device, int device_ordinal,
            size_t transfer_chunk_bytes, size_t cpu_threads, const std::string& numa, const std::string& trace_path,
-           py::object comm, int rank, int world_size, double collective_timeout_s, double checkpoint_timeout_s) {
+           py::object comm, int rank, int world_size, double collective_timeout_s, double checkpoint_timeout_s,
+           int local_rank, int local_world_size) {
     EngineOptions o;
     o.policy_path = policy;
     o.policy_args = policy_args;
@@ -203,6 +204,8 @@ class PyEngine {
     o.trace_path = trace_path;
     o.rank = rank;
     o.world_size = world_size;
+    o.local_rank = local_rank;
+    o.local_world_size = local_world_size;
     if (collective_timeout_s > 0) o.collective_timeout = absl::Seconds(collective_timeout_s);
     if (checkpoint_timeout_s > 0) o.checkpoint_timeout = absl::Seconds(checkpoint_timeout_s);
     if (!comm.is_none()) o.comm = Check(MakeCallbackComm(Check(MakePyCallbacks(std::move(comm), rank, world_size))));
@@ -393,6 +396,14 @@ class PyEngine {
     d["early_groups_kept"] = s.early_groups_kept;
     d["early_groups_recomputed"] = s.early_groups_recomputed;
     d["deferred_steps"] = s.deferred_steps;
+    // This rank's share of its host (README "Ranks that share a host").
+    d["local_rank"] = s.local_rank;
+    d["local_world_size"] = s.local_world_size;
+    d["cpu_threads"] = s.cpu_threads;
+    d["cpu_list"] = s.cpu_list;
+    d["host_share"] = s.host_share;
+    d["numa_node"] = s.numa_node;
+    d["pinned_limit_bytes"] = s.pinned_limit_bytes;
     // The binding's own measure: the host wall time of the last Engine::Step call (without taking the
     // GIL and the engine's mutex; on CUDA, until Step returned, not until its stream finished).
     d["last_step_seconds"] = last_step_seconds;
@@ -488,15 +499,17 @@ PYBIND11_MODULE(_ferry, m) {
   py::class_<PyEngine>(m, "Engine")
       .def(py::init<const std::string&, const std::map<std::string, std::string>&, float, float, float, float, float,
                     bool, const std::string&, int, size_t, size_t, const std::string&, const std::string&, py::object,
-                    int, int, double, double>(),
+                    int, int, double, double, int, int>(),
            py::kw_only(), py::arg("policy") = "", py::arg("policy_args") = std::map<std::string, std::string>{},
            py::arg("lr") = 1e-3f, py::arg("beta1") = 0.9f, py::arg("beta2") = 0.999f, py::arg("eps") = 1e-8f,
            py::arg("weight_decay") = 0.0f, py::arg("adamw") = true, py::arg("device") = "",
            py::arg("device_ordinal") = 0, py::arg("transfer_chunk_bytes") = 0, py::arg("cpu_threads") = 0,
            py::arg("numa") = "", py::arg("trace_path") = "", py::arg("comm") = py::none(), py::arg("rank") = 0,
            py::arg("world_size") = 1, py::arg("collective_timeout") = 0.0, py::arg("checkpoint_timeout") = 0.0,
+           py::arg("local_rank") = -1, py::arg("local_world_size") = -1,
            "comm (with rank, world_size): the ranks' collectives (see the module comment); timeouts in seconds, "
-           "0: the engine's defaults.")
+           "0: the engine's defaults; local_rank, local_world_size: this process's place among the ranks of "
+           "its host (-1: from the launcher's environment).")
       .def("add_param", &PyEngine::AddParam, py::arg("name"), py::arg("group"), py::arg("shape"), py::arg("dtype"),
            py::arg("param"), py::arg("grad"), py::arg("grad_dtype") = py::none(),
            py::arg("tags") = std::vector<std::string>{}, py::arg("shard_begin") = 0, py::arg("shard_end") = -1,

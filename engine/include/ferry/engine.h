@@ -100,12 +100,28 @@ struct EngineOptions {
   // Chunk of the offload pipeline: 8 MiB measured best on an H200 (ferry bench step: the step costs
   // 1.02x CPU Adam alone, vs 1.07x with 32 MiB chunks and 1.22x with 4 MiB).
   size_t transfer_chunk_bytes = size_t{8} << 20;
-  // CPU Adam's worker threads; 0 = the CPUs this process may run on, less trainer_threads (at least
-  // 1). The thread that runs a step (the trainer's, or the early-step thread) works beside them.
+  // CPU Adam's worker threads; 0 = this rank's share of the host's CPUs (see local_rank), less
+  // trainer_threads, and no more than help (cpu_threads_max). The thread that runs a step (the
+  // trainer's, or the early-step thread) works beside them.
   size_t cpu_threads = 0;
-  // CPUs left to the trainer's own threads when cpu_threads is 0 (its Python or C++ loop, autograd,
-  // data loading). Chosen by measurement: see the README ("Overlap in a real training loop").
+  // CPUs of the share left to the trainer's own threads when cpu_threads is 0 (its Python or C++
+  // loop, autograd, data loading); no worker is pinned there. See the README ("Overlap in a real
+  // training loop").
   size_t trainer_threads = 1;
+  // The most workers cpu_threads = 0 takes: past the host's memory-bandwidth knee more workers only
+  // slow the pipeline's copies. 0: the FERRY_CPU_THREADS_MAX environment variable, else no limit.
+  size_t cpu_threads_max = 0;
+  // Several ranks on one host (torchrun --nproc-per-node, mpirun -np): this process's place among
+  // them, which gives its share of the host: a disjoint slice of the CPUs it may run on (whole
+  // cores, on the NUMA node of its GPU where the host has several) for its workers, and 1 /
+  // local_world_size of the default pinned budget. -1: from the launcher's environment (torchrun,
+  // Open MPI, MPICH, Slurm); none found: rank 0 of 1. A process the launcher already bound to fewer
+  // CPUs than are online (taskset, --bind-to) keeps all of them.
+  int local_rank = -1;
+  int local_world_size = -1;
+  // Pin each worker to one CPU of the share: -1 when the host is split among several local ranks
+  // (or as the FERRY_PIN_CPU_THREADS environment variable says, 0 or 1), 0 never, 1 always.
+  int pin_cpu_threads = -1;
   std::string numa;                               // "", "interleave", "bind", "preferred", "local"
   // Trace of every step, save and load as Chrome/Perfetto trace-event JSON (`ferry trace FILE`
   // summarizes it), written at destruction (tmp + rename). Empty: the FERRY_TRACE environment
@@ -198,6 +214,15 @@ struct EngineStats {
   // false and every offloaded group announced: the update completes while the trainer's next
   // forward runs, each layer waiting for its own groups with WaitParams).
   int64_t deferred_steps = 0;
+
+  // This rank's share of its host (EngineOptions::local_rank).
+  int local_rank = 0;
+  int local_world_size = 1;
+  size_t cpu_threads = 0;      // CPU Adam's workers (the thread running a step works beside them)
+  std::string cpu_list;        // the CPUs they are pinned to, "0-15,32-47"; empty: not pinned
+  std::string host_share;      // how the share was chosen, e.g. "local rank 1 of 4 (torchrun): ..."
+  int numa_node = -1;          // the node the offloaded state's pages were placed on; -1: not bound
+  size_t pinned_limit_bytes = 0;  // the process's pinned budget (split among the local ranks)
 };
 
 // How LoadCheckpoint treats a checkpoint that fails verification.

@@ -1,5 +1,6 @@
 #include "base/thread_pool.h"
 
+#include <pthread.h>
 #include <sched.h>
 
 #include <algorithm>
@@ -53,11 +54,16 @@ int64_t ThreadPool::DefaultSpinUs() {
   return spin_us;
 }
 
-ThreadPool::ThreadPool(size_t num_threads, int64_t spin_us) {
+ThreadPool::ThreadPool(size_t num_threads, int64_t spin_us, std::vector<int> cpus) : cpus_(std::move(cpus)) {
   if (num_threads == 0) num_threads = 1;
   spin_ns_ = (spin_us < 0 ? DefaultSpinUs() : spin_us) * 1000;
+  if (!cpus_.empty()) {
+    std::vector<int> each(num_threads);
+    for (size_t i = 0; i < num_threads; ++i) each[i] = cpus_[i % cpus_.size()];
+    cpus_ = std::move(each);
+  }
   workers_.reserve(num_threads);
-  for (size_t i = 0; i < num_threads; ++i) workers_.emplace_back([this] { WorkerLoop(); });
+  for (size_t i = 0; i < num_threads; ++i) workers_.emplace_back([this, i] { WorkerLoop(i); });
 }
 
 ThreadPool::~ThreadPool() {
@@ -101,7 +107,13 @@ bool ThreadPool::RunOne(Job& job) {
   return true;
 }
 
-void ThreadPool::WorkerLoop() {
+void ThreadPool::WorkerLoop(size_t index) {
+  if (!cpus_.empty() && cpus_[index] >= 0 && cpus_[index] < CPU_SETSIZE) {
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    CPU_SET(cpus_[index], &set);
+    (void)pthread_setaffinity_np(pthread_self(), sizeof(set), &set);  // refused: the worker stays unpinned
+  }
   std::unique_lock<std::mutex> lock(mu_);
   while (true) {
     if (!queue_.empty()) {

@@ -34,12 +34,16 @@ class ThreadPool final {
   static constexpr int64_t kDefaultSpinUs = 1000;
 
   // REQUIRES: num_threads >= 1 (0 is taken as 1); spin_us >= 0 (< 0: DefaultSpinUs()).
-  explicit ThreadPool(size_t num_threads, int64_t spin_us = -1);
+  // `cpus` non-empty: worker i runs only on CPU cpus[i % cpus.size()] (a rank's share of its host); a
+  // CPU the process may not use leaves that worker unpinned.
+  explicit ThreadPool(size_t num_threads, int64_t spin_us = -1, std::vector<int> cpus = {});
   ~ThreadPool();
   ThreadPool(const ThreadPool&) = delete;
   ThreadPool& operator=(const ThreadPool&) = delete;
 
   size_t num_threads() const { return workers_.size(); }
+  // The CPU each worker is pinned to (empty: none is).
+  const std::vector<int>& cpus() const { return cpus_; }
   int64_t spin_us() const { return spin_ns_ / 1000; }
 
   // Queues `fn` to run on some worker.
@@ -108,7 +112,8 @@ class ThreadPool final {
     bool finished ABSL_GUARDED_BY(mu) = false;
   };
 
-  void WorkerLoop();
+  // Worker `index`'s loop (pinned first when cpus_ is set).
+  void WorkerLoop(size_t index);
   // Claims and runs `job`'s tasks until none is left.
   static void Drain(Job& job);
   // Claims and runs one task of `job`; false when none was left.
@@ -133,6 +138,7 @@ class ThreadPool final {
   int sleepers_ ABSL_GUARDED_BY(mu_) = 0;
   std::atomic<uint64_t> posted_{0};  // bumped (under mu_) by every change a worker may act on
   int64_t spin_ns_ = 0;
+  std::vector<int> cpus_;
   std::vector<std::thread> workers_;
 };
 

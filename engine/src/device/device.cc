@@ -192,6 +192,14 @@ absl::StatusOr<std::unique_ptr<Device>> CreateDevice(const DeviceOptions& option
       ToAbsl(BackendName(Backend::kHost)), "\" or \"", ToAbsl(BackendName(Backend::kCuda)), "\")"));
 }
 
+std::vector<int> CudaNumaNodes() {
+#if defined(FERRY_HAVE_CUDA)
+  return CudaDeviceNumaNodes();
+#else
+  return {};
+#endif
+}
+
 bool BuiltWithCuda() {
 #if defined(FERRY_HAVE_CUDA)
   return true;

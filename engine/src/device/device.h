@@ -19,6 +19,7 @@
 #include <string>
 #include <string_view>
 #include <utility>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -200,6 +201,9 @@ class Device {
   // Human-readable: "NVIDIA H200 (cuda:0, sm_90, 139.8 GiB)" or "host (emulated device memory)".
   virtual std::string name() const = 0;
   virtual absl::StatusOr<size_t> FreeMemory() = 0;
+  // The NUMA node of the host the device is attached to (its PCI device's numa_node in sysfs); -1
+  // when unknown or not meaningful (the host backend).
+  virtual int numa_node() const { return -1; }
 
   // Memory. Allocate(0) returns an empty buffer. Contents are uninitialised.
   virtual absl::StatusOr<DeviceBuffer> Allocate(size_t bytes) = 0;
@@ -281,6 +285,10 @@ absl::StatusOr<std::unique_ptr<Device>> CreateDevice(const DeviceOptions& option
 
 // True when this build includes the CUDA backend.
 bool BuiltWithCuda();
+
+// The host NUMA node of every CUDA device, by ordinal (-1 where sysfs does not say); empty without
+// the CUDA backend or a device. For splitting a host among ranks that each drive one GPU.
+std::vector<int> CudaNumaNodes();
 
 }  // namespace ferry
 

@@ -236,7 +236,13 @@ absl::StatusOr<std::unique_ptr<HybridOptimizer>> EngineImpl::BuildOptimizer(cons
     absl::StatusOr<NumaPolicy> np = ParseNumaPolicy(numa);
     if (!np.ok()) return absl::InvalidArgumentError(absl::StrCat("NUMA policy: ", np.status().message()));
     hopt.numa = *np;
+  } else if (NumaNodeCount() > 1 && device_->numa_node() >= 0) {
+    // Several nodes and nothing asked: the state's pages on the node of the GPU its copies cross to
+    // (while it has memory), as are this rank's workers (host_share.h).
+    hopt.numa = NumaPolicy::kPreferred;
+    hopt.numa_node = device_->numa_node();
   }
+  numa_node_ = hopt.numa == NumaPolicy::kBind || hopt.numa == NumaPolicy::kPreferred ? hopt.numa_node : -1;
   std::vector<OptimGroup> groups(group_names_.size());
   std::vector<bool> offloaded(group_names_.size(), false);
   for (size_t g = 0; g < groups.size(); ++g) {
@@ -412,8 +418,42 @@ std::vector<GroupPlacement> EngineImpl::Placement() const {
   return out;
 }
 
+WorkerPlan PlanWorkers(const EngineOptions& options, const Device& device) {
+  WorkerPlan plan;
+  plan.local = DetectLocalRanks(options.local_rank, options.local_world_size);
+  // The GPU of each local rank, when this one drives GPU `local rank` (torchrun's convention): their
+  // NUMA nodes let a host of several nodes be split by node.
+  std::vector<int> gpu_nodes;
+  if (device.backend() == Backend::kCuda && device.numa_node() >= 0) {
+    const std::vector<int> nodes = CudaNumaNodes();
+    const int n = static_cast<int>(nodes.size());
+    if (n > 0 && nodes[static_cast<size_t>(plan.local.local_rank % n)] == device.numa_node()) {
+      for (int r = 0; r < plan.local.local_world_size; ++r) gpu_nodes.push_back(nodes[static_cast<size_t>(r % n)]);
+    }
+  }
+  plan.share = SplitHost(ReadHostTopology(), plan.local, gpu_nodes, options.trainer_threads);
+  plan.threads = plan.share.Workers(options.cpu_threads, CpuThreadsCap(options.cpu_threads_max));
+  int pin_option = options.pin_cpu_threads;
+  if (pin_option < 0) {
+    const char* env = std::getenv("FERRY_PIN_CPU_THREADS");
+    if (env != nullptr && (std::string_view(env) == "0" || std::string_view(env) == "1")) pin_option = *env - '0';
+  }
+  const bool pin = pin_option > 0 || (pin_option < 0 && plan.share.split);
+  if (pin && !plan.share.cpus.empty()) {
+    for (size_t i = 0; i < plan.threads; ++i) plan.cpus.push_back(plan.share.WorkerCpu(i));
+  }
+  return plan;
+}
+
 EngineStats EngineImpl::Stats() const {
   EngineStats s;
+  s.local_rank = workers_.local.local_rank;
+  s.local_world_size = workers_.local.local_world_size;
+  s.cpu_threads = pool_.num_threads();
+  s.cpu_list = FormatCpuList(pool_.cpus());
+  s.host_share = workers_.share.reason;
+  s.numa_node = numa_node_;
+  s.pinned_limit_bytes = PinnedBudget::Process().limit();
   s.host_registrations = device_->host_registrations();
   s.pinned_host_calls = GetPinnedHostCounters().calls();
   s.skipped_steps = skipped_steps_;
@@ -478,7 +518,15 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& opti
   if (!options.policy_path.empty()) {
     FERRY_ASSIGN_OR_RETURN(policy, Policy::LoadFile(options.policy_path));
   }
-  return std::unique_ptr<Engine>(new engine_internal::EngineImpl(options, std::move(device), std::move(policy)));
+  engine_internal::WorkerPlan workers = engine_internal::PlanWorkers(options, *device);
+  // The default pinned budget is the host's: each local rank takes its share of it (a limit someone
+  // set stays as it is).
+  PinnedBudget& budget = PinnedBudget::Process();
+  if (workers.local.local_world_size > 1 && budget.limit() == PinnedBudget::DefaultProcessLimit()) {
+    budget.set_limit(PinnedBudget::DefaultProcessLimit() / static_cast<size_t>(workers.local.local_world_size));
+  }
+  return std::unique_ptr<Engine>(
+      new engine_internal::EngineImpl(options, std::move(device), std::move(policy), std::move(workers)));
 }
 
 }  // namespace ferry

@@ -32,6 +32,7 @@
 #include "absl/strings/ascii.h"
 #include "base/absl_compat.h"
 #include "base/logging.h"
+#include "base/host_share.h"
 #include "base/thread_pool.h"
 #include "ckpt/bulk_reader.h"
 #include "ckpt/checkpoint.h"
@@ -54,12 +55,15 @@ inline constexpr char kModelKind[] = "model";
 inline constexpr std::pair<StateKind, const char*> kStateKinds[] = {
     {StateKind::kMaster, "master"}, {StateKind::kExpAvg, "exp_avg"}, {StateKind::kExpAvgSq, "exp_avg_sq"}};
 
-// CPU Adam's workers for `options` (EngineOptions::cpu_threads and trainer_threads).
-inline size_t CpuAdamThreads(const EngineOptions& options) {
-  if (options.cpu_threads > 0) return options.cpu_threads;
-  const size_t cpus = ThreadPool::DefaultThreads();
-  return cpus > options.trainer_threads ? cpus - options.trainer_threads : 1;
-}
+// This rank's share of its host and CPU Adam's workers in it (EngineOptions::cpu_threads,
+// local_rank, pin_cpu_threads; base/host_share.h).
+struct WorkerPlan {
+  HostShare share;
+  LocalRanks local;
+  size_t threads = 1;
+  std::vector<int> cpus;  // worker i's CPU; empty: not pinned
+};
+WorkerPlan PlanWorkers(const EngineOptions& options, const Device& device);
 
 inline std::string StateTensorName(const std::string& param, const char* kind) { return absl::StrCat(param, ":", kind); }
 
@@ -138,11 +142,13 @@ struct ParamRecord {
 
 class EngineImpl final : public Engine {
  public:
-  EngineImpl(EngineOptions options, std::unique_ptr<Device> device, std::unique_ptr<Policy> policy)
+  EngineImpl(EngineOptions options, std::unique_ptr<Device> device, std::unique_ptr<Policy> policy,
+             WorkerPlan workers)
       : options_(std::move(options)),
         device_(std::move(device)),
         policy_(std::move(policy)),
-        pool_(CpuAdamThreads(options_)) {
+        workers_(std::move(workers)),
+        pool_(workers_.threads, -1, workers_.cpus) {
     comm_ = options_.comm != nullptr ? options_.comm : std::shared_ptr<Comm>(MakeSingleProcessComm());
     std::string trace_path = options_.trace_path;
     if (trace_path.empty()) {
@@ -155,6 +161,14 @@ class EngineImpl final : public Engine {
           .pid = comm_->rank(),
           .process_name = absl::StrCat("ferry rank ", comm_->rank(), " (", device_->name(), ")")});
       tracer_->NameThread("trainer");
+      // This rank's share of its host, once: `ferry trace` prints it.
+      const int64_t now = tracer_->NowNs();
+      tracer_->Complete("host_share", "engine", now, now,
+                        {{"local_rank", static_cast<double>(workers_.local.local_rank)},
+                         {"local_world_size", static_cast<double>(workers_.local.local_world_size)},
+                         {"cpu_threads", static_cast<double>(pool_.num_threads())}},
+                        absl::StrCat("workers on CPUs ", pool_.cpus().empty() ? "(not pinned)" : FormatCpuList(pool_.cpus()),
+                                     "; ", workers_.share.reason));
     }
   }
 
@@ -265,6 +279,7 @@ class EngineImpl final : public Engine {
   std::unique_ptr<Tracer> tracer_;  // null: tracing off. Outlives everything that borrows it.
   std::unique_ptr<Device> device_;
   std::unique_ptr<Policy> policy_;
+  WorkerPlan workers_;
   ThreadPool pool_;
   std::shared_ptr<Comm> comm_;           // never null (single process by default)
   std::unique_ptr<Comm> ckpt_comm_;      // Duplicate of comm_ for checkpoint exchanges; null: use comm_
@@ -282,6 +297,7 @@ class EngineImpl final : public Engine {
   int64_t early_kept_ = 0;        // EngineStats::early_groups_kept
   int64_t early_recomputed_ = 0;  // EngineStats::early_groups_recomputed
   int64_t deferred_steps_ = 0;    // EngineStats::deferred_steps
+  int numa_node_ = -1;            // EngineStats::numa_node
   bool last_step_skipped_ = false;
   double last_grad_norm_ = 0.0;
   LoadReport last_load_;

@@ -6,11 +6,13 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <fstream>
 #include <functional>
 #include <memory>
 #include <string>
 #include <utility>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/string_view.h"
@@ -218,10 +220,11 @@ uintptr_t AllocationStart(const void* p) {
 class CudaDevice final : public Device {
  public:
   CudaDevice(int ordinal, std::string name, int sm_count)
-      : ordinal_(ordinal), name_(std::move(name)), sm_count_(sm_count) {}
+      : ordinal_(ordinal), name_(std::move(name)), sm_count_(sm_count), numa_node_(CudaDeviceNumaNode(ordinal)) {}
 
   Backend backend() const override { return Backend::kCuda; }
   std::string name() const override { return name_; }
+  int numa_node() const override { return numa_node_; }
 
   absl::StatusOr<size_t> FreeMemory() override {
     FERRY_CUDA_ENTER_DEVICE(ordinal_);
@@ -371,6 +374,7 @@ class CudaDevice final : public Device {
   const int ordinal_;
   const std::string name_;
   const int sm_count_;
+  const int numa_node_;
   std::atomic<uint64_t> registrations_{0};
 };
 
@@ -537,6 +541,26 @@ absl::StatusOr<int> CudaDeviceCount() {
   const cudaError_t err = cudaGetDeviceCount(&count);
   if (err != cudaSuccess) return CudaError("cudaGetDeviceCount", err);
   return count;
+}
+
+int CudaDeviceNumaNode(int ordinal) {
+  char bus_id[32] = {};
+  if (cudaDeviceGetPCIBusId(bus_id, sizeof(bus_id), ordinal) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return -1;
+  }
+  std::string id = absl::AsciiStrToLower(bus_id);  // sysfs names it "0000:3b:00.0"
+  std::ifstream in(absl::StrCat("/sys/bus/pci/devices/", id, "/numa_node"));
+  int node = -1;
+  if (!(in >> node) || node < 0) return -1;
+  return node;
+}
+
+std::vector<int> CudaDeviceNumaNodes() {
+  absl::StatusOr<int> count = CudaDeviceCount();
+  std::vector<int> nodes;
+  for (int i = 0; count.ok() && i < *count; ++i) nodes.push_back(CudaDeviceNumaNode(i));
+  return nodes;
 }
 
 absl::StatusOr<std::unique_ptr<Device>> CreateCudaDevice(int ordinal) {

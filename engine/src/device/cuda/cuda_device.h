@@ -5,6 +5,7 @@
 #define FERRY_DEVICE_CUDA_CUDA_DEVICE_H_
 
 #include <memory>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "device/device.h"
@@ -13,6 +14,12 @@ namespace ferry {
 
 // The number of CUDA devices, or the error of cudaGetDeviceCount (no driver, no device, ...).
 absl::StatusOr<int> CudaDeviceCount();
+
+// The host NUMA node of CUDA device `ordinal`: its PCI bus id (cudaDeviceGetPCIBusId) looked up in
+// /sys/bus/pci/devices/<id>/numa_node; -1 when unknown.
+int CudaDeviceNumaNode(int ordinal);
+// CudaDeviceNumaNode of every device; empty when there is none.
+std::vector<int> CudaDeviceNumaNodes();
 
 // A Device over CUDA device `ordinal`:
 //   - streams are created with cudaStreamNonBlocking, events with cudaEventDisableTiming; WrapStream

@@ -1,0 +1,92 @@
+// A rank's share of its host: the CPUs its CPU Adam workers run on, found from the launcher's local
+// rank and the host's topology, without configuration.
+//
+// Several ranks on one host (torchrun --nproc-per-node, mpirun -np) each create an engine. Left alone,
+// each engine's workers would take every CPU of the host (4 ranks on 64 CPUs: 252 threads), and their
+// pinned arenas would all count the whole host's memory as theirs. Here each rank gets a disjoint
+// slice of the CPUs this process may run on, whole physical cores, on the NUMA node of its GPU where
+// the host has several; the pinned budget is split the same way (engine).
+//
+// Pure functions of their inputs (ReadHostTopology and DetectLocalRanks read the machine): the split
+// is tested on made-up topologies.
+#ifndef FERRY_BASE_HOST_SHARE_H_
+#define FERRY_BASE_HOST_SHARE_H_
+
+#include <cstddef>
+#include <map>
+#include <string>
+#include <vector>
+
+namespace ferry {
+
+// One CPU this process may run on.
+struct HostCpu {
+  int cpu = 0;    // the kernel's CPU number
+  int core = 0;   // its physical core: CPUs with the same core are SMT siblings
+  int node = -1;  // its NUMA node; -1 unknown
+};
+
+struct HostTopology {
+  std::vector<HostCpu> cpus;  // the CPUs this process may run on (its affinity), by CPU number
+  int online_cpus = 0;        // every CPU online on the host (> cpus.size(): a launcher bound the process)
+};
+
+// The calling process's CPUs (sched_getaffinity) with their cores and nodes from
+// /sys/devices/system/cpu. Where sysfs says nothing, every CPU is its own core on node -1.
+HostTopology ReadHostTopology();
+
+// Where a rank sits among the ranks of its host.
+struct LocalRanks {
+  int local_rank = 0;
+  int local_world_size = 1;
+  std::string source = "none";  // "options", "torchrun", "Open MPI", "MPICH", "Slurm" or "none"
+};
+
+// The local rank and local world size: `rank`/`size` when both are >= 0 (an EngineOptions override),
+// else the launcher's environment in `env` (the process's when null): torchrun's LOCAL_RANK and
+// LOCAL_WORLD_SIZE, Open MPI's OMPI_COMM_WORLD_LOCAL_RANK and _LOCAL_SIZE, MPICH's (Hydra's)
+// MPI_LOCALRANKID and MPI_LOCALNRANKS, Slurm's SLURM_LOCALID with SLURM_NTASKS_PER_NODE or the node's
+// count in SLURM_STEP_TASKS_PER_NODE ("4(x2),3" form). Values out of range (a rank not below the size)
+// are ignored. None found: rank 0 of 1.
+LocalRanks DetectLocalRanks(int rank, int size, const std::map<std::string, std::string>* env = nullptr);
+
+// What SplitHost gives a rank.
+struct HostShare {
+  std::vector<int> cpus;         // the rank's CPUs, one per physical core first, then their siblings
+  size_t trainer_cpus = 0;       // the last ones of `cpus`, left to the trainer's own threads
+  int node = -1;                 // the NUMA node of the share's CPUs when they are all on one; else -1
+  bool split = false;            // the host's CPUs were divided among the local ranks
+  bool launcher_bound = false;   // the process was already restricted to fewer CPUs than are online
+  std::string reason;            // how the share was chosen, for `ferry check` and the trace
+
+  // The CPUs a worker may be pinned to: `cpus` less the trainer's (at least one).
+  size_t worker_cpus() const { return cpus.size() > trainer_cpus ? cpus.size() - trainer_cpus : 1; }
+  // The CPU of worker `i` (round robin over the first worker_cpus() of `cpus`). REQUIRES: !cpus.empty().
+  int WorkerCpu(size_t i) const { return cpus[i % worker_cpus()]; }
+  // CPU Adam's workers in this share: `cpu_threads` when > 0 (EngineOptions::cpu_threads), else
+  // worker_cpus() but no more than `cap` (0: no cap); at least 1.
+  size_t Workers(size_t cpu_threads, size_t cap) const;
+};
+
+// The cap on CPU Adam's workers (EngineOptions::cpu_threads_max): `option` when > 0, else the
+// FERRY_CPU_THREADS_MAX environment variable, else 0 (none).
+size_t CpuThreadsCap(size_t option);
+
+// The share of local rank `local.local_rank` of `topo`'s CPUs.
+// - One local rank, or a process a launcher already bound to fewer CPUs than are online (taskset,
+//   mpirun --bind-to, srun --cpu-bind): the share is every CPU of the process (not split again).
+// - Several: the physical cores are divided into local_world_size contiguous slices, one per rank
+//   (none shared). When `gpu_nodes` gives the NUMA node of every local rank's GPU and the host has
+//   several nodes, each node's cores are divided among the ranks whose GPU sits there. Fewer cores
+//   than ranks: the CPUs are divided instead; fewer CPUs than ranks: rank r gets CPU r mod n.
+// `trainer_threads` CPUs of the share (at most all but one; the siblings of the last cores first) are
+// left to the trainer.
+HostShare SplitHost(const HostTopology& topo, const LocalRanks& local, const std::vector<int>& gpu_nodes,
+                    size_t trainer_threads);
+
+// "0-15,32-47": CPU numbers as ranges, in ascending order.
+std::string FormatCpuList(std::vector<int> cpus);
+
+}  // namespace ferry
+
+#endif  // FERRY_BASE_HOST_SHARE_H_

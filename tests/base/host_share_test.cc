@@ -1,0 +1,209 @@
+// The split of a host among the ranks that share it (base/host_share.h), on made-up topologies and
+// launcher environments, and the worker pinning it leads to (ThreadPool's cpus).
+#include "base/host_share.h"
+
+#include <sched.h>
+
+#include <algorithm>
+#include <map>
+#include <mutex>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "base/thread_pool.h"
+#include "gtest/gtest.h"
+
+namespace ferry {
+namespace {
+
+// `nodes` NUMA nodes of `cores_per_node` cores with `smt` CPUs each, numbered as Linux does on most
+// x86 hosts: the first CPU of every core first (0..C-1), then the second of each (C..2C-1).
+HostTopology MakeHost(int nodes, int cores_per_node, int smt) {
+  HostTopology t;
+  const int cores = nodes * cores_per_node;
+  for (int s = 0; s < smt; ++s) {
+    for (int c = 0; c < cores; ++c) t.cpus.push_back({s * cores + c, c, c / cores_per_node});
+  }
+  std::sort(t.cpus.begin(), t.cpus.end(), [](const HostCpu& a, const HostCpu& b) { return a.cpu < b.cpu; });
+  t.online_cpus = static_cast<int>(t.cpus.size());
+  return t;
+}
+
+int CoreOf(const HostTopology& t, int cpu) {
+  for (const HostCpu& c : t.cpus) {
+    if (c.cpu == cpu) return c.core;
+  }
+  return -1000;
+}
+
+TEST(HostShareTest, OneRankTakesEveryCpuOneCoreFirst) {
+  const HostTopology t = MakeHost(1, 8, 2);
+  const HostShare s = SplitHost(t, LocalRanks{}, {}, 1);
+  EXPECT_FALSE(s.split);
+  ASSERT_EQ(s.cpus.size(), 16u);
+  std::set<int> first_cores;
+  for (size_t i = 0; i < 8; ++i) first_cores.insert(CoreOf(t, s.cpus[i]));
+  EXPECT_EQ(first_cores.size(), 8u) << "the first 8 CPUs of the share are on 8 distinct cores";
+  EXPECT_EQ(s.trainer_cpus, 1u);
+  EXPECT_EQ(s.worker_cpus(), 15u);
+  EXPECT_EQ(s.Workers(0, 0), 15u);
+  EXPECT_EQ(s.Workers(0, 6), 6u);
+  EXPECT_EQ(s.Workers(40, 6), 40u) << "an explicit cpu_threads is taken as it is";
+  EXPECT_EQ(s.node, 0);
+}
+
+// Several ranks on one node: disjoint shares of whole cores that add up to the host.
+TEST(HostShareTest, RanksGetDisjointWholeCoresThatAddUp) {
+  for (int smt : {1, 2}) {
+    for (int ranks : {1, 2, 3, 4, 7, 8}) {
+      const HostTopology t = MakeHost(1, 28, smt);
+      std::multiset<int> all;
+      std::map<int, int> core_owner;
+      for (int r = 0; r < ranks; ++r) {
+        const HostShare s = SplitHost(t, LocalRanks{r, ranks, "test"}, {}, 1);
+        EXPECT_EQ(s.split, ranks > 1);
+        EXPECT_GE(s.cpus.size(), static_cast<size_t>(smt * (28 / ranks))) << "rank " << r << " of " << ranks;
+        EXPECT_LE(s.cpus.size(), static_cast<size_t>(smt * (28 / ranks + 1))) << "rank " << r << " of " << ranks;
+        for (int cpu : s.cpus) {
+          all.insert(cpu);
+          const int core = CoreOf(t, cpu);
+          auto [it, fresh] = core_owner.emplace(core, r);
+          EXPECT_TRUE(fresh || it->second == r) << "core " << core << " shared by ranks " << it->second << " and " << r;
+        }
+      }
+      EXPECT_EQ(all.size(), t.cpus.size()) << ranks << " ranks, smt " << smt;
+      EXPECT_EQ(std::set<int>(all.begin(), all.end()).size(), t.cpus.size()) << "a CPU in two shares";
+    }
+  }
+}
+
+TEST(HostShareTest, RanksFollowTheirGpusNumaNode) {
+  // 2 nodes of 16 cores x 2; GPUs 0,1 on node 0 and 2,3 on node 1.
+  const HostTopology t = MakeHost(2, 16, 2);
+  const std::vector<int> gpu_nodes = {0, 0, 1, 1};
+  std::set<int> seen;
+  for (int r = 0; r < 4; ++r) {
+    const HostShare s = SplitHost(t, LocalRanks{r, 4, "test"}, gpu_nodes, 1);
+    EXPECT_EQ(s.node, gpu_nodes[static_cast<size_t>(r)]) << "rank " << r << ": " << s.reason;
+    EXPECT_EQ(s.cpus.size(), 16u) << "half of its node's 32 CPUs";
+    for (int cpu : s.cpus) {
+      EXPECT_TRUE(seen.insert(cpu).second) << "CPU " << cpu << " in two shares";
+    }
+  }
+  EXPECT_EQ(seen.size(), 64u);
+  // Every GPU on node 1: the ranks divide node 1 only.
+  const HostShare s = SplitHost(t, LocalRanks{1, 2, "test"}, {1, 1}, 1);
+  EXPECT_EQ(s.node, 1);
+  EXPECT_EQ(s.cpus.size(), 16u);
+  // Unknown nodes: divided flat, across both nodes.
+  const HostShare flat = SplitHost(t, LocalRanks{0, 2, "test"}, {0, -1}, 1);
+  EXPECT_EQ(flat.cpus.size(), 32u);
+}
+
+TEST(HostShareTest, LauncherBoundProcessKeepsItsCpus) {
+  HostTopology t = MakeHost(1, 16, 1);
+  t.cpus.resize(4);  // taskset -c 0-3 on a 16-CPU host
+  const HostShare s = SplitHost(t, LocalRanks{2, 4, "test"}, {}, 1);
+  EXPECT_TRUE(s.launcher_bound);
+  EXPECT_FALSE(s.split);
+  EXPECT_EQ(s.cpus.size(), 4u);
+  EXPECT_NE(s.reason.find("bound"), std::string::npos) << s.reason;
+}
+
+TEST(HostShareTest, FewerCoresThanRanks) {
+  const HostTopology t = MakeHost(1, 2, 2);  // 2 cores, 4 CPUs
+  std::set<int> seen;
+  for (int r = 0; r < 4; ++r) {
+    const HostShare s = SplitHost(t, LocalRanks{r, 4, "test"}, {}, 1);
+    ASSERT_EQ(s.cpus.size(), 1u);
+    EXPECT_EQ(s.trainer_cpus, 0u) << "a share of one CPU keeps it for its worker";
+    EXPECT_EQ(s.worker_cpus(), 1u);
+    seen.insert(s.cpus[0]);
+  }
+  EXPECT_EQ(seen.size(), 4u);
+  // Fewer CPUs than ranks: shared round robin, and said so.
+  const HostShare s = SplitHost(MakeHost(1, 2, 1), LocalRanks{3, 5, "test"}, {}, 1);
+  ASSERT_EQ(s.cpus.size(), 1u);
+  EXPECT_EQ(s.cpus[0], 1);
+  EXPECT_NE(s.reason.find("shared"), std::string::npos) << s.reason;
+}
+
+TEST(HostShareTest, DetectsEachLauncher) {
+  using Env = std::map<std::string, std::string>;
+  const Env torchrun = {{"LOCAL_RANK", "3"}, {"LOCAL_WORLD_SIZE", "8"}, {"OMPI_COMM_WORLD_LOCAL_RANK", "1"},
+                        {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"}};
+  LocalRanks l = DetectLocalRanks(-1, -1, &torchrun);
+  EXPECT_EQ(l.local_rank, 3);
+  EXPECT_EQ(l.local_world_size, 8);
+  EXPECT_EQ(l.source, "torchrun");
+  const Env ompi = {{"OMPI_COMM_WORLD_LOCAL_RANK", "1"}, {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"}};
+  l = DetectLocalRanks(-1, -1, &ompi);
+  EXPECT_EQ(l.local_rank, 1);
+  EXPECT_EQ(l.local_world_size, 2);
+  EXPECT_EQ(l.source, "Open MPI");
+  const Env mpich = {{"MPI_LOCALRANKID", "2"}, {"MPI_LOCALNRANKS", "4"}};
+  l = DetectLocalRanks(-1, -1, &mpich);
+  EXPECT_EQ(l.local_rank, 2);
+  EXPECT_EQ(l.source, "MPICH");
+  const Env slurm = {{"SLURM_LOCALID", "1"}, {"SLURM_NODEID", "2"}, {"SLURM_STEP_TASKS_PER_NODE", "4(x2),3"}};
+  l = DetectLocalRanks(-1, -1, &slurm);
+  EXPECT_EQ(l.local_rank, 1);
+  EXPECT_EQ(l.local_world_size, 3) << "node 2 runs 3 tasks";
+  EXPECT_EQ(l.source, "Slurm");
+  const Env slurm_per_node = {{"SLURM_LOCALID", "5"}, {"SLURM_NTASKS_PER_NODE", "8"}};
+  EXPECT_EQ(DetectLocalRanks(-1, -1, &slurm_per_node).local_world_size, 8);
+  // The options win; a rank out of range or garbage is ignored.
+  l = DetectLocalRanks(1, 2, &torchrun);
+  EXPECT_EQ(l.local_rank, 1);
+  EXPECT_EQ(l.source, "options");
+  const Env bad = {{"LOCAL_RANK", "4"}, {"LOCAL_WORLD_SIZE", "4"}, {"MPI_LOCALRANKID", "x"}, {"MPI_LOCALNRANKS", "2"}};
+  l = DetectLocalRanks(-1, -1, &bad);
+  EXPECT_EQ(l.local_rank, 0);
+  EXPECT_EQ(l.local_world_size, 1);
+  EXPECT_EQ(l.source, "none");
+}
+
+TEST(HostShareTest, FormatsCpuLists) {
+  EXPECT_EQ(FormatCpuList({}), "");
+  EXPECT_EQ(FormatCpuList({3}), "3");
+  EXPECT_EQ(FormatCpuList({5, 0, 1, 2, 7, 8, 6, 10}), "0-2,5-8,10");
+}
+
+// The machine's own topology is read, and holds the CPUs the process runs on.
+TEST(HostShareTest, ReadsThisHost) {
+  const HostTopology t = ReadHostTopology();
+  ASSERT_FALSE(t.cpus.empty());
+  EXPECT_GE(t.online_cpus, static_cast<int>(t.cpus.size()));
+  EXPECT_EQ(t.cpus.size(), ThreadPool::DefaultThreads());
+}
+
+// Workers given CPUs run only there: each records the CPU it ran a task on.
+TEST(HostShareTest, PoolWorkersRunOnTheirCpus) {
+  const HostTopology t = ReadHostTopology();
+  const int cpu = t.cpus.back().cpu;
+  ThreadPool pool(3, 0, {cpu});
+  EXPECT_EQ(pool.cpus(), std::vector<int>({cpu, cpu, cpu}));
+  std::mutex mu;
+  std::set<int> ran_on;
+  pool.ParallelFor(64, [&](size_t) {
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    ASSERT_EQ(sched_getaffinity(0, sizeof(set), &set), 0);
+    if (CPU_COUNT(&set) == 1) {  // a worker (the caller is not pinned)
+      std::lock_guard<std::mutex> lock(mu);
+      ran_on.insert(sched_getcpu());
+    }
+  });
+  for (int c : ran_on) EXPECT_EQ(c, cpu);
+  // The split on this host's own topology: 2 ranks, disjoint.
+  const HostShare a = SplitHost(t, LocalRanks{0, 2, "test"}, {}, 0);
+  const HostShare b = SplitHost(t, LocalRanks{1, 2, "test"}, {}, 0);
+  if (!a.launcher_bound && t.cpus.size() >= 2) {
+    for (int c : a.cpus) EXPECT_EQ(std::count(b.cpus.begin(), b.cpus.end(), c), 0) << "CPU " << c;
+    EXPECT_EQ(a.cpus.size() + b.cpus.size(), t.cpus.size());
+  }
+}
+
+}  // namespace
+}  // namespace ferry
