@@ -28,6 +28,7 @@
 #include "base/host_share.h"
 #include "device/device.h"
 #include "memory/pinned_budget.h"
+#include "optim/worker_knee.h"
 #include "ferry/dtype.h"
 #include "ferry/status.h"
 #include "lua/commands.h"
@@ -90,14 +91,16 @@ void PrintHostShares(std::FILE* out, int local_world_size) {
     for (int j = 0; !gpu_nodes.empty() && j < ranks; ++j) nodes.push_back(gpu_nodes[static_cast<size_t>(j) % gpu_nodes.size()]);
     const HostShare share = SplitHost(topo, LocalRanks{r, ranks, "check"}, nodes, /*trainer_threads=*/1);
     const size_t workers = share.Workers(0, CpuThreadsCap(0));
-    std::vector<int> cpus;
-    for (size_t i = 0; i < workers && !share.cpus.empty(); ++i) cpus.push_back(share.WorkerCpu(i));
-    absl::FPrintF(out, "  local rank %d: %d CPU Adam workers on CPUs %s%s, %d CPU%s left to the trainer; pinned budget %s\n",
-                  r, workers, FormatCpuList(cpus), share.split ? " (pinned)" : " (not pinned)", share.trainer_cpus,
-                  share.trainer_cpus == 1 ? "" : "s",
+    const std::vector<int> cpus = share.WorkerSet();
+    absl::FPrintF(out, "  local rank %d: up to %d CPU Adam workers on CPUs %s%s, %d CPU%s left to the trainer; "
+                  "pinned budget %s\n",
+                  r, workers, FormatCpuList(cpus), share.split ? " (restricted to them)" : " (not restricted)",
+                  share.trainer_cpus, share.trainer_cpus == 1 ? "" : "s",
                   HumanBytes(static_cast<int64_t>(PinnedBudget::DefaultProcessLimit() / static_cast<size_t>(ranks))));
     if (r == 0) absl::FPrintF(out, "    (%s)\n", share.reason);
   }
+  absl::FPrintF(out, "  (a share of more than %d CPUs: the engine measures at Finalize how many workers help, and "
+                "takes no more)\n", kKneeProbeAbove);
 }
 
 // Collects the report's errors.

@@ -102,14 +102,17 @@ struct EngineOptions {
   size_t transfer_chunk_bytes = size_t{8} << 20;
   // CPU Adam's worker threads; 0 = this rank's share of the host's CPUs (see local_rank), less
   // trainer_threads, and no more than help (cpu_threads_max). The thread that runs a step (the
-  // trainer's, or the early-step thread) works beside them.
+  // trainer's, or the early-step thread) works beside them. EngineStats::cpu_threads tells the count.
   size_t cpu_threads = 0;
   // CPUs of the share left to the trainer's own threads when cpu_threads is 0 (its Python or C++
   // loop, autograd, data loading); no worker is pinned there. See the README ("Overlap in a real
   // training loop").
   size_t trainer_threads = 1;
-  // The most workers cpu_threads = 0 takes: past the host's memory-bandwidth knee more workers only
-  // slow the pipeline's copies. 0: the FERRY_CPU_THREADS_MAX environment variable, else no limit.
+  // The most workers cpu_threads = 0 takes. 0: the FERRY_CPU_THREADS_MAX environment variable, else
+  // measured: past the host's memory-bandwidth knee more workers add nothing to CPU Adam and take the
+  // CPUs the pipeline's copies and the trainer need, so the first Finalize that offloads a group, on
+  // a share of more than 16 CPUs, times CPU Adam with 8, 12, 16, 24, 32, ... workers on scratch
+  // memory (~0.5 s, once per process) and takes the fewest within 5% of the best (README "Big hosts").
   size_t cpu_threads_max = 0;
   // Several ranks on one host (torchrun --nproc-per-node, mpirun -np): this process's place among
   // them, which gives its share of the host: a disjoint slice of the CPUs it may run on (whole
@@ -119,8 +122,9 @@ struct EngineOptions {
   // CPUs than are online (taskset, --bind-to) keeps all of them.
   int local_rank = -1;
   int local_world_size = -1;
-  // Pin each worker to one CPU of the share: -1 when the host is split among several local ranks
-  // (or as the FERRY_PIN_CPU_THREADS environment variable says, 0 or 1), 0 never, 1 always.
+  // Restrict the workers to the share's CPUs (less the trainer's): -1 when the host is split among
+  // several local ranks (or as the FERRY_PIN_CPU_THREADS environment variable says, 0 or 1), 0 never,
+  // 1 always. Each worker may move among them (one CPU per worker measured no better).
   int pin_cpu_threads = -1;
   std::string numa;                               // "", "interleave", "bind", "preferred", "local"
   // Trace of every step, save and load as Chrome/Perfetto trace-event JSON (`ferry trace FILE`
@@ -220,7 +224,7 @@ struct EngineStats {
   int local_world_size = 1;
   size_t cpu_threads = 0;      // CPU Adam's workers (the thread running a step works beside them)
   std::string cpu_list;        // the CPUs they are pinned to, "0-15,32-47"; empty: not pinned
-  std::string host_share;      // how the share was chosen, e.g. "local rank 1 of 4 (torchrun): ..."
+  std::string host_share;      // how the share and the worker count were chosen
   int numa_node = -1;          // the node the offloaded state's pages were placed on; -1: not bound
   size_t pinned_limit_bytes = 0;  // the process's pinned budget (split among the local ranks)
 };

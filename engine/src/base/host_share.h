@@ -12,6 +12,7 @@
 #ifndef FERRY_BASE_HOST_SHARE_H_
 #define FERRY_BASE_HOST_SHARE_H_
 
+#include <algorithm>
 #include <cstddef>
 #include <map>
 #include <string>
@@ -61,8 +62,10 @@ struct HostShare {
 
   // The CPUs a worker may be pinned to: `cpus` less the trainer's (at least one).
   size_t worker_cpus() const { return cpus.size() > trainer_cpus ? cpus.size() - trainer_cpus : 1; }
-  // The CPU of worker `i` (round robin over the first worker_cpus() of `cpus`). REQUIRES: !cpus.empty().
-  int WorkerCpu(size_t i) const { return cpus[i % worker_cpus()]; }
+  // The CPUs the workers may run on: the first worker_cpus() of `cpus` (empty when `cpus` is).
+  std::vector<int> WorkerSet() const {
+    return {cpus.begin(), cpus.begin() + static_cast<std::ptrdiff_t>(std::min(worker_cpus(), cpus.size()))};
+  }
   // CPU Adam's workers in this share: `cpu_threads` when > 0 (EngineOptions::cpu_threads), else
   // worker_cpus() but no more than `cap` (0: no cap); at least 1.
   size_t Workers(size_t cpu_threads, size_t cap) const;

@@ -57,13 +57,8 @@ int64_t ThreadPool::DefaultSpinUs() {
 ThreadPool::ThreadPool(size_t num_threads, int64_t spin_us, std::vector<int> cpus) : cpus_(std::move(cpus)) {
   if (num_threads == 0) num_threads = 1;
   spin_ns_ = (spin_us < 0 ? DefaultSpinUs() : spin_us) * 1000;
-  if (!cpus_.empty()) {
-    std::vector<int> each(num_threads);
-    for (size_t i = 0; i < num_threads; ++i) each[i] = cpus_[i % cpus_.size()];
-    cpus_ = std::move(each);
-  }
   workers_.reserve(num_threads);
-  for (size_t i = 0; i < num_threads; ++i) workers_.emplace_back([this, i] { WorkerLoop(i); });
+  for (size_t i = 0; i < num_threads; ++i) workers_.emplace_back([this] { WorkerLoop(); });
 }
 
 ThreadPool::~ThreadPool() {
@@ -107,12 +102,14 @@ bool ThreadPool::RunOne(Job& job) {
   return true;
 }
 
-void ThreadPool::WorkerLoop(size_t index) {
-  if (!cpus_.empty() && cpus_[index] >= 0 && cpus_[index] < CPU_SETSIZE) {
+void ThreadPool::WorkerLoop() {
+  if (!cpus_.empty()) {
     cpu_set_t set;
     CPU_ZERO(&set);
-    CPU_SET(cpus_[index], &set);
-    (void)pthread_setaffinity_np(pthread_self(), sizeof(set), &set);  // refused: the worker stays unpinned
+    for (int cpu : cpus_) {
+      if (cpu >= 0 && cpu < CPU_SETSIZE) CPU_SET(cpu, &set);
+    }
+    (void)pthread_setaffinity_np(pthread_self(), sizeof(set), &set);  // refused: the worker stays unrestricted
   }
   std::unique_lock<std::mutex> lock(mu_);
   while (true) {

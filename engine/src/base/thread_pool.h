@@ -34,15 +34,16 @@ class ThreadPool final {
   static constexpr int64_t kDefaultSpinUs = 1000;
 
   // REQUIRES: num_threads >= 1 (0 is taken as 1); spin_us >= 0 (< 0: DefaultSpinUs()).
-  // `cpus` non-empty: worker i runs only on CPU cpus[i % cpus.size()] (a rank's share of its host); a
-  // CPU the process may not use leaves that worker unpinned.
+  // `cpus` non-empty: the workers run only on these CPUs (a rank's share of its host), each free to
+  // move among them (one CPU per worker measured no better, and far worse when a worker's CPU was
+  // also wanted by the pipeline's own threads). Refused by the kernel: the workers stay unrestricted.
   explicit ThreadPool(size_t num_threads, int64_t spin_us = -1, std::vector<int> cpus = {});
   ~ThreadPool();
   ThreadPool(const ThreadPool&) = delete;
   ThreadPool& operator=(const ThreadPool&) = delete;
 
   size_t num_threads() const { return workers_.size(); }
-  // The CPU each worker is pinned to (empty: none is).
+  // The CPUs the workers may run on (empty: any).
   const std::vector<int>& cpus() const { return cpus_; }
   int64_t spin_us() const { return spin_ns_ / 1000; }
 
@@ -112,8 +113,8 @@ class ThreadPool final {
     bool finished ABSL_GUARDED_BY(mu) = false;
   };
 
-  // Worker `index`'s loop (pinned first when cpus_ is set).
-  void WorkerLoop(size_t index);
+  // A worker's loop (restricted to cpus_ first when set).
+  void WorkerLoop();
   // Claims and runs `job`'s tasks until none is left.
   static void Drain(Job& job);
   // Claims and runs one task of `job`; false when none was left.

@@ -2,6 +2,8 @@
 // The class is in engine_impl.h; checkpoints are in engine_checkpoint.cc.
 #include "engine/engine_impl.h"
 
+#include "optim/worker_knee.h"
+
 #include <charconv>
 #include <cmath>
 
@@ -274,8 +276,11 @@ absl::StatusOr<std::unique_ptr<HybridOptimizer>> EngineImpl::BuildOptimizer(cons
     params.push_back(OptimParam{p.spec.name, p.group, p.numel, p.spec.dtype, p.spec.grad_dtype.value_or(p.spec.dtype),
                                 p.spec.param, p.spec.grad, p.spec.shard_begin});
   }
+  if (optimizer_ == nullptr && std::find(offloaded.begin(), offloaded.end(), true) != offloaded.end()) {
+    TuneWorkers();
+  }
   FERRY_ASSIGN_OR_RETURN(std::unique_ptr<HybridOptimizer> optimizer,
-                         HybridOptimizer::Create(device_.get(), &pool_, std::move(params), std::move(groups), hopt));
+                         HybridOptimizer::Create(device_.get(), pool_.get(), std::move(params), std::move(groups), hopt));
   *offloaded_out = std::move(offloaded);
   return optimizer;
 }
@@ -439,19 +444,39 @@ WorkerPlan PlanWorkers(const EngineOptions& options, const Device& device) {
     if (env != nullptr && (std::string_view(env) == "0" || std::string_view(env) == "1")) pin_option = *env - '0';
   }
   const bool pin = pin_option > 0 || (pin_option < 0 && plan.share.split);
-  if (pin && !plan.share.cpus.empty()) {
-    for (size_t i = 0; i < plan.threads; ++i) plan.cpus.push_back(plan.share.WorkerCpu(i));
-  }
+  if (pin) plan.cpus = plan.share.WorkerSet();
   return plan;
+}
+
+void EngineImpl::TuneWorkers() {
+  // Only the engine's own choice of every CPU of the share is tuned, once, before any optimizer uses
+  // the pool (nothing runs on it yet).
+  if (options_.cpu_threads > 0 || CpuThreadsCap(options_.cpu_threads_max) > 0 || !workers_.knee.empty() ||
+      pool_->num_threads() <= kKneeProbeAbove) {
+    return;
+  }
+  const int64_t start = tracer_ != nullptr ? tracer_->NowNs() : 0;
+  const WorkerKnee knee = MeasureWorkerKnee(pool_->num_threads(), workers_.cpus);
+  workers_.knee = absl::StrCat("workers: ", knee.Describe());
+  FERRY_LOG(INFO) << "CPU Adam " << workers_.knee;
+  if (tracer_ != nullptr) {
+    tracer_->Complete("worker_knee", "engine", start, tracer_->NowNs(),
+                      {{"cpu_threads", static_cast<double>(knee.workers)}}, workers_.knee);
+  }
+  if (knee.workers < pool_->num_threads()) {
+    pool_ = std::make_unique<ThreadPool>(knee.workers, -1, workers_.cpus);
+    workers_.threads = knee.workers;
+  }
 }
 
 EngineStats EngineImpl::Stats() const {
   EngineStats s;
   s.local_rank = workers_.local.local_rank;
   s.local_world_size = workers_.local.local_world_size;
-  s.cpu_threads = pool_.num_threads();
-  s.cpu_list = FormatCpuList(pool_.cpus());
+  s.cpu_threads = pool_->num_threads();
+  s.cpu_list = FormatCpuList(pool_->cpus());
   s.host_share = workers_.share.reason;
+  if (!workers_.knee.empty()) absl::StrAppend(&s.host_share, "; ", workers_.knee);
   s.numa_node = numa_node_;
   s.pinned_limit_bytes = PinnedBudget::Process().limit();
   s.host_registrations = device_->host_registrations();

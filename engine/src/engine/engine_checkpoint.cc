@@ -487,7 +487,7 @@ absl::Status EngineImpl::LoadCheckpointLocal(const std::string& path, LoadPhase*
     reads.reserve(jobs.size());
     for (const ReadJob& j : jobs) reads.push_back(TensorRead{j.name, staging + j.at, j.bytes, j.offset, /*partial=*/true});
     BulkReadOptions read_options;
-    read_options.pool = &pool_;
+    read_options.pool = pool_.get();
     read_options.tracer = tracer_.get();
     FERRY_RETURN_IF_ERROR(ReadTensors(*reader, reads, read_options));
   }

@@ -61,7 +61,8 @@ struct WorkerPlan {
   HostShare share;
   LocalRanks local;
   size_t threads = 1;
-  std::vector<int> cpus;  // worker i's CPU; empty: not pinned
+  std::vector<int> cpus;  // the CPUs the workers may run on; empty: any
+  std::string knee;       // what TuneWorkers measured; empty: not measured
 };
 WorkerPlan PlanWorkers(const EngineOptions& options, const Device& device);
 
@@ -148,7 +149,7 @@ class EngineImpl final : public Engine {
         device_(std::move(device)),
         policy_(std::move(policy)),
         workers_(std::move(workers)),
-        pool_(workers_.threads, -1, workers_.cpus) {
+        pool_(std::make_unique<ThreadPool>(workers_.threads, -1, workers_.cpus)) {
     comm_ = options_.comm != nullptr ? options_.comm : std::shared_ptr<Comm>(MakeSingleProcessComm());
     std::string trace_path = options_.trace_path;
     if (trace_path.empty()) {
@@ -166,8 +167,8 @@ class EngineImpl final : public Engine {
       tracer_->Complete("host_share", "engine", now, now,
                         {{"local_rank", static_cast<double>(workers_.local.local_rank)},
                          {"local_world_size", static_cast<double>(workers_.local.local_world_size)},
-                         {"cpu_threads", static_cast<double>(pool_.num_threads())}},
-                        absl::StrCat("workers on CPUs ", pool_.cpus().empty() ? "(not pinned)" : FormatCpuList(pool_.cpus()),
+                         {"cpu_threads", static_cast<double>(pool_->num_threads())}},
+                        absl::StrCat("workers on CPUs ", pool_->cpus().empty() ? "(any)" : FormatCpuList(pool_->cpus()),
                                      "; ", workers_.share.reason));
     }
   }
@@ -234,6 +235,10 @@ class EngineImpl final : public Engine {
   absl::StatusOr<std::vector<std::optional<float>>> GroupLrs(const StepOptions& options) const;
   // Group `g`'s optimizer settings, every field set: AddGroup's, else options_.optimizer's.
   GroupOptions ResolvedGroupOptions(size_t g) const;
+  // At the first Finalize that offloads a group: the engine's own choice of workers (cpu_threads 0,
+  // no cap) cut to the host's bandwidth knee when the share has more than kKneeProbeAbove CPUs
+  // (optim/worker_knee.h). REQUIRES: no optimizer yet.
+  void TuneWorkers();
   // A new optimizer with `placement`; its masters come from the params (m = v = 0).
   absl::StatusOr<std::unique_ptr<HybridOptimizer>> BuildOptimizer(const ferry::Placement& placement,
                                                                   std::vector<bool>* offloaded_out);
@@ -280,7 +285,8 @@ class EngineImpl final : public Engine {
   std::unique_ptr<Device> device_;
   std::unique_ptr<Policy> policy_;
   WorkerPlan workers_;
-  ThreadPool pool_;
+  // CPU Adam's workers; replaced once, by TuneWorkers, before any optimizer uses it.
+  std::unique_ptr<ThreadPool> pool_;
   std::shared_ptr<Comm> comm_;           // never null (single process by default)
   std::unique_ptr<Comm> ckpt_comm_;      // Duplicate of comm_ for checkpoint exchanges; null: use comm_
   bool ckpt_comm_async_ = false;         // ckpt_comm_ may run on the writer thread (async saves)

@@ -1,0 +1,45 @@
+// How many CPU Adam workers help: the bandwidth knee of a host, measured.
+//
+// CPU Adam is memory-bound: past the point where the host's memory bandwidth is spent, more workers
+// add nothing to its rate, and in the offload pipeline they take the CPUs that the copies, the driver
+// and the trainer need (on a 64-CPU host the offloaded step ran at 0.75 of its slowest stage with 63
+// workers, 0.96 with 24 to 48: README "Big hosts"). So an engine whose share has more than
+// kKneeProbeAbove CPUs measures CPU Adam's rate on scratch memory with a ladder of worker counts, once
+// per process, and takes the fewest workers within 5% of the best rate.
+#ifndef FERRY_OPTIM_WORKER_KNEE_H_
+#define FERRY_OPTIM_WORKER_KNEE_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace ferry {
+
+// Shares of at most this many worker CPUs take all of them without measuring (measured on 16-CPU
+// hosts: every CPU helped).
+inline constexpr size_t kKneeProbeAbove = 16;
+
+struct WorkerKnee {
+  size_t workers = 0;                              // the fewest workers within `tolerance` of the best
+  std::vector<std::pair<size_t, double>> rates;    // (workers, G params/s) for each count tried
+  double seconds = 0;                              // how long the measurement took
+  std::string Describe() const;                    // "24 of 63 workers (CPU Adam: 8: 3.1, 12: ... G params/s)"
+};
+
+// The counts tried for up to `max_workers`: 8, 12, 16, 24, 32, 48, 64, 96, ... below it, and it.
+std::vector<size_t> KneeLadder(size_t max_workers);
+
+// The fewest workers whose rate is within `tolerance` (a fraction) of the best of `rates`; 0 when empty.
+size_t PickKnee(const std::vector<std::pair<size_t, double>>& rates, double tolerance);
+
+// Measures CPU Adam (fp32 state, bf16 grads and params, in place) on `elements` of scratch memory
+// (allocated and freed here) with each count of KneeLadder(max_workers), its workers allowed on
+// `cpus` (empty: anywhere), and picks the knee with a 5% tolerance. The result is cached per
+// (max_workers, cpus) for the process. max_workers <= kKneeProbeAbove: {max_workers} at once.
+WorkerKnee MeasureWorkerKnee(size_t max_workers, const std::vector<int>& cpus, int64_t elements = int64_t{48} << 20);
+
+}  // namespace ferry
+
+#endif  // FERRY_OPTIM_WORKER_KNEE_H_

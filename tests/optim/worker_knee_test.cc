@@ -1,0 +1,54 @@
+// The worker-count knee (optim/worker_knee.h): the ladder, the pick, and a real measurement.
+#include "optim/worker_knee.h"
+
+#include <vector>
+
+#include "gtest/gtest.h"
+
+namespace ferry {
+namespace {
+
+TEST(WorkerKneeTest, Ladder) {
+  EXPECT_EQ(KneeLadder(63), (std::vector<size_t>{8, 12, 16, 24, 32, 48, 63}));
+  EXPECT_EQ(KneeLadder(64), (std::vector<size_t>{8, 12, 16, 24, 32, 48, 64}));
+  EXPECT_EQ(KneeLadder(20), (std::vector<size_t>{8, 12, 16, 20}));
+  EXPECT_EQ(KneeLadder(5), (std::vector<size_t>{5}));
+  EXPECT_EQ(KneeLadder(0), (std::vector<size_t>{1}));
+}
+
+TEST(WorkerKneeTest, PicksTheFewestWithinTolerance) {
+  // The 64-CPU H100 host's CPU Adam alone: 181, 168, 161, 163, 159 ms at 16, 24, 32, 48, 63 workers.
+  const std::vector<std::pair<size_t, double>> rates = {
+      {16, 1.0 / 181}, {24, 1.0 / 168}, {32, 1.0 / 161}, {48, 1.0 / 163}, {63, 1.0 / 159}};
+  EXPECT_EQ(PickKnee(rates, 0.05), 32u);
+  EXPECT_EQ(PickKnee(rates, 0.06), 24u);
+  EXPECT_EQ(PickKnee(rates, 0.0), 63u);
+  EXPECT_EQ(PickKnee({}, 0.05), 0u);
+  // A rate that falls past the knee: the peak decides.
+  EXPECT_EQ(PickKnee({{8, 1.0}, {12, 2.0}, {16, 1.5}}, 0.05), 12u);
+}
+
+TEST(WorkerKneeTest, SmallSharesAreNotMeasured) {
+  const WorkerKnee k = MeasureWorkerKnee(kKneeProbeAbove, {});
+  EXPECT_EQ(k.workers, kKneeProbeAbove);
+  EXPECT_TRUE(k.rates.empty());
+}
+
+// A real measurement on scratch memory (small, so it runs anywhere): every count of the ladder timed,
+// the pick among them, and the second call answered from the cache.
+TEST(WorkerKneeTest, MeasuresEveryCountOnce) {
+  const size_t max_workers = kKneeProbeAbove + 4;
+  const WorkerKnee k = MeasureWorkerKnee(max_workers, {}, int64_t{1} << 18);
+  ASSERT_EQ(k.rates.size(), KneeLadder(max_workers).size());
+  for (size_t i = 0; i < k.rates.size(); ++i) {
+    EXPECT_EQ(k.rates[i].first, KneeLadder(max_workers)[i]);
+    EXPECT_GT(k.rates[i].second, 0.0);
+  }
+  EXPECT_EQ(k.workers, PickKnee(k.rates, 0.05));
+  EXPECT_NE(k.Describe().find(" of 20 workers"), std::string::npos) << k.Describe();
+  const WorkerKnee again = MeasureWorkerKnee(max_workers, {}, int64_t{1} << 18);
+  EXPECT_EQ(again.rates, k.rates) << "measured once per process";
+}
+
+}  // namespace
+}  // namespace ferry
