@@ -162,6 +162,29 @@ def worker(rank, world, local_rank, args):
         print("  Python overhead of opt.step(): %.3f ms = %.2f%% of the ZeRO-1 step"
               % (1e3 * med["overhead"], 100.0 * med["overhead"] / med["zero1"]))
         sys.stdout.flush()
+    if args.bench and world > 1:
+        # The all-gather's ceiling: the process group's own all-gather of the same bytes, alone.
+        elem = torch.empty((), dtype=dtype).element_size()
+        flat = torch.empty(numel, dtype=dtype, device=device)
+        piece = flat.narrow(0, 0, numel // world)
+        gather = (lambda: dist.all_gather_into_tensor(flat.narrow(0, 0, piece.numel() * world), piece)) \
+            if hasattr(dist, "all_gather_into_tensor") and dist.get_backend() == "nccl" else \
+            (lambda: dist.all_gather(list(flat.narrow(0, 0, piece.numel() * world).chunk(world)), piece))
+        alone = []
+        for _ in range(12):
+            sync(device)
+            dist.barrier()
+            t0 = time.perf_counter()
+            gather()
+            sync(device)
+            alone.append(time.perf_counter() - t0)
+        if rank == 0:
+            ceiling = statistics.median(alone[2:])
+            ours = statistics.median(times["gather"][min(args.warmup, args.steps - 1):])
+            bus = lambda s: (world - 1) / world * numel * elem / s / 1e9  # noqa: E731
+            print("  all-gather: ZeRO-1's %.3f ms (%.1f GB/s bus) vs %s's alone %.3f ms (%.1f GB/s bus): %.0f%%"
+                  % (1e3 * ours, bus(ours), dist.get_backend(), 1e3 * ceiling, bus(ceiling), 100.0 * ceiling / ours))
+            sys.stdout.flush()
 
 
 def main():
