@@ -151,14 +151,14 @@ def load_phase(rank, world, local_rank, args):
     if same:
         raise AssertionError("the loading run's params before the load already match the saved ones (%s): the "
                              "check could not tell a load from none" % ", ".join(same[:3]))
-    ceiling_files = ct.checkpoint_files(os.path.join(args.dir, "ceiling"))
+    ceiling_files = checkpoint_files(os.path.join(args.dir, "ceiling"))
     threads = max(1, min(8, (os.cpu_count() or 1) // world))
     how, read_ceiling_s = ct.timed(lambda: ct.read_ranges(ct.split_reads(ceiling_files, rank, world), threads))
     root = os.path.join(args.dir, "ckpt")
     if rank == 0:
-        for f, _ in ct.checkpoint_files(ref["path"]):
+        for f, _ in checkpoint_files(ref["path"]):
             ct.evict(f)
-    loaded, load_s = ct.timed(lambda: opt.load_checkpoint(os.path.join(root, "latest")))
+    loaded, load_s = ct.timed(lambda: opt.load_checkpoint(root))  # a root: its `latest`
     got = ct.state_sums(opt, params, names, device)
     ct.compare_sums(got, ref["sums"], "load of %s (saved on %d ranks) on %d ranks" % (loaded, ref["world"], world))
     step(args, opt, params, args.steps)

@@ -172,9 +172,10 @@ def read_json(path):
 
 # ---- the disk's ceiling ---------------------------------------------------------------------------
 
-def _buffer(n):
+def _buffer(n, random=False):
     buf = mmap.mmap(-1, n)  # page-aligned (O_DIRECT needs it)
-    buf.write(os.urandom(n))  # incompressible
+    if random:
+        buf.write(os.urandom(n))  # incompressible
     return buf
 
 
@@ -189,12 +190,12 @@ def evict(path):
 
 def write_ceiling(path, nbytes):
     """Writes `nbytes` to a new file `path` in IO_BLOCK writes, fsyncs it, drops it from the page cache."""
-    buf = _buffer(IO_BLOCK)
+    buf = _buffer(min(IO_BLOCK, max(nbytes, 4096)), random=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         done = 0
         while done < nbytes:
-            done += os.write(fd, memoryview(buf)[:min(IO_BLOCK, nbytes - done)])
+            done += os.write(fd, memoryview(buf)[:min(len(buf), nbytes - done)])
         os.fsync(fd)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:

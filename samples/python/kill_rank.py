@@ -110,45 +110,51 @@ def train(rank, world, local_rank, args):
 
 
 def load(rank, world, local_rank, args):
+    """For each case of args.case (comma-separated): `latest` of its root loads, with the checksums
+    its saving run recorded; one step and a save follow, which collects the killed save's leftovers."""
     import torch
     import ckpt_tools as ct
     import dist_launch
     import ferry.torch
     device = dist_launch.cuda_device(local_rank) if args.device == "cuda" else torch.device("cpu")
-    made = ct.make_params(args.hidden, 2, device, torch.float32, seed=1)
-    params, names = [t for _, t, _ in made], [n for n, _, _ in made]
-    opt = ferry.torch.Optimizer(params, lr=1e-3, policy="offload_all", shard=True, overlap=False,
-                                collective_timeout=args.timeout, checkpoint_timeout=args.timeout)
-    root = os.path.join(os.path.dirname(args.dir), "ckpt-" + args.case)
-    ref = ct.read_json(os.path.join(args.dir, "reference.json"))
-    loaded = opt.load_checkpoint(os.path.join(root, "latest"))
-    if os.path.basename(loaded) != "step-%08d" % ref["step"]:
-        raise AssertionError("latest loaded %s, expected step %d (the last committed save)" % (loaded, ref["step"]))
-    ct.compare_sums(ct.state_sums(opt, params, names, device), ref["sums"],
-                    "latest (%s) loaded on %d ranks after the kill" % (loaded, world))
-    ct.set_grads(params, 100)
-    opt.step()
-    opt.save_checkpoint(root, 100)  # collects the killed save's leftovers
-    opt.wait_checkpoint()
-    if rank == 0:
-        left = [d for d in os.listdir(root) if d.endswith((".incomplete", ".deleting"))]
-        if left:
-            raise AssertionError("leftovers of the killed save not collected by the next save: %s" % left)
-        print("kill_rank: latest (%s) verified and loaded on %d ranks; the next save collected the leftovers"
-              % (os.path.basename(loaded), world), flush=True)
+    for case in args.case.split(","):
+        made = ct.make_params(args.hidden, 2, device, torch.float32, seed=1)
+        params, names = [t for _, t, _ in made], [n for n, _, _ in made]
+        opt = ferry.torch.Optimizer(params, lr=1e-3, policy="offload_all", shard=True, overlap=False,
+                                    collective_timeout=args.timeout, checkpoint_timeout=args.timeout)
+        root = os.path.join(args.dir, "ckpt-" + case)
+        ref = ct.read_json(os.path.join(args.dir, case, "reference.json"))
+        loaded = opt.load_checkpoint(root)  # a root: its `latest`
+        if os.path.basename(loaded) != "step-%08d" % ref["step"]:
+            raise AssertionError("%s: latest loaded %s, expected step %d (the last committed save)"
+                                 % (case, loaded, ref["step"]))
+        ct.compare_sums(ct.state_sums(opt, params, names, device), ref["sums"],
+                        "%s: latest (%s) loaded on %d ranks after the kill" % (case, loaded, world))
+        ct.set_grads(params, 100)
+        opt.step()
+        opt.save_checkpoint(root, 100)  # collects the killed save's leftovers
+        opt.wait_checkpoint()
+        if rank == 0:
+            left = [d for d in os.listdir(root) if d.endswith((".incomplete", ".deleting"))]
+            if left:
+                raise AssertionError("%s: leftovers of the killed save not collected by the next save: %s"
+                                     % (case, left))
+            print("kill_rank: %s: latest (%s) verified and loaded on %d ranks; the next save collected the "
+                  "leftovers" % (case, os.path.basename(loaded), world), flush=True)
 
 
 def worker_main(args):
     import dist_launch
-    with open(os.path.join(args.dir, "pid-rank-%s.txt" % os.environ["RANK"]), "w") as f:
-        f.write("%d\n" % os.getpid())
+    if not args.load:
+        with open(os.path.join(args.dir, "pid-rank-%s.txt" % os.environ["RANK"]), "w") as f:
+            f.write("%d\n" % os.getpid())
     os.environ["KILL_MARK"] = os.path.join(args.dir, "killed.txt")
 
     def run(rank, world, local_rank, args):
         try:
             (load if args.load else train)(rank, world, local_rank, args)
         except BaseException as e:
-            with open(os.path.join(args.dir, "error-rank-%d.txt" % rank), "w") as f:
+            with open(os.path.join(args.dir, "error-rank-%d.txt" % rank), "w") as f:  # the driver reads it
                 f.write("%.6f %s: %s\n" % (time.time(), type(e).__name__, e))
             raise
     dist_launch.launch(run, args)
@@ -158,7 +164,12 @@ def worker_main(args):
 
 def torchrun_cmd(args, nproc, extra):
     launcher = args.torchrun.split() if args.torchrun else [sys.executable, "-m", "torch.distributed.run"]
+    # --redirects 1 --tee 1: the workers' stdout also lands in files under --log_dir. Not for its own
+    # sake: torch 1.13's torchrun on Python 3.11 fails with the default (0: its Std flag lookup finds
+    # no member for 0 there); 1 works on every version.
+    logs = os.path.join(args.dir, "torchrun-logs-%d" % nproc)
     return launcher + ["--standalone", "--nproc_per_node", str(nproc), "--monitor_interval", str(args.monitor),
+                       "--redirects", "1", "--tee", "1", "--log_dir", logs,
                        os.path.abspath(__file__), "--worker", "--device", args.device, "--timeout", str(args.timeout),
                        "--victim", str(args.victim), "--hidden", str(args.hidden)] + extra
 
@@ -235,6 +246,13 @@ def run_case(args, case, failures):
         fail("the victim (rank %d) never killed itself" % args.victim)
         print(text[-4000:])
         return
+    codes = {int(r): int(c) for r, c in re.findall(r"rank\s*:\s*(\d+) \(local_rank[^\n]*\n\s*exitcode\s*:\s*(-?\d+)",
+                                                     text)}
+    for r in range(args.world):
+        want = -9 if r == args.victim else 1
+        if codes.get(r) != want:
+            fail("torchrun reports rank %d's exit code as %s, expected %d (%s)" % (
+                r, codes.get(r), want, "SIGKILL" if r == args.victim else "its own error exit, not torchrun's SIGTERM"))
     if not re.search(r"exitcode\s*:\s*-9", text):
         fail("torchrun did not report an exit by SIGKILL (exitcode -9); its log: %s" % log)
     print("%s: rank %d SIGKILLed %s; torchrun exited %s %.1f s later" % (case, args.victim, how.strip(), code,
@@ -256,15 +274,18 @@ def run_case(args, case, failures):
             fail("rank %d's error does not name %s: %s" % (r, victim_text, message.strip()[:600]))
     if failures:
         print(text[-6000:])
-    # latest still loads on 2 ranks.
-    out = subprocess.run(torchrun_cmd(args, 2, ["--case", case, "--dir", d, "--load"]), stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True, timeout=args.startup + args.timeout + args.margin,
-                         start_new_session=True)
-    if out.returncode != 0:
-        fail("latest did not load on 2 ranks (exit %d):\n%s" % (out.returncode, out.stdout[-4000:]))
-    else:
-        print("  " + "\n  ".join(l for l in out.stdout.splitlines() if l.startswith("kill_rank:")))
     print("%s: %.1f s in all" % (case, time.time() - start), flush=True)
+
+
+def verify_latest(args, cases, failures):
+    """One torchrun on 2 ranks: each case's `latest` loads exactly (see load())."""
+    out = subprocess.run(torchrun_cmd(args, 2, ["--case", ",".join(cases), "--dir", args.dir, "--load"]),
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         timeout=args.startup + args.timeout + args.margin, start_new_session=True)
+    if out.returncode != 0:
+        failures.append("latest did not load on 2 ranks (exit %d):\n%s" % (out.returncode, out.stdout[-4000:]))
+    else:
+        print("\n".join(l.split("]:", 1)[-1] for l in out.stdout.splitlines() if "kill_rank:" in l))
 
 
 def main():
@@ -294,8 +315,10 @@ def main():
         tmp = args.dir = tempfile.mkdtemp(prefix="ferry-kill-")
     args.dir = os.path.abspath(args.dir)
     failures = []
-    for case in args.cases.split(","):
+    cases = args.cases.split(",")
+    for case in cases:
         run_case(args, case, failures)
+    verify_latest(args, cases, failures)
     if failures:
         sys.exit("kill_rank FAILED:\n  " + "\n  ".join(failures))
     print("kill_rank: every check passed (%s)" % args.cases)

@@ -92,12 +92,13 @@ class _Notes:
         self._add("aborts", 1)
 
     def aborted(self):
-        """[(rank, message)] of the other ranks that aborted; one store round trip when none did."""
+        """[(rank, message)] of the ranks that aborted, this one included (its writer thread stops
+        too); one store round trip when none did."""
         if self._add("aborts", 0) == 0:
             return []
         out = []
         for r in range(self.world_size):
-            if r != self.rank and self._add("aborted/%d" % r, 0) > 0:
+            if self._add("aborted/%d" % r, 0) > 0:
                 with _store_lock:
                     out.append((r, self.store.get("abort/%d" % r).decode("utf-8", "replace")))
         return out
@@ -187,10 +188,18 @@ class TorchComm:
             pass
 
     def check_aborts(self):
-        """RuntimeError naming the ranks that aborted, if any."""
+        """RuntimeError naming the ranks that aborted, if any; first the ranks that are gone (a rank
+        killed outright leaves no note: the ranks that saw its loss first abort naming it, and their
+        notes then lead the others to it)."""
         aborted = self._notes.aborted()
         if aborted:
-            raise RuntimeError("; ".join("rank %d of %d failed: %s" % (r, self.world_size, m) for r, m in aborted))
+            try:
+                gone = [g for _, g in self._notes.lost()]
+            except Exception:  # noqa: BLE001 -- the store may be gone with the failure
+                gone = []
+            raise RuntimeError("; ".join(gone + [("this rank (%d of %d) failed earlier: %s" if r == self.rank else
+                                                  "rank %d of %d failed: %s") % (r, self.world_size, m)
+                                                 for r, m in aborted]))
 
     def _late(self, mine, channel):
         """Which ranks did not arrive at this comm's collective #mine, and which are gone."""
