@@ -29,6 +29,7 @@ beside the check: it asserts exactness, never a time.
 """
 import argparse
 import os
+import re
 import shutil
 import sys
 
@@ -222,8 +223,7 @@ def main():
     args.dir = os.path.abspath(args.dir)
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("ckpt_reshard: --device cuda, but torch sees no GPU")
-    if args.fsdp2 and not hasattr(torch.distributed, "device_mesh") and tuple(
-            int(x) for x in torch.__version__.split(".")[:2]) < (2, 4):
+    if args.fsdp2 and tuple(int(x) for x in re.match(r"(\d+)\.(\d+)", torch.__version__).groups()) < (2, 4):
         sys.exit("ckpt_reshard: --fsdp2 needs torch >= 2.4 (this is %s)" % torch.__version__)
     os.makedirs(args.dir, exist_ok=True)
     if dist_launch.under_torchrun():
