@@ -1,6 +1,18 @@
 """torch's state_dict and Ferry's checkpoints for ferry.torch.Optimizer (a mixin of it: it uses the
-optimizer's _engine, _params, _where, _groups, param_groups and _sync_torch)."""
+optimizer's _engine, _params, _where, _groups, param_groups and _sync_torch).
+
+Asynchronous saves at exit: the engine's writer thread calls Python (ferry.distributed's collectives
+of the checkpoint protocol). Once the interpreter finalizes, a thread that takes the GIL is made to
+exit on the spot, and its C++ frames then abort the process ("Fatal Python error: PyThreadState_Get"),
+so an optimizer still alive at exit (a script that ends, or raises, with a save in flight) must not
+leave its writer running into finalization. An atexit handler, which runs before finalization, waits
+for every live optimizer's save (its result, or its error on stderr): the save commits or fails, bounded
+by checkpoint_timeout, and fails at once when a rank failed (its abort note) or is gone.
+"""
+import atexit
+import sys
 import warnings
+import weakref
 
 import torch
 
@@ -136,6 +148,26 @@ class StateMixin:
         self._sync_torch()
         names = [] if groups is None else [self._groups[gi] for gi in groups]
         self._engine.sync_from_model(names, reset_optimizer)
+
+
+_live = weakref.WeakSet()  # optimizers whose engine may have a save in flight
+
+
+def finish_saves_at_exit_of(opt):
+    """Registers `opt` for the atexit wait (see the module's documentation)."""
+    _live.add(opt)
+
+
+@atexit.register
+def _finish_saves_at_exit():
+    for opt in list(_live):
+        engine = getattr(opt, "_engine", None)
+        if engine is None:
+            continue
+        try:
+            engine.wait_checkpoint()  # releases the GIL while it waits
+        except Exception as e:  # noqa: BLE001 -- at exit: report, do not raise
+            sys.stderr.write("ferry: at exit, the optimizer's asynchronous checkpoint save failed: %s\n" % e)
 
 
 def _full_state(t):

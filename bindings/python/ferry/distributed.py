@@ -21,11 +21,17 @@ TCPStore or FileStore, under the prefix ``ferry/<n>/``) carries two things:
     DeadlineExceeded (ferry.DeadlineExceededError);
   * abort notes: a rank that raises inside the optimizer (ferry.torch.Optimizer calls ``abort``)
     leaves its exception's text there, and every other rank's pending or later collective raises
-    naming that rank and its error (ferry.FerryError) instead of waiting for the timeout.
+    naming that rank and its error (ferry.FerryError) instead of waiting for the timeout;
+  * each rank's process (host, pid, start time): a rank killed outright (SIGKILL, the OOM killer)
+    leaves no note, and gloo's error for the closed connection names only an address, so a failed
+    or timed-out collective looks up the processes of the ranks on its own host and names the ones
+    that are gone ("rank 2 of 4 is gone: its process 1234 on host h exited or was killed").
 After a failure the engine considers the comm unusable (its later calls fail at once), as in C++.
 """
 import datetime
 import itertools
+import os
+import socket
 import threading
 import time
 
@@ -63,6 +69,11 @@ class _Notes:
         self.store = dist.PrefixStore(prefix, store)
         self.rank = rank
         self.world_size = world_size
+        me = _process_identity(os.getpid())
+        if me is not None:
+            with _store_lock:
+                self.store.set("proc/%d" % rank, " ".join(map(str, me)))
+            self._add("proc-set/%d" % rank, 1)
 
     def _add(self, key, n):
         with _store_lock:
@@ -81,15 +92,44 @@ class _Notes:
         self._add("aborts", 1)
 
     def aborted(self):
-        """[(rank, message)] of the other ranks that aborted; one store round trip when none did."""
+        """[(rank, message)] of the ranks that aborted, this one included (its writer thread stops
+        too); one store round trip when none did."""
         if self._add("aborts", 0) == 0:
             return []
         out = []
         for r in range(self.world_size):
-            if r != self.rank and self._add("aborted/%d" % r, 0) > 0:
+            if self._add("aborted/%d" % r, 0) > 0:
                 with _store_lock:
                     out.append((r, self.store.get("abort/%d" % r).decode("utf-8", "replace")))
         return out
+
+
+    def lost(self):
+        """[(rank, text)] of the other ranks on this host whose process is gone (exited, killed, a
+        zombie, or its pid taken by another process); ranks on other hosts are not looked up."""
+        host = socket.gethostname()
+        out = []
+        for r in range(self.world_size):
+            if r == self.rank or self._add("proc-set/%d" % r, 0) == 0:
+                continue
+            with _store_lock:
+                their_host, pid, start = self.store.get("proc/%d" % r).decode("utf-8", "replace").split(" ")
+            if their_host == host and _process_identity(int(pid)) != (their_host, int(pid), int(start)):
+                out.append((r, "rank %d of %d is gone: its process %s on host %s exited or was killed"
+                               % (r, self.world_size, pid, host)))
+        return out
+
+
+def _process_identity(pid):
+    """(host, pid, start time in clock ticks since boot) of a live process (not a zombie), or None."""
+    try:
+        with open("/proc/%d/stat" % pid) as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    if fields[0] in ("Z", "X", "x"):  # state: a zombie or dead
+        return None
+    return (socket.gethostname(), pid, int(fields[19]))  # field 22 of stat: starttime
 
 
 class TorchComm:
@@ -148,19 +188,44 @@ class TorchComm:
             pass
 
     def check_aborts(self):
-        """RuntimeError naming the ranks that aborted, if any."""
+        """RuntimeError naming the ranks that aborted, if any; first the ranks that are gone (a rank
+        killed outright leaves no note: the ranks that saw its loss first abort naming it, and their
+        notes then lead the others to it)."""
         aborted = self._notes.aborted()
         if aborted:
-            raise RuntimeError("; ".join("rank %d of %d failed: %s" % (r, self.world_size, m) for r, m in aborted))
+            try:
+                gone = [g for _, g in self._notes.lost()]
+            except Exception:  # noqa: BLE001 -- the store may be gone with the failure
+                gone = []
+            raise RuntimeError("; ".join(gone + [("this rank (%d of %d) failed earlier: %s" if r == self.rank else
+                                                  "rank %d of %d failed: %s") % (r, self.world_size, m)
+                                                 for r, m in aborted]))
 
     def _late(self, mine, channel):
+        """Which ranks did not arrive at this comm's collective #mine, and which are gone."""
         pos = self._notes.positions(channel)
         late = [r for r, p in enumerate(pos) if p < mine]
         if not late:
-            return "every rank arrived (collective #%d)" % mine
-        return "%s of %d did not arrive at collective #%d (%s)" % (
-            ("rank %d" % late[0]) if len(late) == 1 else "ranks " + ", ".join(map(str, late)), self.world_size, mine,
-            ", ".join("rank %d at #%d" % (r, pos[r]) for r in late))
+            text = "every rank arrived (collective #%d)" % mine
+        else:
+            text = "%s of %d did not arrive at collective #%d (%s)" % (
+                ("rank %d" % late[0]) if len(late) == 1 else "ranks " + ", ".join(map(str, late)), self.world_size,
+                mine, ", ".join("rank %d at #%d" % (r, pos[r]) for r in late))
+        gone = self._gone()
+        return "; ".join([g for _, g in gone] + [text])
+
+    def _gone(self):
+        """The lost ranks' texts. A connection closed by a killed peer can be seen a moment before its
+        process is reaped or turns zombie: look again for up to a second when none is found."""
+        try:
+            end = time.monotonic() + 1.0
+            while True:
+                gone = self._notes.lost()
+                if gone or time.monotonic() >= end:
+                    return gone
+                time.sleep(0.05)
+        except Exception:  # noqa: BLE001 -- the store may be gone with the failure: name no one
+            return []
 
     def run(self, what, launch, timeout_s, channel="g"):
         """Runs `launch()` (a torch.distributed call with async_op=True, on any group of these ranks)

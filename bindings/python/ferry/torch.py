@@ -53,6 +53,7 @@ import torch
 
 import ferry
 from . import _attach, _checks, _hooks
+from . import _state
 from ._state import FIXED, StateMixin
 from . import _zero
 
@@ -165,6 +166,7 @@ class Optimizer(StateMixin, _attach.AttachMixin, torch.optim.Optimizer):
                                            self._announce_from_hook, node_hooks=self._node_hooks)
         self._tracker.announcing = overlap is True
         self._engine = engine
+        _state.finish_saves_at_exit_of(self)
 
     def _register(self, engine, group_of):
         """Adds the groups and params (on several ranks: each param's range) to `engine`, finalizes it."""

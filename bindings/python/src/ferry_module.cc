@@ -85,13 +85,25 @@ py::dict OptionsDict(const GroupOptions& o) {
   return d;
 }
 
+// Whether the interpreter is gone or finalizing: a thread of ours that takes the GIL then is made to
+// exit on the spot (and its C++ frames abort the process), so the engine's threads must not try.
+// ferry._state waits for asynchronous saves at exit, before finalization; this is the last guard.
+bool PythonUnavailable() {
+  if (!Py_IsInitialized()) return true;
+#if PY_VERSION_HEX >= 0x030D0000
+  return Py_IsFinalizing() != 0;
+#else
+  return _Py_IsFinalizing() != 0;
+#endif
+}
+
 // A Python object whose last reference may be dropped without the GIL (the engine destroys its comm
 // from whatever thread runs its destructor): the reference is released under the GIL.
 struct PyRef {
   explicit PyRef(py::object o) : obj(std::move(o)) {}
   ~PyRef() {
-    if (!Py_IsInitialized()) {
-      obj.release();  // the interpreter is gone: leak rather than touch it
+    if (PythonUnavailable()) {
+      obj.release();  // the interpreter is gone or finalizing: leak rather than touch it
       return;
     }
     py::gil_scoped_acquire gil;
@@ -106,7 +118,9 @@ struct PyRef {
 // naming the callback and the exception.
 template <typename Fn>
 absl::Status CallPython(const char* what, Fn&& fn) {
-  if (!Py_IsInitialized()) return absl::UnavailableError(std::string(what) + ": the Python interpreter is gone");
+  if (PythonUnavailable()) {
+    return absl::UnavailableError(std::string(what) + ": the Python interpreter is exiting (or gone)");
+  }
   py::gil_scoped_acquire gil;
   try {
     fn();
