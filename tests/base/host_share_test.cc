@@ -52,6 +52,12 @@ TEST(HostShareTest, OneRankTakesEveryCpuOneCoreFirst) {
   EXPECT_EQ(s.Workers(0, 0), 15u);
   EXPECT_EQ(s.Workers(0, 6), 6u);
   EXPECT_EQ(s.Workers(40, 6), 40u) << "an explicit cpu_threads is taken as it is";
+  // Larger shares keep an eighth of their CPUs as headroom.
+  const HostShare big = SplitHost(MakeHost(1, 64, 1), LocalRanks{}, {}, 1);
+  EXPECT_EQ(big.Workers(0, 0), 63u - 8u);
+  EXPECT_EQ(big.Workers(0, 32), 32u);
+  const HostShare half = SplitHost(MakeHost(1, 64, 1), LocalRanks{1, 2, "test"}, {}, 1);
+  EXPECT_EQ(half.Workers(0, 0), 31u - 4u);
   EXPECT_EQ(s.node, 0);
 }
 

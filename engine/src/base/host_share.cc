@@ -248,7 +248,8 @@ HostShare SplitHost(const HostTopology& topo, const LocalRanks& local, const std
 
 size_t HostShare::Workers(size_t cpu_threads, size_t cap) const {
   if (cpu_threads > 0) return cpu_threads;
-  const size_t n = worker_cpus();
+  size_t n = worker_cpus();
+  if (cpus.size() > kSmallShareCpus) n -= std::min(n - 1, cpus.size() / 8);
   return std::max<size_t>(1, cap > 0 ? std::min(n, cap) : n);
 }
 

@@ -52,6 +52,11 @@ struct LocalRanks {
 LocalRanks DetectLocalRanks(int rank, int size, const std::map<std::string, std::string>* env = nullptr);
 
 // What SplitHost gives a rank.
+// Shares of at most this many CPUs give CPU Adam every CPU but the trainer's (measured on 16-CPU
+// hosts: every one helped); larger ones keep headroom (HostShare::Workers) and stop at the host's
+// bandwidth knee (optim/worker_knee.h).
+inline constexpr size_t kSmallShareCpus = 16;
+
 struct HostShare {
   std::vector<int> cpus;         // the rank's CPUs, one per physical core first, then their siblings
   size_t trainer_cpus = 0;       // the last ones of `cpus`, left to the trainer's own threads
@@ -67,7 +72,10 @@ struct HostShare {
     return {cpus.begin(), cpus.begin() + static_cast<std::ptrdiff_t>(std::min(worker_cpus(), cpus.size()))};
   }
   // CPU Adam's workers in this share: `cpu_threads` when > 0 (EngineOptions::cpu_threads), else
-  // worker_cpus() but no more than `cap` (0: no cap); at least 1.
+  // worker_cpus(), less 1/8 of the share's CPUs on shares of more than kSmallShareCpus, and no more
+  // than `cap` (0: no cap); at least 1. The eighth is headroom for the pipeline's own threads, the
+  // driver's and the trainer's: with every CPU but one busy with workers the offloaded step ran at
+  // 0.54-0.76 of its slowest stage on 32- and 64-CPU shares of an H100 host (README "Big hosts").
   size_t Workers(size_t cpu_threads, size_t cap) const;
 };
 

@@ -449,10 +449,10 @@ WorkerPlan PlanWorkers(const EngineOptions& options, const Device& device) {
 }
 
 void EngineImpl::TuneWorkers() {
-  // Only the engine's own choice of every CPU of the share is tuned, once, before any optimizer uses
-  // the pool (nothing runs on it yet).
+  // Only the engine's own choice is tuned, once, before any optimizer uses the pool (nothing runs on
+  // it yet). Not on a host split among local ranks: their measurements would disturb each other.
   if (options_.cpu_threads > 0 || CpuThreadsCap(options_.cpu_threads_max) > 0 || !workers_.knee.empty() ||
-      pool_->num_threads() <= kKneeProbeAbove) {
+      pool_->num_threads() <= kKneeProbeAbove || workers_.share.split) {
     return;
   }
   const int64_t start = tracer_ != nullptr ? tracer_->NowNs() : 0;

@@ -15,11 +15,12 @@
 #include <utility>
 #include <vector>
 
+#include "base/host_share.h"
+
 namespace ferry {
 
-// Shares of at most this many worker CPUs take all of them without measuring (measured on 16-CPU
-// hosts: every CPU helped).
-inline constexpr size_t kKneeProbeAbove = 16;
+// Up to this many workers, all of them are taken without measuring (base/host_share.h).
+inline constexpr size_t kKneeProbeAbove = kSmallShareCpus;
 
 struct WorkerKnee {
   size_t workers = 0;                              // the fewest workers within `tolerance` of the best
