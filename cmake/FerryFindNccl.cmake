@@ -114,6 +114,9 @@ else()
   if(NOT _looked)
     set(_looked "(no prefix)")
   endif()
-  message(STATUS "ferry: NCCL OFF: no include/nccl.h with lib*/libnccl.so* under ${_looked}, nor in the system's "
-                 "paths (interpreters asked for nvidia.nccl: ${_nccl_pythons}); -DFERRY_NCCL_ROOT=PREFIX names it")
+  string(REPLACE ";" ", " _asked "${_nccl_pythons}")
+  message(STATUS "ferry: NCCL OFF: no include/nccl.h with lib*/libnccl.so* under ${_looked} (the prefixes named, the "
+                 "CUDA toolkit's, and the nvidia/nccl wheels that the interpreters [${_asked}] import or that the "
+                 "globs of site-packages under /opt, /root, /home, /usr/local, /usr/lib, /*, /*/* and "
+                 "${_nccl_parent} match), nor in the system's paths; -DFERRY_NCCL_ROOT=PREFIX names it")
 endif()

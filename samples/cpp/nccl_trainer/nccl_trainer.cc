@@ -119,12 +119,12 @@ int EnvInt(std::initializer_list<const char*> names, int fallback) {
   return fallback;
 }
 
-absl::Status CudaStatus(cudaError_t e, std::string_view what, const Rank& r) {
+absl::Status CudaStatus(cudaError_t e, const char* what, const Rank& r) {
   if (e == cudaSuccess) return absl::OkStatus();
   return absl::InternalError(absl::StrCat("rank ", r.rank, " (GPU ", r.ordinal, "): ", what, ": ", cudaGetErrorString(e)));
 }
 
-absl::Status NcclStatus(ncclResult_t e, std::string_view what, const Rank& r) {
+absl::Status NcclStatus(ncclResult_t e, const char* what, const Rank& r) {
   if (e == ncclSuccess) return absl::OkStatus();
   return absl::InternalError(absl::StrCat("rank ", r.rank, " (GPU ", r.ordinal, "): ", what, ": ", ncclGetErrorString(e)));
 }
@@ -306,13 +306,13 @@ absl::Status Run(const Options& o) {
   ncclUniqueId id;
   std::memcpy(&id, id_blob.data(), sizeof id);
   FERRY_RETURN_IF_ERROR(NcclStatus(ncclCommInitRank(&nccl, r.world, id, r.rank), "ncclCommInitRank", r));
-  struct NcclCloser {
+  struct NcclCloser {  // a destructor has no one to tell of a failure
     ncclComm_t c;
     ~NcclCloser() { ncclCommDestroy(c); }
   } closer{nccl};
 
-  char bus[32] = "?";
-  cudaDeviceGetPCIBusId(bus, sizeof bus, r.ordinal);
+  char bus[32];
+  if (cudaDeviceGetPCIBusId(bus, sizeof bus, r.ordinal) != cudaSuccess) std::snprintf(bus, sizeof bus, "bus id unknown");
   FERRY_ASSIGN_OR_RETURN(std::vector<std::string> where,
                          comm->AllGather(absl::StrCat("rank ", r.rank, ": GPU ", r.ordinal, " (", bus, ")"), kTimeout));
   const FlatLayout layout = MakeLayout(o.shape, r.world);

@@ -33,12 +33,12 @@ double BusGBs(double bytes, double ms, int world) {
   return bytes / (ms * 1e-3) * (world - 1) / world / 1e9;
 }
 
-absl::Status Cuda(cudaError_t e, int rank, std::string_view what) {
+absl::Status Cuda(cudaError_t e, int rank, const char* what) {
   if (e == cudaSuccess) return absl::OkStatus();
   return absl::InternalError(absl::StrCat("rank ", rank, ": --bench: ", what, ": ", cudaGetErrorString(e)));
 }
 
-absl::Status Nccl(ncclResult_t e, int rank, std::string_view what) {
+absl::Status Nccl(ncclResult_t e, int rank, const char* what) {
   if (e == ncclSuccess) return absl::OkStatus();
   return absl::InternalError(absl::StrCat("rank ", rank, ": --bench: ", what, ": ", ncclGetErrorString(e)));
 }
