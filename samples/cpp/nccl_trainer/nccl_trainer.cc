@@ -34,7 +34,6 @@
 // --bench prints each phase's median time per step and the all-gather's bus bandwidth beside that of a
 // plain ncclAllGather loop on a buffer of the same size measured in the same run (target: >= 80%).
 #include <nccl.h>
-#include <sched.h>
 
 #include <algorithm>
 #include <chrono>
@@ -66,15 +65,14 @@ struct Options {
   int64_t steps = 20;
   bool check = false;
   bool bench = false;
-  size_t cpu_threads = 0;  // 0: this host's CPUs shared among its local ranks
+  size_t cpu_threads = 0;  // 0: Ferry's choice, this rank's share of its host
   std::string policy_dir = std::string(FERRY_SOURCE_DIR) + "/scripts/policies";
 };
 
 struct Rank {
   int rank = 0;
   int world = 1;
-  int ordinal = 0;     // CUDA device
-  int local_size = 1;  // ranks on this host
+  int ordinal = 0;  // CUDA device
 };
 
 absl::Status Usage(const std::string& why) {
@@ -166,13 +164,8 @@ absl::StatusOr<TrainResult> Train(const Options& o, const Rank& r, const std::sh
   options.rank = r.rank;
   options.world_size = r.world;
   options.comm = comm;
-  if (o.cpu_threads > 0) {
-    options.cpu_threads = o.cpu_threads;
-  } else {  // the CPUs this process may run on, shared with the other ranks of this host
-    cpu_set_t set;
-    const int cpus = sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set) : 1;
-    options.cpu_threads = static_cast<size_t>(std::max(1, cpus / std::max(1, r.local_size) - 1));
-  }
+  // 0: this rank's share of the host's CPUs, which Ferry works out from the launcher's local rank.
+  options.cpu_threads = o.cpu_threads;
   FERRY_ASSIGN_OR_RETURN(std::unique_ptr<ferry::Engine> engine, ferry::Engine::Create(options));
   const int64_t chunk_begin = layout.chunk_begin(r.rank);
   for (size_t t = 0; t < layout.tensors.size(); ++t) {
@@ -188,6 +181,10 @@ absl::StatusOr<TrainResult> Train(const Options& o, const Rank& r, const std::sh
          .grad_dtype = ferry::DType::kF32, .shard_begin = begin, .shard_end = end}));
   }
   FERRY_RETURN_IF_ERROR(engine->Finalize());  // collective: the ranks' ranges must tile every tensor
+  if (verbose) {
+    const ferry::EngineStats stats = engine->Stats();
+    std::printf("rank 0: Ferry's CPU Adam on %zu workers (%s)\n", stats.cpu_threads, stats.host_share.c_str());
+  }
 
   TrainResult result;
   StepEvents events;
@@ -279,7 +276,6 @@ absl::Status Run(const Options& o) {
   FERRY_ASSIGN_OR_RETURN(std::unique_ptr<ferry::Comm> mpi, ferry::MakeMpiComm());
   std::shared_ptr<ferry::Comm> comm = std::move(mpi);
   Rank r{.rank = comm->rank(), .world = comm->world_size()};
-  r.local_size = EnvInt({"OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS_PER_NODE"}, 1);
   if (o.shape.batch % r.world != 0) {
     return Usage(absl::StrCat("--batch ", o.shape.batch, " is not a multiple of the world size ", r.world));
   }
