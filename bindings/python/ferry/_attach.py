@@ -91,6 +91,12 @@ class AttachMixin:
             self._wait_groups(sorted(self._pending) if groups is None else groups)
 
     def _wait_groups(self, groups):
+        if not self._pending:
+            return
+        with self._engine_lock:  # attach_ddp's comm hook may announce from another thread
+            self._wait_groups_locked(groups)
+
+    def _wait_groups_locked(self, groups):
         need = [gi for gi in groups if gi in self._pending]
         if not need:
             return

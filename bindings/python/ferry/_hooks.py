@@ -66,6 +66,8 @@ class GradTracker:
         self.backwards = 0  # backward passes outside accumulate() since the last step
         self.late = None  # (what, k): an announced group's grad changed before step() (None: none did)
         self.trace = None  # a list: tests record ("grad", k, epoch) and ("announce", gi, epoch) in it
+        self.external = False  # another announces complete groups (ferry._ddp: from DDP's reduced buckets)
+        self.skip_backward = None  # a callable: True when the running backward accumulates (DDP's no_sync())
         self.hook_missing()
 
     # ---- hooks ---------------------------------------------------------------------------------------
@@ -125,7 +127,7 @@ class GradTracker:
                     "params that the group's early update is replacing, so the step would not be exact. Wrap "
                     "every forward and backward but the last of a step in `with opt.accumulate():`, or "
                     "construct the optimizer with overlap=False" % self._wheres[k])
-            if self.accumulating:
+            if self.accumulating or (self.skip_backward is not None and self.skip_backward()):
                 return
             if not self._open:
                 self._open = True
@@ -136,7 +138,7 @@ class GradTracker:
             self._version[k] = _version_of(self._params[k].grad)
             if self.trace is not None:
                 self.trace.append(("grad", k, epoch))
-            if not self.announcing or self._fired[k] == epoch:
+            if not self.announcing or self.external or self._fired[k] == epoch:
                 self._fired[k] = epoch
                 return
             self._fired[k] = epoch
