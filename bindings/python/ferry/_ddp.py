@@ -88,6 +88,7 @@ class DDPBridge:
         self.syncing = True  # the last forward of the DDP model prepared an all-reduce (not no_sync())
         self.handles = [ddp.register_forward_pre_hook(_forward_pre_hook(weakref.ref(self)))]
         self.state = _HookState(self, group, self.world)
+        self._lock = threading.Lock()  # count, reduced, queued: the autograd thread and DDP's comm threads
 
     # ---- from the comm hook (the autograd thread) -----------------------------------------------
 
@@ -103,9 +104,14 @@ class DDPBridge:
         if at != bucket.buffer().numel():
             raise RuntimeError("ferry attach_ddp: DDP bucket %d holds %d elements, its params %d (sparse or "
                                "non-contiguous grads are not supported)" % (bucket.index(), bucket.buffer().numel(), at))
-        if not self.queued:
-            self.queued = True
-            _queue_callback(self._backward_ending)
+        with self._lock:
+            if bucket.index() == 0:  # DDP launches its buckets in order: a new backward (even after one that raised)
+                self.count = [0] * len(self.count)
+                self.reduced = set()
+                self.queued = False
+            if not self.queued:
+                self.queued = True
+                _queue_callback(self._backward_ending)
 
         def done(f):
             flat = f.value()[0]
@@ -122,7 +128,8 @@ class DDPBridge:
         tracker = opt._tracker
         with opt._engine_lock:
             mine = [(k, off) for k, off in zip(ks, offsets) if k is not None]
-            self.reduced.update(k for k, _ in mine)
+            with self._lock:
+                self.reduced.update(k for k, _ in mine)
             if not tracker.announcing or tracker.accumulating:
                 return  # overlap off: step() takes p.grad as DDP leaves it
             complete = []
@@ -133,9 +140,10 @@ class DDPBridge:
                         opt._grads[k].view(-1)[b:e].copy_(flat[off + b:off + e])
                     tracker.got[k] = True
                     gi = opt._group_of[k]
-                    self.count[gi] += 1
-                    if self.count[gi] == self.size[gi]:
-                        complete.append(gi)
+                    with self._lock:
+                        self.count[gi] += 1
+                        if self.count[gi] == self.size[gi]:
+                            complete.append(gi)
             for gi in complete:
                 if gi in tracker.announced:
                     raise RuntimeError(
@@ -156,7 +164,7 @@ class DDPBridge:
         self.queued = False
         if opt is None:
             return
-        with opt._engine_lock:
+        with opt._engine_lock, self._lock:
             opt._tracker.record_versions(sorted(self.reduced))  # the grads as DDP left them
             self.reduced = set()
             self.count = [0] * len(self.count)

@@ -17,6 +17,10 @@ after its group was announced (a second backward outside accumulate(), an in-pla
 clip_grad_norm_ or GradScaler.unscale_, seen by the tensor's version counter) makes the step discard
 that early work and recompute it (exact; StepOptions::discard_early). A second backward after the
 announcement is refused at once (its forward and backward read params the early update replaces).
+
+Under DDP with attach_ddp (ferry/_ddp.py) the tracker still counts grads and backwards, but the
+groups are announced by DDP's comm hook once their all-reduce has landed (`external`), and a backward
+whose forward ran under DDP's no_sync() counts as accumulating (`skip_backward`).
 """
 import threading
 import weakref

@@ -323,6 +323,8 @@ class Optimizer(StateMixin, _attach.AttachMixin, _ddp.DDPMixin, torch.optim.Opti
             return self._step(closure, loss_scale, max_grad_norm, check_finite)
         try:
             loss = self._step(closure, loss_scale, max_grad_norm, check_finite)
+            if self._zero.lines:
+                self.wait_params()  # attach(): the all-gather reads every updated range, uploaded first
             self._zero.gather_params()  # ZeRO-1: every rank's updated range into every replica
             return loss
         except BaseException as e:
