@@ -17,7 +17,7 @@ slowest rank's iteration time and its ratio to the all-GPU DDP row of the same r
 
     torchrun --nproc-per-node 4 samples/python/bench_train_dist.py --size medium     # 4 GPUs
     python3 samples/python/bench_train_dist.py --world 2 --size medium                # spawned ranks
-    python3 samples/python/bench_train_dist.py --world 2 --device cpu --size tiny --steps 2 --check-exact
+    python3 samples/python/bench_train_dist.py --world 2 --device cpu --size tiny --dtype float32 --check-exact
 
 --check-exact: deterministic kernels; the losses of each overlap row must be the same bits as the
 same row without overlap (exits non-zero otherwise). FSDP2 rows need torch >= 2.4 and, on CUDA, a
@@ -68,7 +68,7 @@ def build(row, args, device, world):
     import ferry.torch
     dim, blocks, heads, _, _ = bench_train.SIZES[args.size]
     torch.manual_seed(0)
-    model = bench_train.Model(dim, blocks, heads, exact=args.check_exact).to(device=device, dtype=torch.bfloat16)
+    model = bench_train.Model(dim, blocks, heads, exact=args.check_exact).to(device=device, dtype=getattr(torch, args.dtype))
     if row["wrap"] == "fsdp2":
         fully_shard, init_device_mesh = fsdp2()
         mesh = init_device_mesh(device.type, (world,))
@@ -139,10 +139,11 @@ def worker(rank, world, local_rank, args):
     gen = torch.Generator().manual_seed(1 + rank)  # each rank its own batches
     data = [torch.randint(0, bench_train.VOCAB, (batch, seq + 1), generator=gen).to(device) for _ in range(4)]
     if rank == 0:
-        print("torch %s, %d ranks (%s, %s); %s: dim %d, %d blocks, batch %d x %d tokens per rank, %d timed steps "
-              "after %d" % (torch.__version__, world, dist.get_backend(),
-                            torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", args.size, dim,
-                            blocks, batch, seq, args.steps, args.warmup), flush=True)
+        print("torch %s, %d ranks (%s, %s); %s: dim %d, %d blocks, %s params, batch %d x %d tokens per rank, %d "
+              "timed steps after %d" % (torch.__version__, world, dist.get_backend(),
+                                        torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                                        args.size, dim, blocks, args.dtype, batch, seq, args.steps, args.warmup),
+              flush=True)
     rows = ROWS if not args.rows else [ROWS[int(i)] for i in args.rows.split(",")]
     base, results, ok = None, {}, True
     for row in rows:
@@ -183,6 +184,8 @@ def main():
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                    help="the params' dtype (float32 for gloo on torch 1.13, which has no bf16 collectives)")
     ap.add_argument("--rows", default="", help="comma-separated row indices (default: all)")
     ap.add_argument("--groups", default="split", choices=["split", "joined"], help="as bench_train.py's")
     ap.add_argument("--cpu-threads", type=int, default=0, help="ferry's CPU Adam threads per rank (0: its default)")
