@@ -5,7 +5,8 @@ processes, CPU tensors (the host backend).
     hook and overlap=False, over 6 steps of fresh random batches (each rank its own), one of them a
     no_sync() accumulation of two micro-batches; ZeRO-1 (shard=True) and unsharded, with
     gradient_as_bucket_view off and on; the overlapped run kept its early work (announced during the
-    backward, not recomputed);
+    backward, not recomputed), with attach(model)'s deferred steps (ZeRO-1's all-gather waits for
+    their uploads);
   * ordering: what the engine reads at each announcement (the optimizer's grad buffers at the
     GradsReady call) is the all-reduced average of the ranks' grads, computed here by hand, never a
     rank's own grad; announcements come during the backward (before it returns);
@@ -81,11 +82,13 @@ def exact(rank, world, shard, gabv):
     mine, ref = make_model(), make_model()
     ddp_mine, ddp_ref = wrap(mine, gabv), wrap(ref, gabv)
     opt = build(mine, shard, overlap=True).attach_ddp(ddp_mine)
+    opt.attach(mine)  # deferred steps too: each layer's forward waits for its own group
     ref_opt = build(ref, shard, overlap=False)
     announced = []
     for step in range(STEPS):
         announced.append(train(opt, ddp_mine, rank, step))
         train(ref_opt, ddp_ref, rank, step)
+        opt.wait_params()  # attach(): the params are read here, outside a forward
         for i, (a, b) in enumerate(zip(mine.parameters(), ref.parameters())):
             diff = (bits(a) != bits(b)).sum().item()
             if diff:
