@@ -170,7 +170,8 @@ class DDPBridge:
             self.count = [0] * len(self.count)
 
     def forward(self, ddp):
-        self.syncing = bool(ddp.require_backward_grad_sync and torch.is_grad_enabled())
+        if torch.is_grad_enabled():  # a no_grad forward (evaluation) has no backward
+            self.syncing = bool(ddp.require_backward_grad_sync)
 
     def remove(self):
         for h in self.handles:
