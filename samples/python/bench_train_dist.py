@@ -63,7 +63,7 @@ def skip_reason(row, args, world):
     return None
 
 
-def build(row, args, device, world):
+def build(row, args, device, world, local_rank):
     """(model to call, optimizer) of a row: a fresh model with the same weights on every rank."""
     import ferry.torch
     dim, blocks, heads, _, _ = bench_train.SIZES[args.size]
@@ -89,6 +89,9 @@ def build(row, args, device, world):
                  trace_path=bench_train.trace_path(args.trace, row))
     if row.get("shard"):
         extra["shard"] = True
+    if "local_rank" in inspect.signature(ferry.torch.Optimizer.__init__).parameters:
+        # this rank's share of the host's CPUs and pinned budget (spawned ranks have no torchrun environment)
+        extra.update(local_rank=local_rank, local_world_size=dist_launch.local_world(world))
     if args.cpu_threads:
         extra["cpu_threads"] = args.cpu_threads
     opt = ferry.torch.Optimizer(groups, **kw, **extra)
@@ -97,9 +100,9 @@ def build(row, args, device, world):
     return outer, opt
 
 
-def run_row(row, args, device, rank, world, data):
+def run_row(row, args, device, rank, world, local_rank, data):
     """(slowest rank's iteration time in s, this rank's losses, overlap stats or None)."""
-    outer, opt = build(row, args, device, world)
+    outer, opt = build(row, args, device, world, local_rank)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     losses = []
     dist.barrier()
@@ -152,7 +155,7 @@ def worker(rank, world, local_rank, args):
             if rank == 0:
                 print("   %-30s skipped: %s" % (row["name"], why), flush=True)
             continue
-        iteration, losses, stats = run_row(row, args, device, rank, world, data)
+        iteration, losses, stats = run_row(row, args, device, rank, world, local_rank, data)
         results[row["name"]] = losses
         if base is None and row.get("policy", "all_gpu") == "all_gpu":
             base = iteration  # the first all-GPU DDP row: torch's AdamW, else ferry all_gpu
