@@ -129,6 +129,8 @@ def run_row(row, args, device, rank, world, local_rank, data):
         stats = (s["early_groups_kept"], s["early_groups_recomputed"])
     del outer, opt
     gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the next row builds its model afresh
     return slowest.item(), torch.stack(losses).float().cpu(), stats
 
 
