@@ -68,7 +68,8 @@ def build(row, args, device, world, local_rank):
     import ferry.torch
     dim, blocks, heads, _, _ = bench_train.SIZES[args.size]
     torch.manual_seed(0)
-    model = bench_train.Model(dim, blocks, heads, exact=args.check_exact).to(device=device, dtype=getattr(torch, args.dtype))
+    model = bench_train.Model(dim, blocks, heads, exact=args.check_exact)
+    model = model.to(device=device, dtype=getattr(torch, args.dtype))
     if row["wrap"] == "fsdp2":
         fully_shard, init_device_mesh = fsdp2()
         mesh = init_device_mesh(device.type, (world,))

@@ -103,7 +103,8 @@ class DDPBridge:
             at += p.numel()
         if at != bucket.buffer().numel():
             raise RuntimeError("ferry attach_ddp: DDP bucket %d holds %d elements, its params %d (sparse or "
-                               "non-contiguous grads are not supported)" % (bucket.index(), bucket.buffer().numel(), at))
+                               "non-contiguous grads are not supported)"
+                               % (bucket.index(), bucket.buffer().numel(), at))
         with self._lock:
             if bucket.index() == 0:  # DDP launches its buckets in order: a new backward (even after one that raised)
                 self.count = [0] * len(self.count)
