@@ -2,8 +2,9 @@
 processes, CPU tensors (the host backend).
 
   * exactness: DDP + attach_ddp + overlap=True (and None: on after the first step) ends every step
-    with the same bits as DDP without the hook and overlap=False, over 6 steps of fresh random batches (each rank its own), one of them a
-    no_sync() accumulation of two micro-batches; ZeRO-1 (shard=True) and unsharded, with
+    with the same bits as DDP without the hook and overlap=False, over 6 steps of fresh random
+    batches (each rank its own), one of them a no_sync() accumulation of two micro-batches; ZeRO-1
+    (shard=True) and unsharded, with
     gradient_as_bucket_view off and on; the overlapped run kept its early work (announced during the
     backward, not recomputed), with attach(model)'s deferred steps (ZeRO-1's all-gather waits for
     their uploads);
