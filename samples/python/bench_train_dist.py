@@ -10,7 +10,8 @@ slowest rank's iteration time and its ratio to the all-GPU DDP row of the same r
                                      host memory, step() only (overlap=False)
     DDP ZeRO-1 offload + overlap     the same with opt.attach_ddp(ddp): each param group announced
                                      once DDP's all-reduce of its grads has landed
-    DDP offload + overlap            unsharded (every rank the whole state offloaded), attach_ddp
+    DDP offload + overlap            unsharded (every rank the whole state offloaded), attach_ddp, and
+                                     attach(model) as bench_train.py's overlap rows (deferred steps)
     FSDP2 offload                    fully_shard per block and the root (DTensor params), offloaded
     FSDP2 offload + overlap          the same with overlap=True: groups announced once FSDP2's
                                      reduce-scatter has landed (its post-accumulate-grad hooks)
@@ -46,7 +47,7 @@ ROWS = [
      "overlap": True, "same_as": "DDP ZeRO-1 offload"},
     {"name": "DDP offload", "kind": "ferry", "wrap": "ddp", "policy": "offload_all"},
     {"name": "DDP offload + overlap", "kind": "ferry", "wrap": "ddp", "policy": "offload_all", "overlap": True,
-     "same_as": "DDP offload"},
+     "attach": True, "same_as": "DDP offload"},
     {"name": "FSDP2 offload", "kind": "ferry", "wrap": "fsdp2", "policy": "offload_all"},
     {"name": "FSDP2 offload + overlap", "kind": "ferry", "wrap": "fsdp2", "policy": "offload_all", "overlap": True,
      "same_as": "FSDP2 offload"},
@@ -98,6 +99,8 @@ def build(row, args, device, world, local_rank):
     opt = ferry.torch.Optimizer(groups, **kw, **extra)
     if row.get("overlap") and row["wrap"] == "ddp":
         opt.attach_ddp(outer)  # announce each group once DDP's all-reduce of its grads has landed
+    if row.get("attach"):
+        opt.attach(model)  # each layer's forward waits for its own group's upload
     return outer, opt
 
 
