@@ -18,6 +18,8 @@ import weakref
 
 import torch
 
+from . import _zero
+
 
 class ModuleWaits:
     """The forward pre-hooks of one attach(model)."""
@@ -73,6 +75,12 @@ class AttachMixin:
         param outside the forward of a module owning it calls opt.wait_params() first. Returns self."""
         if self._waits is not None:
             raise RuntimeError("attach: the optimizer is attached already; detach() first")
+        dtensors = [self._where[k] for k, p in enumerate(self._params) if _zero.is_dtensor(p)]
+        if dtensors:
+            raise ValueError("attach: %s is a DTensor (FSDP2): FSDP2's own forward pre-hook (registered with "
+                             "prepend=True) all-gathers a module's params before any hook of Ferry's could wait for "
+                             "their upload. Leave the optimizer unattached: step() waits for every upload, and "
+                             "overlap=True still announces each group once its reduce-scatter has landed" % dtensors[0])
         index = {id(p): self._group_of[k] for k, p in enumerate(self._params)}
         self._waits = ModuleWaits(self, model, index)
         return self
