@@ -7,7 +7,8 @@ processes, CPU tensors (the host backend).
     (shard=True) and unsharded, with
     gradient_as_bucket_view off and on; the overlapped run kept its early work (announced during the
     backward, not recomputed), with attach(model)'s deferred steps (ZeRO-1's all-gather waits for
-    their uploads);
+    their uploads; the grads zero_grad() leaves for the next forward are zeroed also where DDP's
+    bucket rebuild copied them into its bucket, gradient_as_bucket_view=True);
   * ordering: what the engine reads at each announcement (the optimizer's grad buffers at the
     GradsReady call) is the all-reduced average of the ranks' grads, computed here by hand, never a
     rank's own grad; announcements come during the backward (before it returns);
@@ -67,11 +68,12 @@ def train(opt, ddp, rank, step):
     if step == NO_SYNC_AT:
         with ddp.no_sync():
             loss_of(ddp, rank, step, 1).backward()
-    loss_of(ddp, rank, step, 0).backward()
+    loss = loss_of(ddp, rank, step, 0)
+    loss.backward()
     announced = len(opt._tracker.announced)
     opt.step()
     opt.zero_grad()
-    return announced
+    return announced, loss.detach()
 
 
 def bits(t):
@@ -87,14 +89,20 @@ def exact(rank, world, shard, gabv, overlap):
     ref_opt = build(ref, shard, overlap=False)
     announced = []
     for step in range(STEPS):
-        announced.append(train(opt, ddp_mine, rank, step))
-        train(ref_opt, ddp_ref, rank, step)
-        opt.wait_params()  # attach(): the params are read here, outside a forward
-        for i, (a, b) in enumerate(zip(mine.parameters(), ref.parameters())):
-            diff = (bits(a) != bits(b)).sum().item()
-            if diff:
-                raise AssertionError("rank %d step %d param %d: %d elements differ from DDP without the hook "
-                                     "and overlap=False" % (rank, step, i, diff))
+        # The params are read only by the forwards (attach(): each module waits for its own group),
+        # so each loss checks the params of the step before; the params themselves at the end.
+        n, loss = train(opt, ddp_mine, rank, step)
+        announced.append(n)
+        _, ref_loss = train(ref_opt, ddp_ref, rank, step)
+        if not torch.equal(bits(loss), bits(ref_loss)):
+            raise AssertionError("rank %d step %d: loss %r, DDP without the hook and overlap=False %r"
+                                 % (rank, step, loss.item(), ref_loss.item()))
+    opt.wait_params()  # attach(): the last step's uploads, before reading the params here
+    for i, (a, b) in enumerate(zip(mine.parameters(), ref.parameters())):
+        diff = (bits(a) != bits(b)).sum().item()
+        if diff:
+            raise AssertionError("rank %d param %d: %d elements differ from DDP without the hook and "
+                                 "overlap=False after %d steps" % (rank, i, diff, STEPS))
     stats = opt.stats()
     local = sum(1 for g in opt.placement() if g["numel"] > 0)  # ZeRO-1: groups with elements on this rank
     return {"announced": announced, "kept": stats["early_groups_kept"], "local": local,

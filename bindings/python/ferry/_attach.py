@@ -114,8 +114,13 @@ class AttachMixin:
         if zero:  # zero_grad() of these groups, now ordered after the engine's reads of their grads
             self._zero_pending.difference_update(zero)
             bufs = [k for k, gi in enumerate(self._group_of) if gi in zero]
+            # DDP (gradient_as_bucket_view=True) may have copied these grads into its bucket and
+            # pointed p.grad at the bucket's view since zero_grad() (its forward rebuilds the
+            # buckets before the modules' pre-hooks run): that copy is zeroed too.
+            moved = [self._params[k].grad for k in bufs
+                     if self._params[k].grad is not None and self._params[k].grad is not self._grads[k]]
             with torch.no_grad():
-                torch._foreach_zero_([self._grads[k] for k in bufs])
+                torch._foreach_zero_([self._grads[k] for k in bufs] + moved)
             for k in bufs:
                 self._zeroed[k] = self._grads[k]._version
         if self._tracker.trace is not None:
