@@ -18,6 +18,8 @@ same (all-reduced) grads, and asserts after every step that the ZeRO-1 params ar
 all-gather) beside the unsharded step, and the Python overhead of opt.step(): its wall time minus
 the engine's step call (stats()['last_step_seconds']) and the all-gather (['last_gather_seconds']),
 as a percentage of the step. A benchmark: it asserts nothing about time.
+--overlap: opt.attach_ddp(ddp) and overlap=True: each param group is announced once DDP's all-reduce
+of its grads has landed (the same bits; --check still compares with the unsharded optimizer).
 """
 import argparse
 import copy
@@ -92,10 +94,14 @@ def worker(rank, world, local_rank, args):
     model = make_model(args, device, dtype)
     ref_model = copy.deepcopy(model) if (args.check or args.bench) else None
     ddp = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    # overlap=False: DDP writes the all-reduced grads after the backward that Ferry's hooks see, so
-    # announcing groups early would only be recomputed (exact either way).
+    # --overlap: attach_ddp announces each param group once DDP's all-reduce of its grads has landed.
+    # Without it overlap=False: DDP writes the all-reduced grads after the backward that Ferry's grad
+    # hooks see, so groups announced from those hooks would only be recomputed (exact either way).
     opt = ferry.torch.Optimizer(model.parameters(), lr=lr_at(0, args.steps), weight_decay=0.1, policy=args.policy,
-                                max_grad_norm=args.clip, shard=True, overlap=False, collective_timeout=args.timeout)
+                                max_grad_norm=args.clip, shard=True, overlap=args.overlap,
+                                collective_timeout=args.timeout)
+    if args.overlap:
+        opt.attach_ddp(ddp)
     ref = None
     if ref_model is not None:
         ref = ferry.torch.Optimizer(ref_model.parameters(), lr=lr_at(0, args.steps), weight_decay=0.1,
@@ -203,6 +209,8 @@ def main():
     ap.add_argument("--timeout", type=float, default=120.0, help="collective timeout of the optimizer, seconds")
     ap.add_argument("--check", action="store_true", help="assert bit-identical params to the unsharded optimizer")
     ap.add_argument("--bench", action="store_true", help="print the ZeRO-1 and unsharded step times")
+    ap.add_argument("--overlap", action="store_true", help="opt.attach_ddp(ddp) with overlap=True: each param "
+                    "group is announced once DDP's all-reduce of its grads has landed")
     args = ap.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("ddp_zero1: --device cuda, but torch sees no GPU")

@@ -18,6 +18,8 @@ import weakref
 
 import torch
 
+from . import _zero
+
 
 class ModuleWaits:
     """The forward pre-hooks of one attach(model)."""
@@ -73,6 +75,12 @@ class AttachMixin:
         param outside the forward of a module owning it calls opt.wait_params() first. Returns self."""
         if self._waits is not None:
             raise RuntimeError("attach: the optimizer is attached already; detach() first")
+        dtensors = [self._where[k] for k, p in enumerate(self._params) if _zero.is_dtensor(p)]
+        if dtensors:
+            raise ValueError("attach: %s is a DTensor (FSDP2): FSDP2's own forward pre-hook (registered with "
+                             "prepend=True) all-gathers a module's params before any hook of Ferry's could wait for "
+                             "their upload. Leave the optimizer unattached: step() waits for every upload, and "
+                             "overlap=True still announces each group once its reduce-scatter has landed" % dtensors[0])
         index = {id(p): self._group_of[k] for k, p in enumerate(self._params)}
         self._waits = ModuleWaits(self, model, index)
         return self
@@ -91,6 +99,12 @@ class AttachMixin:
             self._wait_groups(sorted(self._pending) if groups is None else groups)
 
     def _wait_groups(self, groups):
+        if not self._pending:
+            return
+        with self._engine_lock:  # attach_ddp's comm hook may announce from another thread
+            self._wait_groups_locked(groups)
+
+    def _wait_groups_locked(self, groups):
         need = [gi for gi in groups if gi in self._pending]
         if not need:
             return
@@ -100,8 +114,13 @@ class AttachMixin:
         if zero:  # zero_grad() of these groups, now ordered after the engine's reads of their grads
             self._zero_pending.difference_update(zero)
             bufs = [k for k, gi in enumerate(self._group_of) if gi in zero]
+            # DDP (gradient_as_bucket_view=True) may have copied these grads into its bucket and
+            # pointed p.grad at the bucket's view since zero_grad() (its forward rebuilds the
+            # buckets before the modules' pre-hooks run): that copy is zeroed too.
+            moved = [self._params[k].grad for k in bufs
+                     if self._params[k].grad is not None and self._params[k].grad is not self._grads[k]]
             with torch.no_grad():
-                torch._foreach_zero_([self._grads[k] for k in bufs])
+                torch._foreach_zero_([self._grads[k] for k in bufs] + moved)
             for k in bufs:
                 self._zeroed[k] = self._grads[k]._version
         if self._tracker.trace is not None:

@@ -17,6 +17,10 @@ after its group was announced (a second backward outside accumulate(), an in-pla
 clip_grad_norm_ or GradScaler.unscale_, seen by the tensor's version counter) makes the step discard
 that early work and recompute it (exact; StepOptions::discard_early). A second backward after the
 announcement is refused at once (its forward and backward read params the early update replaces).
+
+Under DDP with attach_ddp (ferry/_ddp.py) the tracker still counts grads and backwards, but the
+groups are announced by DDP's comm hook once their all-reduce has landed (`external`), and a backward
+whose forward ran under DDP's no_sync() counts as accumulating (`skip_backward`).
 """
 import threading
 import weakref
@@ -66,6 +70,8 @@ class GradTracker:
         self.backwards = 0  # backward passes outside accumulate() since the last step
         self.late = None  # (what, k): an announced group's grad changed before step() (None: none did)
         self.trace = None  # a list: tests record ("grad", k, epoch) and ("announce", gi, epoch) in it
+        self.external = False  # another announces complete groups (ferry._ddp: from DDP's reduced buckets)
+        self.skip_backward = None  # a callable: True when the running backward accumulates (DDP's no_sync())
         self.hook_missing()
 
     # ---- hooks ---------------------------------------------------------------------------------------
@@ -123,9 +129,10 @@ class GradTracker:
                     "ferry.torch.Optimizer: %s received another grad after its param group was announced "
                     "(a second backward outside accumulate() in one step?): this backward and its forward read "
                     "params that the group's early update is replacing, so the step would not be exact. Wrap "
-                    "every forward and backward but the last of a step in `with opt.accumulate():`, or "
-                    "construct the optimizer with overlap=False" % self._wheres[k])
-            if self.accumulating:
+                    "every forward and backward but the last of a step in %s, or construct the optimizer with "
+                    "overlap=False" % (self._wheres[k], "`with ddp_model.no_sync():` (DDP; or opt.accumulate())"
+                                       if self.external else "`with opt.accumulate():`"))
+            if self.accumulating or (self.skip_backward is not None and self.skip_backward()):
                 return
             if not self._open:
                 self._open = True
@@ -136,7 +143,7 @@ class GradTracker:
             self._version[k] = _version_of(self._params[k].grad)
             if self.trace is not None:
                 self.trace.append(("grad", k, epoch))
-            if not self.announcing or self._fired[k] == epoch:
+            if not self.announcing or self.external or self._fired[k] == epoch:
                 self._fired[k] = epoch
                 return
             self._fired[k] = epoch

@@ -47,12 +47,13 @@ What differs from torch.optim.AdamW, on purpose:
 import contextlib
 import os
 import sys
+import threading
 import warnings
 
 import torch
 
 import ferry
-from . import _attach, _checks, _hooks
+from . import _attach, _checks, _ddp, _hooks
 from . import _state
 from ._state import FIXED, StateMixin
 from . import _zero
@@ -71,7 +72,7 @@ def _caller_level():
     return level
 
 
-class Optimizer(StateMixin, _attach.AttachMixin, torch.optim.Optimizer):
+class Optimizer(StateMixin, _attach.AttachMixin, _ddp.DDPMixin, torch.optim.Optimizer):
     """AdamW on Ferry's engine; see the module's documentation.
 
     Arguments as torch.optim.AdamW's (params or param groups, lr, betas, eps, weight_decay), and:
@@ -104,6 +105,8 @@ class Optimizer(StateMixin, _attach.AttachMixin, torch.optim.Optimizer):
         _checks.check_arguments(lr, betas, eps, weight_decay, cpu_threads, transfer_chunk_bytes, overlap, numa,
                                 trace_path)
         self._engine = None
+        self._ddp = None  # attach_ddp(): the DDP comm hook's bridge (ferry._ddp)
+        self._engine_lock = threading.RLock()  # engine calls from DDP's comm threads (attach_ddp) and hooks
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
         for gi, group in enumerate(self.param_groups):
             _checks.check_group(gi, group)
@@ -249,6 +252,10 @@ class Optimizer(StateMixin, _attach.AttachMixin, torch.optim.Optimizer):
             lrs.append((self._groups[gi], float(group["lr"])))
         return lrs
 
+    def _grad_range(self, k):
+        """[begin, end) of param k's flattened elements that this rank's engine reads from its grad buffer."""
+        return self._zero.range(k) if self._zero is not None else (0, self._params[k].numel())
+
     def _stream(self):
         return torch.cuda.current_stream(self._device).cuda_stream if self._cuda else 0
 
@@ -318,6 +325,8 @@ class Optimizer(StateMixin, _attach.AttachMixin, torch.optim.Optimizer):
             return self._step(closure, loss_scale, max_grad_norm, check_finite)
         try:
             loss = self._step(closure, loss_scale, max_grad_norm, check_finite)
+            if self._zero.lines:
+                self.wait_params()  # attach(): the all-gather reads every updated range, uploaded first
             self._zero.gather_params()  # ZeRO-1: every rank's updated range into every replica
             return loss
         except BaseException as e:
@@ -361,8 +370,12 @@ class Optimizer(StateMixin, _attach.AttachMixin, torch.optim.Optimizer):
                                 "p.grad = g instead")
             self._end_step(unsafe=False)
             return loss
+        # The grads of announced groups were taken at the announcement (attach_ddp: copied from DDP's
+        # reduced bucket); copying them again would write what the engine may be reading. Changed
+        # since (late): taken again, and the step recomputes those groups.
+        taken = set() if late is not None else set(announced_ks)
         for k in range(n):
-            if has[k]:
+            if has[k] and k not in taken:
                 self._take_grad(k)
         saved = self._save_skipped(skipped) if skipped else None
         if late is not None and self._overlap is True:
@@ -409,30 +422,32 @@ class Optimizer(StateMixin, _attach.AttachMixin, torch.optim.Optimizer):
         tracker.hook_missing()  # params unfrozen since
         self._step_lrs = None
 
-    def _announce_from_hook(self, gi):
-        """A param group's grads are final in this backward (called by the hooks). Returns whether it
-        was announced."""
+    def _announce_from_hook(self, gi, take=True):
+        """A param group's grads are final in this backward (called by the hooks; take=False: by
+        attach_ddp's comm hook, which copied them into the buffers). Returns whether it was announced."""
         if gi in self._tracker.announced:
             return False  # announced by hand already
         if self._step_lrs is None:
             self._step_lrs = self._check_unchanged()
             self.wait_params()  # refused once a group is announced: the uploads of the last step first
-        self._announce([gi], self._step_lrs, self._options(None, None, None))
+        self._announce([gi], self._step_lrs, self._options(None, None, None), take=take)
         self._by_hooks.add(gi)
         return True
 
-    def _announce(self, groups, lrs, options):
+    def _announce(self, groups, lrs, options, take=True):
         names = []
         ks = []
         for gi in groups:
             names.append(self._groups[gi])
             ks.extend(range(self._group_start[gi], self._group_start[gi] + self._group_sizes[gi]))
-        with torch.no_grad():
-            for k in ks:
-                self._take_grad(k)  # on the current stream, before the announcement
+        if take:
+            with torch.no_grad():
+                for k in ks:
+                    self._take_grad(k)  # on the current stream, before the announcement
         self._engine.grads_ready(names, group_lr=lrs, **options, stream=self._stream())
         self._tracker.announced.update(groups)
-        self._tracker.record_versions(ks)
+        if take:  # attach_ddp: the versions are recorded once DDP is done with p.grad (ferry._ddp)
+            self._tracker.record_versions(ks)
 
     def grads_ready(self, groups=None, *, loss_scale=None, max_grad_norm=None, check_finite=None):
         """Starts the coming step of param groups whose grads are final (indices into param_groups;

@@ -1,0 +1,212 @@
+#!/usr/bin/env python3
+"""bench_train.py's transformer on N ranks: one GPU per rank (NCCL), or N CPU processes (gloo) for a
+smoke test. Every rank trains the same model on batches of its own; each row is timed as
+bench_train.py times its rows (no host synchronization inside the loop), and rank 0 prints the
+slowest rank's iteration time and its ratio to the all-GPU DDP row of the same run:
+
+    DDP torch AdamW (fused)          all-GPU: DDP, torch's AdamW (fused where the build has it)
+    DDP ferry all_gpu                all-GPU: DDP, Ferry's GPU Adam, every rank the whole state
+    DDP ZeRO-1 offload               DDP, ferry shard=True: this rank's 1/N of the state in pinned
+                                     host memory, step() only (overlap=False)
+    DDP ZeRO-1 offload + overlap     the same with opt.attach_ddp(ddp): each param group announced
+                                     once DDP's all-reduce of its grads has landed
+    DDP offload + overlap            unsharded (every rank the whole state offloaded), attach_ddp, and
+                                     attach(model) as bench_train.py's overlap rows (deferred steps)
+    FSDP2 offload                    fully_shard per block and the root (DTensor params), offloaded
+    FSDP2 offload + overlap          the same with overlap=True: groups announced once FSDP2's
+                                     reduce-scatter has landed (its post-accumulate-grad hooks)
+
+    torchrun --nproc-per-node 4 samples/python/bench_train_dist.py --size medium     # 4 GPUs
+    python3 samples/python/bench_train_dist.py --world 2 --size medium                # spawned ranks
+    python3 samples/python/bench_train_dist.py --world 2 --device cpu --size tiny --dtype float32 --check-exact
+
+--check-exact: deterministic kernels; the losses of each overlap row must be the same bits as the
+same row without overlap (exits non-zero otherwise). FSDP2 rows need torch >= 2.4 and, on CUDA, a
+GPU per rank; elsewhere they are skipped with the reason. A benchmark: it asserts nothing about time.
+"""
+import argparse
+import gc
+import inspect
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_train  # noqa: E402  (the model, its sizes and param groups)
+import dist_launch  # noqa: E402
+from fsdp2_sample import fsdp2  # noqa: E402
+
+ROWS = [
+    {"name": "DDP torch AdamW (fused)", "kind": "torch", "wrap": "ddp"},
+    {"name": "DDP ferry all_gpu", "kind": "ferry", "wrap": "ddp", "policy": "all_gpu"},
+    {"name": "DDP ZeRO-1 offload", "kind": "ferry", "wrap": "ddp", "policy": "offload_all", "shard": True},
+    {"name": "DDP ZeRO-1 offload + overlap", "kind": "ferry", "wrap": "ddp", "policy": "offload_all", "shard": True,
+     "overlap": True, "same_as": "DDP ZeRO-1 offload"},
+    {"name": "DDP offload", "kind": "ferry", "wrap": "ddp", "policy": "offload_all"},
+    {"name": "DDP offload + overlap", "kind": "ferry", "wrap": "ddp", "policy": "offload_all", "overlap": True,
+     "attach": True, "same_as": "DDP offload"},
+    {"name": "FSDP2 offload", "kind": "ferry", "wrap": "fsdp2", "policy": "offload_all"},
+    {"name": "FSDP2 offload + overlap", "kind": "ferry", "wrap": "fsdp2", "policy": "offload_all", "overlap": True,
+     "same_as": "FSDP2 offload"},
+]
+
+
+def skip_reason(row, args, world):
+    if row["wrap"] != "fsdp2":
+        return None
+    if fsdp2() is None:
+        return "torch %s has no FSDP2 (fully_shard needs torch >= 2.4)" % torch.__version__
+    if args.device == "cuda" and dist.get_backend() != "nccl":
+        return "FSDP2 on CUDA needs a GPU per rank (NCCL)"
+    return None
+
+
+def build(row, args, device, world, local_rank):
+    """(model to call, optimizer) of a row: a fresh model with the same weights on every rank."""
+    import ferry.torch
+    dim, blocks, heads, _, _ = bench_train.SIZES[args.size]
+    torch.manual_seed(0)
+    model = bench_train.Model(dim, blocks, heads, exact=args.check_exact)
+    model = model.to(device=device, dtype=getattr(torch, args.dtype))
+    if row["wrap"] == "fsdp2":
+        fully_shard, init_device_mesh = fsdp2()
+        mesh = init_device_mesh(device.type, (world,))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        outer = model
+    else:
+        outer = torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None, gradient_as_bucket_view=True)
+    groups = model.param_groups(args.groups)
+    kw = dict(lr=args.lr, weight_decay=0.1)
+    if row["kind"] == "torch":
+        fused = {"fused": True} if "fused" in inspect.signature(torch.optim.AdamW).parameters and \
+            device.type == "cuda" else {}
+        return outer, torch.optim.AdamW(groups, **kw, **fused)
+    extra = dict(policy=row["policy"], overlap=bool(row.get("overlap")), collective_timeout=args.timeout,
+                 trace_path=bench_train.trace_path(args.trace, row))
+    if row.get("shard"):
+        extra["shard"] = True
+    if "local_rank" in inspect.signature(ferry.torch.Optimizer.__init__).parameters:
+        # this rank's share of the host's CPUs and pinned budget (spawned ranks have no torchrun environment)
+        extra.update(local_rank=local_rank, local_world_size=dist_launch.local_world(world))
+    if args.cpu_threads:
+        extra["cpu_threads"] = args.cpu_threads
+    opt = ferry.torch.Optimizer(groups, **kw, **extra)
+    if row.get("overlap") and row["wrap"] == "ddp":
+        opt.attach_ddp(outer)  # announce each group once DDP's all-reduce of its grads has landed
+    if row.get("attach"):
+        opt.attach(model)  # each layer's forward waits for its own group's upload
+    return outer, opt
+
+
+def run_row(row, args, device, rank, world, local_rank, data):
+    """(slowest rank's iteration time in s, this rank's losses, overlap stats or None)."""
+    outer, opt = build(row, args, device, world, local_rank)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    losses = []
+    dist.barrier()
+    t0 = time.perf_counter()
+    for it in range(args.warmup + args.steps):
+        if it == args.warmup:
+            sync()
+            dist.barrier()
+            t0 = time.perf_counter()
+        loss = outer(data[it % len(data)])
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=row["kind"] == "torch")
+        losses.append(loss.detach())
+    if row["kind"] == "ferry":
+        opt.wait_params()
+    sync()
+    mine = (time.perf_counter() - t0) / args.steps
+    slowest = torch.tensor([mine], dtype=torch.float64, device=device if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    stats = None
+    if row["kind"] == "ferry" and row.get("overlap"):
+        s = opt.stats()
+        stats = (s["early_groups_kept"], s["early_groups_recomputed"])
+    del outer, opt
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the next row builds its model afresh
+    return slowest.item(), torch.stack(losses).float().cpu(), stats
+
+
+def worker(rank, world, local_rank, args):
+    device = dist_launch.cuda_device(local_rank) if args.device == "cuda" else torch.device("cpu")
+    if args.check_exact:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+    dim, blocks, heads, batch, seq = bench_train.SIZES[args.size]
+    batch = args.batch or batch
+    gen = torch.Generator().manual_seed(1 + rank)  # each rank its own batches
+    data = [torch.randint(0, bench_train.VOCAB, (batch, seq + 1), generator=gen).to(device) for _ in range(4)]
+    if rank == 0:
+        print("torch %s, %d ranks (%s, %s); %s: dim %d, %d blocks, %s params, batch %d x %d tokens per rank, %d "
+              "timed steps after %d" % (torch.__version__, world, dist.get_backend(),
+                                        torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                                        args.size, dim, blocks, args.dtype, batch, seq, args.steps, args.warmup),
+              flush=True)
+    rows = ROWS if not args.rows else [ROWS[int(i)] for i in args.rows.split(",")]
+    base, results, ok = None, {}, True
+    for row in rows:
+        why = skip_reason(row, args, world)
+        if why:
+            if rank == 0:
+                print("   %-30s skipped: %s" % (row["name"], why), flush=True)
+            continue
+        iteration, losses, stats = run_row(row, args, device, rank, world, local_rank, data)
+        results[row["name"]] = losses
+        if base is None and row.get("policy", "all_gpu") == "all_gpu":
+            base = iteration  # the first all-GPU DDP row: torch's AdamW, else ferry all_gpu
+        line = "   %-30s %8.1f ms" % (row["name"], iteration * 1e3)
+        if base:
+            line += "  %5.2fx all-GPU DDP" % (iteration / base)
+        if stats is not None:
+            line += "   [early groups kept %d, recomputed %d on rank 0]" % stats
+        if rank == 0:
+            print(line, flush=True)
+        if args.check_exact and row.get("same_as") in results:
+            same = torch.equal(losses, results[row["same_as"]])
+            flag = torch.tensor([0 if same else 1], device=device if dist.get_backend() == "nccl" else "cpu")
+            dist.all_reduce(flag)
+            ok = ok and flag.item() == 0
+            if rank == 0:
+                print("   losses of %-30s %s %s's on every rank" % (row["name"], "==" if flag.item() == 0 else "!=",
+                                                                     row["same_as"]), flush=True)
+    if not ok:
+        raise SystemExit("FAILED: the losses of an overlap row differ from the same row without overlap")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--world", type=int, default=2, help="processes to spawn when not under torchrun (default 2)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--size", default="medium", choices=list(bench_train.SIZES))
+    ap.add_argument("--batch", type=int, default=0, help="override the size's batch (per rank)")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                    help="the params' dtype (float32 for gloo on torch 1.13, which has no bf16 collectives)")
+    ap.add_argument("--rows", default="", help="comma-separated row indices (default: all)")
+    ap.add_argument("--groups", default="split", choices=["split", "joined"], help="as bench_train.py's")
+    ap.add_argument("--cpu-threads", type=int, default=0, help="ferry's CPU Adam threads per rank (0: its default)")
+    ap.add_argument("--timeout", type=float, default=300.0, help="the optimizer's collective timeout, seconds")
+    ap.add_argument("--trace", default="", help="ferry trace of each ferry row (as bench_train.py's --trace)")
+    ap.add_argument("--check-exact", action="store_true",
+                    help="deterministic kernels; each overlap row's losses must be the same bits as without overlap")
+    args = ap.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("bench_train_dist: --device cuda, but torch sees no GPU")
+    dist_launch.launch(worker, args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,219 @@
+"""ferry.torch.Optimizer.attach_ddp (ferry/_ddp.py): overlap under DistributedDataParallel, 2 gloo
+processes, CPU tensors (the host backend).
+
+  * exactness: DDP + attach_ddp + overlap=True (and None: on after the first step) ends every step
+    with the same bits as DDP without the hook and overlap=False, over 6 steps of fresh random
+    batches (each rank its own), one of them a no_sync() accumulation of two micro-batches; ZeRO-1
+    (shard=True) and unsharded, with
+    gradient_as_bucket_view off and on; the overlapped run kept its early work (announced during the
+    backward, not recomputed), with attach(model)'s deferred steps (ZeRO-1's all-gather waits for
+    their uploads; the grads zero_grad() leaves for the next forward are zeroed also where DDP's
+    bucket rebuild copied them into its bucket, gradient_as_bucket_view=True);
+  * ordering: what the engine reads at each announcement (the optimizer's grad buffers at the
+    GradsReady call) is the all-reduced average of the ranks' grads, computed here by hand, never a
+    rank's own grad; announcements come during the backward (before it returns);
+  * misuse: a second backward outside no_sync() after the announcements raises naming the param;
+    find_unused_parameters=True is refused.
+
+DDP's buckets are made small (dist._DEFAULT_FIRST_BUCKET_BYTES and bucket_cap_mb) so that a backward
+reduces several buckets and the groups are announced one after another.
+"""
+import pytest
+import torch
+
+import dist_util
+
+STEPS = 6
+NO_SYNC_AT = 2  # this step accumulates two micro-batches, the first under no_sync()
+DIMS = (12, 40, 40, 24, 6)  # four Linear layers, one param group each
+
+
+def make_model(seed=0):
+    torch.manual_seed(seed)
+    layers = [torch.nn.Linear(a, b) for a, b in zip(DIMS[:-1], DIMS[1:])]
+    seq = []
+    for layer in layers:
+        seq += [layer, torch.nn.Tanh()]
+    return torch.nn.Sequential(*seq[:-1])
+
+
+def groups_of(model):
+    return [{"params": list(m.parameters())} for m in model if isinstance(m, torch.nn.Linear)]
+
+
+def wrap(model, gabv):
+    import torch.distributed as dist
+    dist._DEFAULT_FIRST_BUCKET_BYTES = 2048  # several buckets from the first backward on
+    return torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.004, gradient_as_bucket_view=gabv)
+
+
+def batch(rank, step, micro):
+    gen = torch.Generator().manual_seed(1000 * rank + 10 * step + micro)
+    return torch.randn(8, DIMS[0], generator=gen), torch.randn(8, DIMS[-1], generator=gen)
+
+
+def loss_of(model, rank, step, micro):
+    x, y = batch(rank, step, micro)
+    return torch.nn.functional.mse_loss(model(x), y)
+
+
+def build(model, shard, overlap):
+    import ferry.torch
+    kw = dict(shard=True, collective_timeout=30) if shard else {}
+    return ferry.torch.Optimizer(groups_of(model), lr=1e-2, weight_decay=0.1, policy="offload_all",
+                                 overlap=overlap, **kw)
+
+
+def train(opt, ddp, rank, step):
+    if step == NO_SYNC_AT:
+        with ddp.no_sync():
+            loss_of(ddp, rank, step, 1).backward()
+    loss = loss_of(ddp, rank, step, 0)
+    loss.backward()
+    announced = len(opt._tracker.announced)
+    opt.step()
+    opt.zero_grad()
+    return announced, loss.detach()
+
+
+def bits(t):
+    return t.detach().view(torch.int32)
+
+
+def exact(rank, world, shard, gabv, overlap):
+    import ferry.torch  # noqa: F401
+    mine, ref = make_model(), make_model()
+    ddp_mine, ddp_ref = wrap(mine, gabv), wrap(ref, gabv)
+    opt = build(mine, shard, overlap=overlap).attach_ddp(ddp_mine)
+    opt.attach(mine)  # deferred steps too: each layer's forward waits for its own group
+    ref_opt = build(ref, shard, overlap=False)
+    announced = []
+    for step in range(STEPS):
+        # The params are read only by the forwards (attach(): each module waits for its own group),
+        # so each loss checks the params of the step before; the params themselves at the end.
+        n, loss = train(opt, ddp_mine, rank, step)
+        announced.append(n)
+        _, ref_loss = train(ref_opt, ddp_ref, rank, step)
+        if not torch.equal(bits(loss), bits(ref_loss)):
+            raise AssertionError("rank %d step %d: loss %r, DDP without the hook and overlap=False %r"
+                                 % (rank, step, loss.item(), ref_loss.item()))
+    opt.wait_params()  # attach(): the last step's uploads, before reading the params here
+    for i, (a, b) in enumerate(zip(mine.parameters(), ref.parameters())):
+        diff = (bits(a) != bits(b)).sum().item()
+        if diff:
+            raise AssertionError("rank %d param %d: %d elements differ from DDP without the hook and "
+                                 "overlap=False after %d steps" % (rank, i, diff, STEPS))
+    stats = opt.stats()
+    local = sum(1 for g in opt.placement() if g["numel"] > 0)  # ZeRO-1: groups with elements on this rank
+    return {"announced": announced, "kept": stats["early_groups_kept"], "local": local,
+            "recomputed": stats["early_groups_recomputed"],
+            "sum": sum(p.double().sum().item() for p in mine.parameters())}
+
+
+@pytest.mark.parametrize("shard,gabv,overlap", [(True, False, True), (True, True, None), (False, True, True)])
+def test_overlap_bit_identical_to_ddp_without_it(shard, gabv, overlap):
+    results = dist_util.ok(dist_util.run_ranks(2, exact, shard, gabv, overlap, timeout=120))
+    groups = len(DIMS) - 1
+    # overlap=True: every group announced during each backward, and the early work kept; None: from
+    # the second step on (the first shows it safe; the no_sync() micro-batch does not turn it off)
+    early = STEPS if overlap else STEPS - 1
+    for rank, r in enumerate(results):
+        assert r["announced"] == [0] * (STEPS - early) + [groups] * early, (rank, r["announced"])
+        assert r["local"] > 0 and r["kept"] == r["local"] * early and r["recomputed"] == 0, \
+            (rank, r["local"], r["kept"], r["recomputed"])
+    assert results[0]["sum"] == results[1]["sum"]  # the replicas agree
+
+
+class Recorder:
+    """Wraps the optimizer's engine: at each grads_ready, a copy of what the engine will read (this
+    rank's range of every grad buffer of the announced groups), and whether the backward had returned."""
+
+    def __init__(self, opt):
+        self.engine, self.opt, self.calls, self.in_backward = opt._engine, opt, [], False
+
+    def grads_ready(self, names, **kw):
+        opt = self.opt
+        for name in names:
+            gi = opt._groups.index(name)
+            for k in range(opt._group_start[gi], opt._group_start[gi] + opt._group_sizes[gi]):
+                b, e = opt._grad_range(k)
+                self.calls.append((k, self.in_backward, opt._grads[k].view(-1)[b:e].clone()))
+        return self.engine.grads_ready(names, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+
+def ordering(rank, world, shard):
+    import torch.distributed as dist
+    model, plain = make_model(), make_model()
+    ddp = wrap(model, False)
+    opt = build(model, shard, overlap=True).attach_ddp(ddp)
+    rec = Recorder(opt)
+    opt._engine = rec
+    checked = 0
+    for step in range(3):
+        # The average of the ranks' grads by hand: each rank's local grads on a plain replica,
+        # all-gathered, times 1/2 and summed (as DDP: every grad times 1 / world, then the sum).
+        for p, q in zip(plain.parameters(), model.parameters()):
+            with torch.no_grad():
+                p.copy_(q)
+            p.grad = None
+        loss_of(plain, rank, step, 0).backward()
+        local = [p.grad.detach().clone() for p in plain.parameters()]
+        every = []
+        for g in local:
+            parts = [torch.empty_like(g) for _ in range(world)]
+            dist.all_gather(parts, g)
+            every.append(sum(x * (1.0 / world) for x in parts))
+        rec.calls = []
+        rec.in_backward = True
+        loss_of(ddp, rank, step, 0).backward()
+        rec.in_backward = False
+        assert len({k for k, _, _ in rec.calls}) == len(local), "step %d: announced %s" % (step, rec.calls)
+        for k, during, seen in rec.calls:
+            b, e = opt._grad_range(k)
+            want = every[k].reshape(-1)[b:e]
+            assert during, "param %d announced after the backward returned" % k
+            assert not torch.equal(want, local[k].reshape(-1)[b:e]) or e == b
+            if not torch.equal(seen, want):
+                raise AssertionError("rank %d step %d param %d: the engine would read %s, the averaged grad is %s"
+                                     % (rank, step, k, seen[:4].tolist(), want[:4].tolist()))
+            checked += e - b
+        opt.step()
+        opt.zero_grad()
+    # A second backward outside no_sync() after the groups were announced: refused, naming the param.
+    loss_of(ddp, rank, 9, 0).backward()
+    error = None
+    try:
+        loss_of(ddp, rank, 9, 1).backward()
+    except RuntimeError as e:
+        error = str(e)
+    return {"checked": checked, "error": error}
+
+
+@pytest.mark.parametrize("shard", [True, False])
+def test_engine_reads_the_all_reduced_grads(shard):
+    results = dist_util.ok(dist_util.run_ranks(2, ordering, shard, timeout=120))
+    numel = sum(a * b + b for a, b in zip(DIMS[:-1], DIMS[1:]))
+    checked = [r["checked"] for r in results]
+    assert sum(checked) == 3 * numel * (1 if shard else 2), checked
+    for r in results:
+        assert r["error"] is not None and "announced" in r["error"] and "no_sync" in r["error"], r["error"]
+
+
+def refused(rank, world):
+    import ferry.torch
+    model = make_model()
+    ddp = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
+    opt = ferry.torch.Optimizer(groups_of(model), lr=1e-2, policy="offload_all", overlap=True)
+    try:
+        opt.attach_ddp(ddp)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_find_unused_parameters_refused():
+    for message in dist_util.ok(dist_util.run_ranks(2, refused, timeout=60)):
+        assert message is not None and "find_unused_parameters" in message
