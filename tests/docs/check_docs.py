@@ -42,7 +42,8 @@ directly or after one blank line (no more: a marker must visibly belong to its b
                       message, when that interpreter cannot import torch
     lua               `<build>/ferry run FILE`, in a fresh temporary directory
 
-Any other language (cpp, c, a bare fence, ...) is an error when marked, as is a marker followed by no
+`--skip-lang LANG` skips a language's blocks with a message (ctest: python, when the build has no
+Python package). Any other language (cpp, c, a bare fence, ...) is an error when marked, as is a marker followed by no
 fence. Every snippet runs with FERRY_DEVICE=host, PYTHONPATH=<build>/python, PATH=<build>:$PATH,
 OMP_NUM_THREADS=1, TMPDIR a fresh temporary directory (removed afterwards), and a timeout (default
 120 s; `timeout=N` on the marker overrides it). CI has 2 cores and minutes for everything: keep marked
@@ -408,6 +409,9 @@ def main(argv=None):
                                                      "(default build): its ferry and python/")
     ap.add_argument("--python", default=sys.executable, help="the interpreter of python snippets")
     ap.add_argument("--file", action="append", default=[], help="check only this Markdown file (repeatable)")
+    ap.add_argument("--skip-lang", action="append", default=[], metavar="LANG",
+                    help="skip the marked blocks of this language, with a message (repeatable; ctest "
+                         "passes python when the build has no Python package)")
     ap.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, help="seconds per snippet (default 120)")
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument("--links-only", action="store_true", help="links and source anchors, no snippets")
@@ -456,7 +460,10 @@ def main(argv=None):
         for rel, b in blocks:
             where = "%s:%d" % (rel, b.line)
             start = time.monotonic()
-            status, out = run_snippet(b, root, build, args.python, args.timeout)
+            if b.lang in args.skip_lang:
+                status, out = "skipped: --skip-lang %s" % b.lang, ""
+            else:
+                status, out = run_snippet(b, root, build, args.python, args.timeout)
             took = time.monotonic() - start
             if isinstance(status, str) and status.startswith("skipped"):
                 skipped += 1

@@ -242,6 +242,12 @@ class SnippetTest(unittest.TestCase):
         rc, out = self.t.check("--file", "a.md")
         self.assertEqual(rc, 1, out)
 
+    def test_skip_lang(self):
+        rc, out = self.run_page(fenced("python", "raise SystemExit(1)") + fenced("sh", "true"),
+                                "--skip-lang", "python")
+        self.assertEqual(rc, 0, out)
+        self.assertIn("1 snippets run (1 skipped)", out)
+
     def test_torch_skipped_without_torch(self):
         fake = self.t.write("nopython.sh", "#!/bin/sh\ncase \"$2\" in 'import torch') exit 1;; esac\nexec %s \"$@\"\n"
                             % sys.executable)
