@@ -130,7 +130,7 @@ class GradTracker:
                     "(a second backward outside accumulate() in one step?): this backward and its forward read "
                     "params that the group's early update is replacing, so the step would not be exact. Wrap "
                     "every forward and backward but the last of a step in %s, or construct the optimizer with "
-                    "overlap=False" % (self._wheres[k], "`with ddp_model.no_sync():` (DDP; or opt.accumulate())"
+                    "overlap=False (see engine/TROUBLESHOOTING.md#a-second-backward-with-overlap-on)" % (self._wheres[k], "`with ddp_model.no_sync():` (DDP; or opt.accumulate())"
                                        if self.external else "`with opt.accumulate():`"))
             if self.accumulating or (self.skip_backward is not None and self.skip_backward()):
                 return

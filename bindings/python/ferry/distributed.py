@@ -258,16 +258,21 @@ class TorchComm:
                 self.check_aborts()
                 next_check = now + 0.1
             if now >= deadline:
-                raise TimeoutError("torch.distributed %s timed out after %.1f s on rank %d of %d: %s"
-                                   % (what, timeout_s, self.rank, self.world_size, self._late(mine, channel)))
+                raise TimeoutError("torch.distributed %s timed out after %.1f s on rank %d of %d: %s%s"
+                                   % (what, timeout_s, self.rank, self.world_size, self._late(mine, channel),
+                                      _SEE_GUIDE))
             time.sleep(pause)
             pause = min(pause * 2, 5e-3)
         try:
             work.wait()
         except Exception as e:  # noqa: BLE001 -- gloo's error, with the ranks named
             self.check_aborts()
-            raise RuntimeError("torch.distributed %s failed on rank %d of %d: %s; %s"
-                               % (what, self.rank, self.world_size, e, self._late(mine, channel))) from e
+            raise RuntimeError("torch.distributed %s failed on rank %d of %d: %s; %s%s"
+                               % (what, self.rank, self.world_size, e, self._late(mine, channel), _SEE_GUIDE)) from e
+
+
+# The end of the messages of a collective that timed out or lost a rank: the guide's section.
+_SEE_GUIDE = " (see engine/TROUBLESHOOTING.md#a-rank-timed-out-or-was-lost)"
 
 
 def make_comm(process_group=None, timeout_s=300.0, store=None):

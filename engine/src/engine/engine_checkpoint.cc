@@ -399,7 +399,8 @@ absl::Status EngineImpl::LoadCheckpointLocal(const std::string& path, LoadPhase*
   for (const TensorEntry& t : reader->tensors()) {
     if (!known.contains(t.name)) {
       return absl::InvalidArgumentError(absl::StrCat(dir, ": tensor '", t.name,
-                                                     "' matches no registered param; was it saved from another model?"));
+                                                     "' matches no registered param; was it saved from another model? (see "
+                                                     "engine/TROUBLESHOOTING.md#a-refused-checkpoint-load)"));
     }
   }
   // Every tensor to load gets a place in the pinned staging: it is read there (all of it, in
@@ -446,7 +447,8 @@ absl::Status EngineImpl::LoadCheckpointLocal(const std::string& path, LoadPhase*
     if (e->dtype != p.spec.dtype || e->shape != p.spec.shape) {
       return absl::InvalidArgumentError(absl::StrCat(
           dir, ": tensor '", p.spec.name, "' is ", ToAbsl(DTypeName(e->dtype)), "[", absl::StrJoin(e->shape, ","),
-          "] but the registered param is ", ToAbsl(DTypeName(p.spec.dtype)), "[", absl::StrJoin(p.spec.shape, ","), "]"));
+          "] but the registered param is ", ToAbsl(DTypeName(p.spec.dtype)), "[", absl::StrJoin(p.spec.shape, ","),
+          "] (see engine/TROUBLESHOOTING.md#a-refused-checkpoint-load)"));
     }
     Loaded& l = loaded[i];
     const uint64_t pes = DTypeSize(p.spec.dtype);

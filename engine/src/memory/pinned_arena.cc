@@ -92,14 +92,15 @@ absl::Status RegistrationError(const absl::Status& cause, const Device& device, 
                      " this arena needs. Raise it with `ulimit -l unlimited` in the launching "
                      "shell, a `memlock` line in /etc/security/limits.conf, LimitMEMLOCK= for "
                      "systemd services or `--ulimit memlock=-1` for containers, or use a smaller "
-                     "arena"));
+                     "arena (see engine/TROUBLESHOOTING.md#locked-memory-ulimit--l)"));
   }
   return absl::Status(
       cause.code(),
       absl::StrCat(head, "The memlock limit is not what stopped it (", limits,
                    ", enough for this arena): the device refused the registration (out of host "
                    "memory, or a driver limit); free host memory or use a smaller arena (the limit "
-                   "would be raised with `ulimit -l` or /etc/security/limits.conf)"));
+                   "would be raised with `ulimit -l` or /etc/security/limits.conf) (see "
+                   "engine/TROUBLESHOOTING.md#locked-memory-ulimit--l)"));
 }
 
 }  // namespace

@@ -94,7 +94,8 @@ absl::Status PinnedBudget::Reserve(size_t bytes, std::string_view who) {
         FormatBytes(reserved_), " is reserved by ", live_, " live arena(s), leaving ",
         FormatBytes(free),
         ". Raise the limit (PinnedBudget::set_limit; the process budget starts at 90% of the host "
-        "memory this process may use), destroy arenas no longer needed, or use a smaller arena"));
+        "memory this process may use), destroy arenas no longer needed, or use a smaller arena (see "
+        "engine/TROUBLESHOOTING.md#the-pinned-budget)"));
   }
   reserved_ += bytes;
   peak_ = std::max(peak_, reserved_);

@@ -202,7 +202,8 @@ absl::Status LuaRuntime::ProtectedCall(std::string_view what, int nargs, int nre
         absl::StrCat(prefix, message, "\n(an allocation was refused at the memory limit of ",
                      options_.memory_limit_bytes, " bytes)"));
   }
-  return absl::InvalidArgumentError(absl::StrCat(prefix, message));
+  return absl::InvalidArgumentError(
+      absl::StrCat(prefix, message, " (see engine/TROUBLESHOOTING.md#a-policy-error)"));
 }
 
 absl::Status LuaRuntime::CompileChunk(std::string_view source, const std::string& lua_chunk_name,

@@ -321,6 +321,10 @@ class MpiComm final : public Comm {
       return s;
     }
     s = Prefixed(where, s);
+    if (s.code() == absl::StatusCode::kDeadlineExceeded) {  // once: what a later call reports starts with it
+      s = absl::Status(s.code(),
+                       absl::StrCat(s.message(), " (see engine/TROUBLESHOOTING.md#a-rank-timed-out-or-was-lost)"));
+    }
     if (s.code() != absl::StatusCode::kInvalidArgument) {
       poisoned_ = s;
       Bury(std::move(p));  // its requests may still be pending
