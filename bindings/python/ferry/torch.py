@@ -88,12 +88,12 @@ class Optimizer(StateMixin, _attach.AttachMixin, _ddp.DDPMixin, torch.optim.Opti
         changed in place recomputes them, one warning). False: never. In both modes a second backward
         after an announcement raises RuntimeError at once (use accumulate()).
       process_group, shard, collective_timeout, checkpoint_timeout: several ranks (ferry._zero,
-        ferry.distributed; README "PyTorch on several ranks"). shard=True: ZeRO-1 over the ranks of
+        ferry.distributed; bindings/python/README.md, "Several ranks"). shard=True: ZeRO-1 over the ranks of
         `process_group` (None: every rank) for replicated params; DTensor params (FSDP2) are always
         registered as their local shards. Timeouts in seconds.
       local_rank, local_world_size: this process's place among the ranks of its host, which gives its
         share of the host's CPUs and pinned budget (None: from torchrun's, Open MPI's, MPICH's or
-        Slurm's environment; README "Ranks that share a host"). stats() shows the share.
+        Slurm's environment; engine/EMBEDDING.md, "Big hosts and ranks that share a host"). stats() shows the share.
     """
 
     _node_hooks = None  # tests: True forces the AccumulateGrad-node hooks of torch < 2.1

@@ -410,7 +410,7 @@ class PyEngine {
     d["early_groups_kept"] = s.early_groups_kept;
     d["early_groups_recomputed"] = s.early_groups_recomputed;
     d["deferred_steps"] = s.deferred_steps;
-    // This rank's share of its host (README "Ranks that share a host").
+    // This rank's share of its host (engine/EMBEDDING.md, "Big hosts and ranks that share a host").
     d["local_rank"] = s.local_rank;
     d["local_world_size"] = s.local_world_size;
     d["cpu_threads"] = s.cpu_threads;

@@ -105,14 +105,14 @@ struct EngineOptions {
   // trainer's, or the early-step thread) works beside them. EngineStats::cpu_threads tells the count.
   size_t cpu_threads = 0;
   // CPUs of the share left to the trainer's own threads when cpu_threads is 0 (its Python or C++
-  // loop, autograd, data loading); no worker is pinned there. See the README ("Overlap in a real
-  // training loop").
+  // loop, autograd, data loading); no worker runs there. See engine/EMBEDDING.md ("Big hosts and
+  // ranks that share a host").
   size_t trainer_threads = 1;
   // The most workers cpu_threads = 0 takes. 0: the FERRY_CPU_THREADS_MAX environment variable, else
   // measured: past the host's memory-bandwidth knee more workers add nothing to CPU Adam and take the
   // CPUs the pipeline's copies and the trainer need, so the first Finalize that offloads a group, on
   // a share of more than 16 CPUs, times CPU Adam with 8, 12, 16, 24, 32, ... workers on scratch
-  // memory (~0.5 s, once per process) and takes the fewest within 5% of the best (README "Big hosts").
+  // memory (~0.5 s, once per process) and takes the fewest within 5% of the best (engine/EMBEDDING.md, "Big hosts and ranks that share a host").
   size_t cpu_threads_max = 0;
   // Several ranks on one host (torchrun --nproc-per-node, mpirun -np): this process's place among
   // them, which gives its share of the host: a disjoint slice of the CPUs it may run on (whole

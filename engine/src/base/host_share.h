@@ -75,7 +75,7 @@ struct HostShare {
   // worker_cpus(), less 1/8 of the share's CPUs on shares of more than kSmallShareCpus, and no more
   // than `cap` (0: no cap); at least 1. The eighth is headroom for the pipeline's own threads, the
   // driver's and the trainer's: with every CPU but one busy with workers the offloaded step ran at
-  // 0.54-0.76 of its slowest stage on 32- and 64-CPU shares of an H100 host (README "Big hosts").
+  // 0.54-0.76 of its slowest stage on 32- and 64-CPU shares of an H100 host (tests/bench/README.md, `ferry bench step`).
   size_t Workers(size_t cpu_threads, size_t cap) const;
 };
 

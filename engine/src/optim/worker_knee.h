@@ -3,7 +3,7 @@
 // CPU Adam is memory-bound: past the point where the host's memory bandwidth is spent, more workers
 // add nothing to its rate, and in the offload pipeline they take the CPUs that the copies, the driver
 // and the trainer need (on a 64-CPU host the offloaded step ran at 0.75 of its slowest stage with 63
-// workers, 0.96 with 24 to 48: README "Big hosts"). So an engine whose share has more than
+// workers, 0.96 with 24 to 48: tests/bench/README.md, `ferry bench step`). So an engine whose share has more than
 // kKneeProbeAbove CPUs measures CPU Adam's rate on scratch memory with a ladder of worker counts, once
 // per process, and takes the fewest workers within 5% of the best rate.
 #ifndef FERRY_OPTIM_WORKER_KNEE_H_
