@@ -40,7 +40,7 @@ directly or after one blank line (no more: a marker must visibly belong to its b
     python            the interpreter given by --python (default: the one running this script), in a
                       fresh temporary directory; a block that imports torch is skipped, with a
                       message, when that interpreter cannot import torch
-    lua               `<build>/ferry run FILE`, in a fresh temporary directory
+    lua               `<build>/ferry run FILE` (the file in a fresh temporary directory), from the repo root
 
 `--skip-lang LANG` skips a language's blocks with a message (ctest: python, when the build has no
 Python package). Any other language (cpp, c, a bare fence, ...) is an error when marked, as is a marker followed by no
@@ -374,7 +374,7 @@ def run_snippet(block, root, build, python, default_timeout):
             if not os.access(ferry, os.X_OK):
                 return 127, "no ferry command at %s (build it, or pass --build DIR)" % ferry
             script = os.path.join(tmp, "snippet.lua")
-            argv, cwd = [ferry, "run", script], tmp
+            argv, cwd = [ferry, "run", script], root  # as `ferry run` from the repository root
         else:
             return 2, "a ```%s block cannot be run: mark only sh/bash/shell, python or lua blocks" % (lang or "")
         with open(script, "w", encoding="utf-8") as f:
