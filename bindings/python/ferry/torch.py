@@ -53,7 +53,7 @@ import warnings
 import torch
 
 import ferry
-from . import _attach, _checks, _ddp, _hooks
+from . import _attach, _checks, _clip, _ddp, _hooks
 from . import _state
 from ._state import FIXED, StateMixin
 from . import _zero
@@ -72,7 +72,7 @@ def _caller_level():
     return level
 
 
-class Optimizer(StateMixin, _attach.AttachMixin, _ddp.DDPMixin, torch.optim.Optimizer):
+class Optimizer(StateMixin, _attach.AttachMixin, _ddp.DDPMixin, _clip.ClipMixin, torch.optim.Optimizer):
     """AdamW on Ferry's engine; see the module's documentation.
 
     Arguments as torch.optim.AdamW's (params or param groups, lr, betas, eps, weight_decay), and:
@@ -340,7 +340,7 @@ class Optimizer(StateMixin, _attach.AttachMixin, _ddp.DDPMixin, torch.optim.Opti
                 loss = closure()
         tracker = self._tracker
         lrs = self._check_unchanged()
-        options = self._options(loss_scale, max_grad_norm, check_finite)
+        options = self._clip_options(self._options(loss_scale, max_grad_norm, check_finite))
         n = len(self._params)
         has = [self._has_grad(k) for k in range(n)]
         # Grads changed after their backward (before any copy below changes p.grad): announced ones
@@ -381,9 +381,9 @@ class Optimizer(StateMixin, _attach.AttachMixin, _ddp.DDPMixin, torch.optim.Opti
         if late is not None and self._overlap is True:
             self._warn_once("late", "the grads of %s changed after its param group was announced (%s): the step "
                             "recomputed the announced groups (exact, but nothing overlapped). Wrap every backward "
-                            "but the last of a step in `with opt.accumulate():`, pass max_grad_norm= / "
-                            "loss_scale= to the optimizer instead of changing grads in place, or construct it "
-                            "with overlap=False" % (self._where[late[1]], late[0]))
+                            "but the last of a step in `with opt.accumulate():`, clip with "
+                            "opt.clip_grad_norm_(max_norm) (or max_grad_norm=) and pass loss_scale= instead of "
+                            "changing grads in place, or construct it with overlap=False" % (self._where[late[1]], late[0]))
         if late is not None:
             options["discard_early"] = True
         skipped_step, _ = self._engine.step(group_lr=lrs, **options, wait_for_params=self._waits is None,
@@ -411,7 +411,8 @@ class Optimizer(StateMixin, _attach.AttachMixin, _ddp.DDPMixin, torch.optim.Opti
                                     "%d backward passes outside accumulate(), or grads changed between the "
                                     "backward and step() (clip_grad_norm_? GradScaler.unscale_?). Every step stayed "
                                     "exact. To overlap, wrap every backward but the last of a step in `with "
-                                    "opt.accumulate():` and pass max_grad_norm= / loss_scale= to the optimizer "
+                                    "opt.accumulate():`, clip with opt.clip_grad_norm_(max_norm) instead of "
+                                    "torch.nn.utils.clip_grad_norm_, and pass loss_scale= to the optimizer "
                                     "(overlap=False silences this)" % tracker.backwards)
                 self._overlap_off = True
                 tracker.announcing = False
