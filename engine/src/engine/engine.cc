@@ -2,10 +2,10 @@
 // The class is in engine_impl.h; checkpoints are in engine_checkpoint.cc.
 #include "engine/engine_impl.h"
 
-#include "optim/worker_knee.h"
-
 #include <charconv>
 #include <cmath>
+
+#include "optim/worker_knee.h"
 
 namespace ferry {
 namespace engine_internal {
