@@ -317,10 +317,31 @@ class Engine {
   virtual absl::Status GradsReady(const std::vector<std::string>& groups, const StepOptions& options = {},
                                   void* stream = nullptr) = 0;
 
+  // GradsReady for parts of groups (buckets): the grads of `params` (names, of any groups) are final
+  // on `stream`. Overlap then does not depend on how the trainer groups its params: a trainer with one
+  // group, or with two (decay / no decay), announces buckets of params as its backward finishes them
+  // (a few to tens of MiB of grads each: every announcement costs an event and at least one pipeline
+  // chunk), and Ferry starts their offloaded update at once, as for a group. A group is announced
+  // once all its params are (GradsReady of a group announces those of its params not announced
+  // yet). At Step, the params of an offloaded group that was announced in part start too (their
+  // grads are final by then). Exact, as GradsReady, with the same contract and the same errors
+  // (NotFound naming an unknown param, InvalidArgument for a param announced twice in one step or
+  // an empty list). Params whose local range is empty (several ranks) are accepted and ignored.
+  virtual absl::Status GradsReadyParams(const std::vector<std::string>& params, const StepOptions& options = {},
+                                        void* stream = nullptr) = 0;
+
   // After a Step with wait_for_params = false: makes `stream` wait until the params of `groups` (all
   // when empty) hold the step's values. Cheap (one stream wait per group). Errors: NotFound for an
   // unknown group, FailedPrecondition between GradsReady and Step.
   virtual absl::Status WaitParams(const std::vector<std::string>& groups, void* stream = nullptr) = 0;
+
+  // WaitParams for single params: after a Step with wait_for_params = false, makes `stream` wait until
+  // the params named hold the step's values. After a deferred Step it waits only for the part of
+  // the update that holds each param (the announcement it was in, or the bucket of its group that
+  // the step started), not for its whole group, so the first layers of a model in one group start
+  // their forward while the later ones still update. Errors: NotFound naming an unknown param,
+  // FailedPrecondition between GradsReady and Step.
+  virtual absl::Status WaitParamsOf(const std::vector<std::string>& params, void* stream = nullptr) = 0;
 
   // Blocks until all work the engine has enqueued has finished.
   virtual absl::Status Synchronize() = 0;

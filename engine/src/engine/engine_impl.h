@@ -1,6 +1,6 @@
 // The engine's implementation class, shared by the files of engine/src/engine:
 //   engine.cc             registration, Finalize, placement moves, state access, stats, Create
-//   engine_step.cc        Step, GradsReady, WaitParams, the step's inputs, the on_step hook
+//   engine_step.cc        Step, GradsReady(Params), WaitParams(Of), the step's inputs, the on_step hook
 //   engine_checkpoint.cc  SaveCheckpoint, LoadCheckpoint and their pinned staging
 //   engine_ranks.cc       several ranks: the spec exchange at Finalize, the grad-stats reduction
 #ifndef FERRY_ENGINE_ENGINE_IMPL_H_
@@ -188,6 +188,9 @@ class EngineImpl final : public Engine {
   absl::Status Step(const StepOptions& options, void* stream) override;
   absl::Status GradsReady(const std::vector<std::string>& groups, const StepOptions& options, void* stream) override;
   absl::Status WaitParams(const std::vector<std::string>& groups, void* stream) override;
+  absl::Status GradsReadyParams(const std::vector<std::string>& params, const StepOptions& options,
+                                void* stream) override;
+  absl::Status WaitParamsOf(const std::vector<std::string>& params, void* stream) override;
   absl::Status Synchronize() override {
     return optimizer_ == nullptr ? absl::OkStatus() : optimizer_->Synchronize();
   }
@@ -244,6 +247,10 @@ class EngineImpl final : public Engine {
                                                                   std::vector<bool>* offloaded_out);
   absl::StatusOr<PolicyContext> Context();
   absl::StatusOr<std::vector<size_t>> GroupIndices(const std::vector<std::string>& names) const;
+  // The optimizer's indices of the named params (those with elements on this rank); `what` names the
+  // call in errors (NotFound naming an unknown param).
+  absl::StatusOr<std::vector<size_t>> OptimParamIndices(std::string_view what,
+                                                        const std::vector<std::string>& names) const;
   std::string PolicyName() const { return policy_ == nullptr ? "(default policy)" : policy_->path(); }
   // The metadata a checkpoint records (format, world size, optimizer, each group's step and placement).
   std::map<std::string, std::string> CheckpointMetadata() const;

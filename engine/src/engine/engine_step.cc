@@ -65,6 +65,43 @@ absl::Status EngineImpl::WaitParams(const std::vector<std::string>& groups, void
   return optimizer_->WaitParams(idx, *trainer);
 }
 
+absl::Status EngineImpl::GradsReadyParams(const std::vector<std::string>& params, const StepOptions& options,
+                                          void* stream) {
+  FERRY_RETURN_IF_ERROR(RequireFinalized("GradsReadyParams"));
+  if (params.empty()) return absl::InvalidArgumentError("GradsReadyParams: name at least one param");
+  FERRY_ASSIGN_OR_RETURN(std::vector<size_t> idx, OptimParamIndices("GradsReadyParams", params));
+  FERRY_ASSIGN_OR_RETURN(std::unique_ptr<Stream> trainer, device_->WrapStream(stream));
+  TraceSpan span(tracer_.get(), "grads_ready", "engine");
+  span.Arg("params", static_cast<double>(idx.size()));
+  FERRY_ASSIGN_OR_RETURN(HybridStepParams step, StepParams(options));
+  if (idx.empty()) return absl::OkStatus();  // none has elements on this rank
+  absl::Status s = optimizer_->BeginParams(idx, step, *trainer);
+  if (!s.ok()) return absl::Status(s.code(), absl::StrCat("GradsReadyParams: ", s.message()));
+  return absl::OkStatus();
+}
+
+absl::Status EngineImpl::WaitParamsOf(const std::vector<std::string>& params, void* stream) {
+  FERRY_RETURN_IF_ERROR(RequireFinalized("WaitParamsOf"));
+  FERRY_ASSIGN_OR_RETURN(std::vector<size_t> idx, OptimParamIndices("WaitParamsOf", params));
+  FERRY_ASSIGN_OR_RETURN(std::unique_ptr<Stream> trainer, device_->WrapStream(stream));
+  return optimizer_->WaitParamsOf(idx, *trainer);
+}
+
+absl::StatusOr<std::vector<size_t>> EngineImpl::OptimParamIndices(std::string_view what,
+                                                                  const std::vector<std::string>& names) const {
+  std::vector<size_t> out;
+  out.reserve(names.size());
+  for (const std::string& name : names) {
+    auto it = param_index_.find(name);
+    if (it == param_index_.end()) {
+      return absl::NotFoundError(absl::StrCat(ToAbsl(what), ": no param '", name, "' is registered"));
+    }
+    const int64_t opt = params_[it->second].opt;
+    if (opt >= 0) out.push_back(static_cast<size_t>(opt));
+  }
+  return out;
+}
+
 absl::Status EngineImpl::RequireBetweenSteps(std::string_view what) {
   FERRY_RETURN_IF_ERROR(RequireFinalized(what));
   if (!optimizer_->step_in_progress()) return optimizer_->Settle();

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <string_view>
 #include <utility>
 
 #include "base/logging.h"
@@ -46,6 +47,8 @@ char* HybridOptimizer::Group::state(StateKind kind, bool spare) const {
 
 HybridOptimizer::HybridOptimizer(Device* device, ThreadPool* pool, HybridOptions options)
     : device_(device), pool_(pool), options_(std::move(options)), cpu_adam_(pool) {
+  const char* speculate = std::getenv("FERRY_SPECULATE");
+  speculate_always_ = speculate != nullptr && std::string_view(speculate) == "always";
   if (options_.tracer != nullptr) {
     cpu_adam_.set_tracer(options_.tracer);
     d2h_trace_.lane = options_.tracer->Lane("d2h stream (observed)");
@@ -402,27 +405,62 @@ absl::Status HybridOptimizer::WaitParams(absl::Span<const size_t> groups, Stream
   for (size_t g : groups) {
     if (g >= groups_.size()) return absl::InvalidArgumentError(absl::StrCat("WaitParams: no group ", g));
   }
-  for (size_t g : groups) {
-    if (deferred_ && groups_[g].offloaded && !groups_[g].params.empty()) {
-      // The deferred step's CPU Adam may still run: wait until the group's upload is enqueued.
-      bool done = false;
-      {
-        TraceSpan wait(options_.tracer, "wait.upload", "optim");
-        std::unique_lock<std::mutex> lock(early_mu_);
-        early_cv_.wait(lock, [&] { return early_done_[g] != 0 || (!early_busy_ && early_queue_.empty()); });
-        done = early_done_[g] != 0;
-      }
-      if (done) {
-        FERRY_RETURN_IF_ERROR(stream.WaitFor(*group_uploaded_[g]));
-        continue;
-      }
-      FERRY_RETURN_IF_ERROR(Settle());  // the work stopped: its error, with the group's params restored
+  for (size_t g : groups) FERRY_RETURN_IF_ERROR(WaitGroup(g, stream));
+  return absl::OkStatus();
+}
+
+absl::Status HybridOptimizer::WaitGroup(size_t g, Stream& stream) {
+  if (deferred_ && groups_[g].offloaded && !groups_[g].params.empty()) {
+    // The deferred step's CPU Adam may still run: wait until the group's upload is enqueued.
+    bool done = false;
+    {
+      TraceSpan wait(options_.tracer, "wait.upload", "optim");
+      std::unique_lock<std::mutex> lock(early_mu_);
+      early_cv_.wait(lock, [&] { return early_done_[g] != 0 || (!early_busy_ && early_queue_.empty()); });
+      done = early_done_[g] != 0;
     }
-    if (group_upload_[g] != nullptr) {
-      FERRY_RETURN_IF_ERROR(group_upload_[g]->MakeStreamWait(stream));
-    } else {
-      FERRY_RETURN_IF_ERROR(stream.WaitFor(*step_done_));  // GPU groups: updated before step_done_
+    if (done) return stream.WaitFor(*group_uploaded_[g]);
+    FERRY_RETURN_IF_ERROR(Settle());  // the work stopped: its error, with the group's params restored
+  }
+  if (group_upload_[g] != nullptr) return group_upload_[g]->MakeStreamWait(stream);
+  return stream.WaitFor(*step_done_);  // GPU groups: updated before step_done_
+}
+
+absl::Status HybridOptimizer::WaitParamsOf(absl::Span<const size_t> params, Stream& stream) {
+  if (step_in_progress()) {
+    return absl::FailedPreconditionError("WaitParams: params were announced for a step that has not run yet; call Step first");
+  }
+  for (size_t p : params) {
+    if (p >= params_.size()) return absl::InvalidArgumentError(absl::StrCat("WaitParams: no param ", p));
+  }
+  std::vector<uint8_t> waited_group(groups_.size(), 0);
+  std::vector<size_t> waited_parts;
+  for (size_t p : params) {
+    const size_t g = params_[p].group;
+    if (waited_group[g] != 0) continue;
+    const int64_t part = deferred_ && p < part_of_param_.size() ? part_of_param_[p] : -1;
+    if (part < 0) {
+      waited_group[g] = 1;
+      FERRY_RETURN_IF_ERROR(WaitGroup(g, stream));
+      continue;
     }
+    if (std::find(waited_parts.begin(), waited_parts.end(), static_cast<size_t>(part)) != waited_parts.end()) continue;
+    waited_parts.push_back(static_cast<size_t>(part));
+    // The deferred step's CPU Adam may still run: wait until the part's upload is enqueued.
+    bool done = false;
+    {
+      TraceSpan wait(options_.tracer, "wait.upload", "optim");
+      std::unique_lock<std::mutex> lock(early_mu_);
+      early_cv_.wait(lock, [&] { return part_done_[part] != 0 || (!early_busy_ && early_queue_.empty()); });
+      done = part_done_[part] != 0;
+    }
+    if (done) {
+      FERRY_RETURN_IF_ERROR(stream.WaitFor(*part_events_[part]));
+      continue;
+    }
+    FERRY_RETURN_IF_ERROR(Settle());  // the work stopped: its error, with the group's params restored
+    waited_group[g] = 1;
+    FERRY_RETURN_IF_ERROR(WaitGroup(g, stream));
   }
   return absl::OkStatus();
 }
@@ -468,10 +506,18 @@ absl::Status HybridOptimizer::StepGpuGroups(const std::vector<AdamScalars>& grou
 }
 
 HybridOptimizer::PipelinePlan HybridOptimizer::PlanFor(const std::vector<size_t>& groups) const {
-  PipelinePlan plan;
+  std::vector<size_t> params;
   for (size_t g : groups) {
     if (!groups_[g].offloaded) continue;
-    for (size_t p : groups_[g].params) plan.params.push_back(p);
+    for (size_t p : groups_[g].params) params.push_back(p);
+  }
+  return PlanForParams(std::move(params));
+}
+
+HybridOptimizer::PipelinePlan HybridOptimizer::PlanForParams(std::vector<size_t> params) const {
+  PipelinePlan plan;
+  for (size_t p : params) {
+    if (groups_[params_[p].group].offloaded) plan.params.push_back(p);
   }
   // Params with 4-byte grads come first: every region's size is a multiple of its element size, and
   // chunks are cut at multiples of 4 bytes of the concatenated regions, so with this order every chunk

@@ -142,16 +142,28 @@ class HybridOptimizer final {
   // one step, invalid params. REQUIRES: the trainer does not change these grads, and its stream
   // no longer reads these params, until Step.
   absl::Status BeginGroups(absl::Span<const size_t> groups, const HybridStepParams& params, Stream& trainer);
+  // BeginGroups for parts of groups (Engine::GradsReadyParams): the grads of `params` (indices into
+  // params()) are final on `trainer` now. Each group's announced params become one part of its
+  // update, which the early thread runs as it would a group's; a group is announced once all its
+  // params are. At Step, the rest of a group announced in part is started too when the speculation
+  // holds (its grads are final then), so that its state can be swapped whole. Errors (nothing
+  // started): an index out of range, a param named twice or announced already in this step, invalid
+  // params.
+  absl::Status BeginParams(absl::Span<const size_t> params, const HybridStepParams& step, Stream& trainer);
   // True between the first BeginGroups of a step and its Step.
   bool step_in_progress() const { return !early_.order.empty(); }
-  // Whether group `g` was announced by BeginGroups in the step in progress.
-  bool announced(size_t g) const { return g < early_.announced.size() && early_.announced[g]; }
+  // Whether a param of group `g` was announced in the step in progress.
+  bool announced(size_t g) const { return g < early_.touched.size() && early_.touched[g]; }
   // Makes `stream` wait until the params of `groups` hold the values of the last Step (their
   // uploads, or their GPU update, are done), so a trainer can start its next forward before the
   // last groups' params arrived. Step's StepOptions decide whether Step itself waits for all.
   // After a deferred Step (below) it blocks the calling thread until each group's upload has been
   // enqueued (its CPU Adam is done), then orders `stream` after it.
   absl::Status WaitParams(absl::Span<const size_t> groups, Stream& stream);
+  // WaitParams for single params (indices into params()): after a deferred Step it waits only for
+  // the part of the update that holds each param (its announcement's, or the bucket Step started),
+  // not its whole group; otherwise as WaitParams of the param's group.
+  absl::Status WaitParamsOf(absl::Span<const size_t> params, Stream& stream);
 
   // A deferred Step: with wait_for_params = false, a Step whose every offloaded group was started
   // early (BeginGroups) and whose speculation holds returns at once, while the early thread still
@@ -269,18 +281,31 @@ class HybridOptimizer final {
     Event* ready = nullptr;           // every copy waits for it on the device
     PipelineMode mode = PipelineMode::kInPlace;  // kInPlace or kRestoreParams (kToSpare: RunEarlyPass)
   };
+  // A part of one group's update for the early thread: params of the group announced together (or
+  // a bucket of the params Step started).
+  struct EarlyPart {
+    size_t group = 0;
+    std::vector<size_t> params;  // indices into params_
+    size_t id = 0;               // this step's part number (part_done_, part_events_)
+    Event* uploaded = nullptr;   // recorded on the H2D stream after its last upload
+  };
   // An announcement's work, queued for the early thread.
   struct EarlyItem {
-    std::vector<size_t> groups;
+    std::vector<EarlyPart> parts;
     Event* ready = nullptr;
-    std::vector<AdamScalars> scalars;  // per group (set for every group announced so far)
+    std::vector<AdamScalars> scalars;  // per group (set for every group of `parts`)
     std::vector<int64_t> steps;        // per group: the step it computes (its rounding keys')
   };
   struct EarlyStep {
-    std::vector<size_t> order;          // groups announced this step, in order
-    std::vector<bool> announced;        // per group
-    std::vector<AdamScalars> scalars;   // per group: the speculation's (set for announced groups)
-    std::vector<uint8_t> queued;        // per group: its speculative update was started
+    std::vector<size_t> order;          // groups with a param announced this step, in order
+    std::vector<bool> touched;          // per group: a param of it was announced
+    std::vector<bool> announced;        // per group: every param of it was announced
+    std::vector<size_t> left;           // per group: its params not announced yet
+    std::vector<bool> param_announced;  // per param
+    std::vector<AdamScalars> scalars;   // per group: the speculation's (of its first announcement)
+    std::vector<uint8_t> mixed;         // per group: a later announcement of it used other scalars
+    std::vector<uint8_t> queued;        // per group: a part of its update was started
+    std::vector<size_t> unqueued;       // per group: its params no part holds yet
     size_t events_used = 0;             // of early_events_
   };
 
@@ -313,6 +338,10 @@ class HybridOptimizer final {
   AdamScalars GroupScalars(size_t g, const HybridStepParams& params, double grad_multiplier) const;
   // The plan over the offloaded params of `groups` (every offloaded group: the cached full plan).
   PipelinePlan PlanFor(const std::vector<size_t>& groups) const;
+  // The plan over `params` (offloaded ones).
+  PipelinePlan PlanForParams(std::vector<size_t> params) const;
+  // WaitParams of one group.
+  absl::Status WaitGroup(size_t g, Stream& stream);
   // Runs one pass; every batch it submitted goes to pending_ (its last upload: last_upload_).
   absl::Status RunPipeline(const PipelineRun& run);
   // The early thread's loop, and its wait: blocks until the queue is empty and nothing runs;
@@ -320,6 +349,20 @@ class HybridOptimizer final {
   void EarlyLoop();
   absl::Status WaitEarlyIdle();
   absl::Status EnsureSpareState();
+  // The first announcement of a step: settles the last one, resets the step's bookkeeping.
+  absl::Status StartEarlyStep(Stream& trainer);
+  // Marks `params` (validated, not announced yet) announced, and `whole` (groups) announced whole,
+  // and queues the offloaded ones' parts (one per group) when speculating.
+  absl::Status Announce(const std::vector<size_t>& params, const std::vector<size_t>& whole,
+                        const HybridStepParams& step, Stream& trainer);
+  // Queues `parts` (ids and events not set yet) for the early thread, after an event recorded on
+  // `trainer` now, with `scalars` per group.
+  absl::Status QueueParts(std::vector<EarlyPart> parts, const std::vector<AdamScalars>& scalars, Stream& trainer);
+  // Step's own parts: the params of `groups` that no part holds yet, in buckets of about two
+  // chunks, queued so that the early thread takes them in forward order (registration order).
+  absl::Status QueueRest(const std::vector<size_t>& groups, const std::vector<AdamScalars>& scalars, Stream& trainer);
+  // Forgets every part of the step (the early thread is idle): a failed speculation starts over.
+  void ResetParts();
   // The early thread's work from `first` on: every announcement queued meanwhile joins it, and the
   // ring downloads the chunks of the latest announced group whose grads are final first
   // (hybrid_optimizer_early_pass.cc).
@@ -441,6 +484,12 @@ class HybridOptimizer final {
   // Guarded by early_mu_, reset at a step's first announcement: per group, its speculative update
   // is complete (CPU Adam done, upload enqueued and group_uploaded_ recorded after it).
   std::vector<uint8_t> early_done_;
+  std::vector<uint8_t> part_done_;          // guarded by early_mu_: per part of the step, uploads enqueued
+  std::vector<size_t> group_parts_left_;    // guarded by early_mu_: per group, its queued parts not done
+  std::vector<uint8_t> group_all_queued_;   // guarded by early_mu_: per group, every param in a part
+  std::vector<int64_t> part_of_param_;      // trainer's thread: per param, its part this step (-1: none)
+  size_t parts_used_ = 0;                   // trainer's thread: parts of this step (of part_events_)
+  std::vector<std::unique_ptr<Event>> part_events_;      // per part: its uploads (EarlyPart::uploaded)
   std::vector<std::unique_ptr<Event>> group_uploaded_;    // per offloaded group, on the H2D stream
   // A deferred step (see deferred()): owned by the trainer's thread.
   bool deferred_ = false;
@@ -449,6 +498,8 @@ class HybridOptimizer final {
   // that was skipped (the next one likely does too, and its speculation would be wasted work that
   // competes with the recomputation); true again after a step that neither clipped nor skipped.
   bool speculate_ = true;
+  // FERRY_SPECULATE=always: announcements speculate after a clipped or skipped step too.
+  bool speculate_always_ = false;
   std::unique_ptr<Event> trainer_point_;     // FinishUploads: the trainer's end of a step
   std::unique_ptr<Event> snapshot_done_;     // recorded on work_stream_ after SnapshotDeviceAsync's copies
   bool snapshot_pending_ = false;            // the next Step must order the trainer after snapshot_done_

@@ -44,64 +44,184 @@ absl::Status HybridOptimizer::BeginGroups(absl::Span<const size_t> groups, const
   std::vector<bool> seen(groups_.size(), false);
   for (size_t g : groups) {
     if (g >= groups_.size()) return absl::InvalidArgumentError(absl::StrCat("no group ", g));
-    if (seen[g] || announced(g)) {
+    if (seen[g] || (step_in_progress() && early_.announced[g])) {
       return absl::InvalidArgumentError(
           absl::StrCat("group '", groups_[g].name, "' was already announced in this step"));
     }
     seen[g] = true;
   }
-  std::vector<size_t> cpu_groups;  // offloaded groups with elements: work for the early thread
+  if (!step_in_progress()) FERRY_RETURN_IF_ERROR(StartEarlyStep(trainer));
+  std::vector<size_t> ps;  // the groups' params not announced yet
   for (size_t g : groups) {
-    if (speculate_ && groups_[g].offloaded && !groups_[g].params.empty()) cpu_groups.push_back(g);
-  }
-  if (!step_in_progress()) {
-    // The first announcement of a step: the last step is committed and its copies are done (the
-    // staging is free).
-    FERRY_RETURN_IF_ERROR(Settle());
-    FERRY_RETURN_IF_ERROR(WaitEarlyIdle());
-    FERRY_RETURN_IF_ERROR(WaitPending());
-    if (snapshot_pending_) {
-      // A checkpoint's copies of the params go before any of this step's uploads.
-      FERRY_RETURN_IF_ERROR(trainer.WaitFor(*snapshot_done_));
-      snapshot_pending_ = false;
+    for (size_t p : groups_[g].params) {
+      if (!early_.param_announced[p]) ps.push_back(p);
     }
-    early_.announced.assign(groups_.size(), false);
-    early_.scalars.assign(groups_.size(), AdamScalars{});
-    early_.queued.assign(groups_.size(), 0);
-    early_.events_used = 0;
-    std::lock_guard<std::mutex> lock(early_mu_);
-    early_done_.assign(groups_.size(), 0);
   }
-  Event* ready = nullptr;
-  if (!cpu_groups.empty()) {
-    FERRY_RETURN_IF_ERROR(EnsureSpareState());
-    if (early_.events_used == early_events_.size()) {
-      // Blocking: the early thread sleeps on it until the trainer's backward reaches the group.
-      FERRY_ASSIGN_OR_RETURN(std::unique_ptr<Event> event, device_->CreateBlockingEvent());
-      early_events_.push_back(std::move(event));
+  return Announce(ps, std::vector<size_t>(groups.begin(), groups.end()), params, trainer);
+}
+
+absl::Status HybridOptimizer::BeginParams(absl::Span<const size_t> ps, const HybridStepParams& params,
+                                          Stream& trainer) {
+  FERRY_RETURN_IF_ERROR(CheckStepParams(params));
+  if (ps.empty()) return absl::InvalidArgumentError("no param named");
+  std::vector<size_t> sorted(ps.begin(), ps.end());
+  std::sort(sorted.begin(), sorted.end());
+  for (size_t i = 0; i < sorted.size(); ++i) {
+    const size_t p = sorted[i];
+    if (p >= params_.size()) return absl::InvalidArgumentError(absl::StrCat("no param ", p));
+    if ((i > 0 && sorted[i - 1] == p) || (step_in_progress() && early_.param_announced[p])) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("param '", params_[p].name, "' was already announced in this step"));
     }
-    ready = early_events_[early_.events_used].get();
-    FERRY_RETURN_IF_ERROR(trainer.Record(*ready));
-    ++early_.events_used;
   }
+  if (!step_in_progress()) FERRY_RETURN_IF_ERROR(StartEarlyStep(trainer));
+  return Announce(std::vector<size_t>(ps.begin(), ps.end()), {}, params, trainer);
+}
+
+absl::Status HybridOptimizer::StartEarlyStep(Stream& trainer) {
+  // The first announcement of a step: the last step is committed and its copies are done (the
+  // staging is free).
+  FERRY_RETURN_IF_ERROR(Settle());
+  FERRY_RETURN_IF_ERROR(WaitEarlyIdle());
+  FERRY_RETURN_IF_ERROR(WaitPending());
+  if (snapshot_pending_) {
+    // A checkpoint's copies of the params go before any of this step's uploads.
+    FERRY_RETURN_IF_ERROR(trainer.WaitFor(*snapshot_done_));
+    snapshot_pending_ = false;
+  }
+  const size_t n = groups_.size();
+  early_ = EarlyStep{};
+  early_.touched.assign(n, false);
+  early_.announced.assign(n, false);
+  early_.left.resize(n);
+  early_.unqueued.resize(n);
+  for (size_t g = 0; g < n; ++g) early_.left[g] = early_.unqueued[g] = groups_[g].params.size();
+  early_.param_announced.assign(params_.size(), false);
+  early_.scalars.assign(n, AdamScalars{});
+  early_.mixed.assign(n, 0);
+  early_.queued.assign(n, 0);
+  part_of_param_.assign(params_.size(), -1);
+  parts_used_ = 0;
+  std::lock_guard<std::mutex> lock(early_mu_);
+  early_done_.assign(n, 0);
+  part_done_.clear();
+  group_parts_left_.assign(n, 0);
+  group_all_queued_.assign(n, 0);
+  return absl::OkStatus();
+}
+
+absl::Status HybridOptimizer::Announce(const std::vector<size_t>& ps, const std::vector<size_t>& whole,
+                                       const HybridStepParams& params, Stream& trainer) {
   // The speculation: no clipping, no NaN/Inf (the multiplier Step uses when nothing clips).
   const double multiplier = 1.0 / static_cast<double>(params.loss_scale);
-  for (size_t g : groups) {
-    early_.announced[g] = true;
-    early_.order.push_back(g);
-    early_.scalars[g] = GroupScalars(g, params, multiplier);
+  auto touch = [&](size_t g) {
+    const AdamScalars scalars = GroupScalars(g, params, multiplier);
+    if (!early_.touched[g]) {
+      early_.touched[g] = true;
+      early_.order.push_back(g);
+      early_.scalars[g] = scalars;
+    } else if (!SameScalars(early_.scalars[g], scalars)) {
+      early_.mixed[g] = 1;  // its parts disagree: Step recomputes it
+    }
+  };
+  std::vector<std::vector<size_t>> fresh(groups_.size());  // per group: params announced now
+  for (size_t p : ps) {
+    const size_t g = params_[p].group;
+    touch(g);
+    early_.param_announced[p] = true;
+    if (--early_.left[g] == 0) early_.announced[g] = true;
+    fresh[g].push_back(p);
   }
-  for (size_t g : cpu_groups) early_.queued[g] = 1;
-  if (cpu_groups.empty()) return absl::OkStatus();
+  for (size_t g : whole) {
+    if (!early_.touched[g]) touch(g);
+    early_.announced[g] = true;
+  }
+  std::vector<EarlyPart> parts;  // offloaded groups' work: one part per group
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    if (fresh[g].empty() || !groups_[g].offloaded || !(speculate_ || speculate_always_)) continue;
+    parts.push_back(EarlyPart{.group = g, .params = std::move(fresh[g])});
+  }
+  if (parts.empty()) return absl::OkStatus();
+  FERRY_RETURN_IF_ERROR(EnsureSpareState());
+  return QueueParts(std::move(parts), early_.scalars, trainer);
+}
+
+absl::Status HybridOptimizer::QueueParts(std::vector<EarlyPart> parts, const std::vector<AdamScalars>& scalars,
+                                         Stream& trainer) {
+  if (early_.events_used == early_events_.size()) {
+    // Blocking: the early thread sleeps on it until the trainer's stream reaches this point.
+    FERRY_ASSIGN_OR_RETURN(std::unique_ptr<Event> event, device_->CreateBlockingEvent());
+    early_events_.push_back(std::move(event));
+  }
+  Event* ready = early_events_[early_.events_used].get();
+  FERRY_RETURN_IF_ERROR(trainer.Record(*ready));
+  ++early_.events_used;
+  while (part_events_.size() < parts_used_ + parts.size()) {
+    FERRY_ASSIGN_OR_RETURN(std::unique_ptr<Event> event, device_->CreateEvent());
+    part_events_.push_back(std::move(event));
+  }
+  std::vector<size_t> completed;  // groups every param of which is in a part now
+  for (EarlyPart& part : parts) {
+    part.id = parts_used_++;
+    part.uploaded = part_events_[part.id].get();
+    for (size_t p : part.params) part_of_param_[p] = static_cast<int64_t>(part.id);
+    early_.queued[part.group] = 1;
+    early_.unqueued[part.group] -= part.params.size();
+    if (early_.unqueued[part.group] == 0) completed.push_back(part.group);
+  }
   std::vector<int64_t> steps(groups_.size());
   for (size_t g = 0; g < groups_.size(); ++g) steps[g] = groups_[g].step + 1;
   {
     std::lock_guard<std::mutex> lock(early_mu_);
-    early_queue_.push_back(EarlyItem{std::move(cpu_groups), ready, early_.scalars, std::move(steps)});
+    part_done_.resize(parts_used_, 0);
+    for (const EarlyPart& part : parts) ++group_parts_left_[part.group];
+    for (size_t g : completed) group_all_queued_[g] = 1;
+    early_queue_.push_back(EarlyItem{std::move(parts), ready, scalars, std::move(steps)});
   }
   if (!early_thread_.joinable()) early_thread_ = std::thread([this] { EarlyLoop(); });
   early_cv_.notify_all();
   return absl::OkStatus();
+}
+
+absl::Status HybridOptimizer::QueueRest(const std::vector<size_t>& groups, const std::vector<AdamScalars>& scalars,
+                                        Stream& trainer) {
+  // Buckets of about two chunks of grads, each of whole params in registration order (a model's
+  // forward order). The early thread takes the latest queued part whose grads are final first, so
+  // the buckets go in backwards: the first layers' params are updated first.
+  const size_t bucket = std::max<size_t>(2 * options_.chunk_bytes, 1);
+  std::vector<EarlyPart> parts;
+  for (size_t g : groups) {
+    if (!groups_[g].offloaded) continue;
+    EarlyPart part{.group = g};
+    size_t bytes = 0;
+    for (size_t p : groups_[g].params) {
+      if (part_of_param_[p] >= 0) continue;
+      part.params.push_back(p);
+      bytes += static_cast<size_t>(params_[p].numel) * DTypeSize(params_[p].grad_dtype);
+      if (bytes >= bucket) {
+        parts.push_back(std::move(part));
+        part = EarlyPart{.group = g};
+        bytes = 0;
+      }
+    }
+    if (!part.params.empty()) parts.push_back(std::move(part));
+  }
+  if (parts.empty()) return absl::OkStatus();
+  std::reverse(parts.begin(), parts.end());
+  FERRY_RETURN_IF_ERROR(EnsureSpareState());
+  return QueueParts(std::move(parts), scalars, trainer);
+}
+
+void HybridOptimizer::ResetParts() {
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    early_.queued[g] = 0;
+    early_.unqueued[g] = groups_[g].params.size();
+  }
+  part_of_param_.assign(params_.size(), -1);
+  std::lock_guard<std::mutex> lock(early_mu_);
+  early_done_.assign(groups_.size(), 0);
+  group_parts_left_.assign(groups_.size(), 0);
+  group_all_queued_.assign(groups_.size(), 0);
 }
 
 void HybridOptimizer::EarlyLoop() {
@@ -195,24 +315,51 @@ absl::StatusOr<std::vector<size_t>> HybridOptimizer::SettleEarly(bool skipped, b
                                                                  const std::vector<AdamScalars>& scalars,
                                                                  Stream& trainer, HybridStepResult& result) {
   bool valid = !skipped && !discard;
-  std::vector<size_t> started;  // announced offloaded groups with elements
+  std::vector<size_t> started;  // offloaded groups a part of which was started
   for (size_t g : early_.order) {
     if (early_.queued[g] == 0) continue;
     started.push_back(g);
-    if (!SameScalars(early_.scalars[g], scalars[g])) valid = false;
+    if (early_.mixed[g] != 0 || !SameScalars(early_.scalars[g], scalars[g])) valid = false;
   }
   if (!valid) early_cancel_.store(true);  // stop what still runs: it is recomputed or undone
-  bool all_started = !started.empty();
-  for (size_t g = 0; g < groups_.size(); ++g) {
-    if (groups_[g].offloaded && !groups_[g].params.empty() && early_.queued[g] == 0) all_started = false;
+  if (valid) {
+    // Groups announced in part finish on the early thread (their state is swapped whole): the
+    // params no announcement held start now, their grads being final.
+    std::vector<size_t> partial;
+    for (size_t g : started) {
+      if (early_.unqueued[g] != 0) partial.push_back(g);
+    }
+    FERRY_RETURN_IF_ERROR(QueueRest(partial, scalars, trainer));
   }
-  if (valid && may_defer && all_started) {
-    FERRY_ASSIGN_OR_RETURN(const bool deferred, DeferSettle(started));
+  if (may_defer && !skipped && spare_arena_ != nullptr) {
+    // The step is decided and the trainer waits per layer: every offloaded group's update not kept
+    // from the early work (never announced, speculation paused, or a speculation that failed: a
+    // clip reached, other scalars, grads changed) runs on the early thread too, with the step's own
+    // scalars, beside the trainer's next forward, rather than in Step.
+    if (!valid) {
+      TraceSpan wait(options_.tracer, "early.cancel", "optim");
+      const absl::Status early_status = WaitEarlyIdle();
+      early_cancel_.store(false);
+      if (!early_status.ok() && !absl::IsCancelled(early_status)) {
+        FERRY_LOG(WARNING) << "work started early failed; the step recomputes it: " << early_status;
+      }
+      ResetParts();
+    }
+    std::vector<size_t> all, rest;
+    for (size_t g = 0; g < groups_.size(); ++g) {
+      if (!groups_[g].offloaded || groups_[g].params.empty()) continue;
+      all.push_back(g);
+      if (early_.queued[g] == 0) rest.push_back(g);
+    }
+    FERRY_RETURN_IF_ERROR(QueueRest(rest, scalars, trainer));
+    FERRY_ASSIGN_OR_RETURN(const bool deferred, DeferSettle(all));
     if (deferred) {
-      result.early_committed += started.size();
+      (valid ? result.early_committed : result.early_recomputed) += started.size();
       early_ = EarlyStep{};
       return std::vector<size_t>{};
     }
+    valid = false;  // the early work failed already: Step recomputes every group as usual
+    early_cancel_.store(true);
   }
   absl::Status early_status;
   {

@@ -40,10 +40,12 @@ absl::Status HybridOptimizer::RunEarlyPass(EarlyItem first) {
   // Per group; CPU Adam's tensors point into `scalars`, which never grows.
   std::vector<AdamScalars> scalars(groups_.size());
   std::vector<int64_t> steps(groups_.size(), 0);
-  struct GroupWork {
+  struct GroupWork {  // a part of a group's update (EarlyPart)
     size_t group = 0;
+    size_t part = 0;
+    Event* uploaded = nullptr;
     Event* ready = nullptr;  // the announcement: its grads are final after it
-    PipelinePlan plan;       // over this group alone
+    PipelinePlan plan;       // over the part's params alone
     size_t next_down = 0;    // its next chunk to download
     size_t left = 0;         // chunks not yet updated
     bool final = false;      // its announcement's event was seen complete
@@ -63,29 +65,44 @@ absl::Status HybridOptimizer::RunEarlyPass(EarlyItem first) {
   std::vector<TransferBatch*> param_slot_upload(num_param_slots, nullptr);
   size_t next_param_slot = 0, first_open = 0;  // works before first_open are all downloaded
 
-  // A group is done once its last chunk's upload is enqueued: group_uploaded_ follows it on the H2D
-  // stream (whose uploads run in order), and WaitParams may use it.
-  auto finish_group = [&](size_t g) -> absl::Status {
-    FERRY_RETURN_IF_ERROR(transfer_->h2d_stream().Record(*group_uploaded_[g]));
+  // A part is done once its last chunk's upload is enqueued: its event follows it on the H2D stream
+  // (whose uploads run in order), and WaitParamsOf may use it; so is its group once every param of
+  // it is in a part and every part is done (group_uploaded_, for WaitParams).
+  auto finish_part = [&](const GroupWork& w) -> absl::Status {
+    Stream& h2d = transfer_->h2d_stream();
+    FERRY_RETURN_IF_ERROR(h2d.Record(*w.uploaded));
     {
       std::lock_guard<std::mutex> lock(early_mu_);
-      early_done_[g] = 1;
+      part_done_[w.part] = 1;
+      if (--group_parts_left_[w.group] == 0 && group_all_queued_[w.group] != 0) {
+        FERRY_RETURN_IF_ERROR(h2d.Record(*group_uploaded_[w.group]));
+        early_done_[w.group] = 1;
+      }
     }
     early_cv_.notify_all();
     return absl::OkStatus();
   };
+  // Scalars of a group are set by its first part in this pass (later parts of a step carry the same,
+  // and the running rounds read them).
+  std::vector<uint8_t> have_scalars(groups_.size(), 0);
   auto join = [&](std::deque<EarlyItem>& items) -> absl::Status {
     for (EarlyItem& item : items) {
-      for (size_t g : item.groups) {
-        scalars[g] = item.scalars[g];
-        steps[g] = item.steps[g];
+      for (EarlyPart& part : item.parts) {
+        const size_t g = part.group;
+        if (have_scalars[g] == 0) {
+          scalars[g] = item.scalars[g];
+          steps[g] = item.steps[g];
+          have_scalars[g] = 1;
+        }
         GroupWork w;
         w.group = g;
+        w.part = part.id;
+        w.uploaded = part.uploaded;
         w.ready = item.ready;
-        w.plan = PlanFor({g});
+        w.plan = PlanForParams(std::move(part.params));
         w.left = w.plan.chunks.size();
         works.push_back(std::move(w));
-        if (works.back().left == 0) FERRY_RETURN_IF_ERROR(finish_group(g));  // no elements on this rank
+        if (works.back().left == 0) FERRY_RETURN_IF_ERROR(finish_part(works.back()));  // no elements
       }
     }
     return absl::OkStatus();
@@ -167,7 +184,7 @@ absl::Status HybridOptimizer::RunEarlyPass(EarlyItem first) {
       last_upload_ = upload->get();
       done_batches.push_back(*std::move(upload));
       free_slots.push_back(d.slot);  // CPU Adam has read it
-      if (--w.left == 0) s = finish_group(w.group);
+      if (--w.left == 0) s = finish_part(w);
     }
     for (Download& d : r->chunks) done_batches.push_back(std::move(d.batch));
     if (s.ok()) s = refill();
@@ -273,7 +290,7 @@ absl::Status HybridOptimizer::RunEarlyPass(EarlyItem first) {
     for (Download& d : running->chunks) done_batches.push_back(std::move(d.batch));
     running.reset();
   }
-  if (span.on()) span.Arg("groups", static_cast<double>(works.size()));
+  if (span.on()) span.Arg("parts", static_cast<double>(works.size()));
   if (!status.ok()) {
     // Stopped early: downloads still in flight read the trainer's grads. They finish first.
     for (Download& d : in_flight) (void)d.batch->Wait();
