@@ -113,32 +113,32 @@ def exact(rank, world, shard, gabv, overlap):
 @pytest.mark.parametrize("shard,gabv,overlap", [(True, False, True), (True, True, None), (False, True, True)])
 def test_overlap_bit_identical_to_ddp_without_it(shard, gabv, overlap):
     results = dist_util.ok(dist_util.run_ranks(2, exact, shard, gabv, overlap, timeout=120))
-    groups = len(DIMS) - 1
-    # overlap=True: every group announced during each backward, and the early work kept; None: from
-    # the second step on (the first shows it safe; the no_sync() micro-batch does not turn it off)
+    params = 2 * (len(DIMS) - 1)  # a weight and a bias per layer
+    # overlap=True: every param announced during each backward (a DDP bucket at a time), and the
+    # early work kept; None: from the second step on (the first shows it safe; the no_sync()
+    # micro-batch does not turn it off)
     early = STEPS if overlap else STEPS - 1
     for rank, r in enumerate(results):
-        assert r["announced"] == [0] * (STEPS - early) + [groups] * early, (rank, r["announced"])
+        assert r["announced"] == [0] * (STEPS - early) + [params] * early, (rank, r["announced"])
         assert r["local"] > 0 and r["kept"] == r["local"] * early and r["recomputed"] == 0, \
             (rank, r["local"], r["kept"], r["recomputed"])
     assert results[0]["sum"] == results[1]["sum"]  # the replicas agree
 
 
 class Recorder:
-    """Wraps the optimizer's engine: at each grads_ready, a copy of what the engine will read (this
-    rank's range of every grad buffer of the announced groups), and whether the backward had returned."""
+    """Wraps the optimizer's engine: at each grads_ready_params, a copy of what the engine will read
+    (this rank's range of every announced param's grad buffer), and whether the backward had returned."""
 
     def __init__(self, opt):
         self.engine, self.opt, self.calls, self.in_backward = opt._engine, opt, [], False
 
-    def grads_ready(self, names, **kw):
+    def grads_ready_params(self, names, **kw):
         opt = self.opt
         for name in names:
-            gi = opt._groups.index(name)
-            for k in range(opt._group_start[gi], opt._group_start[gi] + opt._group_sizes[gi]):
-                b, e = opt._grad_range(k)
-                self.calls.append((k, self.in_backward, opt._grads[k].view(-1)[b:e].clone()))
-        return self.engine.grads_ready(names, **kw)
+            k = opt._names.index(name)
+            b, e = opt._grad_range(k)
+            self.calls.append((k, self.in_backward, opt._grads[k].view(-1)[b:e].clone()))
+        return self.engine.grads_ready_params(names, **kw)
 
     def __getattr__(self, name):
         return getattr(self.engine, name)

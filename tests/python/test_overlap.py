@@ -1,6 +1,8 @@
-"""ferry.torch announces param groups from grad hooks (overlap=) and accumulates micro-batches
-(accumulate()): the same bits as without announcing, close to torch.optim.AdamW, and a group is never
+"""ferry.torch announces buckets of params from grad hooks (overlap=) and accumulates micro-batches
+(accumulate()): the same bits as without announcing, close to torch.optim.AdamW, and a bucket is never
 announced before every one of its grads is final (checked on the optimizer's trace of hook events).
+Here every param is a bucket of its own (bucket_mb tiny), so the rule is checked param by param;
+tests/python/test_buckets.py groups them.
 The model (nets.Net) holds every case of the rule: a shared Parameter, a module run twice, frozen
 params, a layer without grad on some steps, a group mixing frozen and trainable params."""
 import contextlib
@@ -14,9 +16,11 @@ from ferry import _hooks
 from nets import Net, assert_close_to, assert_same_bits, batches, loss_of, net_groups
 
 STEPS = 6
-ALWAYS = {0, 1, 2, 3}  # groups announced every step (see nets.net_groups)
+ALWAYS = {0, 1, 2, 3}  # groups all of whose params are announced every step (see nets.net_groups)
 NEVER = {4, 6}  # a frozen param in them
 SPARE = 5  # announced on odd steps only
+KEPT_PER_STEP = 5  # groups whose early work a step keeps: ALWAYS and 6 (its frozen bias starts at step())
+TINY = 1e-7  # bucket_mb: every param a bucket of its own
 
 HOOKS = [False, True] if _hooks.POST_ACCUMULATE else [True]
 
@@ -28,6 +32,7 @@ class NodeHookOptimizer(ferry.torch.Optimizer):
 def make(device, node_hooks, overlap, policy="offload_all", seed=0, **kw):
     net = Net(seed=seed).to(device)
     cls = NodeHookOptimizer if node_hooks else ferry.torch.Optimizer
+    kw.setdefault("bucket_mb", TINY)
     opt = cls(net_groups(net), lr=1e-2, weight_decay=0.1, policy=policy, overlap=overlap,
               transfer_chunk_bytes=1024, **kw)
     opt._tracker.trace = []
@@ -52,26 +57,30 @@ def train_step(net, opt, step, micro=1, accumulate=True, after_backward=None):
 
 
 def check_trace(opt, step):
-    """Each announcement of this step came after the grads of every param of its group in the same
-    backward, and no grad of an announced group came after it. Returns the groups announced."""
+    """Each announcement of this step came after the grads of every param of its bucket in the same
+    backward, and no grad of an announced param came after it. Returns the groups all of whose params
+    were announced, each with the position of its last param's announcement."""
     trace = opt._tracker.trace
-    announced = {}
+    announced = {}  # k -> position
     seen = {}  # k -> the position of its last grad event
     for pos, event in enumerate(trace):
         if event[0] == "grad":
             k = event[1]
-            gi = opt._group_of[k]
-            assert gi not in announced, "step %d: a grad of param %d after group %d was announced" % (step, k, gi)
+            assert k not in announced, "step %d: a grad of param %d after it was announced" % (step, k)
             seen[k] = (pos, event[2])
         elif event[0] == "announce":
-            gi, epoch = event[1], event[2]
-            members = range(opt._group_start[gi], opt._group_start[gi] + opt._group_sizes[gi])
-            for k in members:
+            u, epoch = event[1], event[2]
+            for k in opt._units[u]:
                 assert k in seen and seen[k][1] == epoch, \
-                    "step %d: group %d announced before param %d's grad of that backward" % (step, gi, k)
-            announced[gi] = pos
+                    "step %d: bucket %d announced before param %d's grad of that backward" % (step, u, k)
+                announced[k] = pos
     trace.clear()
-    return announced
+    groups = {}
+    for gi in range(len(opt.param_groups)):
+        ks = [k for k in range(len(opt._params)) if opt._group_of[k] == gi]
+        if all(k in announced for k in ks):
+            groups[gi] = max(announced[k] for k in ks)
+    return groups
 
 
 def test_hooks_fire_once_per_backward_for_shared_and_reused_params(device):
@@ -108,7 +117,7 @@ def test_overlap_is_bit_identical_and_never_early(device, policy):
         assert torch.equal(net.frozen.weight.detach(), before_frozen)
         stats = opt.stats()
         if policy == "offload_all":
-            assert stats["early_groups_kept"] == 4 * STEPS + STEPS // 2, stats
+            assert stats["early_groups_kept"] == KEPT_PER_STEP * STEPS + STEPS // 2, stats
             assert stats["early_groups_recomputed"] == 0
         assert plain.stats()["early_groups_kept"] == 0
 
@@ -128,7 +137,7 @@ def test_accumulate_four_micro_batches_against_adamw(device):
             train_step(ref_net, ref, step, micro=4)  # torch accumulates the four backward passes
             assert_same_bits(net, plain_net, "step %d" % step)
         assert_close_to(net, ref_net)
-        assert opt.stats()["early_groups_kept"] == 4 * STEPS + STEPS // 2
+        assert opt.stats()["early_groups_kept"] == KEPT_PER_STEP * STEPS + STEPS // 2
         assert opt.stats()["early_groups_recomputed"] == 0
 
 
@@ -163,7 +172,7 @@ def test_grads_changed_in_place_after_announcing_are_recomputed(device, clip_by)
             train_step(net, opt, step, after_backward=clip)
             train_step(plain_net, plain, step, after_backward=clip)
             assert_same_bits(net, plain_net, "step %d" % step)
-    late = [w for w in caught if "changed after its param group was announced" in str(w.message)]
+    late = [w for w in caught if "changed after it was announced" in str(w.message)]
     assert len(late) == 1, [str(w.message) for w in caught]
     # Every announced group is recomputed, also where only group 2's grad changed (mul_): the engine
     # discards a step's early work as a whole.
@@ -176,7 +185,7 @@ def test_a_second_backward_after_announcing_is_refused_at_once(device):
     (x, y), (x2, y2) = batches(device, 1, micro=2)
     loss_of(net, x, y, 1).backward()
     assert opt._tracker.announced
-    with pytest.raises(RuntimeError, match=r"received another grad after its param group was announced.*"
+    with pytest.raises(RuntimeError, match=r"received another grad after it was announced.*"
                                            r"opt.accumulate\(\)"):
         loss_of(net, x2, y2, 1).backward()
 
@@ -190,7 +199,7 @@ def test_overlap_by_default_turns_on_when_safe_and_off_when_not(device):
         train_step(net, opt, 1)  # one backward, nothing changed its grads: on from the next step
         assert opt.overlapping and not caught
         train_step(net, opt, 2)
-        assert set(check_trace(opt, 2)) == ALWAYS and opt.stats()["early_groups_kept"] == 4
+        assert set(check_trace(opt, 2)) == ALWAYS and opt.stats()["early_groups_kept"] == KEPT_PER_STEP
         clip = lambda n: torch.nn.utils.clip_grad_norm_(n.parameters(), 0.05)  # noqa: E731
         train_step(net, opt, 3, after_backward=clip)  # recomputed (exact), then off for good
         assert not opt.overlapping
@@ -218,8 +227,8 @@ def test_overlap_by_default_turns_on_when_safe_and_off_when_not(device):
 
 @pytest.mark.parametrize("overlap", [True, False])
 def test_attach_waits_per_module_and_gives_the_same_bits(device, overlap):
-    """attach(): step() does not wait for the uploads; each module's forward waits for its own groups,
-    once per step (group 1 spreads over blocks[1].fc and blocks 1 and 2, which both hold `shared`;
+    """attach(): step() does not wait for the uploads; each module's forward waits for its own params'
+    buckets, once per step (group 1 spreads over blocks[1].fc and blocks 1 and 2, which both hold `shared`;
     the frozen Linear owns params of groups 4 and 6); the same bits as without it."""
     net, opt = make(device, False, overlap=overlap)
     plain_net, plain = make(device, False, overlap=overlap)
@@ -231,11 +240,18 @@ def test_attach_waits_per_module_and_gives_the_same_bits(device, overlap):
         train_step(net, opt, step)
         waits = [e[1] for e in opt._tracker.trace if e[0] == "wait"]
         if step > 1:
-            # Each block waits for its own group in forward order, once: group 1 at blocks[1] (it owns
-            # `shared`), not again at blocks[1].fc or blocks[2]. (Groups 4 and 6 hold frozen params,
-            # skipped in every step: step() waits for them itself before restoring those.)
-            flat = [g for w in waits if 4 not in w for g in w]  # (4, ...): step()'s, for the frozen params
-            assert flat[:4] == [0, 1, 2, 3] and sorted(set(flat)) == sorted(flat), waits
+            # Each block waits for its own params' buckets in forward order, each bucket once: group
+            # 1's `shared` at blocks[1], not again at blocks[1].fc or blocks[2]. (step() waits itself
+            # for the frozen params' buckets, and the spare's on even steps, before restoring them:
+            # the last wait.)
+            units = [u for w in waits[:-1] for u in w]
+            assert len(set(units)) == len(units), waits
+            order = []
+            for u in units:
+                for k in opt._units[u]:
+                    if opt._group_of[k] not in order:
+                        order.append(opt._group_of[k])
+            assert order[:4] == [0, 1, 2, 3], (order, waits)
         train_step(plain_net, plain, step)
         opt.engine.synchronize()  # for reading here (not opt.wait_params(): the next forward waits)
         assert_same_bits(net, plain_net, "step %d" % step)
@@ -263,7 +279,7 @@ def test_announcing_by_hand_beside_the_hooks(device):
         opt.zero_grad()
         train_step(plain_net, plain, step)
         assert_same_bits(net, plain_net, "step %d" % step)
-    assert opt.stats()["early_groups_kept"] == 4 * 3 + 2
+    assert opt.stats()["early_groups_kept"] == KEPT_PER_STEP * 3 + 2
 
 
 def test_hooks_take_no_device_memory_and_no_host_sync(device):

@@ -3,7 +3,7 @@
 Without it, DDP and overlap do not mix: DDP all-reduces a bucket of grads after autograd accumulated
 them, and writes the averaged values into p.grad only at the end of the backward (Reducer::
 finalize_backward), so Ferry's post-accumulate-grad hooks see grads that are not final yet (the
-optimizer then needs overlap=False, or the step recomputes every announced group).
+optimizer then needs overlap=False, or the step recomputes every announced param).
 
 attach_ddp registers a DDP communication hook (DistributedDataParallel.register_comm_hook) that does
 DDP's own all-reduce of each bucket: the bucket is multiplied by 1 / world size (what DDP's reducer
@@ -11,8 +11,8 @@ does without a hook when it copies a grad into its bucket: the same bits) and al
 on DDP's process group; the future returned to DDP yields that bucket. Once the all-reduce has
 completed (the future's `then` callback), the callback copies this rank's range of each of the
 bucket's params (ZeRO-1 with shard=True: the rank's range; unsharded: the whole param) from the
-reduced bucket into the optimizer's grad buffer, which the engine reads, and announces (Engine
-GradsReady) each param group whose params are all reduced in this backward. So the announced grads
+reduced bucket into the optimizer's grad buffer, which the engine reads, and announces those params
+(Engine GradsReadyParams): DDP's bucket is the unit of overlap, whatever the param groups. So the announced grads
 are the final values whatever DDP later does with p.grad (gradient_as_bucket_view=True: p.grad is a
 view of the bucket; False: DDP copies the bucket into p.grad, the optimizer's buffer, the same bits
 again).
@@ -34,8 +34,8 @@ as a backward of the step); DDP runs no all-reduce there, so only the last backw
 
 Not supported: find_unused_parameters=True (a param unused on this rank gets DDP's averaged grad
 only at the end of the backward: refused), a second comm hook on the same DDP model (DDP allows one),
-sparse grads. Optimizer params outside the DDP model are never reduced by it: their groups step in
-step() as without overlap.
+sparse grads. Optimizer params outside the DDP model are never reduced by it: they step in step() as
+without overlap.
 """
 import threading
 import weakref
@@ -81,8 +81,6 @@ class DDPBridge:
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.index = {id(p): k for k, p in enumerate(optimizer._params)}
-        self.size = list(optimizer._group_sizes)
-        self.count = [0] * len(self.size)  # params of each group reduced in this backward
         self.reduced = set()  # params whose bucket this backward reduced
         self.queued = False  # the end-of-backward callbacks are queued for this backward
         self.syncing = True  # the last forward of the DDP model prepared an all-reduce (not no_sync())
@@ -107,7 +105,6 @@ class DDPBridge:
                                % (bucket.index(), bucket.buffer().numel(), at))
         with self._lock:
             if bucket.index() == 0:  # DDP launches its buckets in order: a new backward (even after one that raised)
-                self.count = [0] * len(self.count)
                 self.reduced = set()
                 self.queued = False
             if not self.queued:
@@ -133,26 +130,20 @@ class DDPBridge:
                 self.reduced.update(k for k, _ in mine)
             if not tracker.announcing or tracker.accumulating:
                 return  # overlap off: step() takes p.grad as DDP leaves it
-            complete = []
             with torch.no_grad():
                 for k, off in mine:
                     b, e = opt._grad_range(k)
                     if e > b:
                         opt._grads[k].view(-1)[b:e].copy_(flat[off + b:off + e])
                     tracker.got[k] = True
-                    gi = opt._group_of[k]
-                    with self._lock:
-                        self.count[gi] += 1
-                        if self.count[gi] == self.size[gi]:
-                            complete.append(gi)
-            for gi in complete:
-                if gi in tracker.announced:
-                    raise RuntimeError(
-                        "ferry.torch.Optimizer (rank %d): DDP all-reduced the grads of param group %d (%s) again after "
-                        "the group was announced in this step: a second backward outside no_sync() before step()? "
-                        "Run every backward but the last of a step under ddp_model.no_sync()"
-                        % (self.rank, gi, opt._where[opt._group_start[gi]]))
-                opt._announce_from_hook(gi, take=False)
+            again = [k for k, _ in mine if k in tracker.announced]
+            if again:
+                raise RuntimeError(
+                    "ferry.torch.Optimizer (rank %d): DDP all-reduced the grad of %s again after it was announced "
+                    "in this step: a second backward outside no_sync() before step()? Run every backward but the "
+                    "last of a step under ddp_model.no_sync()" % (self.rank, opt._where[again[0]]))
+            # DDP's bucket is the unit of overlap here: its params are announced together.
+            opt._announce_params_from_hook([k for k, _ in mine], take=False)
 
     def _backward_ending(self):
         # Runs among autograd's final callbacks, before DDP's finalize_backward (queued later, by the
@@ -168,7 +159,6 @@ class DDPBridge:
         with opt._engine_lock, self._lock:
             opt._tracker.record_versions(sorted(self.reduced))  # the grads as DDP left them
             self.reduced = set()
-            self.count = [0] * len(self.count)
 
     def forward(self, ddp):
         if torch.is_grad_enabled():  # a no_grad forward (evaluation) has no backward
@@ -213,13 +203,13 @@ def _check(optimizer, ddp):
 
 class DDPMixin:
     """ferry.torch.Optimizer's attach_ddp(). Uses the optimizer's _ddp (the bridge, or None),
-    _engine_lock, _tracker, _grads, _grad_range(k), _group_of, _group_sizes, _announce_from_hook."""
+    _engine_lock, _tracker, _grads, _grad_range(k), _announce_params_from_hook."""
 
     def attach_ddp(self, ddp_model):
         """Overlap under DDP: registers a comm hook on `ddp_model` (a DistributedDataParallel over
         the module whose params this optimizer steps) that all-reduces each bucket as DDP does and,
-        once a bucket is reduced, gives this rank's part of its grads to the optimizer; a param
-        group is announced when all of its params are reduced in this backward. Bit-identical to
+        once a bucket is reduced, gives this rank's part of its grads to the optimizer and announces
+        them (DDP's bucket is the unit of overlap). Bit-identical to
         DDP without the hook and overlap=False. Works with shard=True (ZeRO-1) and unsharded, with
         gradient_as_bucket_view either way, and with no_sync() for grad accumulation (only the
         synchronized backward announces). Call it before the first backward; DDP takes one comm

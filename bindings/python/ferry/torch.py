@@ -21,10 +21,12 @@ after the grad's accumulation sees it: ferry/_hooks.py) or by assigning p.grad; 
 skipped as torch skips a None grad (values, masters and moments kept), whichever zero_grad mode is
 used: frozen params, params a backward did not reach, and every param at a step() before any backward.
 
-Overlap (`overlap=`): during the last backward of a step, each param group whose grads are all final
-is announced to the engine (Engine.grads_ready), so its offloaded update (grad download, CPU Adam,
-param upload) runs during the rest of the backward; step() keeps that work only where it was exact,
-so the result is the same bits as without it. The rule and its cases: ferry/_hooks.py and README.
+Overlap (`overlap=`): during the last backward of a step, each bucket of params (`bucket_mb` of
+grads, in the order the backward finishes them, whatever the param groups: one group, decay/no-decay
+groups and a group per block overlap alike) is announced to the engine once its grads are all final
+(Engine.grads_ready_params), so its offloaded update (grad download, CPU Adam, param upload) runs
+during the rest of the backward; step() keeps that work only where it was exact, so the result is
+the same bits as without it. The rule and its cases: ferry/_hooks.py and README.
 
 What differs from torch.optim.AdamW, on purpose:
   * Grads live in buffers the optimizer owns: at construction p.grad of each param that requires grad
@@ -59,6 +61,9 @@ from ._state import FIXED, StateMixin
 from . import _zero
 
 
+# MiB of grads per bucket (ferry.torch.Optimizer's bucket_mb; measured: tests/bench/README.md).
+BUCKET_MB = 16
+
 _INTERNAL = (os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.abspath(torch.__file__)))
 
 
@@ -80,7 +85,7 @@ class Optimizer(StateMixin, _attach.AttachMixin, _ddp.DDPMixin, _clip.ClipMixin,
         None: every group on the device) and its ctx.args (values given as text).
       loss_scale, max_grad_norm, check_finite: the defaults of step()'s options of the same names.
       transfer_chunk_bytes, cpu_threads, numa, trace_path: EngineOptions (0 / "": Ferry's defaults).
-      overlap: announce param groups during the last backward of a step. None (the default): on once
+      overlap: announce buckets of params during the last backward of a step. None (the default): on once
         a step has shown that it is safe and useful: the policy offloads a group, and a step had one
         backward outside accumulate() and nothing changed its grads before step() (clip_grad_norm_,
         GradScaler.unscale_); a later step whose grads change in place is recomputed (exact) and
@@ -94,6 +99,9 @@ class Optimizer(StateMixin, _attach.AttachMixin, _ddp.DDPMixin, _clip.ClipMixin,
       local_rank, local_world_size: this process's place among the ranks of its host, which gives its
         share of the host's CPUs and pinned budget (None: from torchrun's, Open MPI's, MPICH's or
         Slurm's environment; engine/EMBEDDING.md, "Big hosts and ranks that share a host"). stats() shows the share.
+      bucket_mb: MiB of grads per bucket, the unit of overlap (announced together, waited for together
+        by attach()'s forward pre-hooks). The buckets follow the order in which the first backward
+        finished the grads (before it: the reverse of the params' order).
     """
 
     _node_hooks = None  # tests: True forces the AccumulateGrad-node hooks of torch < 2.1
@@ -101,9 +109,13 @@ class Optimizer(StateMixin, _attach.AttachMixin, _ddp.DDPMixin, _clip.ClipMixin,
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, *, policy=None,
                  policy_args=None, loss_scale=1.0, max_grad_norm=0.0, check_finite=True, transfer_chunk_bytes=0,
                  cpu_threads=0, numa="", trace_path="", overlap=None, process_group=None, shard=False,
-                 collective_timeout=300.0, checkpoint_timeout=3600.0, local_rank=None, local_world_size=None):
+                 collective_timeout=300.0, checkpoint_timeout=3600.0, local_rank=None, local_world_size=None,
+                 bucket_mb=BUCKET_MB):
         _checks.check_arguments(lr, betas, eps, weight_decay, cpu_threads, transfer_chunk_bytes, overlap, numa,
                                 trace_path)
+        if not (isinstance(bucket_mb, (int, float)) and not isinstance(bucket_mb, bool) and bucket_mb > 0):
+            raise ValueError("bucket_mb must be a number > 0 (MiB of grads per bucket), not %r" % (bucket_mb,))
+        self._bucket_bytes = max(1, int(float(bucket_mb) * (1 << 20)))
         self._engine = None
         self._ddp = None  # attach_ddp(): the DDP comm hook's bridge (ferry._ddp)
         self._engine_lock = threading.RLock()  # engine calls from DDP's comm threads (attach_ddp) and hooks
@@ -161,11 +173,14 @@ class Optimizer(StateMixin, _attach.AttachMixin, _ddp.DDPMixin, _clip.ClipMixin,
         self._overlap_off = False  # overlap=None: turned off for good by a step that was not safe
         self._warned = set()
         self._step_lrs = None  # the lrs of the announcements of this step (checked once per step)
-        self._by_hooks = set()  # groups the hooks announced in this step
+        self._by_hand = set()  # param groups grads_ready() announced in this step
         self._waits = None  # attach(): the forward pre-hooks
-        self._pending = set()  # attach(): groups whose new params no stream waited for yet
-        self._zero_pending = set()  # of those, groups whose grads zero_grad() left for _wait_groups
-        self._tracker = _hooks.GradTracker(self._params, self._where, group_of, len(self._groups),
+        self._pending = set()  # attach(): buckets whose new params no stream waited for yet
+        self._zero_pending = set()  # of those, buckets whose grads zero_grad() left for _wait_units
+        self._names = ["p%d" % k for k in range(len(self._params))]
+        self._order_learned = False
+        self._set_units(range(len(self._params) - 1, -1, -1), tracker=False)
+        self._tracker = _hooks.GradTracker(self._params, self._where, self._unit_of, len(self._units),
                                            self._announce_from_hook, node_hooks=self._node_hooks)
         self._tracker.announcing = overlap is True
         self._engine = engine
@@ -196,6 +211,37 @@ class Optimizer(StateMixin, _attach.AttachMixin, _ddp.DDPMixin, _clip.ClipMixin,
                 engine.add_param("p%d" % k, self._groups[group_of[k]], list(p.shape) or [1], _checks.DTYPES[p.dtype],
                                  p.data_ptr(), buf.data_ptr())
         engine.finalize()
+
+    # ---- buckets --------------------------------------------------------------------------------------
+
+    def _set_units(self, order, tracker=True):
+        """The buckets (units of announcement and of attach()'s waits): the params in `order` (the order
+        a backward finishes their grads) cut into runs of about _bucket_bytes of grads, then the params
+        `order` does not hold (no grad in that backward) in reverse order, cut the same way."""
+        order = list(order)
+        seen = set(order)
+        order += [k for k in range(len(self._params) - 1, -1, -1) if k not in seen]
+        units, unit, size = [], [], 0
+        for k in order:
+            unit.append(k)
+            size += _zero.local(self._params[k]).numel() * self._params[k].element_size()
+            if size >= self._bucket_bytes:
+                units.append(unit)
+                unit, size = [], 0
+        if unit:
+            units.append(unit)
+        self._units = units
+        self._unit_of = [0] * len(self._params)
+        for u, ks in enumerate(units):
+            for k in ks:
+                self._unit_of[k] = u
+        self._unit_names = [[self._names[k] for k in ks] for ks in units]
+        if tracker:
+            self._tracker.set_units(self._unit_of, len(units))
+
+    def _units_of_groups(self, groups):
+        gs = set(groups)
+        return sorted({self._unit_of[k] for k in range(len(self._params)) if self._group_of[k] in gs})
 
     # ---- construction checks; copies ---------------------------------------------------------------
 
@@ -345,7 +391,7 @@ class Optimizer(StateMixin, _attach.AttachMixin, _ddp.DDPMixin, _clip.ClipMixin,
         has = [self._has_grad(k) for k in range(n)]
         # Grads changed after their backward (before any copy below changes p.grad): announced ones
         # make the step recompute them; any one keeps overlap=None from turning on.
-        announced_ks = [k for k in range(n) if self._group_of[k] in tracker.announced]
+        announced_ks = sorted(tracker.announced)
         late = tracker.late
         if late is None:
             changed = tracker.changed_since_backward(announced_ks)
@@ -357,9 +403,9 @@ class Optimizer(StateMixin, _attach.AttachMixin, _ddp.DDPMixin, _clip.ClipMixin,
                                tracker.changed_since_backward(range(n)) is not None)
         skipped = [k for k in range(n) if not has[k]]
         if skipped and tracker.announced:
-            bad = [self._where[k] for k in skipped if self._group_of[k] in tracker.announced]
+            bad = [self._where[k] for k in skipped if k in tracker.announced]
             if bad:
-                raise RuntimeError("%s: no grad at step(), but its group was announced by grads_ready()"
+                raise RuntimeError("%s: no grad at step(), but it was announced by grads_ready()"
                                    % ", ".join(bad))
         self.wait_params()  # the last step's uploads, before anything here reads or writes a param
         if len(skipped) == n:
@@ -379,7 +425,7 @@ class Optimizer(StateMixin, _attach.AttachMixin, _ddp.DDPMixin, _clip.ClipMixin,
                 self._take_grad(k)
         saved = self._save_skipped(skipped) if skipped else None
         if late is not None and self._overlap is True:
-            self._warn_once("late", "the grads of %s changed after its param group was announced (%s): the step "
+            self._warn_once("late", "the grad of %s changed after it was announced (%s): the step "
                             "recomputed the announced groups (exact, but nothing overlapped). Wrap every backward "
                             "but the last of a step in `with opt.accumulate():`, clip with "
                             "opt.clip_grad_norm_(max_norm) (or max_grad_norm=) and pass loss_scale= instead of "
@@ -390,12 +436,12 @@ class Optimizer(StateMixin, _attach.AttachMixin, _ddp.DDPMixin, _clip.ClipMixin,
                                             stream=self._stream())
         self._end_step(unsafe=unsafe)
         if self._waits is not None:
-            self._pending = set(range(len(self._groups)))
-            orphans = [gi for gi in range(len(self._groups)) if gi not in self._waits.owned]
+            self._pending = set(range(len(self._units)))
+            orphans = [u for u, ks in enumerate(self._units) if not any(k in self._waits.owned for k in ks)]
             if orphans:
-                self._wait_groups(orphans)
+                self._wait_units(orphans)
         if saved is not None:
-            self._wait_groups(sorted({self._group_of[k] for k in skipped}))
+            self._wait_units(sorted({self._unit_of[k] for k in skipped}))
             self._restore_skipped(saved)
         if skipped_step:
             self._warn_once("nonfinite", "a step was skipped because a grad was NaN or Inf (nothing changed; "
@@ -407,7 +453,7 @@ class Optimizer(StateMixin, _attach.AttachMixin, _ddp.DDPMixin, _clip.ClipMixin,
         if self._overlap is None and not self._overlap_off:
             if unsafe:
                 if self._offloaded:
-                    self._warn_once("auto", "overlap (announcing param groups during backward) is off: a step had "
+                    self._warn_once("auto", "overlap (announcing params during backward) is off: a step had "
                                     "%d backward passes outside accumulate(), or grads changed between the "
                                     "backward and step() (clip_grad_norm_? GradScaler.unscale_?). Every step stayed "
                                     "exact. To overlap, wrap every backward but the last of a step in `with "
@@ -418,35 +464,41 @@ class Optimizer(StateMixin, _attach.AttachMixin, _ddp.DDPMixin, _clip.ClipMixin,
                 tracker.announcing = False
             elif tracker.backwards == 1 and self._offloaded:
                 tracker.announcing = True
+        if not self._order_learned and tracker.backwards == 1 and tracker.order and not tracker.announced:
+            # The buckets follow the order in which this backward finished the grads (once; a step
+            # that announced nothing, so that no bucket in flight changes).
+            self._order_learned = True
+            self._set_units(tracker.order)
         tracker.end_step()
-        self._by_hooks = set()
+        self._by_hand = set()
         tracker.hook_missing()  # params unfrozen since
         self._step_lrs = None
 
-    def _announce_from_hook(self, gi, take=True):
-        """A param group's grads are final in this backward (called by the hooks; take=False: by
-        attach_ddp's comm hook, which copied them into the buffers). Returns whether it was announced."""
-        if gi in self._tracker.announced:
-            return False  # announced by hand already
+    def _announce_from_hook(self, u, take=True):
+        """Bucket u's grads are final in this backward (called by the hooks). Returns whether it was
+        announced."""
+        return self._announce_params_from_hook(self._units[u], take=take)
+
+    def _announce_params_from_hook(self, ks, take=True):
+        """The grads of params `ks` are final in this backward (the hooks; take=False: attach_ddp's comm
+        hook, which copied them into the buffers). Returns whether any was announced."""
+        ks = [k for k in ks if k not in self._tracker.announced]  # by hand already
+        if not ks:
+            return False
         if self._step_lrs is None:
             self._step_lrs = self._check_unchanged()
-            self.wait_params()  # refused once a group is announced: the uploads of the last step first
-        self._announce([gi], self._step_lrs, self._options(None, None, None), take=take)
-        self._by_hooks.add(gi)
+            self.wait_params()  # refused once a param is announced: the uploads of the last step first
+        self._announce(ks, self._step_lrs, self._options(None, None, None), take=take)
         return True
 
-    def _announce(self, groups, lrs, options, take=True):
-        names = []
-        ks = []
-        for gi in groups:
-            names.append(self._groups[gi])
-            ks.extend(range(self._group_start[gi], self._group_start[gi] + self._group_sizes[gi]))
+    def _announce(self, ks, lrs, options, take=True):
         if take:
             with torch.no_grad():
                 for k in ks:
                     self._take_grad(k)  # on the current stream, before the announcement
-        self._engine.grads_ready(names, group_lr=lrs, **options, stream=self._stream())
-        self._tracker.announced.update(groups)
+        self._engine.grads_ready_params([self._names[k] for k in ks], group_lr=lrs, **options,
+                                        stream=self._stream())
+        self._tracker.announced.update(ks)
         if take:  # attach_ddp: the versions are recorded once DDP is done with p.grad (ferry._ddp)
             self._tracker.record_versions(ks)
 
@@ -461,24 +513,30 @@ class Optimizer(StateMixin, _attach.AttachMixin, _ddp.DDPMixin, _clip.ClipMixin,
         of an announced group must have a grad."""
         announced = self._tracker.announced
         if groups is None:
-            groups = [gi for gi in range(len(self._groups)) if gi not in announced]
+            groups = range(len(self._groups))
         elif isinstance(groups, int):
             groups = [groups]
-        groups = [gi for gi in groups if gi not in self._by_hooks]  # the hooks were first: nothing to do
-        if not groups:
-            return
-        lrs = self._check_unchanged()
-        options = self._options(loss_scale, max_grad_norm, check_finite)
+        groups = list(groups)
         for gi in groups:
             if not 0 <= gi < len(self._groups):
                 raise IndexError("grads_ready: no param group %d (%d groups)" % (gi, len(self._groups)))
-            for k in range(self._group_start[gi], self._group_start[gi] + self._group_sizes[gi]):
-                if not self._has_grad(k):
-                    raise RuntimeError("grads_ready: %s has no grad (none produced since zero_grad())"
-                                       % self._where[k])
+        for gi in groups:
+            if gi in self._by_hand:
+                raise ValueError("grads_ready: param group %d was already announced in this step" % gi)
+        gs = set(groups)
+        ks = [k for k in range(len(self._params)) if self._group_of[k] in gs and k not in announced]
+        if not ks:
+            self._by_hand.update(gs)
+            return  # the hooks were first: nothing to do
+        lrs = self._check_unchanged()
+        options = self._options(loss_scale, max_grad_norm, check_finite)
+        for k in ks:
+            if not self._has_grad(k):
+                raise RuntimeError("grads_ready: %s has no grad (none produced since zero_grad())" % self._where[k])
         if not announced:
             self.wait_params()
-        self._announce(groups, lrs, options)
+        self._announce(ks, lrs, options)
+        self._by_hand.update(gs)
 
     @contextlib.contextmanager
     def accumulate(self):
@@ -534,11 +592,11 @@ class Optimizer(StateMixin, _attach.AttachMixin, _ddp.DDPMixin, _clip.ClipMixin,
                 p.grad = None  # FSDP2 assigns a new DTensor grad at the next backward
             elif p.grad is not buf and (p.grad is not None or p.requires_grad):
                 p.grad = buf
-        # After a deferred step (attach()), the engine may still read the grads of a group whose new
-        # params no stream waited for yet: those are zeroed when the stream waits for that group
-        # (its forward pre-hook, or wait_params()), in _wait_groups.
+        # After a deferred step (attach()), the engine may still read the grads of a bucket whose new
+        # params no stream waited for yet: those are zeroed when the stream waits for that bucket
+        # (its forward pre-hook, or wait_params()), in _wait_units.
         self._zero_pending = set(self._pending)
-        ready = [buf for k, buf in enumerate(self._grads) if self._group_of[k] not in self._zero_pending]
+        ready = [buf for k, buf in enumerate(self._grads) if self._unit_of[k] not in self._zero_pending]
         if ready:
             torch._foreach_zero_(ready)
         self._zeroed = [buf._version for buf in self._grads]

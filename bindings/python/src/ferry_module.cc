@@ -274,6 +274,12 @@ class PyEngine {
     Locked([&] { return engine_->GradsReady(groups, options, Ptr(stream)); });
   }
 
+  void GradsReadyParams(const std::vector<std::string>& params, StepOptions options, uintptr_t stream) {
+    Locked([&] { return engine_->GradsReadyParams(params, options, Ptr(stream)); });
+  }
+  void WaitParamsOf(const std::vector<std::string>& params, uintptr_t stream) {
+    Locked([&] { return engine_->WaitParamsOf(params, Ptr(stream)); });
+  }
   void WaitParams(const std::vector<std::string>& groups, uintptr_t stream) {
     Locked([&] { return engine_->WaitParams(groups, Ptr(stream)); });
   }
@@ -560,6 +566,22 @@ PYBIND11_MODULE(_ferry, m) {
           py::arg("max_grad_norm") = 0.0f, py::arg("check_finite") = true, py::arg("stream") = 0,
           "The grads of `groups` are final on `stream`: their step starts now (Engine::GradsReady); the "
           "options are the coming step's.")
+      .def(
+          "grads_ready_params",
+          [](PyEngine& e, const std::vector<std::string>& params, std::optional<float> lr,
+             const std::vector<std::pair<std::string, float>>& group_lr, float loss_scale, float max_grad_norm,
+             bool check_finite, uintptr_t stream) {
+            e.GradsReadyParams(params, MakeStepOptions(lr, group_lr, loss_scale, max_grad_norm, check_finite),
+                               stream);
+          },
+          py::arg("params"), py::kw_only(), py::arg("lr") = py::none(),
+          py::arg("group_lr") = std::vector<std::pair<std::string, float>>{}, py::arg("loss_scale") = 1.0f,
+          py::arg("max_grad_norm") = 0.0f, py::arg("check_finite") = true, py::arg("stream") = 0,
+          "The grads of `params` (names, of any groups: a bucket) are final on `stream`: their part of the "
+          "step starts now (Engine::GradsReadyParams).")
+      .def("wait_params_of", &PyEngine::WaitParamsOf, py::arg("params"), py::kw_only(), py::arg("stream") = 0,
+           "After a step with wait_for_params=False: `stream` waits for the new values of `params` (names), "
+           "only for the part of the update holding each (Engine::WaitParamsOf).")
       .def("wait_params", &PyEngine::WaitParams, py::arg("groups") = std::vector<std::string>{}, py::kw_only(),
            py::arg("stream") = 0,
            "After a step with wait_for_params=False: `stream` waits for the new params of `groups` (all when empty).")
