@@ -50,7 +50,7 @@ class ClipMixin:
                                                   error_if_nonfinite=error_if_nonfinite)
         if not grads:
             return torch.zeros((), dtype=torch.float32, device=self._device)
-        total = _total_norm(grads) / self._step_defaults["loss_scale"]
+        total = _total_norm(grads) / self._amp_loss_scale()
         if error_if_nonfinite and not bool(torch.isfinite(total)):
             raise RuntimeError("The total norm of order 2.0 for gradients from `parameters` is non-finite, so it "
                                "cannot be clipped. To disable this error and scale the gradients by the "

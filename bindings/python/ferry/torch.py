@@ -55,7 +55,7 @@ import warnings
 import torch
 
 import ferry
-from . import _attach, _checks, _clip, _ddp, _hooks
+from . import _amp, _attach, _checks, _clip, _ddp, _hooks
 from . import _state
 from ._state import FIXED, StateMixin
 from . import _zero
@@ -77,7 +77,7 @@ def _caller_level():
     return level
 
 
-class Optimizer(StateMixin, _attach.AttachMixin, _ddp.DDPMixin, _clip.ClipMixin, torch.optim.Optimizer):
+class Optimizer(StateMixin, _attach.AttachMixin, _ddp.DDPMixin, _clip.ClipMixin, _amp.AmpMixin, torch.optim.Optimizer):
     """AdamW on Ferry's engine; see the module's documentation.
 
     Arguments as torch.optim.AdamW's (params or param groups, lr, betas, eps, weight_decay), and:
@@ -357,16 +357,25 @@ class Optimizer(StateMixin, _attach.AttachMixin, _ddp.DDPMixin, _clip.ClipMixin,
     # ---- the step ----------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def step(self, closure=None, *, loss_scale=None, max_grad_norm=None, check_finite=None):
+    def step(self, closure=None, *, loss_scale=None, max_grad_norm=None, check_finite=None, grad_scaler=None):
         """One AdamW step of every param that has a grad (see the module's documentation); returns
         the closure's loss (if any).
 
         loss_scale: the grads carry it and are divided by it; max_grad_norm (> 0): clip the global
         norm of the unscaled grads; check_finite: a NaN/Inf grad skips the whole step (stats()
         reports it; warns once). Each defaults to the constructor's value.
+        grad_scaler: passed by torch's GradScaler.step(opt) (ferry/_amp.py): the engine unscales by the
+        scaler's scale and skips on a NaN/Inf, no grad changes in place, and scaler.update() gets the
+        found-inf result.
 
         Several ranks: collective (every rank of the process group calls it). An exception on one rank
         makes every other rank's step raise a FerryError naming it (ferry.distributed)."""
+        if grad_scaler is not None or self._amp_called():
+            return self._scaled_step(grad_scaler, closure, loss_scale, max_grad_norm, check_finite)
+        self._amp_plain()
+        return self._step_ranks(closure, loss_scale, max_grad_norm, check_finite)
+
+    def _step_ranks(self, closure, loss_scale, max_grad_norm, check_finite):
         if self._zero is None:
             return self._step(closure, loss_scale, max_grad_norm, check_finite)
         try:
