@@ -169,6 +169,26 @@ ferry_status ferry_grads_ready(ferry_engine* engine, const char* const* groups, 
                                const ferry_step_options* options, void* stream);
 ferry_status ferry_wait_params(ferry_engine* engine, const char* const* groups, size_t num_groups, void* stream);
 
+/* ---- the same per param: buckets (ferry::Engine::GradsReadyParams, WaitParamsOf) ----------------
+ * ferry_grads_ready_params: ferry_grads_ready for the `num_params` params named in `params` (of any
+ * groups): their grads are final on `stream`, and their part of the offloaded update starts at once,
+ * as a group's would. So a trainer with one group (or two: decay and no decay) still overlaps the
+ * update with its backward, announcing buckets of params as the backward finishes them: a few to
+ * tens of MiB of grads each, since every announcement costs an event and at least one pipeline chunk.
+ * A group is announced once all its params are; at the step, the rest of a group announced in part
+ * starts too. Bit-identical to a step without this call, with the same contract (the announced grads
+ * stay unchanged until the step) and the same errors: an unknown param (FERRY_NOT_FOUND), a param
+ * announced twice in one step or no params (FERRY_INVALID_ARGUMENT); nothing started then.
+ * ferry_wait_params_of: after a step with wait_for_params = 0, makes `stream` wait for the new values
+ * of the named params only: the part of the update holding each (its announcement, or the rest of
+ * its group that the step started), not its whole group, so the first layers' forward can start while
+ * the last ones still update. num_params 0 waits for nothing (ferry_wait_params with no groups waits
+ * for all). Errors: an unknown param (FERRY_NOT_FOUND), a call between an announcement and its step
+ * (FERRY_FAILED_PRECONDITION). */
+ferry_status ferry_grads_ready_params(ferry_engine* engine, const char* const* params, size_t num_params,
+                                      const ferry_step_options* options, void* stream);
+ferry_status ferry_wait_params_of(ferry_engine* engine, const char* const* params, size_t num_params, void* stream);
+
 /* ---- stats (ferry::EngineStats) ------------------------------------------------------------------ */
 typedef struct {
   int64_t step;                 /* optimizer steps taken */

@@ -289,13 +289,14 @@ ferry::StepOptions StepOptionsOf(const ferry_step_options* options) {
   return so;
 }
 
-// `n` group names; InvalidArgument naming `fn` for a null list or name.
-absl::StatusOr<std::vector<std::string>> GroupNames(const char* fn, const char* const* groups, size_t n) {
-  if (n > 0 && groups == nullptr) return absl::InvalidArgumentError(absl::StrCat(fn, ": groups is NULL"));
+// `n` names of the list the caller calls `list` ("groups", "params"); InvalidArgument naming `fn`
+// and `list` for a null list or name.
+absl::StatusOr<std::vector<std::string>> Names(const char* fn, const char* list, const char* const* names, size_t n) {
+  if (n > 0 && names == nullptr) return absl::InvalidArgumentError(absl::StrCat(fn, ": ", list, " is NULL"));
   std::vector<std::string> out;
   for (size_t i = 0; i < n; ++i) {
-    if (groups[i] == nullptr) return absl::InvalidArgumentError(absl::StrCat(fn, ": groups[", i, "] is NULL"));
-    out.emplace_back(groups[i]);
+    if (names[i] == nullptr) return absl::InvalidArgumentError(absl::StrCat(fn, ": ", list, "[", i, "] is NULL"));
+    out.emplace_back(names[i]);
   }
   return out;
 }
@@ -310,16 +311,31 @@ ferry_status ferry_step_with(ferry_engine* engine, const ferry_step_options* opt
 ferry_status ferry_grads_ready(ferry_engine* engine, const char* const* groups, size_t num_groups,
                                const ferry_step_options* options, void* stream) {
   if (engine == nullptr) return NullHandle("ferry_grads_ready");
-  absl::StatusOr<std::vector<std::string>> names = GroupNames("ferry_grads_ready", groups, num_groups);
+  absl::StatusOr<std::vector<std::string>> names = Names("ferry_grads_ready", "groups", groups, num_groups);
   if (!names.ok()) return Report(names.status());
   return Report(engine->engine->GradsReady(*names, StepOptionsOf(options), stream));
 }
 
 ferry_status ferry_wait_params(ferry_engine* engine, const char* const* groups, size_t num_groups, void* stream) {
   if (engine == nullptr) return NullHandle("ferry_wait_params");
-  absl::StatusOr<std::vector<std::string>> names = GroupNames("ferry_wait_params", groups, num_groups);
+  absl::StatusOr<std::vector<std::string>> names = Names("ferry_wait_params", "groups", groups, num_groups);
   if (!names.ok()) return Report(names.status());
   return Report(engine->engine->WaitParams(*names, stream));
+}
+
+ferry_status ferry_grads_ready_params(ferry_engine* engine, const char* const* params, size_t num_params,
+                                      const ferry_step_options* options, void* stream) {
+  if (engine == nullptr) return NullHandle("ferry_grads_ready_params");
+  absl::StatusOr<std::vector<std::string>> names = Names("ferry_grads_ready_params", "params", params, num_params);
+  if (!names.ok()) return Report(names.status());
+  return Report(engine->engine->GradsReadyParams(*names, StepOptionsOf(options), stream));
+}
+
+ferry_status ferry_wait_params_of(ferry_engine* engine, const char* const* params, size_t num_params, void* stream) {
+  if (engine == nullptr) return NullHandle("ferry_wait_params_of");
+  absl::StatusOr<std::vector<std::string>> names = Names("ferry_wait_params_of", "params", params, num_params);
+  if (!names.ok()) return Report(names.status());
+  return Report(engine->engine->WaitParamsOf(*names, stream));
 }
 
 ferry_status ferry_get_stats(ferry_engine* engine, ferry_stats* out) {

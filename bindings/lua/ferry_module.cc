@@ -241,8 +241,8 @@ StepOptions CheckStepOptions(lua_State* L, int index, const char* what) {
   return so;
 }
 
-// A list of group names: the table at `index`.
-std::vector<std::string> CheckGroupList(lua_State* L, int index, const char* what) {
+// A list of names of `kind` ("group", "param"): the table at `index`.
+std::vector<std::string> CheckNameList(lua_State* L, int index, const char* what, const char* kind) {
   luaL_checktype(L, index, LUA_TTABLE);
   std::vector<std::string> out;
   for (int i = 1;; ++i) {
@@ -251,7 +251,7 @@ std::vector<std::string> CheckGroupList(lua_State* L, int index, const char* wha
       lua_pop(L, 1);
       break;
     }
-    if (lua_type(L, -1) != LUA_TSTRING) luaL_error(L, "%s: group %d is not a string", what, i);
+    if (lua_type(L, -1) != LUA_TSTRING) luaL_error(L, "%s: %s %d is not a string", what, kind, i);
     out.emplace_back(lua_tostring(L, -1));
     lua_pop(L, 1);
   }
@@ -262,9 +262,29 @@ std::vector<std::string> CheckGroupList(lua_State* L, int index, const char* wha
 // step of these groups starts now (their grads are final); e:step completes it.
 int LEngineGradsReady(lua_State* L) {
   Engine* e = CheckEngine(L, 1);
-  const std::vector<std::string> groups = CheckGroupList(L, 2, "grads_ready");
+  const std::vector<std::string> groups = CheckNameList(L, 2, "grads_ready", "group");
   CheckOk(L, e->GradsReady(groups, CheckStepOptions(L, 3, "grads_ready"), nullptr));
   return 0;
+}
+
+// e:grads_ready_params({ "param", ... }, { lr=, ... }): grads_ready for buckets of params (of any
+// groups), Engine::GradsReadyParams: their part of the coming step starts now; a group is announced
+// once all its params are. The same errors as grads_ready (an unknown param, one announced twice in
+// a step, an empty list).
+int LEngineGradsReadyParams(lua_State* L) {
+  Engine* e = CheckEngine(L, 1);
+  const std::vector<std::string> params = CheckNameList(L, 2, "grads_ready_params", "param");
+  CheckOk(L, e->GradsReadyParams(params, CheckStepOptions(L, 3, "grads_ready_params"), nullptr));
+  return 0;
+}
+
+// e:wait_params_of({ "param", ... }): Engine::WaitParamsOf on the script's (the calling thread's)
+// stream. e:step returns with every param updated, so in a script this only checks the names and
+// raises between an announcement and its step, as a trainer's per-layer wait would.
+int LEngineWaitParamsOf(lua_State* L) {
+  Engine* e = CheckEngine(L, 1);
+  const std::vector<std::string> params = CheckNameList(L, 2, "wait_params_of", "param");
+  return CheckOk(L, e->WaitParamsOf(params, nullptr));
 }
 
 // e:step{ lr=, loss_scale=, max_grad_norm=, check_finite= } -> skipped (true when a NaN/Inf grad
@@ -445,6 +465,7 @@ int OpenFerryModule(lua_State* L) {
       {"reload_policy", LEngineReloadPolicy},
       {"add_group", LEngineAddGroup}, {"wait_checkpoint", LEngineWaitCheckpoint},
       {"poll_checkpoint", LEnginePollCheckpoint}, {"grads_ready", LEngineGradsReady},
+      {"grads_ready_params", LEngineGradsReadyParams}, {"wait_params_of", LEngineWaitParamsOf},
       {"close", LEngineClose},        {nullptr, nullptr}};
   static const luaL_Reg functions[] = {{"tensor", LTensor},         {"engine", LEngine},
                                        {"backend", LBackend},       {"device_name", LDeviceName},

@@ -1,7 +1,8 @@
 -- The linear regression the samples train: y = intercept + sum_j x_j * weight(j), on data from a small
 -- deterministic generator (every run sees the same data). The model's w is split into `groups`
 -- parameter groups ("layer0" .. ) of bf16 tensors, plus, with `bias = true`, a one-element "head"
--- group; forward and backward run on the host in double precision, and the grads are uploaded.
+-- group; with `one_group = "name"` all of those tensors are params of that one group instead. Forward
+-- and backward run on the host in double precision, and the grads are uploaded.
 --
 --   local regression = dofile(ferry.script_dir .. "/lib/linear_regression.lua")
 --   local problem = regression.new{ ferry = ferry, features = 32, groups = 4, samples = 256, seed = 1,
@@ -20,7 +21,7 @@ end
 
 function M.new(o)
   local p = setmetatable({ ferry = o.ferry, features = o.features, groups = o.groups, samples = o.samples,
-                           seed = o.seed, bias = o.bias or false, xs = {}, ys = {} }, M)
+                           seed = o.seed, bias = o.bias or false, one_group = o.one_group, xs = {}, ys = {} }, M)
   assert(p.features % p.groups == 0, "features must split evenly into groups")
   for i = 1, p.samples do
     local x, y = {}, o.intercept or 0
@@ -35,20 +36,23 @@ function M:build(engine_options, init_seed)
   self.seed = init_seed
   local ferry = self.ferry
   local engine = ferry.engine(engine_options)
-  local model = { w = {}, gw = {}, engine = engine }
+  local model = { w = {}, gw = {}, names = {}, engine = engine }  -- names: the params', in order
   local per = self.features / self.groups
   for g = 1, self.groups do
     local w, gw = ferry.tensor("bf16", per), ferry.tensor("bf16", per)
     local init = {}
     for j = 1, per do init[j] = 0.1 * self:rand() end
     w:upload(init)
-    engine:add_param{ name = "layer" .. (g - 1) .. ".weight", group = "layer" .. (g - 1), shape = { per },
-                      param = w, grad = gw }
+    engine:add_param{ name = "layer" .. (g - 1) .. ".weight", group = self.one_group or ("layer" .. (g - 1)),
+                      shape = { per }, param = w, grad = gw }
     model.w[g], model.gw[g] = w, gw
+    model.names[g] = "layer" .. (g - 1) .. ".weight"
   end
   if self.bias then
     model.b, model.gb = ferry.tensor("bf16", 1), ferry.tensor("bf16", 1)
-    engine:add_param{ name = "head.bias", group = "head", shape = { 1 }, param = model.b, grad = model.gb }
+    engine:add_param{ name = "head.bias", group = self.one_group or "head", shape = { 1 }, param = model.b,
+                      grad = model.gb }
+    model.names[#model.names + 1] = "head.bias"
   end
   engine:finalize()
   return model

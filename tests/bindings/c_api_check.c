@@ -2,7 +2,9 @@
  * (ferry_add_group) checked against a float64 Adam on fresh random data, bad settings refused, step
  * options (schedule, loss scale, clipping, the finite check), stats (skipped steps, last grad norm),
  * the placement listing, policy reload, checkpoints (poll/wait, load options with fall back, the
- * settings' differences reported on load), the device and the version.
+ * settings' differences reported on load), the device and the version; a model in one group announced
+ * in buckets of params (ferry_grads_ready_params, ferry_wait_params_of) bit-identical to steps alone,
+ * and the misuses of both.
  * Usage: c_api_check DIR SOURCE_DIR (a scratch directory; the project's sources, for its policies).
  * Exit status 0 on success. */
 #define _POSIX_C_SOURCE 200809L /* truncate */
@@ -179,6 +181,160 @@ static ferry_engine* make_engine(model* m, double bias_weight_decay) {
   return e;
 }
 
+/* ---- one group announced in buckets (ferry_grads_ready_params, ferry_wait_params_of) ------------ */
+enum { NBUCKET = 6 };
+static const char* const kBucketNames[NBUCKET] = {"p0", "p1", "p2", "p3", "p4", "p5"};
+static const int64_t kBucketNumel[NBUCKET] = {1000, 7, 4099, 65, 3, 2000};
+
+typedef struct {
+  float* param[NBUCKET];
+  float* grad[NBUCKET];
+} bucket_model;
+
+/* Both models get the same random params; grads are set per step by the caller. */
+static void new_bucket_models(bucket_model* a, bucket_model* b) {
+  for (int i = 0; i < NBUCKET; ++i) {
+    const size_t n = (size_t)kBucketNumel[i];
+    a->param[i] = malloc(n * sizeof(float));
+    a->grad[i] = malloc(n * sizeof(float));
+    b->param[i] = malloc(n * sizeof(float));
+    b->grad[i] = malloc(n * sizeof(float));
+    for (size_t k = 0; k < n; ++k) a->param[i][k] = b->param[i][k] = random_value();
+  }
+}
+
+static void free_bucket_model(bucket_model* m) {
+  for (int i = 0; i < NBUCKET; ++i) {
+    free(m->param[i]);
+    free(m->grad[i]);
+  }
+}
+
+/* Every param in the one group "all", offloaded by `policy`; small chunks, so a bucket spans several. */
+static ferry_engine* make_bucket_engine(bucket_model* m, const char* policy) {
+  ferry_engine_options o;
+  ferry_engine_options_init(&o);
+  o.device = "host";
+  o.policy_path = policy;
+  o.lr = 0.01f;
+  o.weight_decay = 0.1f;
+  o.transfer_chunk_bytes = 1024;
+  ferry_engine* e = NULL;
+  CHECK(ferry_engine_create(&o, &e));
+  for (int i = 0; i < NBUCKET; ++i) {
+    CHECK(ferry_add_param(e, kBucketNames[i], "all", &kBucketNumel[i], 1, FERRY_F32, m->param[i], m->grad[i]));
+  }
+  CHECK(ferry_finalize(e));
+  int offloaded = 0;
+  CHECK(ferry_group_offloaded(e, "all", &offloaded));
+  EXPECT(offloaded == 1);
+  return e;
+}
+
+static void expect_same_param(const bucket_model* a, const bucket_model* b, int i, int step) {
+  if (memcmp(a->param[i], b->param[i], (size_t)kBucketNumel[i] * sizeof(float)) != 0) {
+    fprintf(stderr, "c_api_check: step %d: %s differs between buckets and the step alone\n", step, kBucketNames[i]);
+    exit(1);
+  }
+}
+
+/* Two engines on the same params and grads: `plain` only steps; `buckets` announces its one group in
+ * buckets of params during a simulated backward (last param first, buckets of 1 to 3), steps
+ * deferred every other step and then waits param by param in forward order, checking each param as
+ * its wait returns (the host backend's NULL stream is the calling thread). Clipping triggers in some
+ * steps (the early work is recomputed) and not in others (kept). */
+static void check_buckets(const char* policy) {
+  bucket_model pm, bm;
+  new_bucket_models(&pm, &bm);
+  ferry_engine* plain = make_bucket_engine(&pm, policy);
+  ferry_engine* buckets = make_bucket_engine(&bm, policy);
+
+  /* The misuses: nothing started by any of them. */
+  ferry_step_options so;
+  ferry_step_options_init(&so);
+  const char* unknown[] = {"p1", "nope"};
+  EXPECT_ERROR(ferry_grads_ready_params(buckets, unknown, 2, &so, NULL), FERRY_NOT_FOUND, "no param 'nope'");
+  EXPECT_ERROR(ferry_grads_ready_params(buckets, kBucketNames, 0, &so, NULL), FERRY_INVALID_ARGUMENT,
+               "name at least one param");
+  EXPECT_ERROR(ferry_grads_ready_params(buckets, NULL, 1, &so, NULL), FERRY_INVALID_ARGUMENT,
+               "ferry_grads_ready_params: params is NULL");
+  const char* with_null[] = {"p0", NULL};
+  EXPECT_ERROR(ferry_grads_ready_params(buckets, with_null, 2, &so, NULL), FERRY_INVALID_ARGUMENT,
+               "ferry_grads_ready_params: params[1] is NULL");
+  const char* twice[] = {"p1", "p1"};
+  EXPECT_ERROR(ferry_grads_ready_params(buckets, twice, 2, &so, NULL), FERRY_INVALID_ARGUMENT, "'p1'");
+  EXPECT_ERROR(ferry_grads_ready_params(NULL, kBucketNames, 1, &so, NULL), FERRY_INVALID_ARGUMENT,
+               "ferry_grads_ready_params: engine handle is NULL");
+  EXPECT_ERROR(ferry_wait_params_of(buckets, &unknown[1], 1, NULL), FERRY_NOT_FOUND, "no param 'nope'");
+  EXPECT_ERROR(ferry_wait_params_of(buckets, NULL, 1, NULL), FERRY_INVALID_ARGUMENT,
+               "ferry_wait_params_of: params is NULL");
+  EXPECT_ERROR(ferry_wait_params_of(NULL, kBucketNames, 1, NULL), FERRY_INVALID_ARGUMENT,
+               "ferry_wait_params_of: engine handle is NULL");
+  CHECK(ferry_verify_masters(buckets)); /* no step in progress */
+
+  ferry_stats stats;
+  int deferred = 0;
+  for (int step = 1; step <= 12; ++step) {
+    /* Fresh grads, the same for both; a clip at a third of the norm in every third step. */
+    double sum_sq = 0.0;
+    for (int i = 0; i < NBUCKET; ++i) {
+      for (int64_t k = 0; k < kBucketNumel[i]; ++k) {
+        const float g = random_value();
+        sum_sq += (double)g * g;
+        pm.grad[i][k] = bm.grad[i][k] = g;
+      }
+    }
+    ferry_step_options_init(&so);
+    so.has_lr = 1;
+    so.lr = 0.01f * (1.0f - 0.05f * (float)step);
+    so.max_grad_norm = step % 3 == 0 ? (float)(sqrt(sum_sq) / 3.0) : (float)(2.0 * sqrt(sum_sq));
+    /* The backward: buckets of 1 to 3 params from the last to the first. */
+    int end = NBUCKET;
+    int size = 1 + step % 3;
+    while (end > 0) {
+      const int begin = end - size > 0 ? end - size : 0;
+      CHECK(ferry_grads_ready_params(buckets, &kBucketNames[begin], (size_t)(end - begin), &so, NULL));
+      if (step == 1 && end == NBUCKET) {
+        /* Announced twice in one step: refused, naming the param; a wait before the step too. */
+        EXPECT_ERROR(ferry_grads_ready_params(buckets, &kBucketNames[NBUCKET - 1], 1, &so, NULL),
+                     FERRY_INVALID_ARGUMENT, "already announced");
+        EXPECT_ERROR(ferry_wait_params_of(buckets, kBucketNames, 1, NULL), FERRY_FAILED_PRECONDITION, "Step");
+        EXPECT_ERROR(ferry_verify_masters(buckets), FERRY_FAILED_PRECONDITION, "call Step first");
+      }
+      end = begin;
+      size = size % 3 + 1;
+    }
+    /* Every param announced: so is the group, and a group announcement of it is refused. */
+    const char* group[] = {"all"};
+    EXPECT_ERROR(ferry_grads_ready(buckets, group, 1, &so, NULL), FERRY_INVALID_ARGUMENT, "already announced");
+    CHECK(ferry_step_with(plain, &so, NULL));
+    CHECK(ferry_synchronize(plain));
+    const int defer = step % 2 == 0;
+    so.wait_for_params = defer ? 0 : 1;
+    CHECK(ferry_step_with(buckets, &so, NULL));
+    if (defer) {
+      /* The next forward: each param waited for alone, in forward order, holds the step's values. */
+      for (int i = 0; i < NBUCKET; ++i) {
+        CHECK(ferry_wait_params_of(buckets, &kBucketNames[i], 1, NULL));
+        expect_same_param(&bm, &pm, i, step);
+      }
+      CHECK(ferry_wait_params_of(buckets, kBucketNames, 0, NULL)); /* none: nothing to wait for */
+      ++deferred;
+    }
+    CHECK(ferry_synchronize(buckets));
+    for (int i = 0; i < NBUCKET; ++i) expect_same_param(&bm, &pm, i, step);
+  }
+  CHECK(ferry_get_stats(buckets, &stats));
+  EXPECT(stats.step == 12 && stats.skipped_steps == 0);
+  EXPECT(stats.early_groups_kept > 0 && stats.early_groups_recomputed > 0);
+  EXPECT(stats.deferred_steps == deferred); /* every deferrable step, the clipped ones too */
+  CHECK(ferry_verify_masters(buckets));
+  ferry_engine_destroy(buckets);
+  ferry_engine_destroy(plain);
+  free_bucket_model(&bm);
+  free_bucket_model(&pm);
+}
+
 int main(int argc, char** argv) {
   if (argc != 3) {
     fprintf(stderr, "usage: c_api_check DIR SOURCE_DIR\n");
@@ -342,6 +498,8 @@ int main(int argc, char** argv) {
   ferry_engine_destroy(e);
   free_model(&m2);
   free_model(&m);
+
+  check_buckets(policy);
   printf("c_api_check: OK\n");
   return 0;
 }

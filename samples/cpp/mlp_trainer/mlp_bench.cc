@@ -6,6 +6,7 @@
 #include <cinttypes>
 #include <cstdio>
 #include <cstring>
+#include <map>
 #include <string>
 #include <utility>
 #include <vector>
@@ -14,6 +15,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "ferry/engine.h"
 #include "ferry/status.h"
 #include "ferry/version.h"
@@ -29,10 +31,22 @@ using Clock = std::chrono::steady_clock;
 enum class Mode { kAllGpu, kPlain, kOverlap };
 
 constexpr const char* kModeNames[] = {"all_gpu", "plain", "overlap"};
-constexpr const char* kModeLabels[] = {"all_gpu.lua, Step", "offload_all.lua, Step",
-                                       "offload_all.lua, GradsReady + WaitParams"};
 constexpr int64_t kBatches = 4;  // distinct batches, used in turn
-constexpr int64_t kGroupsPerStep = 2;
+constexpr char kOneGroup[] = "mlp";  // --groups=one: every param's group
+
+// What each run does, for the table.
+std::string ModeLabel(Mode mode, Groups groups) {
+  switch (mode) {
+    case Mode::kAllGpu:
+      return "all_gpu.lua, Step";
+    case Mode::kPlain:
+      return "offload_all.lua, Step";
+    case Mode::kOverlap:
+      break;
+  }
+  return groups == Groups::kOne ? "offload_all.lua, GradsReadyParams + WaitParamsOf"
+                                : "offload_all.lua, GradsReady + WaitParams";
+}
 
 // The batches: x and y uniform in [-1, 1). The bench times the loop and fits nothing; the Teacher's
 // targets would cost the host more than a step at the large shapes.
@@ -67,16 +81,18 @@ struct Result {
 
 double Ms(Clock::duration d) { return std::chrono::duration<double, std::milli>(d).count(); }
 
-// A model hook that runs an engine call; its error stops the pass.
-bool Hooked(const absl::Status& s, const char* call, const std::string& group, std::string* error) {
+// A model hook that runs an engine call on `names` (groups or params); its error stops the pass.
+bool Hooked(const absl::Status& s, const char* call, const std::vector<std::string>& names, std::string* error) {
   if (s.ok()) return true;
-  *error = absl::StrCat(call, "({\"", group, "\"}): ", s.ToString());
+  *error = absl::StrCat(call, "({\"", absl::StrJoin(names, "\", \""), "\"}): ", s.ToString());
   return false;
 }
 
 absl::StatusOr<Result> Time(const BenchOptions& o, Mode mode, const std::vector<Batch>& batches) {
   const std::string policy = o.policy_dir + (mode == Mode::kAllGpu ? "/all_gpu.lua" : "/offload_all.lua");
-  FERRY_ASSIGN_OR_RETURN(Run run, Build(o.device, o.shape, /*init_seed=*/1, policy, {}, o.cpu_threads));
+  const bool one_group = o.groups == Groups::kOne;
+  FERRY_ASSIGN_OR_RETURN(Run run, Build(o.device, o.shape, /*init_seed=*/1, policy, {}, o.cpu_threads,
+                                        one_group ? kOneGroup : ""));
   for (const ferry::GroupPlacement& g : run.engine->Placement()) {
     if (g.offloaded != (mode != Mode::kAllGpu)) {
       return absl::InternalError(absl::StrCat(policy, " placed group '", g.group, "' on the ",
@@ -91,14 +107,26 @@ absl::StatusOr<Result> Time(const BenchOptions& o, Mode mode, const std::vector<
 
   ferry::StepOptions options;  // this step's, for GradsReady and Step alike
   options.wait_for_params = !overlap;
+  // Each layer's params (the model's hooks name the layer: "fc1", "fc2").
+  std::map<std::string, std::vector<std::string>> layer_params;
+  for (const Tensor& t : model.Tensors()) layer_params[t.group].push_back(t.name);
   const LayerHook none;
   LayerHook wait_params = none, grads_ready = none;
-  if (overlap) {
-    wait_params = [&](const std::string& group, std::string* error) {
-      return Hooked(engine.WaitParams({group}, stream), "WaitParams", group, error);
+  if (overlap && !one_group) {  // a group per layer: announce and wait per group
+    wait_params = [&](const std::string& layer, std::string* error) {
+      return Hooked(engine.WaitParams({layer}, stream), "WaitParams", {layer}, error);
     };
-    grads_ready = [&](const std::string& group, std::string* error) {
-      return Hooked(engine.GradsReady({group}, options, stream), "GradsReady", group, error);
+    grads_ready = [&](const std::string& layer, std::string* error) {
+      return Hooked(engine.GradsReady({layer}, options, stream), "GradsReady", {layer}, error);
+    };
+  } else if (overlap) {  // one group: the layer's params are a bucket, announced and waited for alone
+    wait_params = [&](const std::string& layer, std::string* error) {
+      const std::vector<std::string>& params = layer_params[layer];
+      return Hooked(engine.WaitParamsOf(params, stream), "WaitParamsOf", params, error);
+    };
+    grads_ready = [&](const std::string& layer, std::string* error) {
+      const std::vector<std::string>& params = layer_params[layer];
+      return Hooked(engine.GradsReadyParams(params, options, stream), "GradsReadyParams", params, error);
     };
   }
 
@@ -147,6 +175,14 @@ absl::Status RunBench(const BenchOptions& o) {
               FERRY_VERSION_STRING, o.device.c_str(), s.batch, s.in, s.hidden, s.out, fc1 + fc2, fc1, fc2);
   std::printf("%" PRId64 " warm-up + %" PRId64 " timed iterations each; the host never waits for the device "
               "inside the loop\n", o.warmup, o.iters);
+  const bool one_group = o.groups == Groups::kOne;
+  if (one_group) {
+    std::printf("groups: one (every param in group '%s'; overlap announces each layer's params as a bucket "
+                "with GradsReadyParams and waits with WaitParamsOf)\n", kOneGroup);
+  } else {
+    std::printf("groups: layer (a group per layer, fc1 and fc2; overlap announces with GradsReady and waits with "
+                "WaitParams per group)\n");
+  }
   const std::vector<Batch> batches = MakeBatches(s);
 
   Result results[3];
@@ -154,10 +190,11 @@ absl::Status RunBench(const BenchOptions& o) {
     FERRY_ASSIGN_OR_RETURN(results[static_cast<int>(mode)], Time(o, mode, batches));
   }
   const Result& all_gpu = results[0];
-  std::printf("  %-8s %-42s %10s %10s %10s\n", "run", "", "median ms", "mean ms", "/ all_gpu");
-  for (int m = 0; m < 3; ++m) {
-    std::printf("  %-8s %-42s %10.3f %10.3f %10.3f\n", kModeNames[m], kModeLabels[m], results[m].median_ms,
-                results[m].mean_ms, results[m].median_ms / all_gpu.median_ms);
+  std::printf("  %-8s %-50s %10s %10s %10s\n", "run", "", "median ms", "mean ms", "/ all_gpu");
+  for (Mode mode : {Mode::kAllGpu, Mode::kPlain, Mode::kOverlap}) {
+    const int m = static_cast<int>(mode);
+    std::printf("  %-8s %-50s %10.3f %10.3f %10.3f\n", kModeNames[m], ModeLabel(mode, o.groups).c_str(),
+                results[m].median_ms, results[m].mean_ms, results[m].median_ms / all_gpu.median_ms);
   }
   const Result& plain = results[static_cast<int>(Mode::kPlain)];
   const Result& overlap = results[static_cast<int>(Mode::kOverlap)];
@@ -166,6 +203,7 @@ absl::Status RunBench(const BenchOptions& o) {
 
   // Ferry's overlap is exact: the same bits as Step alone.
   const int64_t total = o.warmup + o.iters;
+  const int64_t groups_per_step = one_group ? 1 : 2;  // every group of the model, each step
   if (overlap.params != plain.params) {
     size_t first = 0;
     while (first < plain.params.size() && overlap.params[first] == plain.params[first]) ++first;
@@ -177,14 +215,21 @@ absl::Status RunBench(const BenchOptions& o) {
     return absl::InternalError(absl::StrFormat("the last loss differs with and without overlap: %.17g vs %.17g",
                                                overlap.loss, plain.loss));
   }
-  if (overlap.stats.early_groups_kept != kGroupsPerStep * total || overlap.stats.early_groups_recomputed != 0) {
+  if (overlap.stats.early_groups_kept != groups_per_step * total || overlap.stats.early_groups_recomputed != 0) {
     return absl::InternalError(absl::StrFormat(
         "overlap kept %d early group updates and recomputed %d; expected %d kept, none recomputed",
-        overlap.stats.early_groups_kept, overlap.stats.early_groups_recomputed, kGroupsPerStep * total));
+        overlap.stats.early_groups_kept, overlap.stats.early_groups_recomputed, groups_per_step * total));
   }
-  std::printf("plain and overlap: all %zu params and the last loss (%.6f) bit-identical after %" PRId64
-              " iterations; early group updates kept %" PRId64 ", recomputed 0\n",
-              plain.params.size(), plain.loss, total, overlap.stats.early_groups_kept);
+  // Every step returned before its offloaded update ended (the per-layer waits of the next forward
+  // waited for it).
+  if (overlap.stats.deferred_steps != total) {
+    return absl::InternalError(absl::StrFormat("overlap deferred %d of %d steps; expected all",
+                                               overlap.stats.deferred_steps, total));
+  }
+  std::printf("plain and overlap (groups %s): all %zu params and the last loss (%.6f) bit-identical after %" PRId64
+              " iterations; early group updates kept %" PRId64 ", recomputed 0; steps deferred %" PRId64 "\n",
+              one_group ? "one" : "layer", plain.params.size(), plain.loss, total, overlap.stats.early_groups_kept,
+              overlap.stats.deferred_steps);
   return absl::OkStatus();
 }
 

@@ -35,10 +35,12 @@ inline absl::StatusOr<std::unique_ptr<Model>> MakeModel(const std::string& devic
 }
 
 // A model initialised from `init_seed` and an engine with `policy` (a file of Ferry's policy
-// directory) that has registered its tensors, bf16 params with fp32 grads, and finalized.
+// directory) that has registered its tensors, bf16 params with fp32 grads, and finalized. Each
+// tensor is in its layer's group (Tensor::group), or, when `one_group` is not empty, every tensor is
+// in that one group.
 inline absl::StatusOr<Run> Build(const std::string& device, const Shape& shape, uint64_t init_seed,
                                  const std::string& policy_path, const std::map<std::string, std::string>& args,
-                                 size_t cpu_threads = 0) {
+                                 size_t cpu_threads = 0, const std::string& one_group = "") {
   Run run;
   FERRY_ASSIGN_OR_RETURN(run.model, MakeModel(device, shape));
   std::string error;
@@ -53,9 +55,9 @@ inline absl::StatusOr<Run> Build(const std::string& device, const Shape& shape, 
   options.cpu_threads = cpu_threads;
   FERRY_ASSIGN_OR_RETURN(run.engine, ferry::Engine::Create(options));
   for (const Tensor& t : run.model->Tensors()) {
-    FERRY_RETURN_IF_ERROR(run.engine->AddParam({.name = t.name, .group = t.group, .shape = t.shape,
-                                                .dtype = ferry::DType::kBF16, .param = t.param, .grad = t.grad,
-                                                .grad_dtype = ferry::DType::kF32}));
+    FERRY_RETURN_IF_ERROR(run.engine->AddParam({.name = t.name, .group = one_group.empty() ? t.group : one_group,
+                                                .shape = t.shape, .dtype = ferry::DType::kBF16, .param = t.param,
+                                                .grad = t.grad, .grad_dtype = ferry::DType::kF32}));
   }
   FERRY_RETURN_IF_ERROR(run.engine->Finalize());  // the policy's place() decides CPU or GPU per group
   return run;

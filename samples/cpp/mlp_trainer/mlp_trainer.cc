@@ -6,11 +6,12 @@
 //
 //   mlp_trainer [--device=auto|host|cuda] [--steps=N] [--policy_dir=DIR] [--checkpoint_root=DIR]
 //   mlp_trainer --bench [--device=...] [--batch=N --in=N --hidden=N --out=N --iters=N --warmup=N
-//               --cpu_threads=N]
+//               --cpu_threads=N --groups=layer|one]
 //
 // --bench times the training loop of a host that never waits for the device, with and without
-// Ferry's overlap (GradsReady during backward, WaitParams per layer in the next forward): see
-// mlp_bench.h.
+// Ferry's overlap (GradsReady during backward, WaitParams per layer in the next forward; with
+// --groups=one every param is in one group, and the layers' params are announced as buckets with
+// GradsReadyParams and waited for with WaitParamsOf): see mlp_bench.h.
 //
 // The contract it checks (exit 1 otherwise): the mean loss of the last 10 steps is below
 // kLossThreshold (0.02, from about 2 at step 1) after the default 400 steps, and the resumed run
@@ -55,7 +56,8 @@ constexpr float kMaxLr = 1e-2f, kMinLr = 1e-3f;
 constexpr char kUsage[] =
     "usage: mlp_trainer [--device=auto|host|cuda] [--steps=N (>= 2)] [--policy_dir=DIR] [--checkpoint_root=DIR]\n"
     "       mlp_trainer --bench [--device=...] [--policy_dir=DIR] [--batch=N] [--in=N] [--hidden=N] [--out=N]\n"
-    "                   [--iters=N (>= 2)] [--warmup=N] [--cpu_threads=N (0: all CPUs)]\n";
+    "                   [--iters=N (>= 2)] [--warmup=N] [--cpu_threads=N (0: all CPUs)]\n"
+    "                   [--groups=layer|one (a group per layer, the default; or every param in one group)]\n";
 
 // Cosine decay from kMaxLr at step 1 to kMinLr at the last step.
 float LearningRate(int64_t step, int64_t steps) {
@@ -190,6 +192,15 @@ bool ParseFlags(int argc, char** argv, Flags* flags) {
       flags->bench = true;
       continue;
     }
+    if (value("--groups=", &v)) {
+      if (v == "layer" || v == "one") {
+        bench.groups = v == "one" ? mlp::Groups::kOne : mlp::Groups::kLayer;
+        flags->bench_flags = true;
+        continue;
+      }
+      std::fprintf(stderr, "mlp_trainer: --groups is layer or one, not '%s'\n%s", v.c_str(), kUsage);
+      return false;
+    }
     if (value("--steps=", &v)) {
       if (ParseInt(v, 2, &flags->steps)) continue;
     } else {
@@ -216,8 +227,8 @@ bool ParseFlags(int argc, char** argv, Flags* flags) {
     return false;
   }
   if (flags->bench_flags && !flags->bench) {
-    std::fprintf(stderr, "mlp_trainer: --batch, --in, --hidden, --out, --iters, --warmup and --cpu_threads "
-                         "are flags of --bench\n%s", kUsage);
+    std::fprintf(stderr, "mlp_trainer: --batch, --in, --hidden, --out, --iters, --warmup, --cpu_threads and "
+                         "--groups are flags of --bench\n%s", kUsage);
     return false;
   }
   if (flags->device != "auto" && flags->device != "host" && flags->device != "cuda") {
