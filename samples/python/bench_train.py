@@ -7,22 +7,24 @@ of the same model and loop in the same run (Ferry's `all_gpu` row and torch's Ad
     torch AdamW (fused)          state on the GPU (torch's fused kernel where the build has it)
     ferry all_gpu                Ferry's GPU Adam, state on the GPU
     ferry offload                fp32 state in pinned host memory, step() only
-    ferry offload + overlap      the same, groups announced from grad hooks during backward
+    ferry offload + overlap      the same, buckets (or groups) announced from grad hooks during backward
     ferry offload bf16 (+ overlap)  bf16 moments (8 B of host state per param), without and with overlap
 
 Beside each offloaded row, its bound: the offloaded step measured alone (the GPU idle, the grads
 ready: CPU Adam and the copies). When that bound exceeds forward + backward (also measured alone),
 no overlap can bring the iteration down to the all-GPU one: the row says which case it is. With
-overlap the CPU work can start only when the first announced group's grads are final (the head's,
+overlap the CPU work can start only when the first announced bucket's grads are final (the head's,
 after the forward and the head's backward), and with deferred steps the work left when the backward
 ends runs beside the next forward: a CPU-bound overlapped iteration takes about the step alone plus
-the time CPU Adam has nothing to do (the forward to the first group's grads).
+the time CPU Adam has nothing to do (the forward to the first bucket's grads).
 
-The loop's shape, the same for every row of a run (torch's AdamW row included) and named in the table:
+The loop's shape, the same for every row of a run (torch's AdamW row included) and named in the table
+(a ferry.torch that overlaps by buckets of --bucket-mb MiB announces them whatever the groups; an older
+one announces whole groups, so fewer groups start CPU Adam later):
     --groups block     the embeddings, a group per transformer block, the final norm with the head (14
                        groups at 735M; the default; `split` is its older name); `joined`: the embeddings
                        with the head (their grads are final last: CPU Adam starts one block later)
-    --groups one       Optimizer(model.parameters(), ...): one group, announced when the backward ends
+    --groups one       Optimizer(model.parameters(), ...): one group
     --groups decay     two groups as nanoGPT's and HF Trainer's configure_optimizers make them: params
                        of dim >= 2 with weight_decay 0.1, the rest (biases, norms) with 0
     --clip opt         between backward and step, opt.clip_grad_norm_(1e9) (ferry rows) or
