@@ -1,33 +1,50 @@
 #!/usr/bin/env python3
-"""A real training loop, timed as a trainer runs it: a plain torch transformer (bf16 params), forward,
-backward and optimizer step, with no host synchronization inside the loop (the host runs ahead of its
-GPU, as production loops do). Prints the iteration time of each optimizer row and its ratio to the
-all-GPU iteration of the same model in the same run:
+"""A real training loop, timed as a trainer runs it: a plain torch transformer, forward, backward and
+optimizer step, with no host synchronization inside the loop (the host runs ahead of its GPU, as
+production loops do). Prints the iteration time of each optimizer row beside the all-GPU iterations
+of the same model and loop in the same run (Ferry's `all_gpu` row and torch's AdamW) and its ratios:
 
     torch AdamW (fused)          state on the GPU (torch's fused kernel where the build has it)
     ferry all_gpu                Ferry's GPU Adam, state on the GPU
     ferry offload                fp32 state in pinned host memory, step() only
-    ferry offload + overlap      the same, groups announced from grad hooks during backward
+    ferry offload + overlap      the same, buckets (or groups) announced from grad hooks during backward
     ferry offload bf16 (+ overlap)  bf16 moments (8 B of host state per param), without and with overlap
 
 Beside each offloaded row, its bound: the offloaded step measured alone (the GPU idle, the grads
 ready: CPU Adam and the copies). When that bound exceeds forward + backward (also measured alone),
 no overlap can bring the iteration down to the all-GPU one: the row says which case it is. With
-overlap the CPU work can start only when the first announced group's grads are final (the head's,
+overlap the CPU work can start only when the first announced bucket's grads are final (the head's,
 after the forward and the head's backward), and with deferred steps the work left when the backward
 ends runs beside the next forward: a CPU-bound overlapped iteration takes about the step alone plus
-the time CPU Adam has nothing to do (the forward to the first group's grads).
+the time CPU Adam has nothing to do (the forward to the first bucket's grads).
+
+The loop's shape, the same for every row of a run (torch's AdamW row included) and named in the table
+(a ferry.torch that overlaps by buckets of --bucket-mb MiB announces them whatever the groups; an older
+one announces whole groups, so fewer groups start CPU Adam later):
+    --groups block     the embeddings, a group per transformer block, the final norm with the head (14
+                       groups at 735M; the default; `split` is its older name); `joined`: the embeddings
+                       with the head (their grads are final last: CPU Adam starts one block later)
+    --groups one       Optimizer(model.parameters(), ...): one group
+    --groups decay     two groups as nanoGPT's and HF Trainer's configure_optimizers make them: params
+                       of dim >= 2 with weight_decay 0.1, the rest (biases, norms) with 0
+    --clip opt         between backward and step, opt.clip_grad_norm_(1e9) (ferry rows) or
+                       torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9) (torch's): never reached
+    --clip reached     the same calls with max_norm 1e-3: reached at every step (checked on the norms
+                       the calls return; the run fails otherwise)
+    --amp fp16         fp32 params, forward under autocast(fp16), loss scaled by torch's GradScaler:
+                       scaler.scale(loss).backward(); scaler.step(opt); scaler.update() (torch's row
+                       calls scaler.unscale_(opt) before its clip; ferry's optimizer takes the scale
+                       itself). Without --amp the params are bf16 and nothing is autocast. CUDA only:
+                       on the CPU the same loop runs without autocast and with the scaler disabled.
 
     python3 samples/python/bench_train.py                        # the 735M model (dim 2048, 12 blocks)
     python3 samples/python/bench_train.py --size all             # small, medium and large
+    python3 samples/python/bench_train.py --groups decay --clip reached --amp fp16   # nanoGPT's loop
     python3 samples/python/bench_train.py --check-exact          # losses bit-identical across rows
     python3 samples/python/bench_train.py --device cpu --size tiny --steps 2   # smoke (host backend)
 
-Ferry's groups (--groups split, the default): the embeddings, one group per transformer block, and
-the final norm with the head, 14 groups at 735M; --groups joined puts the embeddings with the head
-(their grads are final last, so CPU Adam starts one block's backward later). A benchmark, not a
-test: it asserts nothing about time; --check-exact exits non-zero when the losses of the fp32 Ferry
-rows differ in any bit.
+A benchmark, not a test: it asserts nothing about time; --check-exact exits non-zero when the losses of
+the fp32 Ferry rows differ in any bit.
 """
 import argparse
 import gc
@@ -95,10 +112,19 @@ class Model(torch.nn.Module):
         logits = self.head(self.ln(x))
         return F.cross_entropy(logits.float().view(-1, VOCAB), tokens[:, 1:].reshape(-1))
 
-    def param_groups(self, layout="split"):
-        """split: the embeddings, one group per block, then the final norm and the head (in forward
-        order: a backward makes the head's grads final first, the embeddings' last). joined: one group
-        per block, then one for the embeddings, the final norm and the head together."""
+    def param_groups(self, layout="block", weight_decay=0.1):
+        """What the optimizers of a row get, as a loop with `--groups layout` writes it.
+        block (or split): the embeddings, one group per block, then the final norm and the head (in
+        forward order: a backward makes the head's grads final first, the embeddings' last). joined: one
+        group per block, then one for the embeddings, the final norm and the head together. one:
+        model.parameters() itself. decay: configure_optimizers' two groups (nanoGPT, HF Trainer): params
+        of dim >= 2 with `weight_decay`, the others (biases, norms) with none."""
+        if layout == "one":
+            return self.parameters()
+        if layout == "decay":
+            params = [p for _, p in self.named_parameters() if p.requires_grad]
+            return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+                    {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
         blocks = [{"params": list(b.parameters())} for b in self.blocks]
         head = list(self.ln.parameters()) + list(self.head.parameters())
         if layout == "joined":
@@ -106,8 +132,89 @@ class Model(torch.nn.Module):
         return [{"params": list(self.embed.parameters())}] + blocks + [{"params": head}]
 
 
+CLIP_NORMS = {"none": None, "opt": 1.0e9, "reached": 1.0e-3}  # --clip: the max_norm of the clip calls
+
+
+def make_grad_scaler(enabled):
+    if hasattr(torch, "amp") and hasattr(torch.amp, "GradScaler"):  # torch >= 2.3
+        return torch.amp.GradScaler("cuda", enabled=enabled)
+    return torch.cuda.amp.GradScaler(enabled=enabled)
+
+
+class Loop:
+    """The shape of a run's training loop (--groups, --clip, --amp): the param groups every row's
+    optimizer gets, and the calls between the forward and the next one, as users write them."""
+
+    def __init__(self, args):
+        self.groups, self.clip, self.amp = args.groups, args.clip, args.amp
+        self.max_norm = CLIP_NORMS[args.clip]
+        self.autocast = args.amp == "fp16" and args.device == "cuda"  # on the CPU: the scaler disabled
+
+    def label(self):
+        return "%s, clip %s, amp %s" % (self.groups, self.clip, self.amp)
+
+    def param_dtype(self):
+        return torch.float32 if self.amp == "fp16" else torch.bfloat16
+
+    def scaler(self):
+        """A row's own GradScaler (each row starts from the same scale), or None without --amp."""
+        return make_grad_scaler(self.autocast) if self.amp == "fp16" else None
+
+    def forward_backward(self, model, batch, scaler):
+        """Forward (under autocast with --amp fp16 on CUDA) and backward (of the scaled loss with a
+        scaler) of `batch`. Returns the loss."""
+        if self.autocast:
+            with torch.autocast(device_type="cuda", dtype=torch.float16):
+                loss = model(batch)
+        else:
+            loss = model(batch)
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+        return loss
+
+    def backward(self, model, batch, opt, kind, scaler, norms):
+        """forward_backward, then the loop's clip call between backward and step (its norm appended to
+        `norms`, a tensor: no host synchronization). Returns the loss."""
+        loss = self.forward_backward(model, batch, scaler)
+        if self.max_norm is not None:
+            if kind == "torch":
+                if scaler is not None:
+                    scaler.unscale_(opt)  # torch's recipe: the clip sees the unscaled grads
+                norm = torch.nn.utils.clip_grad_norm_(model.parameters(), self.max_norm)
+            else:
+                norm = opt.clip_grad_norm_(self.max_norm)  # no unscale_: ferry takes the scale itself
+            norms.append(norm.detach().float().reshape(()))
+        return loss
+
+    @staticmethod
+    def step(opt, scaler):
+        if scaler is None:
+            opt.step()
+        else:
+            scaler.step(opt)
+            scaler.update()
+
+    def clip_verdict(self, norms):
+        """(text, ok): how many steps the clip reached, from the norms its calls returned; not ok when
+        the mode's promise (--clip opt: never; reached: every step) does not hold."""
+        if self.max_norm is None or not norms:
+            return "", True
+        n = torch.stack(norms).cpu()
+        finite = n[torch.isfinite(n)]
+        if finite.numel() == 0:
+            return "clip: no finite norm in %d steps" % n.numel(), True
+        reached = int((finite > self.max_norm).sum())
+        ok = reached == finite.numel() if self.clip == "reached" else reached == 0
+        return "clip reached in %d of %d steps (norm %.3g to %.3g)%s" % (
+            reached, finite.numel(), float(finite.min()), float(finite.max()),
+            "" if ok else ": NOT what --clip %s promises" % self.clip), ok
+
+
+def has_option(name):
+    return name in inspect.signature(ferry.torch.Optimizer.__init__).parameters
+
+
 def has_overlap_option():
-    return "overlap" in inspect.signature(ferry.torch.Optimizer.__init__).parameters
+    return has_option("overlap")
 
 
 class Announcer:
@@ -143,8 +250,9 @@ def trace_path(path, row):
     return "%s.%s%s" % (root, slug, ext or ".json")
 
 
-def make_optimizer(row, model, args):
-    groups = model.param_groups(args.groups)
+def make_optimizer(row, model, loop, args):
+    """(optimizer, Announcer or None), or (None, why the row is skipped)."""
+    groups = model.param_groups(loop.groups)
     kw = dict(lr=args.lr, weight_decay=0.1)
     if row["kind"] == "torch":
         fused = {"fused": True} if "fused" in inspect.signature(torch.optim.AdamW).parameters and \
@@ -155,28 +263,36 @@ def make_optimizer(row, model, args):
         extra["cpu_threads"] = args.cpu_threads
     if args.chunk_bytes:
         extra["transfer_chunk_bytes"] = args.chunk_bytes
+    if args.bucket_mb and has_option("bucket_mb"):
+        extra["bucket_mb"] = args.bucket_mb
     announcer = None
     if has_overlap_option():
         extra["overlap"] = row.get("overlap", False)
     opt = ferry.torch.Optimizer(groups, **kw, **extra)
+    if loop.autocast and not getattr(opt, "_step_supports_amp_scaling", False):
+        del opt
+        gc.collect()
+        return None, "ferry.torch does not take GradScaler's scale yet"
     if row.get("overlap") and has_overlap_option() and not args.no_attach:
         opt.attach(model)  # each layer's forward waits only for its own group's upload
     if row.get("overlap") and not has_overlap_option():
         if not hasattr(torch.Tensor, "register_post_accumulate_grad_hook"):
             return None, "needs torch >= 2.1 (post-accumulate-grad hooks) or ferry.torch's overlap option"
-        announcer = Announcer(opt, groups)
+        announcer = Announcer(opt, opt.param_groups)
     return opt, announcer
 
 
-def run_row(row, model, init, data, args):
-    """Iteration time (s), losses (a CPU tensor), the offloaded step alone (s, or None)."""
+def run_row(row, model, init, data, loop, args):
+    """Iteration time (s), losses (a CPU tensor), the offloaded step alone (s, or None), and None or
+    why the row was skipped. Sets row["deferred"] and row["clip"] (clip_verdict's)."""
     model.load_state_dict(init)
     for p in model.parameters():
         p.grad = None  # an optimizer adopts the grads it finds; each row starts from none
-    opt, announcer = make_optimizer(row, model, args)
+    opt, announcer = make_optimizer(row, model, loop, args)
     if opt is None:
         return None, None, None, announcer
-    losses = []
+    scaler, kind = loop.scaler(), row["kind"]
+    losses, norms = [], []
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     sync()
     t0 = None
@@ -186,28 +302,27 @@ def run_row(row, model, init, data, args):
             t0 = time.perf_counter()
         if isinstance(announcer, Announcer):
             announcer.reset()
-        loss = model(data[it % len(data)])
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=row["kind"] == "torch")
+        loss = loop.backward(model, data[it % len(data)], opt, kind, scaler, norms)
+        loop.step(opt, scaler)
+        opt.zero_grad(set_to_none=kind == "torch")
         losses.append(loss.detach())
-    if row["kind"] == "ferry":
+    if kind == "ferry":
         # A deferred last step may still run CPU Adam on the host: its uploads count too.
         opt.wait_params()
     sync()
     iteration = (time.perf_counter() - t0) / args.steps
-    deferred = opt.stats().get("deferred_steps", 0) if row["kind"] == "ferry" else 0
+    deferred = opt.stats().get("deferred_steps", 0) if kind == "ferry" else 0
     alone = None
     if row.get("offloaded") and not row.get("overlap") and args.device == "cuda":
-        # The offloaded step alone: grads final, the GPU idle (one backward, then synchronized steps
-        # on the same grads; each step is timed by itself).
+        # The offloaded step alone: grads final, the GPU idle (one backward and the loop's clip call,
+        # then synchronized steps on the same grads; each step is timed by itself).
         times = []
         for _ in range(3):
             opt.zero_grad()
-            model(data[0]).backward()
+            loop.backward(model, data[0], opt, kind, scaler, [])
             sync()
             t = time.perf_counter()
-            opt.step()
+            loop.step(opt, scaler)
             sync()
             times.append(time.perf_counter() - t)
         alone = statistics.median(times)
@@ -216,20 +331,21 @@ def run_row(row, model, init, data, args):
     del opt
     gc.collect()
     row["deferred"] = deferred
+    row["clip"] = loop.clip_verdict(norms)
     return iteration, torch.stack(losses).float().cpu(), alone, None
 
 
-def compute_alone(model, data, args):
-    """Forward + backward alone (no optimizer), host running ahead."""
+def compute_alone(model, data, loop, args):
+    """Forward + backward alone (no optimizer, no clip, no loss scaling), host running ahead."""
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     for p in model.parameters():
         p.grad = None
     for it in range(args.warmup):
-        model(data[it % len(data)]).backward()
+        loop.forward_backward(model, data[it % len(data)], None)
     sync()
     t = time.perf_counter()
     for it in range(args.steps):
-        model(data[it % len(data)]).backward()
+        loop.forward_backward(model, data[it % len(data)], None)
     sync()
     for p in model.parameters():
         p.grad = None
@@ -252,35 +368,61 @@ def rows_for(args):
     return rows
 
 
+def print_table(results, loop):
+    """Every row with its loop, beside the all-GPU iterations of the same run and loop: Ferry's
+    all_gpu row (the ratio the README's figures give) and torch's AdamW row."""
+    base = {name: it for row, it, _, _ in results if it is not None
+            for name in [row["name"]] if name in ("ferry all_gpu", "torch AdamW (fused)")}
+    ferry_base, torch_base = base.get("ferry all_gpu"), base.get("torch AdamW (fused)")
+
+    def against(it, ref):
+        return "%9s  %6s" % ("-", "-") if ref is None else "%6.1f ms  %5.2fx" % (ref * 1e3, it / ref)
+
+    print("   %-30s %-31s %11s   %-17s  %s" % ("row", "loop (groups, clip, amp)", "iteration",
+                                              "ferry all_gpu, ratio", "torch AdamW, ratio"), flush=True)
+    for row, iteration, _, why in results:
+        if iteration is None:
+            print("   %-30s %-31s skipped: %s" % (row["name"], loop.label(), why), flush=True)
+            continue
+        print("   %-30s %-31s %8.1f ms  %s    %s" % (row["name"], loop.label(), iteration * 1e3,
+              against(iteration, ferry_base), against(iteration, torch_base)), flush=True)
+
+
 def bench_size(name, args):
     dim, blocks, heads, batch, seq = SIZES[name]
     if args.batch:
         batch = args.batch
+    loop = Loop(args)
     torch.manual_seed(0)
-    model = Model(dim, blocks, heads, exact=args.check_exact).to(device=args.device, dtype=torch.bfloat16)
+    model = Model(dim, blocks, heads, exact=args.check_exact).to(device=args.device, dtype=loop.param_dtype())
     init = {k: v.detach().clone() for k, v in model.state_dict().items()}
     gen = torch.Generator(device="cpu").manual_seed(1)
     data = [torch.randint(0, VOCAB, (batch, seq + 1), generator=gen).to(args.device) for _ in range(4)]
     numel = sum(p.numel() for p in model.parameters())
-    print("== %s: dim %d, %d blocks, %.0fM bf16 params, batch %d x %d tokens, %d groups, %d timed steps after %d"
-          % (name, dim, blocks, numel / 1e6, batch, seq, len(model.param_groups(args.groups)), args.steps,
-             args.warmup), flush=True)
-    fwd_bwd = compute_alone(model, data, args)
+    groups = model.param_groups(loop.groups)
+    n_groups = len(groups) if isinstance(groups, list) else 1
+    cpu_amp = " (on the CPU: no autocast, the scaler disabled)" if loop.amp == "fp16" and not loop.autocast else ""
+    print("== %s: dim %d, %d blocks, %.0fM %s params, batch %d x %d tokens, %d timed steps after %d" % (
+        name, dim, blocks, numel / 1e6, str(loop.param_dtype()).replace("torch.", ""), batch, seq, args.steps,
+        args.warmup), flush=True)
+    print("   loop: --groups %s (%d group%s), --clip %s%s, --amp %s%s" % (
+        loop.groups, n_groups, "" if n_groups == 1 else "s", loop.clip,
+        "" if loop.max_norm is None else " (max_norm %g)" % loop.max_norm, loop.amp, cpu_amp), flush=True)
+    if args.bucket_mb:
+        print("   bucket_mb=%d %s" % (args.bucket_mb, "passed to ferry.torch.Optimizer" if has_option("bucket_mb")
+                                      else "ignored: ferry.torch.Optimizer takes no bucket_mb"), flush=True)
+    fwd_bwd = compute_alone(model, data, loop, args)
     print("   forward + backward alone: %.1f ms" % (fwd_bwd * 1e3), flush=True)
     results = []
-    base = None
     bounds = {}  # (policy, moments) -> the offloaded step alone, from the row without overlap
+    ok = True
     for row in rows_for(args):
-        iteration, losses, alone, why = run_row(row, model, init, data, args)
+        iteration, losses, alone, why = run_row(row, model, init, data, loop, args)
+        results.append((row, iteration, losses, why))
         if iteration is None:
             print("   %-30s skipped: %s" % (row["name"], why), flush=True)
             continue
-        if row["name"] == "ferry all_gpu":
-            base = iteration
-        results.append((row, iteration, losses, alone))
         line = "   %-30s %8.1f ms" % (row["name"], iteration * 1e3)
-        if base:
-            line += "  %5.2fx all-GPU" % (iteration / base)
         key = (row.get("policy"), str(row.get("policy_args")))
         if alone is not None:
             bounds[key] = alone
@@ -291,16 +433,25 @@ def bench_size(name, args):
             line += "   bound: step alone %.1f ms (%s)" % (alone * 1e3, bound)
         if row.get("deferred"):
             line += "   [%d of %d steps deferred]" % (row["deferred"], args.warmup + args.steps)
+        clip_text, clip_ok = row["clip"]
+        if clip_text:
+            line += "   [%s]" % clip_text
+        ok = ok and clip_ok
         print(line, flush=True)
-    ok = True
+    print_table(results, loop)
     if args.check_exact:
-        ref = next((r for r in results if r[0]["name"] == "ferry all_gpu"), None)
+        ref = next((r for r in results if r[0]["name"] == "ferry all_gpu" and r[1] is not None), None)
+        compared = 0
         for row, _, losses, _ in results:
-            if row.get("exact") and ref is not None:
+            if row.get("exact") and ref is not None and losses is not None:
                 same = torch.equal(losses, ref[2])
                 ok = ok and same
+                compared += 1
                 print("   losses of %-30s %s ferry all_gpu's (%s)" % (row["name"], "==" if same else "!=",
                       ", ".join("%.6f" % v for v in losses[:4].tolist())), flush=True)
+        if compared < 2:
+            print("   --check-exact: fewer than two fp32 ferry rows ran (ferry all_gpu and another): nothing compared",
+                  flush=True)
     del model
     gc.collect()
     return ok
@@ -318,10 +469,23 @@ def main():
     ap.add_argument("--cpu-threads", type=int, default=0, help="ferry's CPU Adam threads (0: its default)")
     ap.add_argument("--chunk-bytes", type=int, default=0,
                     help="ferry's transfer_chunk_bytes: grads per pipeline chunk (0: its default, 8 MiB)")
+    ap.add_argument("--bucket-mb", type=int, default=0,
+                    help="ferry.torch.Optimizer's bucket_mb (0: its default; ignored, with a note, by a "
+                    "ferry.torch that takes no bucket_mb)")
     ap.add_argument("--no-attach", action="store_true",
                     help="overlap rows without opt.attach(model): the next forward waits for every upload")
-    ap.add_argument("--groups", default="split", choices=["split", "joined"],
-                    help="split: embeddings, blocks, head (default); joined: blocks, then embeddings + head")
+    ap.add_argument("--groups", default="block", choices=["block", "split", "joined", "one", "decay"],
+                    help="the param groups of every row, torch's included. block (default; split is the same): "
+                    "embeddings, a group per block, head; joined: blocks, then embeddings + head; one: "
+                    "model.parameters(); decay: dim >= 2 with weight decay, the rest without (nanoGPT, HF Trainer)")
+    ap.add_argument("--clip", default="none", choices=list(CLIP_NORMS),
+                    help="none; opt: clip_grad_norm_(1e9) between backward and step, never reached (ferry rows: "
+                    "opt.clip_grad_norm_, torch's: torch.nn.utils.clip_grad_norm_); reached: max_norm 1e-3, "
+                    "clipped at every step (checked on the returned norms)")
+    ap.add_argument("--amp", default="none", choices=["none", "fp16"],
+                    help="none: bf16 params, no autocast; fp16: fp32 params (torch's AMP recipe), forward under "
+                    "autocast(fp16), GradScaler (torch's row unscale_s before its clip; ferry rows skip, saying so, "
+                    "until ferry.torch takes GradScaler's scale); CUDA only, on the CPU autocast and scaler are off")
     ap.add_argument("--trace", default="", help="ferry trace (Chrome JSON) of each ferry row: PATH with the row's name before the "
                     "extension, e.g. run.offload_overlap.json")
     ap.add_argument("--check-exact", action="store_true",
@@ -335,7 +499,8 @@ def main():
     sizes = ["small", "medium", "large"] if args.size == "all" else [args.size]
     ok = all([bench_size(s, args) for s in sizes])
     if not ok:
-        print("FAILED: losses differ between placements or with overlap", file=sys.stderr)
+        print("FAILED: losses differ between placements or with overlap, or the clip did not do what --clip "
+              "promises", file=sys.stderr)
         return 1
     return 0
 
