@@ -361,6 +361,10 @@ def rows_for(args):
          "overlap": True, "exact": True},
         {"name": "ferry offload bf16", "kind": "ferry", "policy": "offload_bf16_moments", "offloaded": True},
         {"name": "ferry offload bf16 + overlap", "kind": "ferry", "policy": "offload_bf16_moments", "offloaded": True, "overlap": True},
+        # Half the groups' bytes offloaded (a group is the unit of placement: with one group the policy
+        # offloads all of it or none).
+        {"name": "ferry offload 50% + overlap", "kind": "ferry", "policy": "offload_fraction",
+         "policy_args": {"fraction": "0.5"}, "offloaded": True, "overlap": True, "exact": True},
     ]
     if args.rows:
         wanted = [int(i) for i in args.rows.split(",")]

@@ -121,6 +121,8 @@ def no_warnings():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         warnings.filterwarnings("ignore", message=FUTURE, category=FutureWarning)
+        # torch's own note when the sync debug mode is set (a prototype feature).
+        warnings.filterwarnings("ignore", message="Synchronization debug mode is a prototype", category=UserWarning)
         yield
 
 

@@ -408,7 +408,8 @@ def fsdp2_overlap(rank, world):
 def test_fsdp2_overlap_bit_identical_to_no_overlap():
     for rank, r in enumerate(dist_util.ok(dist_util.run_ranks(2, fsdp2_overlap, timeout=180))):
         on, off = r[True], r[False]
-        assert on["announced"] == [3] * 6, "rank %d: groups announced per step %s" % (rank, on["announced"])
+        # Every param (a weight and a bias per layer) announced at every step, in buckets.
+        assert on["announced"] == [6] * 6, "rank %d: params announced per step %s" % (rank, on["announced"])
         assert on["kept"] == 18 and on["recomputed"] == 0, (rank, on["kept"], on["recomputed"])
         assert off["announced"] == [0] * 6
         assert on["attach"] is not None and "FSDP2" in on["attach"], on["attach"]

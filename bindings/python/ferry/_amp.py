@@ -55,8 +55,8 @@ def quiet_torch_future_warning():
     step() takes grad_scaler (for optimizer authors; the contract it announces changes grads in place),
     and only that one. At import; code that imports ferry inside warnings.catch_warnings() (pytest's
     collection) loses it with the block."""
-    warnings.filterwarnings("ignore", message="GradScaler is going to stop passing itself", category=FutureWarning,
-                            module=r"torch\.amp\.grad_scaler")
+    # By its text: torch warns with the caller's frame (stacklevel), so the module is the trainer's.
+    warnings.filterwarnings("ignore", message="GradScaler is going to stop passing itself", category=FutureWarning)
 
 
 quiet_torch_future_warning()
