@@ -281,10 +281,10 @@ class HybridOptimizer final {
     Event* ready = nullptr;           // every copy waits for it on the device
     PipelineMode mode = PipelineMode::kInPlace;  // kInPlace or kRestoreParams (kToSpare: RunEarlyPass)
   };
-  // A part of one group's update for the early thread: params of the group announced together (or
-  // a bucket of the params Step started).
+  // A part of the update for the early thread: the offloaded params of one announcement (of any
+  // groups), or a bucket of one group's params that Step started.
   struct EarlyPart {
-    size_t group = 0;
+    std::vector<size_t> groups;  // the distinct groups of `params`
     std::vector<size_t> params;  // indices into params_
     size_t id = 0;               // this step's part number (part_done_, part_events_)
     Event* uploaded = nullptr;   // recorded on the H2D stream after its last upload
@@ -293,6 +293,9 @@ class HybridOptimizer final {
   struct EarlyItem {
     std::vector<EarlyPart> parts;
     Event* ready = nullptr;
+    // The step is decided (Step queued it with the step's own scalars) and no part of these groups is
+    // in the spare buffers: the update runs in place, as Step's own pipeline would.
+    bool in_place = false;
     std::vector<AdamScalars> scalars;  // per group (set for every group of `parts`)
     std::vector<int64_t> steps;        // per group: the step it computes (its rounding keys')
   };
@@ -352,24 +355,28 @@ class HybridOptimizer final {
   // The first announcement of a step: settles the last one, resets the step's bookkeeping.
   absl::Status StartEarlyStep(Stream& trainer);
   // Marks `params` (validated, not announced yet) announced, and `whole` (groups) announced whole,
-  // and queues the offloaded ones' parts (one per group) when speculating.
+  // and queues the offloaded ones as one part when speculating.
   absl::Status Announce(const std::vector<size_t>& params, const std::vector<size_t>& whole,
                         const HybridStepParams& step, Stream& trainer);
   // Queues `parts` (ids and events not set yet) for the early thread, after an event recorded on
   // `trainer` now, with `scalars` per group.
-  absl::Status QueueParts(std::vector<EarlyPart> parts, const std::vector<AdamScalars>& scalars, Stream& trainer);
+  absl::Status QueueParts(std::vector<EarlyPart> parts, const std::vector<AdamScalars>& scalars, Stream& trainer,
+                          bool in_place = false);
   // Step's own parts: the params of `groups` that no part holds yet, in buckets of about two
   // chunks, queued so that the early thread takes them in forward order (registration order).
-  absl::Status QueueRest(const std::vector<size_t>& groups, const std::vector<AdamScalars>& scalars, Stream& trainer);
+  // `in_place`: the groups have no part in the spare buffers and the step is decided.
+  absl::Status QueueRest(const std::vector<size_t>& groups, const std::vector<AdamScalars>& scalars, Stream& trainer,
+                         bool in_place = false);
   // Forgets every part of the step (the early thread is idle): a failed speculation starts over.
   void ResetParts();
   // The early thread's work from `first` on: every announcement queued meanwhile joins it, and the
   // ring downloads the chunks of the latest announced group whose grads are final first
   // (hybrid_optimizer_early_pass.cc).
   absl::Status RunEarlyPass(EarlyItem first);
-  // Step's deferred end (see deferred()) for the offloaded groups `started`: true when deferred, false
-  // when the early work has failed already (Step then settles it as usual).
-  absl::StatusOr<bool> DeferSettle(const std::vector<size_t>& started);
+  // Step's deferred end (see deferred()) for the offloaded groups `started` (`in_place`: those whose
+  // update runs in place, not swapped in): true when deferred, false when the early work has failed
+  // already (Step then settles it as usual).
+  absl::StatusOr<bool> DeferSettle(const std::vector<size_t>& started, const std::vector<size_t>& in_place = {});
   // Step's part for the announced groups once the step's decision is known (see BeginGroups).
   // Returns the offloaded groups Step must still update in place.
   // `discard`: recompute every announced group (HybridStepParams::discard_early).
@@ -494,6 +501,7 @@ class HybridOptimizer final {
   // A deferred step (see deferred()): owned by the trainer's thread.
   bool deferred_ = false;
   std::vector<size_t> deferred_groups_;  // its offloaded groups, all started early
+  std::vector<uint8_t> deferred_in_place_;  // per group: its deferred update runs in place (no swap)
   // Whether announcements start the speculative work: false after a step whose clipping triggered or
   // that was skipped (the next one likely does too, and its speculation would be wasted work that
   // competes with the recomputation); true again after a step that neither clipped nor skipped.

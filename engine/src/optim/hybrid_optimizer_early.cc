@@ -136,18 +136,23 @@ absl::Status HybridOptimizer::Announce(const std::vector<size_t>& ps, const std:
     if (!early_.touched[g]) touch(g);
     early_.announced[g] = true;
   }
-  std::vector<EarlyPart> parts;  // offloaded groups' work: one part per group
+  // The offloaded params of the announcement, one part: their chunks coalesce across groups (a
+  // decay / no-decay bucket's biases ride with its weights).
+  EarlyPart part;
   for (size_t g = 0; g < groups_.size(); ++g) {
     if (fresh[g].empty() || !groups_[g].offloaded || !(speculate_ || speculate_always_)) continue;
-    parts.push_back(EarlyPart{.group = g, .params = std::move(fresh[g])});
+    part.groups.push_back(g);
+    part.params.insert(part.params.end(), fresh[g].begin(), fresh[g].end());
   }
-  if (parts.empty()) return absl::OkStatus();
+  if (part.params.empty()) return absl::OkStatus();
   FERRY_RETURN_IF_ERROR(EnsureSpareState());
+  std::vector<EarlyPart> parts;
+  parts.push_back(std::move(part));
   return QueueParts(std::move(parts), early_.scalars, trainer);
 }
 
 absl::Status HybridOptimizer::QueueParts(std::vector<EarlyPart> parts, const std::vector<AdamScalars>& scalars,
-                                         Stream& trainer) {
+                                         Stream& trainer, bool in_place) {
   if (early_.events_used == early_events_.size()) {
     // Blocking: the early thread sleeps on it until the trainer's stream reaches this point.
     FERRY_ASSIGN_OR_RETURN(std::unique_ptr<Event> event, device_->CreateBlockingEvent());
@@ -164,19 +169,23 @@ absl::Status HybridOptimizer::QueueParts(std::vector<EarlyPart> parts, const std
   for (EarlyPart& part : parts) {
     part.id = parts_used_++;
     part.uploaded = part_events_[part.id].get();
-    for (size_t p : part.params) part_of_param_[p] = static_cast<int64_t>(part.id);
-    early_.queued[part.group] = 1;
-    early_.unqueued[part.group] -= part.params.size();
-    if (early_.unqueued[part.group] == 0) completed.push_back(part.group);
+    for (size_t p : part.params) {
+      part_of_param_[p] = static_cast<int64_t>(part.id);
+      const size_t g = params_[p].group;
+      early_.queued[g] = 1;
+      if (--early_.unqueued[g] == 0) completed.push_back(g);
+    }
   }
   std::vector<int64_t> steps(groups_.size());
   for (size_t g = 0; g < groups_.size(); ++g) steps[g] = groups_[g].step + 1;
   {
     std::lock_guard<std::mutex> lock(early_mu_);
     part_done_.resize(parts_used_, 0);
-    for (const EarlyPart& part : parts) ++group_parts_left_[part.group];
+    for (const EarlyPart& part : parts) {
+      for (size_t g : part.groups) ++group_parts_left_[g];
+    }
     for (size_t g : completed) group_all_queued_[g] = 1;
-    early_queue_.push_back(EarlyItem{std::move(parts), ready, scalars, std::move(steps)});
+    early_queue_.push_back(EarlyItem{std::move(parts), ready, in_place, scalars, std::move(steps)});
   }
   if (!early_thread_.joinable()) early_thread_ = std::thread([this] { EarlyLoop(); });
   early_cv_.notify_all();
@@ -184,15 +193,16 @@ absl::Status HybridOptimizer::QueueParts(std::vector<EarlyPart> parts, const std
 }
 
 absl::Status HybridOptimizer::QueueRest(const std::vector<size_t>& groups, const std::vector<AdamScalars>& scalars,
-                                        Stream& trainer) {
-  // Buckets of about two chunks of grads, each of whole params in registration order (a model's
-  // forward order). The early thread takes the latest queued part whose grads are final first, so
-  // the buckets go in backwards: the first layers' params are updated first.
+                                        Stream& trainer, bool in_place) {
+  // Buckets of about two chunks of grads, each of whole params of one group in registration order (a
+  // model's forward order). The early thread takes the latest queued part whose grads are final
+  // first, so the buckets go in by their first param, backwards: the first layers' params are
+  // updated first, whichever groups hold them (decay / no-decay groups interleave layer by layer).
   const size_t bucket = std::max<size_t>(2 * options_.chunk_bytes, 1);
   std::vector<EarlyPart> parts;
   for (size_t g : groups) {
     if (!groups_[g].offloaded) continue;
-    EarlyPart part{.group = g};
+    EarlyPart part{.groups = {g}};
     size_t bytes = 0;
     for (size_t p : groups_[g].params) {
       if (part_of_param_[p] >= 0) continue;
@@ -200,16 +210,17 @@ absl::Status HybridOptimizer::QueueRest(const std::vector<size_t>& groups, const
       bytes += static_cast<size_t>(params_[p].numel) * DTypeSize(params_[p].grad_dtype);
       if (bytes >= bucket) {
         parts.push_back(std::move(part));
-        part = EarlyPart{.group = g};
+        part = EarlyPart{.groups = {g}};
         bytes = 0;
       }
     }
     if (!part.params.empty()) parts.push_back(std::move(part));
   }
   if (parts.empty()) return absl::OkStatus();
-  std::reverse(parts.begin(), parts.end());
-  FERRY_RETURN_IF_ERROR(EnsureSpareState());
-  return QueueParts(std::move(parts), scalars, trainer);
+  std::stable_sort(parts.begin(), parts.end(),
+                   [](const EarlyPart& a, const EarlyPart& b) { return a.params.front() > b.params.front(); });
+  if (!in_place) FERRY_RETURN_IF_ERROR(EnsureSpareState());
+  return QueueParts(std::move(parts), scalars, trainer, in_place);
 }
 
 void HybridOptimizer::ResetParts() {
@@ -335,7 +346,8 @@ absl::StatusOr<std::vector<size_t>> HybridOptimizer::SettleEarly(bool skipped, b
     // The step is decided and the trainer waits per layer: every offloaded group's update not kept
     // from the early work (never announced, speculation paused, or a speculation that failed: a
     // clip reached, other scalars, grads changed) runs on the early thread too, with the step's own
-    // scalars, beside the trainer's next forward, rather than in Step.
+    // scalars, in place (as Step's own pipeline would: faster than into the spare buffers), beside
+    // the trainer's next forward, rather than in Step.
     if (!valid) {
       TraceSpan wait(options_.tracer, "early.cancel", "optim");
       const absl::Status early_status = WaitEarlyIdle();
@@ -351,8 +363,8 @@ absl::StatusOr<std::vector<size_t>> HybridOptimizer::SettleEarly(bool skipped, b
       all.push_back(g);
       if (early_.queued[g] == 0) rest.push_back(g);
     }
-    FERRY_RETURN_IF_ERROR(QueueRest(rest, scalars, trainer));
-    FERRY_ASSIGN_OR_RETURN(const bool deferred, DeferSettle(all));
+    FERRY_RETURN_IF_ERROR(QueueRest(rest, scalars, trainer, /*in_place=*/true));
+    FERRY_ASSIGN_OR_RETURN(const bool deferred, DeferSettle(all, rest));
     if (deferred) {
       (valid ? result.early_committed : result.early_recomputed) += started.size();
       early_ = EarlyStep{};
@@ -397,13 +409,16 @@ absl::StatusOr<std::vector<size_t>> HybridOptimizer::SettleEarly(bool skipped, b
   return rest;
 }
 
-absl::StatusOr<bool> HybridOptimizer::DeferSettle(const std::vector<size_t>& started) {
+absl::StatusOr<bool> HybridOptimizer::DeferSettle(const std::vector<size_t>& started,
+                                                  const std::vector<size_t>& in_place) {
   {
     std::lock_guard<std::mutex> lock(early_mu_);
     if (!early_status_.ok()) return false;  // the early work failed: Step settles it as usual
   }
   deferred_ = true;
   deferred_groups_ = started;
+  deferred_in_place_.assign(groups_.size(), 0);
+  for (size_t g : in_place) deferred_in_place_[g] = 1;
   return true;
 }
 
@@ -420,7 +435,7 @@ absl::Status HybridOptimizer::Settle() {
     std::lock_guard<std::mutex> lock(early_mu_);
     for (size_t g : deferred_groups_) {
       if (early_done_[g] != 0) {
-        std::swap(groups_[g].host_state, groups_[g].spare_state);
+        if (deferred_in_place_[g] == 0) std::swap(groups_[g].host_state, groups_[g].spare_state);
       } else {
         failed.push_back(g);
       }
@@ -437,11 +452,14 @@ absl::Status HybridOptimizer::Settle() {
     return ordered;
   }
   // Those groups keep the state of the step before: their step count goes back, and their params
-  // (some of them already uploaded) are rewritten from the unchanged masters.
+  // (some of them already uploaded) are rewritten from the unchanged masters. A group updated in
+  // place may have part of its state updated, as after a Step whose own pipeline failed.
   std::vector<std::string> names;
+  bool partly = false;
   for (size_t g : failed) {
     --groups_[g].step;
     names.push_back(absl::StrCat("'", groups_[g].name, "'"));
+    partly = partly || deferred_in_place_[g] != 0;
   }
   const absl::Status restored = RestoreParams(failed, *work_stream_);
   if (status.ok()) status = absl::InternalError("the early work stopped before finishing");
@@ -449,6 +467,7 @@ absl::Status HybridOptimizer::Settle() {
                       absl::StrCat("the last step's update of groups ", absl::StrJoin(names, ", "),
                                    " did not complete after Step returned (", status.message(), "); they keep "
                                    "their state of the step before",
+                                   partly ? " (those updated in place possibly in part, as after a failed Step)" : "",
                                    restored.ok() ? " and their params were rewritten from it"
                                                  : absl::StrCat(", but rewriting their params failed: ", restored.message())));
 }

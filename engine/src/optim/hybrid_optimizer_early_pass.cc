@@ -40,9 +40,10 @@ absl::Status HybridOptimizer::RunEarlyPass(EarlyItem first) {
   // Per group; CPU Adam's tensors point into `scalars`, which never grows.
   std::vector<AdamScalars> scalars(groups_.size());
   std::vector<int64_t> steps(groups_.size(), 0);
-  struct GroupWork {  // a part of a group's update (EarlyPart)
-    size_t group = 0;
+  struct GroupWork {  // a part of the update (EarlyPart)
+    std::vector<size_t> groups;
     size_t part = 0;
+    PipelineMode mode = PipelineMode::kToSpare;  // kInPlace: a decided step's (EarlyItem::in_place)
     Event* uploaded = nullptr;
     Event* ready = nullptr;  // the announcement: its grads are final after it
     PipelinePlan plan;       // over the part's params alone
@@ -74,9 +75,11 @@ absl::Status HybridOptimizer::RunEarlyPass(EarlyItem first) {
     {
       std::lock_guard<std::mutex> lock(early_mu_);
       part_done_[w.part] = 1;
-      if (--group_parts_left_[w.group] == 0 && group_all_queued_[w.group] != 0) {
-        FERRY_RETURN_IF_ERROR(h2d.Record(*group_uploaded_[w.group]));
-        early_done_[w.group] = 1;
+      for (size_t g : w.groups) {
+        if (--group_parts_left_[g] == 0 && group_all_queued_[g] != 0) {
+          FERRY_RETURN_IF_ERROR(h2d.Record(*group_uploaded_[g]));
+          early_done_[g] = 1;
+        }
       }
     }
     early_cv_.notify_all();
@@ -88,15 +91,17 @@ absl::Status HybridOptimizer::RunEarlyPass(EarlyItem first) {
   auto join = [&](std::deque<EarlyItem>& items) -> absl::Status {
     for (EarlyItem& item : items) {
       for (EarlyPart& part : item.parts) {
-        const size_t g = part.group;
-        if (have_scalars[g] == 0) {
-          scalars[g] = item.scalars[g];
-          steps[g] = item.steps[g];
-          have_scalars[g] = 1;
+        for (size_t g : part.groups) {
+          if (have_scalars[g] == 0) {
+            scalars[g] = item.scalars[g];
+            steps[g] = item.steps[g];
+            have_scalars[g] = 1;
+          }
         }
         GroupWork w;
-        w.group = g;
+        w.groups = std::move(part.groups);
         w.part = part.id;
+        w.mode = item.in_place ? PipelineMode::kInPlace : PipelineMode::kToSpare;
         w.uploaded = part.uploaded;
         w.ready = item.ready;
         w.plan = PlanForParams(std::move(part.params));
@@ -259,7 +264,7 @@ absl::Status HybridOptimizer::RunEarlyPass(EarlyItem first) {
         const Download& d = next->chunks[r];
         const GroupWork& w = works[d.work];
         ChunkWork(w.plan.params, w.plan.chunks[d.k], grad_slots_[d.slot].as<char>(),
-                  param_slots_[d.param_slot].as<char>(), PipelineMode::kToSpare, &scalars, &steps, next->work,
+                  param_slots_[d.param_slot].as<char>(), w.mode, &scalars, &steps, next->work,
                   next->regions[r]);
       }
       TraceObserve(d2h_trace_, /*block=*/false);
