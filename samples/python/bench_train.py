@@ -263,6 +263,8 @@ def make_optimizer(row, model, loop, args):
         extra["cpu_threads"] = args.cpu_threads
     if args.chunk_bytes:
         extra["transfer_chunk_bytes"] = args.chunk_bytes
+    if args.spare is not None and row.get("overlap") and has_option("spare_state"):
+        extra["spare_state"] = args.spare
     if args.bucket_mb and has_option("bucket_mb"):
         extra["bucket_mb"] = args.bucket_mb
     announcer = None
@@ -473,6 +475,9 @@ def main():
     ap.add_argument("--cpu-threads", type=int, default=0, help="ferry's CPU Adam threads (0: its default)")
     ap.add_argument("--chunk-bytes", type=int, default=0,
                     help="ferry's transfer_chunk_bytes: grads per pipeline chunk (0: its default, 8 MiB)")
+    ap.add_argument("--spare", type=float, default=None,
+                    help="the overlap rows' spare state, a fraction of the offloaded state (ferry.torch's spare_state=; "
+                         "default: Ferry's, 1)")
     ap.add_argument("--bucket-mb", type=int, default=0,
                     help="ferry.torch.Optimizer's bucket_mb (0: its default; ignored, with a note, by a "
                     "ferry.torch that takes no bucket_mb)")

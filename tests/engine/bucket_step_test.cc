@@ -6,6 +6,7 @@
 // fails while the trainer waits per param (deferred with the step's own scalars). The misuses are
 // clear errors.
 #include <algorithm>
+#include <cmath>
 #include <map>
 #include <memory>
 #include <random>
@@ -195,6 +196,84 @@ TEST_P(BucketStepTest, MisusesAreClearErrors) {
   ASSERT_OK(e->WaitParamsOf({"p0", "p11", "p0"}));
   ASSERT_OK(e->Synchronize());
   ASSERT_OK(e->VerifyMasters());
+}
+
+// EngineOptions::spare_state_fraction: the spare state takes at most that fraction of the offloaded
+// state; the groups that fit (the last registered first) speculate, the others update once Step knows
+// the step (deferred, in place). Bit-identical to an engine that only steps at 0, 0.5 and 1.
+TEST(SpareStateBudgetTest, SpeculatesOnWhatFitsAndStaysExact) {
+  absl::StatusOr<std::unique_ptr<Device>> d = CreateDevice();
+  ASSERT_TRUE(d.ok()) << d.status();
+  Device* device = d->get();
+  auto make = [&](Model& model, double fraction) -> std::unique_ptr<Engine> {
+    EngineOptions o;
+    o.policy_path = Policies() + "offload_all.lua";
+    o.optimizer.lr = 1e-3f;
+    o.optimizer.weight_decay = 0.01f;
+    o.transfer_chunk_bytes = 4096;
+    o.cpu_threads = 3;
+    o.spare_state_fraction = fraction;
+    o.device = std::string(BackendName(device->backend()));
+    absl::StatusOr<std::unique_ptr<Engine>> e = Engine::Create(o);
+    EXPECT_TRUE(e.ok()) << e.status();
+    if (!e.ok()) return nullptr;
+    EXPECT_TRUE(model.Register(**e).ok());  // a group per tensor
+    absl::Status s = (*e)->Finalize();
+    EXPECT_TRUE(s.ok()) << s;
+    return *std::move(e);
+  };
+  size_t state_bytes = 0;
+  for (const double fraction : {0.0, 0.5, 1.0}) {
+    Model ref_model(device, kSizes, 17), early_model(device, kSizes, 17);
+    auto ref = make(ref_model, 1.0);
+    auto early = make(early_model, fraction);
+    ASSERT_TRUE(ref && early);
+    if (state_bytes == 0) {
+      // The offloaded state as the spare state counts it: each group's in whole pages.
+      for (const GroupPlacement& g : early->Placement()) {
+        state_bytes += (static_cast<size_t>(g.host_state_bytes) + 4095) / 4096 * 4096;
+      }
+    }
+    int64_t total = 0;
+    for (int64_t n : kSizes) total += n;
+    const float clip_norm = std::sqrt(static_cast<float>(total));
+    for (int step = 1; step <= 12; ++step) {
+      ref_model.SetGrads(40 + static_cast<uint64_t>(step));
+      early_model.SetGrads(40 + static_cast<uint64_t>(step));
+      const float factor = step % 4 == 0 ? 1.3f : 0.8f;  // the clip reached every fourth step
+      ref_model.ScaleGrads(factor);
+      early_model.ScaleGrads(factor);
+      const StepOptions options{.lr = 1e-3f, .max_grad_norm = clip_norm};
+      for (size_t i = kSizes.size(); i-- > 0;) ASSERT_OK(early->GradsReadyParams({early_model.name(i)}, options));
+      ASSERT_OK(ref->Step(options));
+      StepOptions deferred = options;
+      deferred.wait_for_params = step % 2 == 0;
+      ASSERT_OK(early->Step(deferred));
+      for (size_t i = 0; i < kSizes.size(); ++i) {
+        ASSERT_OK(early->WaitParamsOf({early_model.name(i)}));
+        ASSERT_EQ(early_model.Param(i), ref_model.Param(i)) << "fraction " << fraction << ", step " << step;
+      }
+    }
+    const EngineStats stats = early->Stats();
+    EXPECT_LE(stats.spare_state_bytes, std::max<size_t>(4096, static_cast<size_t>(fraction * static_cast<double>(state_bytes))))
+        << fraction;
+    if (fraction == 1.0) {
+      EXPECT_EQ(stats.spare_state_bytes, state_bytes);
+    }
+    if (fraction == 0.0) {
+      EXPECT_EQ(stats.early_groups_kept, 0);
+    } else {
+      EXPECT_GT(stats.early_groups_kept, 0) << fraction;
+    }
+    EXPECT_EQ(stats.deferred_steps, 6) << fraction;  // the steps with wait_for_params = false
+    TempDir tmp("ferry-spare");
+    absl::StatusOr<std::string> a = ref->SaveCheckpoint(tmp.path() + "/ref", 12);
+    absl::StatusOr<std::string> b = early->SaveCheckpoint(tmp.path() + "/early", 12);
+    ASSERT_TRUE(a.ok() && b.ok()) << a.status() << " " << b.status();
+    ASSERT_EQ(ReadAll(*a), ReadAll(*b)) << fraction;
+    ASSERT_OK(early->VerifyMasters());
+  }
+  EXPECT_GT(state_bytes, 0u);
 }
 
 INSTANTIATE_TEST_SUITE_P(Placements, BucketStepTest,

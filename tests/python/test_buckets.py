@@ -90,3 +90,29 @@ def test_bucket_mb_is_checked(device):
     for bad in (0, -1, "16", True):
         with pytest.raises(ValueError, match="bucket_mb"):
             ferry.torch.Optimizer(net.parameters(), bucket_mb=bad)
+
+
+def test_spare_state_budget(device):
+    """spare_state=f: the overlap's spare state takes at most f of the offloaded state (the groups that
+    fit speculate, the others update once step() knows the step); the same bits at 0, 0.5 and 1."""
+    plain_net = run(device, "block", overlap=False, attach=False, clip=None, bucket_mb=1e-3)[0]
+    sizes = {}
+    for spare in (0.0, 0.5, 1.0):
+        net = Net(seed=3).to(device)
+        opt = ferry.torch.Optimizer(groups_of(net, "block"), lr=1e-2, weight_decay=0.1, policy="offload_all",
+                                    overlap=True, transfer_chunk_bytes=1024, bucket_mb=1e-3, spare_state=spare)
+        opt.attach(net)
+        for step in range(1, STEPS + 1):
+            x, y = batches(device, step)[0]
+            loss_of(net, x, y, 2 * step + 1).backward()
+            opt.step()
+            opt.zero_grad()
+        opt.wait_params()
+        assert_same_bits(net, plain_net, "spare_state=%s" % spare)
+        stats = opt.stats()
+        sizes[spare] = stats["spare_state_bytes"]
+        assert stats["deferred_steps"] == STEPS
+        assert (stats["early_groups_kept"] > 0) == (spare > 0), (spare, stats)
+    assert sizes[0.0] <= 4096 and sizes[0.0] < sizes[0.5] < sizes[1.0], sizes
+    with pytest.raises(ValueError, match="spare_state"):
+        ferry.torch.Optimizer(Net().parameters(), spare_state=1.5)

@@ -70,7 +70,7 @@ def check_trace(opt, step):
             seen[k] = (pos, event[2])
         elif event[0] == "announce":
             u, epoch = event[1], event[2]
-            for k in opt._units[u]:
+            for k in event[3]:  # the bucket's params then (the buckets follow the first backward's order after it)
                 assert k in seen and seen[k][1] == epoch, \
                     "step %d: bucket %d announced before param %d's grad of that backward" % (step, u, k)
                 announced[k] = pos

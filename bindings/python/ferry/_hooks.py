@@ -68,7 +68,7 @@ class GradTracker:
         self.backwards = 0  # backward passes outside accumulate() since the last step
         self.order = []  # params in the order their grads became final in the last backward counted
         self.late = None  # (what, k): an announced param's grad changed before step() (None: none did)
-        self.trace = None  # a list: tests record ("grad", k, epoch) and ("announce", u, epoch) in it (u: a bucket)
+        self.trace = None  # a list: tests record ("grad", k, epoch) and ("announce", u, epoch, its params) in it
         self.external = False  # another announces params (ferry._ddp: from DDP's reduced buckets)
         self.skip_backward = None  # a callable: True when the running backward accumulates (DDP's no_sync())
         self.hook_missing()
@@ -167,7 +167,7 @@ class GradTracker:
             self._count[u] += 1
             complete = self._count[u] == self._size[u]
         if complete and self._announce(u) and self.trace is not None:
-            self.trace.append(("announce", u, epoch))
+            self.trace.append(("announce", u, epoch, tuple(j for j, v in enumerate(self._unit_of) if v == u)))
 
     def end_backward(self, epoch):
         with self._lock:

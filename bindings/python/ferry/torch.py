@@ -99,6 +99,10 @@ class Optimizer(StateMixin, _attach.AttachMixin, _ddp.DDPMixin, _clip.ClipMixin,
       local_rank, local_world_size: this process's place among the ranks of its host, which gives its
         share of the host's CPUs and pinned budget (None: from torchrun's, Open MPI's, MPICH's or
         Slurm's environment; engine/EMBEDDING.md, "Big hosts and ranks that share a host"). stats() shows the share.
+      spare_state: the pinned memory overlap may take for its spare state, a fraction of the offloaded
+        state (0 to 1; EngineOptions::spare_state_fraction): below 1 the groups that fit (the last
+        ones first) speculate during the backward and the others update once step() knows the step
+        (beside the next forward with attach()). stats()["spare_state_bytes"] shows what was taken.
       bucket_mb: MiB of grads per bucket, the unit of overlap (announced together, waited for together
         by attach()'s forward pre-hooks). The buckets follow the order in which the first backward
         finished the grads (before it: the reverse of the params' order).
@@ -110,12 +114,15 @@ class Optimizer(StateMixin, _attach.AttachMixin, _ddp.DDPMixin, _clip.ClipMixin,
                  policy_args=None, loss_scale=1.0, max_grad_norm=0.0, check_finite=True, transfer_chunk_bytes=0,
                  cpu_threads=0, numa="", trace_path="", overlap=None, process_group=None, shard=False,
                  collective_timeout=300.0, checkpoint_timeout=3600.0, local_rank=None, local_world_size=None,
-                 bucket_mb=BUCKET_MB):
+                 bucket_mb=BUCKET_MB, spare_state=1.0):
         _checks.check_arguments(lr, betas, eps, weight_decay, cpu_threads, transfer_chunk_bytes, overlap, numa,
                                 trace_path)
         if not (isinstance(bucket_mb, (int, float)) and not isinstance(bucket_mb, bool) and bucket_mb > 0):
             raise ValueError("bucket_mb must be a number > 0 (MiB of grads per bucket), not %r" % (bucket_mb,))
         self._bucket_bytes = max(1, int(float(bucket_mb) * (1 << 20)))
+        if not (isinstance(spare_state, (int, float)) and not isinstance(spare_state, bool) and
+                0.0 <= spare_state <= 1.0):
+            raise ValueError("spare_state must be a fraction in [0, 1] of the offloaded state, not %r" % (spare_state,))
         self._engine = None
         self._ddp = None  # attach_ddp(): the DDP comm hook's bridge (ferry._ddp)
         self._engine_lock = threading.RLock()  # engine calls from DDP's comm threads (attach_ddp) and hooks
@@ -152,7 +159,7 @@ class Optimizer(StateMixin, _attach.AttachMixin, _ddp.DDPMixin, _clip.ClipMixin,
                               cpu_threads=int(cpu_threads), numa=numa, trace_path=trace_path,
                               local_rank=-1 if local_rank is None else int(local_rank),
                               local_world_size=-1 if local_world_size is None else int(local_world_size),
-                              **dist_args)
+                              spare_state_fraction=float(spare_state), **dist_args)
         try:
             self._register(engine, group_of)
         except BaseException as e:
@@ -473,9 +480,9 @@ class Optimizer(StateMixin, _attach.AttachMixin, _ddp.DDPMixin, _clip.ClipMixin,
                 tracker.announcing = False
             elif tracker.backwards == 1 and self._offloaded:
                 tracker.announcing = True
-        if not self._order_learned and tracker.backwards == 1 and tracker.order and not tracker.announced:
-            # The buckets follow the order in which this backward finished the grads (once; a step
-            # that announced nothing, so that no bucket in flight changes).
+        if not self._order_learned and tracker.backwards == 1 and tracker.order:
+            # The buckets follow the order in which this backward finished the grads (once; this
+            # step's announcements are complete, and the engine waits by param, not by bucket).
             self._order_learned = True
             self._set_units(tracker.order)
         tracker.end_step()

@@ -200,7 +200,7 @@ class PyEngine {
            float beta2, float eps, float weight_decay, bool adamw, const std::string& device, int device_ordinal,
            size_t transfer_chunk_bytes, size_t cpu_threads, const std::string& numa, const std::string& trace_path,
            py::object comm, int rank, int world_size, double collective_timeout_s, double checkpoint_timeout_s,
-           int local_rank, int local_world_size) {
+           int local_rank, int local_world_size, double spare_state_fraction) {
     EngineOptions o;
     o.policy_path = policy;
     o.policy_args = policy_args;
@@ -220,6 +220,7 @@ class PyEngine {
     o.world_size = world_size;
     o.local_rank = local_rank;
     o.local_world_size = local_world_size;
+    o.spare_state_fraction = spare_state_fraction;
     if (collective_timeout_s > 0) o.collective_timeout = absl::Seconds(collective_timeout_s);
     if (checkpoint_timeout_s > 0) o.checkpoint_timeout = absl::Seconds(checkpoint_timeout_s);
     if (!comm.is_none()) o.comm = Check(MakeCallbackComm(Check(MakePyCallbacks(std::move(comm), rank, world_size))));
@@ -416,6 +417,7 @@ class PyEngine {
     d["early_groups_kept"] = s.early_groups_kept;
     d["early_groups_recomputed"] = s.early_groups_recomputed;
     d["deferred_steps"] = s.deferred_steps;
+    d["spare_state_bytes"] = s.spare_state_bytes;
     // This rank's share of its host (engine/EMBEDDING.md, "Big hosts and ranks that share a host").
     d["local_rank"] = s.local_rank;
     d["local_world_size"] = s.local_world_size;
@@ -519,14 +521,14 @@ PYBIND11_MODULE(_ferry, m) {
   py::class_<PyEngine>(m, "Engine")
       .def(py::init<const std::string&, const std::map<std::string, std::string>&, float, float, float, float, float,
                     bool, const std::string&, int, size_t, size_t, const std::string&, const std::string&, py::object,
-                    int, int, double, double, int, int>(),
+                    int, int, double, double, int, int, double>(),
            py::kw_only(), py::arg("policy") = "", py::arg("policy_args") = std::map<std::string, std::string>{},
            py::arg("lr") = 1e-3f, py::arg("beta1") = 0.9f, py::arg("beta2") = 0.999f, py::arg("eps") = 1e-8f,
            py::arg("weight_decay") = 0.0f, py::arg("adamw") = true, py::arg("device") = "",
            py::arg("device_ordinal") = 0, py::arg("transfer_chunk_bytes") = 0, py::arg("cpu_threads") = 0,
            py::arg("numa") = "", py::arg("trace_path") = "", py::arg("comm") = py::none(), py::arg("rank") = 0,
            py::arg("world_size") = 1, py::arg("collective_timeout") = 0.0, py::arg("checkpoint_timeout") = 0.0,
-           py::arg("local_rank") = -1, py::arg("local_world_size") = -1,
+           py::arg("local_rank") = -1, py::arg("local_world_size") = -1, py::arg("spare_state_fraction") = 1.0,
            "comm (with rank, world_size): the ranks' collectives (see the module comment); timeouts in seconds, "
            "0: the engine's defaults; local_rank, local_world_size: this process's place among the ranks of "
            "its host (-1: from the launcher's environment).")

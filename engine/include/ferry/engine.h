@@ -114,6 +114,13 @@ struct EngineOptions {
   // a share of more than 16 CPUs, times CPU Adam with 8, 12, 16, 24, 32, ... workers on scratch
   // memory (~0.5 s, once per process) and takes the fewest within 5% of the best (engine/EMBEDDING.md, "Big hosts and ranks that share a host").
   size_t cpu_threads_max = 0;
+  // The spare state of early steps (GradsReady), as a fraction of the offloaded state's pinned bytes
+  // (0 to 1): a speculative update writes a second set of state buffers, as much pinned memory again
+  // as the offloaded state at 1 (the default). Below 1, the groups that fit (the last registered
+  // first: a backward finishes their grads first) get spare buffers and speculate during the
+  // backward; the others update once Step knows the step (in place, deferred beside the next forward
+  // when the trainer waits per group). EngineStats::spare_state_bytes shows what was taken.
+  double spare_state_fraction = 1.0;
   // Several ranks on one host (torchrun --nproc-per-node, mpirun -np): this process's place among
   // them, which gives its share of the host: a disjoint slice of the CPUs it may run on (whole
   // cores, on the NUMA node of its GPU where the host has several) for its workers, and 1 /
@@ -218,6 +225,7 @@ struct EngineStats {
   // false and every offloaded group announced: the update completes while the trainer's next
   // forward runs, each layer waiting for its own groups with WaitParams).
   int64_t deferred_steps = 0;
+  size_t spare_state_bytes = 0;   // pinned bytes of the early steps' spare state (EngineOptions::spare_state_fraction)
 
   // This rank's share of its host (EngineOptions::local_rank).
   int local_rank = 0;

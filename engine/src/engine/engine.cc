@@ -232,6 +232,7 @@ absl::StatusOr<std::unique_ptr<HybridOptimizer>> EngineImpl::BuildOptimizer(cons
   hopt.hyper.mode = options_.optimizer.adamw ? AdamMode::kAdamW : AdamMode::kAdamL2;
   hopt.hyper.bias_correction = options_.optimizer.bias_correction;
   hopt.chunk_bytes = options_.transfer_chunk_bytes;
+  hopt.spare_fraction = options_.spare_state_fraction;
   hopt.tracer = tracer_.get();
   std::string numa = placement.numa.value_or(options_.numa);
   if (!numa.empty()) {
@@ -491,6 +492,7 @@ EngineStats EngineImpl::Stats() const {
     s.step = optimizer_->num_groups() > 0 ? optimizer_->group_step(0) : 0;
     s.pinned_bytes = optimizer_->pinned_bytes();
     s.gpu_state_bytes = optimizer_->gpu_state_bytes();
+    s.spare_state_bytes = optimizer_->spare_bytes();
   }
   s.checkpoint_copied_aside_bytes = ckpt_copied_aside_ + (ckpt_fence_ != nullptr ? ckpt_fence_->copied_bytes() : 0);
   return s;

@@ -95,6 +95,10 @@ absl::StatusOr<std::unique_ptr<HybridOptimizer>> HybridOptimizer::Create(
 }
 
 absl::Status HybridOptimizer::Init(std::vector<OptimParam> params, std::vector<OptimGroup> groups) {
+  if (!(options_.spare_fraction >= 0.0 && options_.spare_fraction <= 1.0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the spare state fraction must be in [0, 1], got ", options_.spare_fraction));
+  }
   if (options_.chunk_bytes < 1024) {
     return absl::InvalidArgumentError(
         absl::StrCat("transfer chunk size must be at least 1024 bytes, got ", options_.chunk_bytes));

@@ -72,6 +72,7 @@ struct HybridOptions {
   int numa_node = -1;
   Tracer* tracer = nullptr;      // borrowed; null: no tracing (see trace/tracer.h)
   uint64_t rounding_seed = 0;    // seed of the stochastic rounding of bf16 state (base/adam_state.h)
+  double spare_fraction = 1.0;   // the spare state's bytes, a fraction of the offloaded state's (EngineOptions)
 };
 
 // The inputs of one step besides the grads.
@@ -261,6 +262,7 @@ class HybridOptimizer final {
   bool offloaded(size_t g) const { return groups_[g].offloaded; }
   const AdamHyper& hyper() const { return options_.hyper; }
   size_t pinned_bytes() const;
+  size_t spare_bytes() const { return spare_arena_ == nullptr ? 0 : spare_arena_->capacity(); }
   size_t gpu_state_bytes() const;
 
  private:

@@ -139,13 +139,17 @@ absl::Status HybridOptimizer::Announce(const std::vector<size_t>& ps, const std:
   // The offloaded params of the announcement, one part: their chunks coalesce across groups (a
   // decay / no-decay bucket's biases ride with its weights).
   EarlyPart part;
+  bool any = false;
+  for (size_t g = 0; g < groups_.size(); ++g) any = any || (!fresh[g].empty() && groups_[g].offloaded);
+  if (!any || !(speculate_ || speculate_always_)) return absl::OkStatus();
+  FERRY_RETURN_IF_ERROR(EnsureSpareState());
   for (size_t g = 0; g < groups_.size(); ++g) {
-    if (fresh[g].empty() || !groups_[g].offloaded || !(speculate_ || speculate_always_)) continue;
+    // A group without spare buffers (EngineOptions::spare_state_fraction) updates once Step knows the step.
+    if (fresh[g].empty() || !groups_[g].offloaded || groups_[g].spare_state.empty()) continue;
     part.groups.push_back(g);
     part.params.insert(part.params.end(), fresh[g].begin(), fresh[g].end());
   }
   if (part.params.empty()) return absl::OkStatus();
-  FERRY_RETURN_IF_ERROR(EnsureSpareState());
   std::vector<EarlyPart> parts;
   parts.push_back(std::move(part));
   return QueueParts(std::move(parts), early_.scalars, trainer);
@@ -280,9 +284,23 @@ void HybridOptimizer::StopEarlyThread() {
 
 absl::Status HybridOptimizer::EnsureSpareState() {
   if (spare_arena_ != nullptr) return absl::OkStatus();
-  size_t bytes = 0;
+  // The groups that get spare buffers: all, or under a fraction below 1 those that fit, the last
+  // registered first (a backward finishes their grads first, so they speculate longest).
+  size_t total = 0;
   for (const Group& g : groups_) {
-    if (g.offloaded && !g.host_state.empty()) bytes += (g.host_state.bytes + 4095) / 4096 * 4096;
+    if (g.offloaded && !g.host_state.empty()) total += (g.host_state.bytes + 4095) / 4096 * 4096;
+  }
+  const size_t budget = options_.spare_fraction >= 1.0
+                            ? total
+                            : static_cast<size_t>(options_.spare_fraction * static_cast<double>(total));
+  std::vector<uint8_t> chosen(groups_.size(), 0);
+  size_t bytes = 0;
+  for (size_t g = groups_.size(); g-- > 0;) {
+    if (!groups_[g].offloaded || groups_[g].host_state.empty()) continue;
+    const size_t need = (groups_[g].host_state.bytes + 4095) / 4096 * 4096;
+    if (bytes + need > budget) continue;
+    chosen[g] = 1;
+    bytes += need;
   }
   if (group_uploaded_.empty()) {
     group_uploaded_.resize(groups_.size());
@@ -298,12 +316,12 @@ absl::Status HybridOptimizer::EnsureSpareState() {
   arena_options.numa_node = options_.numa_node;
   arena_options.name = "optimizer spare state (early steps)";
   FERRY_LOG(INFO) << "early steps: allocating " << bytes << " bytes of pinned host memory for the offloaded "
-                  << "groups' spare state (once)";
+                  << "groups' spare state (once; the offloaded state is " << total << " bytes)";
   FERRY_ASSIGN_OR_RETURN(std::unique_ptr<PinnedArena> arena, PinnedArena::Create(device_, arena_options));
   std::vector<HostSpan> spans(groups_.size());
   absl::Status status;
   for (size_t g = 0; g < groups_.size() && status.ok(); ++g) {
-    if (!groups_[g].offloaded || groups_[g].host_state.empty()) continue;
+    if (chosen[g] == 0) continue;
     absl::StatusOr<HostSpan> span = arena->Allocate(groups_[g].host_state.bytes);
     if (span.ok()) {
       spans[g] = *span;
