@@ -222,8 +222,9 @@ struct EngineStats {
   int64_t early_groups_kept = 0;
   int64_t early_groups_recomputed = 0;
   // Steps that returned before their offloaded update had finished (StepOptions::wait_for_params
-  // false and every offloaded group announced: the update completes while the trainer's next
-  // forward runs, each layer waiting for its own groups with WaitParams).
+  // false after announcements, the step not skipped: the update completes while the trainer's next
+  // forward runs, each layer waiting for its own groups with WaitParams or params with WaitParamsOf;
+  // a clipped step too, its update then run with the step's own scalars).
   int64_t deferred_steps = 0;
   size_t spare_state_bytes = 0;   // pinned bytes of the early steps' spare state (EngineOptions::spare_state_fraction)
 
@@ -313,8 +314,10 @@ class Engine {
   // (no clip triggered, the same StepOptions), and otherwise recomputes the group from its
   // unchanged state; when the step is skipped (NaN/Inf) it rewrites the params from the masters.
   // So the params and state after Step are bit-identical to a Step without GradsReady, in every
-  // case. Groups never announced step in Step as before. The first call allocates as much pinned
-  // host memory again as the offloaded state (the early update's buffers), once.
+  // case. Groups never announced step in Step as before (or, with wait_for_params = false, after it,
+  // beside the trainer's next forward; so does a step whose speculation failed). The first call
+  // allocates as much pinned host memory again as the offloaded state (the early update's buffers),
+  // once; EngineOptions::spare_state_fraction bounds it.
   // Errors (nothing started, the step in progress unchanged): before Finalize, an empty list, an
   // unknown group (NotFound), a group announced twice in one step (InvalidArgument), options Step
   // would refuse. Between the first GradsReady of a step and its Step, SaveCheckpoint,
