@@ -46,7 +46,6 @@ What differs from torch.optim.AdamW, on purpose:
     (stats()['skipped_steps'] counts them).
   * The optimizer cannot be copied or pickled (copy.deepcopy, torch.save(opt)): save its state_dict().
 """
-import contextlib
 import os
 import sys
 import threading
@@ -55,7 +54,7 @@ import warnings
 import torch
 
 import ferry
-from . import _amp, _attach, _checks, _clip, _ddp, _hooks
+from . import _amp, _attach, _buckets, _checks, _clip, _ddp, _hooks
 from . import _state
 from ._state import FIXED, StateMixin
 from . import _zero
@@ -77,7 +76,8 @@ def _caller_level():
     return level
 
 
-class Optimizer(StateMixin, _attach.AttachMixin, _ddp.DDPMixin, _clip.ClipMixin, _amp.AmpMixin, torch.optim.Optimizer):
+class Optimizer(StateMixin, _buckets.BucketMixin, _attach.AttachMixin, _ddp.DDPMixin, _clip.ClipMixin, _amp.AmpMixin,
+                torch.optim.Optimizer):
     """AdamW on Ferry's engine; see the module's documentation.
 
     Arguments as torch.optim.AdamW's (params or param groups, lr, betas, eps, weight_decay), and:
@@ -218,37 +218,6 @@ class Optimizer(StateMixin, _attach.AttachMixin, _ddp.DDPMixin, _clip.ClipMixin,
                 engine.add_param("p%d" % k, self._groups[group_of[k]], list(p.shape) or [1], _checks.DTYPES[p.dtype],
                                  p.data_ptr(), buf.data_ptr())
         engine.finalize()
-
-    # ---- buckets --------------------------------------------------------------------------------------
-
-    def _set_units(self, order, tracker=True):
-        """The buckets (units of announcement and of attach()'s waits): the params in `order` (the order
-        a backward finishes their grads) cut into runs of about _bucket_bytes of grads, then the params
-        `order` does not hold (no grad in that backward) in reverse order, cut the same way."""
-        order = list(order)
-        seen = set(order)
-        order += [k for k in range(len(self._params) - 1, -1, -1) if k not in seen]
-        units, unit, size = [], [], 0
-        for k in order:
-            unit.append(k)
-            size += _zero.local(self._params[k]).numel() * self._params[k].element_size()
-            if size >= self._bucket_bytes:
-                units.append(unit)
-                unit, size = [], 0
-        if unit:
-            units.append(unit)
-        self._units = units
-        self._unit_of = [0] * len(self._params)
-        for u, ks in enumerate(units):
-            for k in ks:
-                self._unit_of[k] = u
-        self._unit_names = [[self._names[k] for k in ks] for ks in units]
-        if tracker:
-            self._tracker.set_units(self._unit_of, len(units))
-
-    def _units_of_groups(self, groups):
-        gs = set(groups)
-        return sorted({self._unit_of[k] for k in range(len(self._params)) if self._group_of[k] in gs})
 
     # ---- construction checks; copies ---------------------------------------------------------------
 
@@ -489,82 +458,6 @@ class Optimizer(StateMixin, _attach.AttachMixin, _ddp.DDPMixin, _clip.ClipMixin,
         self._by_hand = set()
         tracker.hook_missing()  # params unfrozen since
         self._step_lrs = None
-
-    def _announce_from_hook(self, u, take=True):
-        """Bucket u's grads are final in this backward (called by the hooks). Returns whether it was
-        announced."""
-        return self._announce_params_from_hook(self._units[u], take=take)
-
-    def _announce_params_from_hook(self, ks, take=True):
-        """The grads of params `ks` are final in this backward (the hooks; take=False: attach_ddp's comm
-        hook, which copied them into the buffers). Returns whether any was announced."""
-        ks = [k for k in ks if k not in self._tracker.announced]  # by hand already
-        if not ks:
-            return False
-        if self._step_lrs is None:
-            self._step_lrs = self._check_unchanged()
-            self.wait_params()  # refused once a param is announced: the uploads of the last step first
-        self._announce(ks, self._step_lrs, self._options(None, None, None), take=take)
-        return True
-
-    def _announce(self, ks, lrs, options, take=True):
-        if take:
-            with torch.no_grad():
-                for k in ks:
-                    self._take_grad(k)  # on the current stream, before the announcement
-        self._engine.grads_ready_params([self._names[k] for k in ks], group_lr=lrs, **options,
-                                        stream=self._stream())
-        self._tracker.announced.update(ks)
-        if take:  # attach_ddp: the versions are recorded once DDP is done with p.grad (ferry._ddp)
-            self._tracker.record_versions(ks)
-
-    def grads_ready(self, groups=None, *, loss_scale=None, max_grad_norm=None, check_finite=None):
-        """Starts the coming step of param groups whose grads are final (indices into param_groups;
-        None: every group not announced yet), by hand (`overlap=` does it from hooks): call it after
-        the last backward that accumulates into them, with the options step() will get. Offloaded
-        groups then copy their grads down, run CPU Adam and upload new params in the background, on
-        the current stream's order; step() completes the step and keeps that work only when it is
-        exact (no clipping triggered, the same lr and options), so the result is the same bits as
-        without this call. Until step(), do not change these grads or read these params. Every param
-        of an announced group must have a grad."""
-        announced = self._tracker.announced
-        if groups is None:
-            groups = range(len(self._groups))
-        elif isinstance(groups, int):
-            groups = [groups]
-        groups = list(groups)
-        for gi in groups:
-            if not 0 <= gi < len(self._groups):
-                raise IndexError("grads_ready: no param group %d (%d groups)" % (gi, len(self._groups)))
-        for gi in groups:
-            if gi in self._by_hand:
-                raise ValueError("grads_ready: param group %d was already announced in this step" % gi)
-        gs = set(groups)
-        ks = [k for k in range(len(self._params)) if self._group_of[k] in gs and k not in announced]
-        if not ks:
-            self._by_hand.update(gs)
-            return  # the hooks were first: nothing to do
-        lrs = self._check_unchanged()
-        options = self._options(loss_scale, max_grad_norm, check_finite)
-        for k in ks:
-            if not self._has_grad(k):
-                raise RuntimeError("grads_ready: %s has no grad (none produced since zero_grad())" % self._where[k])
-        if not announced:
-            self.wait_params()
-        self._announce(ks, lrs, options)
-        self._by_hand.update(gs)
-
-    @contextlib.contextmanager
-    def accumulate(self):
-        """`with opt.accumulate():` around the forward and backward of each micro-batch that is not the
-        last of a step (like DDP's no_sync): their grads accumulate, and nothing is announced. The last
-        micro-batch's backward, outside, announces each group once its grads are final."""
-        self._tracker.hook_missing()
-        self._tracker.accumulating += 1
-        try:
-            yield self
-        finally:
-            self._tracker.accumulating -= 1
 
     def _save_skipped(self, skipped):
         """What a step would change of the params without grads: values, state, and the step count of
