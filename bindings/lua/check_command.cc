@@ -184,6 +184,15 @@ void PrintPlacementTable(std::FILE* out, const std::vector<GroupInfo>& groups,
   } else {
     absl::FPrintF(out, "\n");
   }
+  if (cpu > 0) {
+    // Early steps (GradsReady, ferry.torch's overlap) double the offloaded state for their spare
+    // buffers; EngineOptions::spare_state_fraction bounds it.
+    absl::FPrintF(out,
+                  "  overlap (GradsReady; ferry.torch's overlap) adds up to %s of pinned spare state (the "
+                  "offloaded state again; EngineOptions::spare_state_fraction, ferry.torch's spare_state=, "
+                  "bounds it)\n",
+                  HumanBytes(cpu));
+  }
 }
 
 std::string HookState(const Policy& policy, const char* hook) {

@@ -174,6 +174,8 @@ TEST(CheckCommandTest, PlacementTableCheckpointPlanAndAfterLoad) {
   EXPECT_THAT(Row(r.out, "  total "), ElementsAre("total", "4500", "1/3", "72000", "12000"));
   EXPECT_THAT(r.out, HasSubstr("the optimizer state placed there is 41.0 KiB, within "
                                "gpu_free_bytes (1.0 MiB)"));
+  EXPECT_THAT(r.out, HasSubstr("overlap (GradsReady; ferry.torch's overlap) adds up to 11.7 KiB of pinned "
+                               "spare state"));
   EXPECT_THAT(r.out, HasSubstr("checkpoint(step=77):\n  skip: nothing\n"
                                "  writes: model 15000 B, master 18000 B, optimizer 36000 B"));
   EXPECT_THAT(r.out, HasSubstr("  async: false, keep_last: 0 (keep all)\n"));
