@@ -9,6 +9,17 @@ import pytest
 import torch
 
 
+def pytest_collection_modifyitems(config, items):
+    """FERRY_TEST_DEVICE=cuda (the python.cuda.* ctest variants) without a GPU: every test skips, the
+    suites that start their own ranks included (they do not take the `device` fixture and would rerun
+    their CPU cases)."""
+    name = os.environ.get("FERRY_TEST_DEVICE", "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="FERRY_TEST_DEVICE=%s but torch sees no CUDA device" % name)
+        for item in items:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def device():
     name = os.environ.get("FERRY_TEST_DEVICE", "cpu")
