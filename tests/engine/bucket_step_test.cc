@@ -9,6 +9,7 @@
 #include <cmath>
 #include <map>
 #include <memory>
+#include <ostream>
 #include <random>
 #include <string>
 #include <vector>
@@ -31,6 +32,9 @@ struct Case {
   std::string policy;  // "offload_all.lua", "half" (offload_fraction 0.5), "all_gpu.lua", "bf16"
   size_t groups;       // tensor i in group "g<i % groups>"
 };
+
+// How gtest (and so ctest's test list) shows a Case.
+void PrintTo(const Case& c, std::ostream* os) { *os << c.policy << ", " << c.groups << " groups"; }
 
 class BucketStepTest : public ::testing::TestWithParam<Case> {
  protected:
