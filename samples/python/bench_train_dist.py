@@ -8,8 +8,10 @@ slowest rank's iteration time and its ratio to the all-GPU DDP row of the same r
     DDP ferry all_gpu                all-GPU: DDP, Ferry's GPU Adam, every rank the whole state
     DDP ZeRO-1 offload               DDP, ferry shard=True: this rank's 1/N of the state in pinned
                                      host memory, step() only (overlap=False)
-    DDP ZeRO-1 offload + overlap     the same with opt.attach_ddp(ddp): each param group announced
-                                     once DDP's all-reduce of its grads has landed
+    DDP ZeRO-1 offload + overlap     the same with opt.attach_ddp(ddp) (each param group announced
+                                     once DDP's all-reduce of its grads has landed) and
+                                     attach(model): the step returns before its update and all-gather,
+                                     each layer's forward waits for its own units' gathers
     DDP offload + overlap            unsharded (every rank the whole state offloaded), attach_ddp, and
                                      attach(model) as bench_train.py's overlap rows (deferred steps)
     FSDP2 offload                    fully_shard per block and the root (DTensor params), offloaded
@@ -44,7 +46,7 @@ ROWS = [
     {"name": "DDP ferry all_gpu", "kind": "ferry", "wrap": "ddp", "policy": "all_gpu"},
     {"name": "DDP ZeRO-1 offload", "kind": "ferry", "wrap": "ddp", "policy": "offload_all", "shard": True},
     {"name": "DDP ZeRO-1 offload + overlap", "kind": "ferry", "wrap": "ddp", "policy": "offload_all", "shard": True,
-     "overlap": True, "same_as": "DDP ZeRO-1 offload"},
+     "overlap": True, "attach": True, "same_as": "DDP ZeRO-1 offload"},
     {"name": "DDP offload", "kind": "ferry", "wrap": "ddp", "policy": "offload_all"},
     {"name": "DDP offload + overlap", "kind": "ferry", "wrap": "ddp", "policy": "offload_all", "overlap": True,
      "attach": True, "same_as": "DDP offload"},
@@ -199,7 +201,8 @@ def main():
     ap.add_argument("--groups", default="split", choices=["split", "joined"], help="as bench_train.py's")
     ap.add_argument("--cpu-threads", type=int, default=0, help="ferry's CPU Adam threads per rank (0: its default)")
     ap.add_argument("--timeout", type=float, default=300.0, help="the optimizer's collective timeout, seconds")
-    ap.add_argument("--trace", default="", help="ferry trace of each ferry row (as bench_train.py's --trace)")
+    ap.add_argument("--trace", default="", help="ferry trace of each ferry row and rank: PATH with the row's name before "
+                    "the extension and the engine's rank suffix, e.g. run.ddp_zero_1_offload_overlap.rank-0.json")
     ap.add_argument("--check-exact", action="store_true",
                     help="deterministic kernels; each overlap row's losses must be the same bits as without overlap")
     args = ap.parse_args()

@@ -26,6 +26,7 @@ import dist_util
 STEPS = 6
 NO_SYNC_AT = 2  # this step accumulates two micro-batches, the first under no_sync()
 DIMS = (12, 40, 40, 24, 6)  # four Linear layers, one param group each
+GATHER_MB = 2048 / (1 << 20)
 
 
 def make_model(seed=0):
@@ -59,7 +60,8 @@ def loss_of(model, rank, step, micro):
 
 def build(model, shard, overlap):
     import ferry.torch
-    kw = dict(shard=True, collective_timeout=30) if shard else {}
+    # ZeRO-1: buckets and gather units of ~2 KiB, so that each step gathers several units
+    kw = dict(shard=True, collective_timeout=30, bucket_mb=GATHER_MB) if shard else {}
     return ferry.torch.Optimizer(groups_of(model), lr=1e-2, weight_decay=0.1, policy="offload_all",
                                  overlap=overlap, **kw)
 
@@ -73,7 +75,9 @@ def train(opt, ddp, rank, step):
     announced = len(opt._tracker.announced)
     opt.step()
     opt.zero_grad()
-    return announced, loss.detach()
+    # ZeRO-1 gather units left for the next forward (attach(); none otherwise)
+    left = 0 if opt._zero is None else len(opt._zero.units) - opt._zero.next_unit
+    return announced, loss.detach(), left
 
 
 def bits(t):
@@ -82,18 +86,22 @@ def bits(t):
 
 def exact(rank, world, shard, gabv, overlap):
     import ferry.torch  # noqa: F401
+    from ferry import _zero
+    _zero.SOLO_BYTES = 4096  # the 40 x 40 and 40 x 24 weights are gather units of their own
     mine, ref = make_model(), make_model()
     ddp_mine, ddp_ref = wrap(mine, gabv), wrap(ref, gabv)
     opt = build(mine, shard, overlap=overlap).attach_ddp(ddp_mine)
     opt.attach(mine)  # deferred steps too: each layer's forward waits for its own group
     ref_opt = build(ref, shard, overlap=False)
-    announced = []
+    announced, left = [], []
     for step in range(STEPS):
         # The params are read only by the forwards (attach(): each module waits for its own group),
         # so each loss checks the params of the step before; the params themselves at the end.
-        n, loss = train(opt, ddp_mine, rank, step)
+        n, loss, deferred = train(opt, ddp_mine, rank, step)
         announced.append(n)
-        _, ref_loss = train(ref_opt, ddp_ref, rank, step)
+        left.append(deferred)
+        _, ref_loss, ref_left = train(ref_opt, ddp_ref, rank, step)
+        assert ref_left == 0, "rank %d step %d: not attached, yet %d gather units were left" % (rank, step, ref_left)
         if not torch.equal(bits(loss), bits(ref_loss)):
             raise AssertionError("rank %d step %d: loss %r, DDP without the hook and overlap=False %r"
                                  % (rank, step, loss.item(), ref_loss.item()))
@@ -105,7 +113,8 @@ def exact(rank, world, shard, gabv, overlap):
                                  "overlap=False after %d steps" % (rank, i, diff, STEPS))
     stats = opt.stats()
     local = sum(1 for g in opt.placement() if g["numel"] > 0)  # ZeRO-1: groups with elements on this rank
-    return {"announced": announced, "kept": stats["early_groups_kept"], "local": local,
+    return {"announced": announced, "kept": stats["early_groups_kept"], "local": local, "left": left,
+            "units": len(opt._zero.units) if opt._zero is not None else 0,
             "recomputed": stats["early_groups_recomputed"],
             "sum": sum(p.double().sum().item() for p in mine.parameters())}
 
@@ -122,6 +131,8 @@ def test_overlap_bit_identical_to_ddp_without_it(shard, gabv, overlap):
         assert r["announced"] == [0] * (STEPS - early) + [params] * early, (rank, r["announced"])
         assert r["local"] > 0 and r["kept"] == r["local"] * early and r["recomputed"] == 0, \
             (rank, r["local"], r["kept"], r["recomputed"])
+        if shard:  # every gather unit of each step was left for the next forward's pre-hooks
+            assert r["units"] >= 3 and r["left"] == [r["units"]] * STEPS, (rank, r["units"], r["left"])
     assert results[0]["sum"] == results[1]["sum"]  # the replicas agree
 
 

@@ -37,6 +37,8 @@ class ModuleWaits:
                 self.handles.append(module.register_forward_pre_hook(_pre_hook(me, ks)))
         if not self.handles:
             raise ValueError("attach: no module of %s owns a param of this optimizer" % type(model).__name__)
+        if optimizer._gathering():  # ZeRO-1: the units no module's forward gathered, once it returns
+            self.handles.append(model.register_forward_hook(_post_hook(me)))
         for k, p in enumerate(optimizer._params):
             if p.requires_grad and id(p) in index:
                 self.handles.append(p.register_hook(_grad_hook(me, k)))
@@ -58,8 +60,20 @@ def _grad_hook(me, k):
 def _pre_hook(me, ks):
     def hook(_module, _inputs):
         opt = me()
-        if opt is not None and opt._pending:
+        if opt is None:
+            return
+        if opt._zero is not None and opt._zero.gathers_pending:
+            opt._gather_through(ks)
+        if opt._pending:
             opt._wait_units({opt._unit_of[k] for k in ks})
+    return hook
+
+
+def _post_hook(me):
+    def hook(_module, _inputs, _output):
+        opt = me()
+        if opt is not None and opt._zero.gathers_pending:
+            opt._gather_through(range(len(opt._params)))
     return hook
 
 
@@ -95,6 +109,8 @@ class AttachMixin:
     def wait_params(self, groups=None):
         """Makes the current stream wait for the new params of `groups` (param group indices; None:
         all) from the last step, where it has not yet (only with attach())."""
+        if self._zero is not None and self._zero.gathers_pending:
+            self._gather_through(range(len(self._params)))  # ZeRO-1: every unit (they go in order)
         if self._pending:
             self._wait_units(sorted(self._pending) if groups is None else self._units_of_groups(groups))
 

@@ -4,14 +4,21 @@ FSDP2 local shards (DTensor params sharded on dim 0). Internal; see ferry.torch.
 
 Every param is registered with the engine as a range [begin, end) of its flattened global tensor:
 
-  * a plain tensor (every rank holds the whole param, as under DDP): with shard=True, the params of
-    one dtype are laid end to end (in the optimizer's param order) and that line is cut into
-    world_size pieces of ceil(n / world_size) elements; rank r holds piece r. A param's range on a
-    rank is its overlap with the rank's piece: uneven, often empty for small params. After each
-    step the updated pieces are all-gathered into every replica (``Sharding.gather_params``): one
-    all-gather per dtype into a flat buffer of the padded line, then copied into the params.
-    NCCL (the trainer's `process_group`) for CUDA params when that group's backend is NCCL, else the
-    optimizer's gloo group (CPU params; CUDA params under a gloo group: see _gather_group).
+  * a plain tensor (every rank holds the whole param, as under DDP): with shard=True, the params are
+    cut into gather units: runs of about `unit_bytes` of params of one dtype, in the optimizer's
+    param order, laid end to end. Each unit is cut into world_size pieces of ceil(n / world_size)
+    elements; rank r holds piece r of every unit. A param's range on a rank is its overlap with the
+    rank's piece of its unit: uneven, often empty for small params. A param of SOLO_BYTES or more
+    whose elements split evenly is a unit of its own (NCCL all-gathers it in place, without copies
+    in and out). After each step the updated
+    pieces are all-gathered into every replica unit by unit, in unit order on every rank: each
+    unit's all-gather waits only for the uploads of its own params, so it runs while later units
+    still update. After a step of an attached optimizer (attach()) the gathers wait for the next
+    forward: a module's forward pre-hook gathers every unit up to the last one holding its params
+    (``Sharding.gather_through``), so the first layers run while the later ones still update and
+    gather. NCCL (the trainer's `process_group`) for CUDA params when that group's backend is NCCL,
+    on a side stream, nothing waited for on the host; else the optimizer's gloo group (CPU params;
+    CUDA params under a gloo group: see _gather_group), each all-gather waited for.
   * a DTensor (FSDP2's fully_shard, torch >= 2.4) with placements (Shard(0),) on a 1-D mesh: its local
     rows, as torch.chunk cuts dim 0 (ceil(rows / world) rows per rank, the last ranks fewer or none).
     The range is rows [r * c, r * c + local rows) times the row's elements. FSDP2 gathers params
@@ -26,12 +33,19 @@ Every param is registered with the engine as a range [begin, end) of its flatten
 Both are exact: the engine's step is elementwise apart from the global clip and found-inf, which it
 reduces exactly across ranks, so the params are bit-identical to one rank's.
 """
+import contextlib
 import time
 
 import torch
 import torch.distributed as dist
 
 from . import distributed as fdist
+
+_nothing = contextlib.nullcontext
+
+# A replica param of at least this many bytes whose elements split evenly over the ranks is a gather
+# unit of its own, all-gathered in place under NCCL (no copies in and out).
+SOLO_BYTES = 1 << 20
 
 
 def dtensor_class():
@@ -95,7 +109,7 @@ class Sharding:
     """Which range of each param this rank registers, and the collectives around the engine's step.
     One thread at a time (the optimizer's)."""
 
-    def __init__(self, params, wheres, process_group, shard, timeout_s, device):
+    def __init__(self, params, wheres, process_group, shard, timeout_s, device, unit_bytes=16 << 20):
         self.comm = fdist.make_comm(process_group, timeout_s)
         if self.comm is None:
             raise ValueError("ferry.torch.Optimizer: this rank (%d) is not in process_group %s"
@@ -106,36 +120,47 @@ class Sharding:
         self.wheres = wheres
         self.cuda = device.type == "cuda"
         self.gather_group, self.gather_via = self._gather_group(process_group)
-        self.last_gather_seconds = 0.0  # the last gather_params' wall time (benchmarks read it)
+        self.nccl = self.cuda and self.gather_group is not self.comm.group
+        self.last_gather_seconds = 0.0  # host time of the last step's gathers (benchmarks read it)
         self.registered = []  # the local tensors whose memory the engine holds: kept alive here
         self.kind = []   # per param: "dtensor" or "replica"
         self.table = []  # per param: [(begin, end)] of every rank
-        self.lines = {}  # dtype -> {"n", "piece", "members": [(k, offset)], "flat"}
-        offsets = {}
+        self.units = []  # gather units: {"dtype", "n", "piece", "members": [(k, offset)], "flat", "send", "event"}
+        self.unit_of = []  # per param: its gather unit (None: a DTensor)
+        unit = None
         for k, (p, where) in enumerate(zip(params, wheres)):
             if is_dtensor(p):
                 self.kind.append("dtensor")
                 self.table.append(self._dtensor_ranges(p, where))
-            else:
-                if not shard:
-                    raise ValueError("%s is a plain tensor but the optimizer has %d ranks and shard=False: every rank "
-                                     "would step the whole param; pass shard=True (ZeRO-1) or DTensor params"
-                                     % (where, self.world))
-                self.kind.append("replica")
-                line = self.lines.setdefault(p.dtype, {"n": 0, "members": []})
-                offsets[k] = line["n"]
-                line["members"].append((k, line["n"]))
-                line["n"] += p.numel()
-                self.table.append(None)
-        for line in self.lines.values():
-            line["piece"] = -(-line["n"] // self.world)
-            line["flat"] = None
-        for dtype, line in self.lines.items():
-            piece = line["piece"]
-            for k, off in line["members"]:
+                self.unit_of.append(None)
+                continue
+            if not shard:
+                raise ValueError("%s is a plain tensor but the optimizer has %d ranks and shard=False: every rank "
+                                 "would step the whole param; pass shard=True (ZeRO-1) or DTensor params"
+                                 % (where, self.world))
+            self.kind.append("replica")
+            # A large param that splits evenly is a unit of its own: NCCL gathers it in place (each
+            # rank's piece is its own range of the param, which the engine updates in place).
+            solo = p.numel() * p.element_size() >= SOLO_BYTES and p.numel() % self.world == 0
+            if solo or unit is None or unit["solo"] or unit["dtype"] != p.dtype or \
+                    unit["n"] * p.element_size() >= unit_bytes:
+                unit = {"dtype": p.dtype, "n": 0, "members": [], "flat": None, "solo": solo}
+                self.units.append(unit)
+            self.unit_of.append(len(self.units) - 1)
+            unit["members"].append((k, unit["n"]))
+            unit["n"] += p.numel()
+            self.table.append(None)
+        for unit in self.units:
+            piece = unit["piece"] = -(-unit["n"] // self.world)
+            for k, off in unit["members"]:
                 n = params[k].numel()
                 self.table[k] = [(min(max(r * piece - off, 0), n), min(max((r + 1) * piece - off, 0), n))
                                  for r in range(self.world)]
+        # The gathers of the last step: units [next_unit, len(units)) are not gathered yet.
+        self.next_unit = len(self.units)
+        self._works = []  # NCCL: the all-gathers no host wait finished yet, and their arrival number
+        self._arrival = None
+        self._side = None  # NCCL: the side stream of the gathers
 
     def _gather_group(self, process_group):
         """(group, description) of ZeRO-1's bulk all-gather of the updated params. NCCL (the trainer's
@@ -204,48 +229,135 @@ class Sharding:
         """The local tensor of a grad (a DTensor's to_local())."""
         return g.to_local() if is_dtensor(g) else g
 
-    # ---- after the step: every replica gets every rank's update -----------------------------------
+    # ---- after the step: every replica gets every rank's update, unit by unit ---------------------
+
+    @property
+    def gathers_pending(self):
+        return self.next_unit < len(self.units)
+
+    def begin_gathers(self):
+        """At the end of a step: every unit is to be gathered (gather_through or gather_params). Checks
+        that the last step's NCCL all-gathers finished (within the timeout: a rank that never arrived
+        is named) and counts this step's arrival once for all its units."""
+        if self.world == 1 or not self.units:
+            return
+        self.finish_gathers()
+        self.next_unit = 0
+        self.last_gather_seconds = 0.0
+        if self.nccl:
+            if self._side is None:
+                self._side = torch.cuda.Stream(device=self.params[self.unit_first(0)].device)
+            # The copies into the params wait for the forward and backward that read them.
+            self._side.wait_stream(torch.cuda.current_stream(self._side.device))
+            self.comm.check_aborts()
+            self._arrival = self.comm.arrive("z")
+
+    def unit_first(self, j):
+        return self.units[j]["members"][0][0]
 
     @torch.no_grad()
-    def gather_params(self):
+    def gather_through(self, last, wait_local):
+        """Gathers units next_unit..last (in order: the same collectives on every rank).
+        wait_local(ks, stream): makes `stream` (a raw CUDA stream handle, 0 on the host) wait until
+        this rank's ranges of params ks hold the step's values."""
+        if last < self.next_unit:
+            return
         start = time.perf_counter()
-        self._gather_params()
-        self.last_gather_seconds = time.perf_counter() - start
+        try:
+            while self.next_unit <= last:
+                j = self.next_unit
+                self._gather_unit(j, wait_local)
+                self.next_unit = j + 1
+        finally:
+            self.last_gather_seconds += time.perf_counter() - start
 
-    def _gather_params(self):
-        if self.world == 1:
-            return  # the one rank's range is every param, stepped in place: nothing to gather
-        for dtype, line in self.lines.items():
-            piece = line["piece"]
-            if line["flat"] is None:
-                device = self.params[line["members"][0][0]].device
-                line["flat"] = torch.empty(piece * self.world, dtype=dtype, device=device)
-                line["send"] = torch.empty(piece, dtype=dtype, device=device)
-            flat, send = line["flat"], line["send"]
-            lo = self.rank * piece
-            for k, off in line["members"]:
-                b, e = self.range(k)
-                if e > b:
-                    send[off + b - lo:off + e - lo].copy_(self.params[k].view(-1)[b:e])
-            self._all_gather_flat(flat, send, piece, "ZeRO-1 all-gather of %d %s params" % (line["n"], dtype))
-            for k, off in line["members"]:
-                p = self.params[k]
-                p.view(-1).copy_(flat[off:off + p.numel()])
+    def gather_rest(self, wait_local):
+        self.gather_through(len(self.units) - 1, wait_local)
+
+    def _gather_unit(self, j, wait_local):
+        unit = self.units[j]
+        ks = [k for k, _ in unit["members"] if self.local_numel(k)]
+        in_place = self.nccl and unit["solo"]
+        if unit["flat"] is None:
+            device = self.params[self.unit_first(j)].device
+            if in_place:  # the param itself; this rank's piece is its range (NCCL's in-place all-gather)
+                unit["flat"] = self.params[self.unit_first(j)].data.view(-1)
+                unit["send"] = unit["flat"].narrow(0, self.rank * unit["piece"], unit["piece"])
+            else:
+                with torch.cuda.stream(self._side) if self.nccl else _nothing():
+                    unit["flat"] = torch.empty(unit["piece"] * self.world, dtype=unit["dtype"], device=device)
+                    unit["send"] = torch.empty(unit["piece"], dtype=unit["dtype"], device=device)
+            unit["event"] = torch.cuda.Event() if self.nccl else None
+        what = "ZeRO-1 all-gather of unit %d of %d (%d %s params)" % (j, len(self.units), unit["n"], unit["dtype"])
+        if not self.nccl:  # gloo: on the current stream, waited for on the host
+            wait_local(ks, torch.cuda.current_stream(unit["flat"].device).cuda_stream if self.cuda else 0)
+            self._copy_in(unit)
+            self._all_gather_flat(unit["flat"], unit["send"], unit["piece"], what)
+            self._copy_out(unit)
+            return
+        current = torch.cuda.current_stream(unit["flat"].device)
+        with torch.cuda.stream(self._side):
+            wait_local(ks, self._side.cuda_stream)
+            if not in_place:
+                self._copy_in(unit)
+            self._works.append((what, self._launch_nccl(unit["flat"], unit["send"])))
+            if not in_place:
+                self._copy_out(unit)
+            unit["event"].record(self._side)
+        current.wait_event(unit["event"])
+
+    def _copy_in(self, unit):
+        lo = self.rank * unit["piece"]
+        send = unit["send"]
+        for k, off in unit["members"]:
+            b, e = self.range(k)
+            if e > b:
+                send[off + b - lo:off + e - lo].copy_(self.params[k].view(-1)[b:e])
+
+    def _copy_out(self, unit):
+        # Through .data, as the engine's own uploads write: no version bump that autograd would
+        # take for a change of a tensor a forward saved (a param read outside its module's forward).
+        flat = unit["flat"]
+        for k, off in unit["members"]:
+            p = self.params[k].data
+            p.view(-1).copy_(flat[off:off + p.numel()])
+
+    def _launch_nccl(self, flat, send):
+        """all_gather_into_tensor on the current (side) stream; the stream then waits for it."""
+        group = self.gather_group
+        if hasattr(dist, "all_gather_into_tensor"):
+            work = dist.all_gather_into_tensor(flat, send, group=group, async_op=True)
+        else:
+            work = dist._all_gather_base(flat, send, group=group, async_op=True)
+        work.wait()  # NCCL: the stream waits; the host does not
+        return work
+
+    def finish_gathers(self):
+        """Waits on the host (within the timeout, naming a rank that never arrived) for the NCCL
+        all-gathers launched so far: at the next step, when they have long finished."""
+        works, self._works = self._works, []
+        if works:
+            self.comm.finish("ZeRO-1 all-gathers of the last step (%s, ...)" % works[0][0],
+                             [w for _, w in works], self._arrival, self.timeout_s, channel="z")
+
+    @torch.no_grad()
+    def gather_params(self, wait_local=None):
+        """Every unit, now (after a load_checkpoint or load_state_dict: each rank loaded its range)."""
+        if self.world == 1 or not self.units:
+            return
+        if not self.gathers_pending:
+            self.begin_gathers()
+        self.gather_rest(wait_local or (lambda ks, stream: None))
+        self.finish_gathers()
 
     def _all_gather_flat(self, flat, send, piece, what):
+        """gloo's all-gather, waited for on the host."""
         group = self.gather_group
-        nccl = self.cuda and group is not self.comm.group
-        if nccl and hasattr(dist, "all_gather_into_tensor"):
-            launch = lambda: dist.all_gather_into_tensor(flat, send, group=group, async_op=True)  # noqa: E731
-        elif nccl and hasattr(dist, "_all_gather_base"):
-            launch = lambda: dist._all_gather_base(flat, send, group=group, async_op=True)  # noqa: E731
-        else:
-            if flat.dtype in (torch.bfloat16, torch.float16):  # gloo (torch 1.13) has no bf16: move the bytes
-                piece *= flat.element_size()
-                flat, send = flat.view(torch.uint8), send.view(torch.uint8)
-            outs = list(flat.split(piece))
-            launch = lambda: dist.all_gather(outs, send, group=group, async_op=True)  # noqa: E731
-        self.comm.run(what, launch, self.timeout_s)
+        if flat.dtype in (torch.bfloat16, torch.float16):  # gloo (torch 1.13) has no bf16: move the bytes
+            piece *= flat.element_size()
+            flat, send = flat.view(torch.uint8), send.view(torch.uint8)
+        outs = list(flat.split(piece))
+        self.comm.run(what, lambda: dist.all_gather(outs, send, group=group, async_op=True), self.timeout_s)
 
     # ---- state_dict: the whole state on every rank ------------------------------------------------
 

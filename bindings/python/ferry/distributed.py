@@ -28,6 +28,7 @@ TCPStore or FileStore, under the prefix ``ferry/<n>/``) carries two things:
     that are gone ("rank 2 of 4 is gone: its process 1234 on host h exited or was killed").
 After a failure the engine considers the comm unusable (its later calls fail at once), as in C++.
 """
+import contextlib
 import datetime
 import itertools
 import os
@@ -232,26 +233,30 @@ class TorchComm:
         under this comm's deadline and abort rules; `channel` keeps its arrival count apart from the
         engine's collectives. For the optimizer's own bulk collectives (ZeRO-1's all-gather). Raises what the engine would:
         ferry.DeadlineExceededError (a rank did not arrive), ferry.FerryError (a rank failed)."""
-        import ferry
-        try:
+        with _as_ferry_errors():
             self._run(what, launch, timeout_s, channel)
-        except TimeoutError as e:
-            err = ferry.DeadlineExceededError(str(e))
-            err.code = "DEADLINE_EXCEEDED"
-            raise err from e
-        except RuntimeError as e:
-            err = ferry.FerryError(str(e))
-            err.code = "UNAVAILABLE"
-            raise err from e
+
+    def arrive(self, channel):
+        """Counts this rank's arrival at the next collective of `channel` (for finish()'s message)."""
+        return self._notes.arrive(channel)
+
+    def finish(self, what, works, arrival, timeout_s, channel):
+        """Waits on the host for `works` (launched after arrive(channel) returned `arrival`) under
+        run()'s deadline and abort rules, and raises what it would."""
+        with _as_ferry_errors():
+            start = time.monotonic()
+            for work in works:
+                self._wait(what, work, arrival, channel, start + max(float(timeout_s), 0.0), timeout_s)
 
     def _run(self, what, launch, timeout_s, channel=None):
         channel = channel or self._channel
         self.check_aborts()
         mine = self._notes.arrive(channel)
         work = launch()
-        start = time.monotonic()
-        deadline = start + max(float(timeout_s), 0.0)
-        pause, next_check = 2e-5, start + 0.05
+        self._wait(what, work, mine, channel, time.monotonic() + max(float(timeout_s), 0.0), timeout_s)
+
+    def _wait(self, what, work, mine, channel, deadline, timeout_s):
+        pause, next_check = 2e-5, time.monotonic() + 0.05
         while not work.is_completed():
             now = time.monotonic()
             if now >= next_check:
@@ -269,6 +274,22 @@ class TorchComm:
             self.check_aborts()
             raise RuntimeError("torch.distributed %s failed on rank %d of %d: %s; %s%s"
                                % (what, self.rank, self.world_size, e, self._late(mine, channel), _SEE_GUIDE)) from e
+
+
+@contextlib.contextmanager
+def _as_ferry_errors():
+    """TimeoutError -> ferry.DeadlineExceededError, RuntimeError -> ferry.FerryError (what the engine raises)."""
+    import ferry
+    try:
+        yield
+    except TimeoutError as e:
+        err = ferry.DeadlineExceededError(str(e))
+        err.code = "DEADLINE_EXCEEDED"
+        raise err from e
+    except RuntimeError as e:
+        err = ferry.FerryError(str(e))
+        err.code = "UNAVAILABLE"
+        raise err from e
 
 
 # The end of the messages of a collective that timed out or lost a rank: the guide's section.

@@ -147,7 +147,8 @@ class Optimizer(StateMixin, _buckets.BucketMixin, _attach.AttachMixin, _ddp.DDPM
         if process_group is None:
             process_group = _zero.process_group_of(self._params, self._where)
         if shard or process_group is not None:
-            self._zero = _zero.Sharding(self._params, self._where, process_group, shard, collective_timeout, device)
+            self._zero = _zero.Sharding(self._params, self._where, process_group, shard, collective_timeout, device,
+                                        unit_bytes=self._bucket_bytes)
         dist_args = {} if self._zero is None else dict(
             comm=self._zero.comm, rank=self._zero.rank, world_size=self._zero.world,
             collective_timeout=float(collective_timeout), checkpoint_timeout=float(checkpoint_timeout))
@@ -356,13 +357,37 @@ class Optimizer(StateMixin, _buckets.BucketMixin, _attach.AttachMixin, _ddp.DDPM
             return self._step(closure, loss_scale, max_grad_norm, check_finite)
         try:
             loss = self._step(closure, loss_scale, max_grad_norm, check_finite)
-            if self._zero.lines:
-                self.wait_params()  # attach(): the all-gather reads every updated range, uploaded first
-            self._zero.gather_params()  # ZeRO-1: every rank's updated range into every replica
+            if self._gathering():
+                # ZeRO-1: every rank's updated range into every replica, unit by unit as the uploads
+                # land; with attach(), in the next forward (ferry/_zero.py).
+                self._zero.begin_gathers()
+                if self._waits is None:
+                    self.wait_params()
             return loss
         except BaseException as e:
             self._zero.abort(e)
             raise
+
+    def _gathering(self):
+        """ZeRO-1 over several ranks: the step's params are gathered after it (ferry/_zero.py)."""
+        return self._zero is not None and self._zero.world > 1 and bool(self._zero.units)
+
+    def _wait_local(self, ks, stream):
+        """Sharding's wait_local: `stream` waits for this rank's ranges of params ks (the last step's)."""
+        if ks:
+            self._engine.wait_params_of([self._names[k] for k in ks], stream=stream)
+
+    def _gather_through(self, ks):
+        """ZeRO-1 after a deferred step: the gather units up to the last one holding a param of ks."""
+        z = self._zero
+        units = [z.unit_of[k] for k in ks if z.unit_of[k] is not None]
+        if units:
+            with self._engine_lock:
+                try:
+                    z.gather_through(max(units), self._wait_local)
+                except BaseException as e:
+                    z.abort(e)
+                    raise
 
     def _step(self, closure, loss_scale, max_grad_norm, check_finite):
         loss = None
@@ -417,11 +442,13 @@ class Optimizer(StateMixin, _buckets.BucketMixin, _attach.AttachMixin, _ddp.DDPM
                             "changing grads in place, or construct it with overlap=False" % (self._where[late[1]], late[0]))
         if late is not None:
             options["discard_early"] = True
-        skipped_step, _ = self._engine.step(group_lr=lrs, **options, wait_for_params=self._waits is None,
+        deferred = self._waits is not None or self._gathering()
+        skipped_step, _ = self._engine.step(group_lr=lrs, **options, wait_for_params=not deferred,
                                             stream=self._stream())
         self._end_step(unsafe=unsafe)
-        if self._waits is not None:
+        if deferred:
             self._pending = set(range(len(self._units)))
+        if self._waits is not None:
             orphans = [u for u, ks in enumerate(self._units) if not any(k in self._waits.owned for k in ks)]
             if orphans:
                 self._wait_units(orphans)
@@ -541,7 +568,8 @@ class Optimizer(StateMixin, _buckets.BucketMixin, _attach.AttachMixin, _ddp.DDPM
         z = self._zero
         if z is None:
             return None
-        return {"rank": z.rank, "world_size": z.world, "all_gather": z.gather_via if z.lines else None,
+        return {"rank": z.rank, "world_size": z.world, "all_gather": z.gather_via if z.units else None,
+                "gather_units": len(z.units),
                 "replicated": z.kind.count("replica"), "dtensor": z.kind.count("dtensor"),
                 "local_numel": sum(z.local_numel(k) for k in range(len(self._params)))}
 
