@@ -101,7 +101,7 @@ def build(row, args, device, world, local_rank):
     opt = ferry.torch.Optimizer(groups, **kw, **extra)
     if row.get("overlap") and row["wrap"] == "ddp":
         opt.attach_ddp(outer)  # announce each group once DDP's all-reduce of its grads has landed
-    if row.get("attach"):
+    if row.get("attach") and not args.no_attach:
         opt.attach(model)  # each layer's forward waits for its own group's upload
     return outer, opt
 
@@ -203,6 +203,8 @@ def main():
     ap.add_argument("--timeout", type=float, default=300.0, help="the optimizer's collective timeout, seconds")
     ap.add_argument("--trace", default="", help="ferry trace of each ferry row and rank: PATH with the row's name before "
                     "the extension and the engine's rank suffix, e.g. run.ddp_zero_1_offload_overlap.rank-0.json")
+    ap.add_argument("--no-attach", action="store_true", help="overlap rows without opt.attach(model): step() "
+                    "waits for every upload (and ZeRO-1's all-gathers) before the next forward")
     ap.add_argument("--check-exact", action="store_true",
                     help="deterministic kernels; each overlap row's losses must be the same bits as without overlap")
     args = ap.parse_args()
