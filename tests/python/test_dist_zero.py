@@ -2,7 +2,9 @@
 to one rank over 50 steps with clipping, an lr schedule, grads_ready and an injected Inf, for 1, 2,
 3 and 4 ranks; each rank holds 1/W of the optimizer state; state_dict() gathers the whole state;
 checkpoints saved by W ranks resume on W' ranks for every pair in 1..4, bit-identical; a
-single-process torch.optim.AdamW state_dict loads into a sharded optimizer.
+single-process torch.optim.AdamW state_dict loads into a sharded optimizer; with attach(model) the
+gathers of each step wait for the next forward (layers registered in the reverse of their forward
+order, one used twice, one unused) and the losses and params stay the bits of one rank's.
 
 Every rank's grads are the same (as after DDP's all-reduce): fresh random values per step."""
 import os
@@ -258,3 +260,68 @@ def test_async_saves_use_their_own_group_and_resume_on_other_world(tmp_path):
     for rank, res in enumerate(resumed):
         for i, (a, b) in enumerate(zip(res, saved[0])):
             assert_same_bits(a, b, "async save by 2 ranks, resumed on 3 (rank %d), param %d" % (rank, i))
+
+
+# ---- ZeRO-1 with attach(): the gathers in the next forward -------------------------------------------
+
+class Reversed(torch.nn.Module):
+    """Layers registered in the reverse of their forward order (the first layer's pre-hook gathers every
+    unit), a layer used twice, and a layer no forward uses (gathered when the forward returns; no grad,
+    so its params do not step)."""
+
+    def __init__(self):
+        super().__init__()
+        gen = torch.Generator().manual_seed(3)
+        dims = [(24, 6), (40, 24), (40, 40), (12, 40)]  # (in, out), registered last layer first
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(i, o) for i, o in dims)
+        self.unused = torch.nn.Linear(6, 6)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+
+    def forward(self, x):
+        h = x
+        for i, layer in enumerate(reversed(self.layers)):
+            h = torch.tanh(layer(h))
+            if i == 1:
+                h = torch.tanh(layer(h))  # the 40 x 40 layer twice
+        return h
+
+
+def attached(rank, world, sharded, steps):
+    import ferry.torch
+    model = Reversed()
+    kw = dict(shard=True, collective_timeout=30, bucket_mb=1024 / (1 << 20)) if sharded else {}
+    opt = ferry.torch.Optimizer(model.parameters(), lr=1e-2, weight_decay=0.1, policy="offload_all",
+                                max_grad_norm=1.0, overlap=sharded, **kw)
+    if sharded:
+        opt.attach(model)
+    losses, left = [], []
+    for step in range(steps):
+        gen = torch.Generator().manual_seed(100 + step)  # every rank the same batch: the same grads
+        x, y = torch.randn(8, 12, generator=gen), torch.randn(8, 6, generator=gen)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+        if sharded:
+            left.append(len(opt._zero.units) - opt._zero.next_unit)
+    opt.wait_params()
+    return {"losses": losses, "params": [p.detach().clone() for p in model.parameters()], "left": left,
+            "units": len(opt._zero.units) if sharded else 0}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_zero1_attached_gathers_in_forward_bit_identical(world):
+    steps = 5
+    ref = dist_util.ok(dist_util.run_ranks(1, attached, False, steps, timeout=60))[0]
+    for rank, res in enumerate(dist_util.ok(dist_util.run_ranks(world, attached, True, steps, timeout=120))):
+        # every unit of each step was left for the next forward, which gathered them all
+        assert res["units"] >= 4 and res["left"] == [res["units"]] * steps, (rank, res["units"], res["left"])
+        for step, (a, b) in enumerate(zip(res["losses"], ref["losses"])):
+            assert_same_bits(a, b, "world %d rank %d: loss of step %d" % (world, rank, step))
+        for i, (a, b) in enumerate(zip(res["params"], ref["params"])):
+            assert_same_bits(a, b, "world %d rank %d: param %d" % (world, rank, i))
+    assert not torch.equal(ref["params"][0], Reversed().layers[0].weight.detach())  # the run moved
+    assert torch.equal(ref["params"][-1], Reversed().unused.bias.detach())  # no grad: unchanged
