@@ -392,3 +392,46 @@ class Sharding:
 
     def abort(self, exc):
         self.comm.abort("%s: %s" % (type(exc).__name__, exc))
+
+
+class ShardedStepMixin:
+    """ferry.torch.Optimizer's step on several ranks: the engine's step, then ZeRO-1's gathers (now,
+    or with attach() in the next forward). Uses the optimizer's _zero, _step(), _waits, _engine,
+    _engine_lock, _names, _params and wait_params()."""
+
+    def _step_ranks(self, closure, loss_scale, max_grad_norm, check_finite):
+        if self._zero is None:
+            return self._step(closure, loss_scale, max_grad_norm, check_finite)
+        try:
+            loss = self._step(closure, loss_scale, max_grad_norm, check_finite)
+            if self._gathering():
+                # ZeRO-1: every rank's updated range into every replica, unit by unit as the uploads
+                # land; with attach(), in the next forward (ferry/_zero.py).
+                self._zero.begin_gathers()
+                if self._waits is None:
+                    self.wait_params()
+            return loss
+        except BaseException as e:
+            self._zero.abort(e)
+            raise
+
+    def _gathering(self):
+        """ZeRO-1 over several ranks: the step's params are gathered after it (ferry/_zero.py)."""
+        return self._zero is not None and self._zero.world > 1 and bool(self._zero.units)
+
+    def _wait_local(self, ks, stream):
+        """Sharding's wait_local: `stream` waits for this rank's ranges of params ks (the last step's)."""
+        if ks:
+            self._engine.wait_params_of([self._names[k] for k in ks], stream=stream)
+
+    def _gather_through(self, ks):
+        """ZeRO-1 after a deferred step: the gather units up to the last one holding a param of ks."""
+        z = self._zero
+        units = [z.unit_of[k] for k in ks if z.unit_of[k] is not None]
+        if units:
+            with self._engine_lock:
+                try:
+                    z.gather_through(max(units), self._wait_local)
+                except BaseException as e:
+                    z.abort(e)
+                    raise
