@@ -288,7 +288,7 @@ class Reversed(torch.nn.Module):
         return h
 
 
-def attached(rank, world, sharded, steps):
+def attached(rank, world, sharded, steps, root=None):
     import ferry.torch
     model = Reversed()
     kw = dict(shard=True, collective_timeout=30, bucket_mb=1024 / (1 << 20)) if sharded else {}
@@ -307,16 +307,26 @@ def attached(rank, world, sharded, steps):
         losses.append(loss.detach())
         if sharded:
             left.append(len(opt._zero.units) - opt._zero.next_unit)
+        if root is not None and step == 2:  # with this step's gathers pending: they run first
+            state = opt.state_dict()["state"]
+            opt.save_checkpoint(root, step + 1)
+            opt.wait_checkpoint()
+            saved = {k: v["exp_avg"].clone() for k, v in state.items()}
+            opt.load_checkpoint(root)  # loads what was just saved: nothing changes
     opt.wait_params()
     return {"losses": losses, "params": [p.detach().clone() for p in model.parameters()], "left": left,
-            "units": len(opt._zero.units) if sharded else 0}
+            "units": len(opt._zero.units) if sharded else 0, "saved": saved if root is not None else None}
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_zero1_attached_gathers_in_forward_bit_identical(world):
+def test_zero1_attached_gathers_in_forward_bit_identical(world, tmp_path):
     steps = 5
-    ref = dist_util.ok(dist_util.run_ranks(1, attached, False, steps, timeout=60))[0]
-    for rank, res in enumerate(dist_util.ok(dist_util.run_ranks(world, attached, True, steps, timeout=120))):
+    ref = dist_util.ok(dist_util.run_ranks(1, attached, False, steps, str(tmp_path / "one"), timeout=60))[0]
+    for rank, res in enumerate(dist_util.ok(dist_util.run_ranks(world, attached, True, steps, str(tmp_path / "w"),
+                                                                timeout=120))):
+        # state_dict(), a save and a load with the step's gathers pending: the same state as one rank's
+        for k, t in ref["saved"].items():
+            assert_same_bits(res["saved"][k], t, "world %d rank %d: exp_avg of param %d after step 2" % (world, rank, k))
         # every unit of each step was left for the next forward, which gathered them all
         assert res["units"] >= 4 and res["left"] == [res["units"]] * steps, (rank, res["units"], res["left"])
         for step, (a, b) in enumerate(zip(res["losses"], ref["losses"])):
