@@ -291,7 +291,9 @@ TEST(PolicyTest, SpareStateFieldAndGroupNamedSpareState) {
     EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument) << name;
     EXPECT_THAT(Msg(bad.status()), HasSubstr("test.lua: place(): field \"spare_state\" is " + shown)) << name;
     EXPECT_THAT(Msg(bad.status()), HasSubstr("expected a number in [0, 1]")) << name;
-    if (name == "nan") EXPECT_THAT(Msg(bad.status()), HasSubstr("nan;")) << name;
+    if (name == "nan") {
+      EXPECT_THAT(Msg(bad.status()), HasSubstr("nan;"));
+    }
   }
   // A group literally named "spare_state": "cpu"/"gpu" (or a table) under that key place the group.
   groups.push_back(Group("spare_state", 1));
