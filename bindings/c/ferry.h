@@ -189,7 +189,9 @@ ferry_status ferry_grads_ready_params(ferry_engine* engine, const char* const* p
                                       const ferry_step_options* options, void* stream);
 ferry_status ferry_wait_params_of(ferry_engine* engine, const char* const* params, size_t num_params, void* stream);
 
-/* ---- stats (ferry::EngineStats) ------------------------------------------------------------------ */
+/* ---- stats (ferry::EngineStats) ------------------------------------------------------------------
+ * Fields are only ever appended, never reordered or removed; ferry_stats_size() is sizeof(ferry_stats)
+ * in this library, for bindings that mirror the struct (ctypes, LuaJIT's FFI) to check theirs. */
 typedef struct {
   int64_t step;                 /* optimizer steps taken */
   int64_t skipped_steps;        /* steps skipped because a grad was NaN/Inf */
@@ -203,9 +205,13 @@ typedef struct {
   int64_t early_groups_kept;       /* ferry_grads_ready: early group updates the step kept */
   int64_t early_groups_recomputed; /* ... and recomputed (clipping triggered, other options) */
   int64_t deferred_steps;          /* steps that returned before their offloaded update finished */
+  /* pinned bytes of the early steps' spare state (ferry::EngineStats::spare_state_bytes): allocated at
+   * the first ferry_grads_ready / ferry_grads_ready_params that needs it; 0 before */
+  uint64_t spare_state_bytes;
 } ferry_stats;
 
 ferry_status ferry_get_stats(ferry_engine* engine, ferry_stats* out);
+size_t ferry_stats_size(void);
 
 /* ---- placement listing (ferry::Engine::Placement) ------------------------------------------------ */
 typedef struct {

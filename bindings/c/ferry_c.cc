@@ -65,6 +65,8 @@ const char* ferry_version(void) { return FERRY_VERSION_STRING; }
 
 size_t ferry_engine_options_size(void) { return sizeof(ferry_engine_options); }
 
+size_t ferry_stats_size(void) { return sizeof(ferry_stats); }
+
 const char* ferry_last_error(void) { return last_error.c_str(); }
 
 ferry_status ferry_engine_create(const ferry_engine_options* options, ferry_engine** out) {
@@ -355,6 +357,7 @@ ferry_status ferry_get_stats(ferry_engine* engine, ferry_stats* out) {
   out->early_groups_kept = s.early_groups_kept;
   out->early_groups_recomputed = s.early_groups_recomputed;
   out->deferred_steps = s.deferred_steps;
+  out->spare_state_bytes = s.spare_state_bytes;
   return Report(absl::OkStatus());
 }
 

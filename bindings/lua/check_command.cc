@@ -7,6 +7,7 @@
 #include <fstream>
 #include <map>
 #include <memory>
+#include <optional>
 #include <set>
 #include <sstream>
 #include <string>
@@ -137,9 +138,11 @@ std::string StateWord(const StateFormat& f) {
   return absl::StrCat(ToAbsl(StateDTypeName(f.master)), "/", ToAbsl(StateDTypeName(f.moments)), f.stochastic() ? "+sr" : "");
 }
 
+// The placement table, the GPU and pinned totals and the spare state's cost, with the policy's bound
+// on it (Placement::spare_state; unset: none).
 void PrintPlacementTable(std::FILE* out, const std::vector<GroupInfo>& groups,
                          const std::vector<PlaceKind>& kinds, const std::vector<StateFormat>& formats,
-                         const PolicyContext& ctx) {
+                         const PolicyContext& ctx, std::optional<double> spare_state) {
   size_t width = 5;
   for (const GroupInfo& g : groups) width = std::max(width, g.name.size());
   const int w = static_cast<int>(width);
@@ -186,12 +189,21 @@ void PrintPlacementTable(std::FILE* out, const std::vector<GroupInfo>& groups,
   }
   if (cpu > 0) {
     // Early steps (GradsReady, ferry.torch's overlap) double the offloaded state for their spare
-    // buffers; EngineOptions::spare_state_fraction bounds it.
+    // buffers; EngineOptions::spare_state_fraction and the policy's spare_state bound it.
     absl::FPrintF(out,
                   "  overlap (GradsReady; ferry.torch's overlap) adds up to %s of pinned spare state (the "
                   "offloaded state again; EngineOptions::spare_state_fraction, ferry.torch's spare_state=, "
                   "bounds it)\n",
                   HumanBytes(cpu));
+  }
+  if (spare_state.has_value()) {
+    const int64_t bound = static_cast<int64_t>(*spare_state * static_cast<double>(cpu));
+    absl::FPrintF(out,
+                  "  spare_state: %.6g: the policy bounds the spare state to %s (that fraction of the "
+                  "offloaded state; the engine takes the smaller of it and its spare_state_fraction)\n",
+                  *spare_state, HumanBytes(bound));
+  } else if (cpu > 0) {
+    absl::FPrintF(out, "  spare_state: (no bound from the policy)\n");
   }
 }
 
@@ -346,7 +358,7 @@ int CheckCommand(const std::vector<std::string>& args, std::FILE* out, std::FILE
       auto f = placement->state.find(model[i].name);
       if (f != placement->state.end()) formats[i] = f->second;
     }
-    PrintPlacementTable(out, model, kinds, formats, ctx);
+    PrintPlacementTable(out, model, kinds, formats, ctx, placement->spare_state);
     absl::FPrintF(out, "  numa: %s\n", placement->numa.value_or("(the engine's choice)"));
   } else {
     report.Error(placement.status());

@@ -10,6 +10,8 @@
 --   reserve  free GPU memory to leave alone for activations and workspace; default "1GiB".
 --   budget   GPU memory available before the reserve is taken off; default ctx.gpu_free_bytes.
 --   numa     optional NUMA mode for the pinned arena: "interleave", "bind", "preferred" or "local".
+--   host_budget  pinned host memory for the offloaded state and the early steps' spare state;
+--            default ctx.pinned_budget_bytes when it is > 0, else none (no bound on the spare state).
 --
 -- place(), the exact rule. available = budget - reserve; need = 12 * (numel of the groups on the GPU).
 --   1. Start with every group on the GPU.
@@ -17,6 +19,15 @@
 --      equal ones the earliest in parameter order).
 --   So available <= 0 offloads every group with numel > 0 (an empty group needs no room and stays),
 --   and a model whose state fits offloads nothing.
+-- The spare state (the result's "spare_state" key), when there is a host_budget. state = 12 * (numel
+-- of the offloaded groups): their fp32 master and moments in pinned host memory; overlap (early
+-- steps) may take as much again as spare state, and "spare_state" bounds that to a fraction of state:
+--   spare_state = min(1, max(0, (host_budget - state) / state)); 1 when state = 0.
+--   So 1 when the state fits twice, 0.5 when it fits one and a half times, 0 when the state alone
+--   does not fit (not an error: the engine's pinned memory errors decide then). The engine takes the
+--   smaller of this and EngineOptions::spare_state_fraction; the placement does not depend on it.
+--   Not counted: the staging ring (4 + 4 slots of transfer_chunk_bytes, 64 MiB by default), the
+--   engine's rounding of each group's state to 4 KiB pages, a save's staging: leave room for them.
 -- Note for hot reload (Engine::ReloadPolicy): ctx.gpu_free_bytes is measured with the current
 -- placement's GPU state still allocated, so the rule sees less room than a fresh start would; pass
 -- `budget` to decide from a known figure.
@@ -29,6 +40,8 @@ M.args = {
   reserve = "free GPU memory to leave alone, a byte size (default 1GiB)",
   budget = "GPU memory available before the reserve is taken off, a byte size (default gpu_free_bytes)",
   numa = "NUMA mode of the pinned arena: interleave, bind, preferred or local (default: the engine's)",
+  host_budget = "pinned host memory for the offloaded state and its spare state, a byte size "
+      .. "(default pinned_budget_bytes when > 0, else no bound)",
 }
 
 local STATE_BYTES_PER_PARAM = 12
@@ -77,9 +90,26 @@ local function placement_for(groups, available)
   return placement
 end
 
+-- The bound on the spare state by the rule above, for `placement`; nil without a host budget.
+local function spare_state_for(groups, placement, host_budget)
+  if host_budget == nil then return nil end
+  local state = 0
+  for _, g in ipairs(groups) do
+    if placement[g.name] == "cpu" then state = state + STATE_BYTES_PER_PARAM * g.numel end
+  end
+  if state == 0 then return 1 end
+  return math.min(1, math.max(0, (host_budget - state) / state))
+end
+
 function M.place(groups, ctx)
   local budget = parse_bytes(ctx.args, "budget", ctx.gpu_free_bytes)
+  -- Checked before anything is decided, so that a bad host_budget is reported whatever the placement.
+  local default_host = ctx.pinned_budget_bytes > 0 and ctx.pinned_budget_bytes or nil
+  local host_budget = parse_bytes(ctx.args, "host_budget", default_host)
   local placement = placement_for(groups, budget - parse_bytes(ctx.args, "reserve", 2^30))
+  -- A group named "spare_state" keeps its placement under that key (the bound is then left out).
+  local spare = spare_state_for(groups, placement, host_budget)
+  if spare ~= nil and placement.spare_state == nil then placement.spare_state = spare end
   if ctx.args.numa ~= nil then placement.numa = ctx.args.numa end  -- validated by the engine
   return placement
 end

@@ -4,7 +4,7 @@
  * the placement listing, policy reload, checkpoints (poll/wait, load options with fall back, the
  * settings' differences reported on load), the device and the version; a model in one group announced
  * in buckets of params (ferry_grads_ready_params, ferry_wait_params_of) bit-identical to steps alone,
- * and the misuses of both.
+ * the spare state they allocated (ferry_stats.spare_state_bytes), and the misuses of both.
  * Usage: c_api_check DIR SOURCE_DIR (a scratch directory; the project's sources, for its policies).
  * Exit status 0 on success. */
 #define _POSIX_C_SOURCE 200809L /* truncate */
@@ -328,6 +328,18 @@ static void check_buckets(const char* policy) {
   EXPECT(stats.step == 12 && stats.skipped_steps == 0);
   EXPECT(stats.early_groups_kept > 0 && stats.early_groups_recomputed > 0);
   EXPECT(stats.deferred_steps == deferred); /* every deferrable step, the clipped ones too */
+  /* The spare state the announcements allocated: the offloaded group's fp32 state again (12 B per
+   * element, offload_all), in whole pages; none for the engine that never announced. */
+  {
+    int64_t numel = 0;
+    for (int i = 0; i < NBUCKET; ++i) numel += kBucketNumel[i];
+    EXPECT(stats.spare_state_bytes >= (uint64_t)(12 * numel));
+    EXPECT(stats.spare_state_bytes < (uint64_t)(12 * numel) + 2u * 1024 * 1024);
+  }
+  ferry_stats plain_stats;
+  CHECK(ferry_get_stats(plain, &plain_stats));
+  EXPECT(plain_stats.spare_state_bytes == 0 && plain_stats.step == 12);
+  EXPECT(ferry_stats_size() == sizeof(ferry_stats));
   CHECK(ferry_verify_masters(buckets));
   ferry_engine_destroy(buckets);
   ferry_engine_destroy(plain);

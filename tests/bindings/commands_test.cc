@@ -189,6 +189,25 @@ TEST(CheckCommandTest, PlacementTableCheckpointPlanAndAfterLoad) {
   EXPECT_THAT(r.out, HasSubstr("result: no errors\n"));
 }
 
+// memory_budget's bound on the spare state, printed beside the spare state's cost: from
+// --pinned_budget (ctx.pinned_budget_bytes) or the host_budget arg; none without either.
+TEST(CheckCommandTest, PrintsThePolicysSpareStateBound) {
+  // a (1000 elements) offloaded: 12000 bytes of state; 18000 bytes of host budget leave half again.
+  Result r = Check({kPolicies + "memory_budget.lua", "--model", "a:1000", "--arg", "budget=0", "--arg",
+                    "reserve=0", "--pinned_budget=18000"});
+  EXPECT_EQ(r.status, 0) << r.err;
+  EXPECT_THAT(r.out, HasSubstr("adds up to 11.7 KiB of pinned spare state"));
+  EXPECT_THAT(r.out, HasSubstr("  spare_state: 0.5: the policy bounds the spare state to 5.9 KiB (that "
+                               "fraction of the offloaded state;"));
+  r = Check({kPolicies + "memory_budget.lua", "--model", "a:1000", "--arg", "budget=0", "--arg", "reserve=0",
+             "--arg", "host_budget=15000"});
+  EXPECT_EQ(r.status, 0) << r.err;
+  EXPECT_THAT(r.out, HasSubstr("  spare_state: 0.25: the policy bounds the spare state to 2.9 KiB"));
+  r = Check({kPolicies + "memory_budget.lua", "--model", "a:1000", "--arg", "budget=0", "--arg", "reserve=0"});
+  EXPECT_EQ(r.status, 0) << r.err;
+  EXPECT_THAT(r.out, HasSubstr("  spare_state: (no bound from the policy)\n"));
+}
+
 TEST(CheckCommandTest, WarnsWhenTheStateDoesNotFit) {
   Result r = Check({kPolicies + "all_gpu.lua", "--model", "a:1000", "--gpu_free", "10000",
                     "--pinned_budget=1"});

@@ -280,6 +280,157 @@ TEST(SpareStateBudgetTest, SpeculatesOnWhatFitsAndStaysExact) {
   EXPECT_GT(state_bytes, 0u);
 }
 
+// A policy that offloads every group and, with the arg `spare`, bounds the spare state to it.
+constexpr char kSparePolicy[] = R"lua(
+local M = { args = { spare = "the place() result's spare_state (default: none)" } }
+function M.place(groups, ctx)
+  local out = {}
+  for _, g in ipairs(groups) do out[g.name] = "cpu" end
+  if ctx.args.spare then out.spare_state = tonumber(ctx.args.spare) end
+  return out
+end
+return M
+)lua";
+
+// The spare state's bytes by the engine's rule (EngineOptions::spare_state_fraction): each offloaded
+// group's state in whole pages; the groups that fit in `fraction` of their sum, the last first.
+size_t ExpectedSpareBytes(Engine& e, double fraction) {
+  std::vector<size_t> pages;
+  size_t total = 0;
+  for (const GroupPlacement& g : e.Placement()) {
+    pages.push_back((static_cast<size_t>(g.host_state_bytes) + 4095) / 4096 * 4096);
+    total += pages.back();
+  }
+  const size_t budget = static_cast<size_t>(fraction * static_cast<double>(total));
+  size_t bytes = 0;
+  for (size_t g = pages.size(); g-- > 0;) {
+    if (pages[g] > 0 && bytes + pages[g] <= budget) bytes += pages[g];
+  }
+  return std::max<size_t>(bytes, 4096);
+}
+
+class SparePolicyTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    absl::StatusOr<std::unique_ptr<Device>> d = CreateDevice();
+    ASSERT_TRUE(d.ok()) << d.status();
+    device_ = *std::move(d);
+    policy_ = tmp_.Write("spare.lua", kSparePolicy);
+  }
+  // An engine with every group offloaded (a group per tensor), the option `fraction` and `policy`
+  // with `args`.
+  std::unique_ptr<Engine> Make(Model& model, double fraction, const std::string& policy,
+                               std::map<std::string, std::string> args) {
+    EngineOptions o;
+    o.policy_path = policy;
+    o.policy_args = std::move(args);
+    o.transfer_chunk_bytes = 4096;
+    o.cpu_threads = 2;
+    o.spare_state_fraction = fraction;
+    o.device = std::string(BackendName(device_->backend()));
+    absl::StatusOr<std::unique_ptr<Engine>> e = Engine::Create(o);
+    EXPECT_TRUE(e.ok()) << e.status();
+    if (!e.ok()) return nullptr;
+    EXPECT_TRUE(model.Register(**e).ok());
+    absl::Status s = (*e)->Finalize();
+    EXPECT_TRUE(s.ok()) << s;
+    return *std::move(e);
+  }
+  // One step whose grads are all announced (the first allocates the spare state); its spare bytes.
+  size_t SpareAfterStep(Engine& e, Model& model, uint64_t seed) {
+    auto expect_ok = [](const absl::Status& s) { EXPECT_TRUE(s.ok()) << s; };
+    model.SetGrads(seed);
+    for (size_t i = model.size(); i-- > 0;) expect_ok(e.GradsReadyParams({model.name(i)}));
+    expect_ok(e.Step({.wait_for_params = false}));
+    expect_ok(e.Synchronize());
+    return e.Stats().spare_state_bytes;
+  }
+  std::unique_ptr<Device> device_;
+  TempDir tmp_{"ferry-spare-policy"};
+  std::string policy_;
+};
+
+// A policy's spare_state bounds the spare state as EngineOptions::spare_state_fraction does, and the
+// smaller of the two wins; memory_budget's host_budget gives that bound from a byte size.
+TEST_F(SparePolicyTest, PolicyBoundTakesTheSmallerFraction) {
+  std::map<double, size_t> by_option;  // the option alone
+  for (const double fraction : {0.25, 0.5, 1.0}) {
+    Model model(device_.get(), kSizes, 5);
+    auto e = Make(model, fraction, policy_, {});
+    ASSERT_NE(e, nullptr);
+    by_option[fraction] = SpareAfterStep(*e, model, 9);
+    EXPECT_EQ(by_option[fraction], ExpectedSpareBytes(*e, fraction)) << fraction;
+  }
+  // Distinct sizes, so that the comparisons below tell the fractions apart.
+  ASSERT_LT(by_option[0.25], by_option[0.5]);
+  ASSERT_LT(by_option[0.5], by_option[1.0]);
+  struct Bound {
+    double option;
+    const char* policy;  // the policy's spare_state
+    double expected;     // the fraction that must apply
+  };
+  for (const Bound& b : {Bound{1.0, "0.5", 0.5}, Bound{0.5, "1", 0.5}, Bound{0.25, "0.5", 0.25},
+                         Bound{0.5, "0.25", 0.25}, Bound{1.0, "1", 1.0}, Bound{0.5, "0.5", 0.5}}) {
+    Model model(device_.get(), kSizes, 5);
+    auto e = Make(model, b.option, policy_, {{"spare", b.policy}});
+    ASSERT_NE(e, nullptr);
+    EXPECT_EQ(SpareAfterStep(*e, model, 9), by_option.at(b.expected))
+        << "option " << b.option << ", policy " << b.policy;
+  }
+  // memory_budget: everything offloaded; a host budget of the state and half of it again gives
+  // spare_state 0.5 (the policy counts 12 B per element: the engine's pages hold as much or more).
+  int64_t numel = 0;
+  for (int64_t n : kSizes) numel += n;
+  const std::string host_budget = std::to_string(12 * numel * 3 / 2);
+  ASSERT_EQ(12 * numel * 3 % 2, 0);
+  Model model(device_.get(), kSizes, 5);
+  auto e = Make(model, 1.0, Policies() + "memory_budget.lua",
+                {{"budget", "0"}, {"reserve", "0"}, {"host_budget", host_budget}});
+  ASSERT_NE(e, nullptr);
+  EXPECT_EQ(SpareAfterStep(*e, model, 9), by_option.at(0.5)) << "host_budget " << host_budget;
+  // An invalid option is still refused, whatever the policy's bound.
+  Model bad_model(device_.get(), kSizes, 5);
+  EngineOptions o;
+  o.policy_path = policy_;
+  o.policy_args = {{"spare", "0.5"}};
+  o.spare_state_fraction = 1.5;
+  o.device = std::string(BackendName(device_->backend()));
+  absl::StatusOr<std::unique_ptr<Engine>> bad = Engine::Create(o);
+  ASSERT_TRUE(bad.ok()) << bad.status();
+  ASSERT_OK(bad_model.Register(**bad));
+  absl::Status s = (*bad)->Finalize();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_THAT(std::string(s.message()), HasSubstr("spare state fraction must be in [0, 1], got 1.5"));
+}
+
+// ReloadPolicy: a new bound applies at the spare state's next allocation (engine.h): before the first
+// announcement it sizes the spare state; once allocated the spare state keeps its size; a reload
+// that moves groups rebuilds the offloaded state and allocates it afresh under the bound.
+TEST_F(SparePolicyTest, ReloadedBoundAppliesAtTheNextAllocation) {
+  std::map<double, size_t> by_option;
+  for (const double fraction : {0.25, 0.5}) {
+    Model model(device_.get(), kSizes, 5);
+    auto e = Make(model, fraction, policy_, {});
+    ASSERT_NE(e, nullptr);
+    by_option[fraction] = SpareAfterStep(*e, model, 9);
+  }
+  ASSERT_LT(by_option[0.25], by_option[0.5]);
+  Model model(device_.get(), kSizes, 5);
+  auto e = Make(model, 1.0, policy_, {{"spare", "0.5"}});
+  ASSERT_NE(e, nullptr);
+  ASSERT_OK(e->ReloadPolicy(policy_, {{"spare", "0.25"}}));  // nothing allocated yet
+  EXPECT_EQ(e->Stats().spare_state_bytes, 0u);
+  EXPECT_EQ(SpareAfterStep(*e, model, 9), by_option.at(0.25));
+  ASSERT_OK(e->ReloadPolicy(policy_, {{"spare", "0.5"}}));  // same placement: kept as allocated
+  EXPECT_EQ(SpareAfterStep(*e, model, 10), by_option.at(0.25));
+  // All on the GPU and back: the offloaded state is rebuilt, its spare state sized by the new bound.
+  ASSERT_OK(e->ReloadPolicy(Policies() + "all_gpu.lua", {}));
+  EXPECT_EQ(e->Stats().spare_state_bytes, 0u);
+  ASSERT_OK(e->ReloadPolicy(policy_, {{"spare", "0.5"}}));
+  EXPECT_EQ(SpareAfterStep(*e, model, 11), by_option.at(0.5));
+  ASSERT_OK(e->VerifyMasters());
+}
+
 INSTANTIATE_TEST_SUITE_P(Placements, BucketStepTest,
                          ::testing::Values(Case{"offload_all.lua", 1}, Case{"offload_all.lua", 2},
                                            Case{"half", 2}, Case{"all_gpu.lua", 1}, Case{"bf16", 1}),

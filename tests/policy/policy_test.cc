@@ -1,6 +1,7 @@
 // Policy: hook calls, validation of results, defaults, and the sandbox.
 #include "policy/policy.h"
 
+#include <cmath>
 #include <memory>
 #include <string>
 #include <utility>
@@ -255,6 +256,54 @@ TEST(PolicyTest, NumaFieldAndGroupNamedNuma) {
   ASSERT_OK_AND_MOVE(p, policy->Place(groups, Ctx()));
   EXPECT_EQ(p.groups.at("numa"), PlaceKind::kCpu);
   EXPECT_FALSE(p.numa.has_value());
+}
+
+// place()'s optional "spare_state" key: a number in [0, 1], read into Placement::spare_state; any
+// other value refused naming the field and the value; a group named "spare_state" is still a group.
+TEST(PolicyTest, SpareStateFieldAndGroupNamedSpareState) {
+  auto policy = MustLoad(R"lua(
+    local values = { half = 0.5, zero = 0, one = 1, tiny = 2^-30, nan = 0/0, neg = -0.25,
+                     big = 1.5, inf = math.huge, text = "0.5", yes = true, tbl = {} }
+    return { place = function(groups, ctx)
+      local out = {}
+      for _, g in ipairs(groups) do out[g.name] = "cpu" end
+      if ctx.args.spare then out.spare_state = values[ctx.args.spare] end
+      return out
+    end }
+  )lua");
+  ASSERT_NE(policy, nullptr);
+  std::vector<GroupInfo> groups = ThreeGroups();
+  ASSERT_OK_AND_MOVE(none, policy->Place(groups, Ctx()));
+  EXPECT_FALSE(none.spare_state.has_value());
+  for (const auto& [name, value] : std::vector<std::pair<std::string, double>>{
+           {"half", 0.5}, {"zero", 0.0}, {"one", 1.0}, {"tiny", std::ldexp(1.0, -30)}}) {
+    ASSERT_OK_AND_MOVE(p, policy->Place(groups, Ctx({{"spare", name}})));
+    ASSERT_TRUE(p.spare_state.has_value()) << name;
+    EXPECT_EQ(*p.spare_state, value) << name;
+    EXPECT_EQ(p.groups.size(), groups.size()) << name;  // the key is no group
+  }
+  for (const auto& [name, shown] : std::vector<std::pair<std::string, std::string>>{
+           {"nan", "the number "},  // "nan" or "-nan", as printf spells it
+           {"neg", "the number -0.25"}, {"big", "the number 1.5"}, {"inf", "the number inf"},
+           {"text", "\"0.5\""}, {"yes", "the boolean true"}, {"tbl", "a table"}}) {
+    absl::StatusOr<Placement> bad = policy->Place(groups, Ctx({{"spare", name}}));
+    ASSERT_FALSE(bad.ok()) << name;
+    EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument) << name;
+    EXPECT_THAT(Msg(bad.status()), HasSubstr("test.lua: place(): field \"spare_state\" is " + shown)) << name;
+    EXPECT_THAT(Msg(bad.status()), HasSubstr("expected a number in [0, 1]")) << name;
+    if (name == "nan") {
+      EXPECT_THAT(Msg(bad.status()), HasSubstr("nan;"));
+    }
+  }
+  // A group literally named "spare_state": "cpu"/"gpu" (or a table) under that key place the group.
+  groups.push_back(Group("spare_state", 1));
+  ASSERT_OK_AND_MOVE(p, policy->Place(groups, Ctx()));
+  EXPECT_EQ(p.groups.at("spare_state"), PlaceKind::kCpu);
+  EXPECT_FALSE(p.spare_state.has_value());
+  // ... and a number under it, with such a group, leaves that group without a placement.
+  absl::StatusOr<Placement> shadowed = policy->Place(groups, Ctx({{"spare", "half"}}));
+  ASSERT_FALSE(shadowed.ok());
+  EXPECT_THAT(Msg(shadowed.status()), HasSubstr("group \"spare_state\" has no placement"));
 }
 
 // place() may give a group a table with its state precision; strings keep fp32 state.

@@ -3,6 +3,7 @@
 #include <cstdlib>
 #include <map>
 #include <memory>
+#include <optional>
 #include <random>
 #include <set>
 #include <string>
@@ -381,7 +382,7 @@ TEST(MemoryBudgetTest, RejectsBadSizes) {
   ASSERT_NE(policy, nullptr);
   for (const auto& [arg, value] : std::vector<std::pair<std::string, std::string>>{
            {"budget", "abc"}, {"budget", "-1"}, {"reserve", "12XB"}, {"reserve", ""},
-           {"budget", "1e400"}, {"reserve", "5 G B"}}) {
+           {"budget", "1e400"}, {"reserve", "5 G B"}, {"host_budget", "lots"}, {"host_budget", "-5"}}) {
     SCOPED_TRACE(arg + "=" + value);
     absl::StatusOr<Placement> p = policy->Place(Model(), Args({{arg, value}}));
     ASSERT_FALSE(p.ok());
@@ -421,6 +422,99 @@ TEST(MemoryBudgetTest, MatchesTheRuleOnRandomModels) {
         << "budget " << budget << ", reserve " << reserve << ", " << n << " groups";
   }
   EXPECT_GT(sizes_seen.size(), 3u);
+}
+
+// The spare-state rule of the header, written again in C++: state = 12 * (numel offloaded);
+// min(1, max(0, (host_budget - state) / state)), 1 when state = 0.
+double ReferenceSpare(const std::vector<GroupInfo>& groups, const Names& offloaded, double host_budget) {
+  double state = 0;
+  for (const GroupInfo& g : groups) {
+    if (std::find(offloaded.begin(), offloaded.end(), g.name) != offloaded.end()) {
+      state += 12.0 * static_cast<double>(g.numel);
+    }
+  }
+  if (state == 0) return 1.0;
+  return std::min(1.0, std::max(0.0, (host_budget - state) / state));
+}
+
+// Placement::spare_state of memory_budget with `args` (and ctx.pinned_budget_bytes); nullopt: unset.
+std::optional<double> BudgetSpare(Policy& policy, const std::vector<GroupInfo>& groups,
+                                  std::map<std::string, std::string> args, int64_t pinned_budget = 0) {
+  PolicyContext ctx = Args(std::move(args));
+  ctx.pinned_budget_bytes = pinned_budget;
+  absl::StatusOr<Placement> p = policy.Place(groups, ctx);
+  EXPECT_TRUE(p.ok()) << p.status();
+  return p.ok() ? p->spare_state : std::optional<double>(-1.0);
+}
+
+TEST(MemoryBudgetTest, HostBudgetBoundsTheSpareState) {
+  auto policy = MustLoad("memory_budget.lua");
+  ASSERT_NE(policy, nullptr);
+  const std::vector<GroupInfo> model = Model();  // 10000 elements: 120000 bytes of fp32 state
+  // Every group offloaded (no GPU room): the state is 120000 bytes.
+  auto all_off = [&](const char* host) {
+    return BudgetSpare(*policy, model, {{"budget", "0"}, {"reserve", "0"}, {"host_budget", host}});
+  };
+  EXPECT_EQ(all_off("240000"), 1.0);  // the state and its spare state fit: no bound below 1
+  EXPECT_EQ(all_off("1G"), 1.0);      // far more: still 1 (clamped)
+  EXPECT_EQ(all_off("180000"), 0.5);  // the state and half of it again
+  EXPECT_EQ(all_off("180K"), 0.5);    // the same in a unit
+  EXPECT_EQ(all_off("150000"), 0.25);
+  EXPECT_EQ(all_off("120001"), 1.0 / 120000.0);
+  EXPECT_EQ(all_off("120000"), 0.0);  // the state alone, exactly: no spare state
+  EXPECT_EQ(all_off("119999"), 0.0);  // less than the state: 0, not an error
+  EXPECT_EQ(all_off("0"), 0.0);
+  // No host budget (no arg, ctx.pinned_budget_bytes 0): no bound.
+  EXPECT_EQ(BudgetSpare(*policy, model, {{"budget", "0"}, {"reserve", "0"}}), std::nullopt);
+  // ctx.pinned_budget_bytes > 0 is the default host budget; the arg replaces it.
+  EXPECT_EQ(BudgetSpare(*policy, model, {{"budget", "0"}, {"reserve", "0"}}, 180000), 0.5);
+  EXPECT_EQ(BudgetSpare(*policy, model, {{"budget", "0"}, {"reserve", "0"}, {"host_budget", "150000"}}, 180000),
+            0.25);
+  // Only the offloaded groups count: layer0 alone (24000 bytes of state).
+  EXPECT_EQ(BudgetSpare(*policy, model, {{"budget", "96000"}, {"reserve", "0"}, {"host_budget", "36000"}}), 0.5);
+  EXPECT_EQ(BudgetSpare(*policy, model, {{"budget", "96000"}, {"reserve", "0"}, {"host_budget", "23999"}}), 0.0);
+  // Nothing offloaded: nothing to bound, 1.
+  EXPECT_EQ(BudgetSpare(*policy, model, {{"budget", "1G"}, {"reserve", "0"}, {"host_budget", "0"}}), 1.0);
+  // The placement does not depend on the host budget.
+  EXPECT_EQ(BudgetOffloaded(*policy, model, {{"budget", "96000"}, {"reserve", "0"}, {"host_budget", "1"}}),
+            Names{"layer0"});
+  // A group named "spare_state" keeps its placement under that key; the bound is then left out.
+  std::vector<GroupInfo> named = model;
+  named.push_back(Group("spare_state", 10));
+  absl::StatusOr<Placement> p = policy->Place(named, Args({{"budget", "0"}, {"reserve", "0"}, {"host_budget", "1"}}));
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->groups.at("spare_state"), PlaceKind::kCpu);
+  EXPECT_FALSE(p->spare_state.has_value());
+}
+
+TEST(MemoryBudgetTest, SpareStateMatchesTheRuleOnRandomModels) {
+  auto policy = MustLoad("memory_budget.lua");
+  ASSERT_NE(policy, nullptr);
+  std::mt19937_64 rng(std::random_device{}());
+  std::uniform_int_distribution<int> count(1, 12);
+  std::uniform_int_distribution<int64_t> numel(0, int64_t{1} << 20);
+  int partial = 0;
+  for (int trial = 0; trial < 300; ++trial) {
+    std::vector<GroupInfo> groups;
+    const int n = count(rng);
+    double total = 0;
+    for (int i = 0; i < n; ++i) {
+      groups.push_back(Group("g" + std::to_string(i), numel(rng)));
+      total += 12.0 * static_cast<double>(groups.back().numel);
+    }
+    const int64_t budget = std::uniform_int_distribution<int64_t>(0, static_cast<int64_t>(total) + 1)(rng);
+    const int64_t host = std::uniform_int_distribution<int64_t>(0, 2 * static_cast<int64_t>(total) + 2)(rng);
+    const std::map<std::string, std::string> args = {
+        {"budget", std::to_string(budget)}, {"reserve", "0"}, {"host_budget", std::to_string(host)}};
+    const Names off = BudgetOffloaded(*policy, groups, args);
+    ASSERT_EQ(off, ReferenceBudget(groups, static_cast<double>(budget)));
+    const double expected = ReferenceSpare(groups, off, static_cast<double>(host));
+    const std::optional<double> spare = BudgetSpare(*policy, groups, args);
+    ASSERT_TRUE(spare.has_value());
+    ASSERT_DOUBLE_EQ(*spare, expected) << "budget " << budget << ", host " << host << ", " << n << " groups";
+    partial += expected > 0 && expected < 1 ? 1 : 0;
+  }
+  EXPECT_GT(partial, 10);  // the random budgets reach the fractional case, not only 0 and 1
 }
 
 // ---- skip_optimizer_on_save.lua and sync_after_load.lua --------------------------------------------

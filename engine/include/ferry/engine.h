@@ -120,6 +120,11 @@ struct EngineOptions {
   // first: a backward finishes their grads first) get spare buffers and speculate during the
   // backward; the others update once Step knows the step (in place, deferred beside the next forward
   // when the trainer waits per group). EngineStats::spare_state_bytes shows what was taken.
+  // The policy's place() may bound it too (its "spare_state" key, e.g. memory_budget.lua's
+  // host_budget): the smaller of the two applies. The spare state is allocated once, at the first
+  // GradsReady after Finalize or after a placement change (a move rebuilds the offloaded state); a
+  // bound that changes later (ReloadPolicy with the same placement) applies at that next allocation
+  // and leaves a spare state already allocated as it is.
   double spare_state_fraction = 1.0;
   // Several ranks on one host (torchrun --nproc-per-node, mpirun -np): this process's place among
   // them, which gives its share of the host: a disjoint slice of the CPUs it may run on (whole
@@ -226,7 +231,8 @@ struct EngineStats {
   // forward runs, each layer waiting for its own groups with WaitParams or params with WaitParamsOf;
   // a clipped step too, its update then run with the step's own scalars).
   int64_t deferred_steps = 0;
-  size_t spare_state_bytes = 0;   // pinned bytes of the early steps' spare state (EngineOptions::spare_state_fraction)
+  size_t spare_state_bytes = 0;   // pinned bytes of the early steps' spare state (EngineOptions::spare_state_fraction
+                                  // and the policy's bound)
 
   // This rank's share of its host (EngineOptions::local_rank).
   int local_rank = 0;
@@ -317,7 +323,7 @@ class Engine {
   // case. Groups never announced step in Step as before (or, with wait_for_params = false, after it,
   // beside the trainer's next forward; so does a step whose speculation failed). The first call
   // allocates as much pinned host memory again as the offloaded state (the early update's buffers),
-  // once; EngineOptions::spare_state_fraction bounds it.
+  // once; EngineOptions::spare_state_fraction and the policy's place() bound it.
   // Errors (nothing started, the step in progress unchanged): before Finalize, an empty list, an
   // unknown group (NotFound), a group announced twice in one step (InvalidArgument), options Step
   // would refuse. Between the first GradsReady of a step and its Step, SaveCheckpoint,
@@ -427,7 +433,9 @@ class Engine {
   // Replaces the policy between steps (hot reload): loads `path` with `args`, runs its place() hook,
   // and moves the state of every group whose placement changed between pinned host memory and the
   // GPU without changing any value (the continued run is bit-identical to one that never moved). On
-  // any error (the file, the hook, the move) the old policy and placement stay in force.
+  // any error (the file, the hook, the move) the old policy and placement stay in force. The new
+  // place()'s bound on the spare state (EngineOptions::spare_state_fraction) applies at the spare
+  // state's next allocation; one already allocated keeps its size unless the placement changes.
   // REQUIRES: Finalize succeeded.
   virtual absl::Status ReloadPolicy(const std::string& path, const std::map<std::string, std::string>& args) = 0;
 

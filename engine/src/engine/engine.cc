@@ -180,6 +180,7 @@ absl::Status EngineImpl::Finalize() {
   FERRY_RETURN_IF_ERROR(ExchangeSpecs());
   std::unique_ptr<HybridOptimizer> optimizer;
   std::vector<bool> offloaded;
+  std::optional<double> spare_state;
   std::unique_ptr<Comm> ckpt_comm;
   absl::Status local = [&]() -> absl::Status {
     for (const auto& [name, unused] : group_options_) {
@@ -197,6 +198,7 @@ absl::Status EngineImpl::Finalize() {
       for (const GroupInfo& g : infos) placement.groups[g.name] = PlaceKind::kGpu;
     }
     FERRY_ASSIGN_OR_RETURN(optimizer, BuildOptimizer(placement, &offloaded));
+    spare_state = placement.spare_state;
     return absl::OkStatus();
   }();
   if (multi_rank()) {
@@ -217,8 +219,15 @@ absl::Status EngineImpl::Finalize() {
   }
   optimizer_ = std::move(optimizer);
   offloaded_ = std::move(offloaded);
+  policy_spare_state_ = spare_state;
   ckpt_comm_ = std::move(ckpt_comm);
   return absl::OkStatus();
+}
+
+double EngineImpl::SpareFraction(const ferry::Placement& placement) const {
+  const double option = options_.spare_state_fraction;
+  if (!(option >= 0.0 && option <= 1.0) || !placement.spare_state.has_value()) return option;
+  return std::min(option, *placement.spare_state);
 }
 
 absl::StatusOr<std::unique_ptr<HybridOptimizer>> EngineImpl::BuildOptimizer(const ferry::Placement& placement,
@@ -232,7 +241,7 @@ absl::StatusOr<std::unique_ptr<HybridOptimizer>> EngineImpl::BuildOptimizer(cons
   hopt.hyper.mode = options_.optimizer.adamw ? AdamMode::kAdamW : AdamMode::kAdamL2;
   hopt.hyper.bias_correction = options_.optimizer.bias_correction;
   hopt.chunk_bytes = options_.transfer_chunk_bytes;
-  hopt.spare_fraction = options_.spare_state_fraction;
+  hopt.spare_fraction = SpareFraction(placement);
   hopt.tracer = tracer_.get();
   std::string numa = placement.numa.value_or(options_.numa);
   if (!numa.empty()) {
@@ -339,6 +348,10 @@ absl::Status EngineImpl::MoveTo(const ferry::Placement& placement) {
     for (size_t g = 0; g < group_names_.size(); ++g) moved->set_group_step(g, optimizer_->group_step(g));
     optimizer_ = std::move(moved);
     offloaded_ = std::move(offloaded);
+  } else {
+    // Same placement: the optimizer stays, and with it a spare state already allocated; a new bound
+    // sizes one allocated later (EngineOptions::spare_state_fraction).
+    optimizer_->set_spare_fraction(SpareFraction(placement));
   }
   return absl::OkStatus();
 }
@@ -352,6 +365,7 @@ absl::Status EngineImpl::ReloadPolicy(const std::string& path, const std::map<st
   FERRY_RETURN_IF_ERROR(MoveTo(placement));
   policy_ = std::move(policy);
   options_.policy_args = args;
+  policy_spare_state_ = placement.spare_state;
   return absl::OkStatus();
 }
 

@@ -18,6 +18,7 @@
 #include <cstring>
 #include <map>
 #include <numeric>
+#include <optional>
 #include <set>
 #include <thread>
 #include <utility>
@@ -242,7 +243,12 @@ class EngineImpl final : public Engine {
   // no cap) cut to the host's bandwidth knee when the share has more than kKneeProbeAbove CPUs
   // (optim/worker_knee.h). REQUIRES: no optimizer yet.
   void TuneWorkers();
-  // A new optimizer with `placement`; its masters come from the params (m = v = 0).
+  // The spare state's fraction for an optimizer of `placement`: EngineOptions::spare_state_fraction,
+  // or the policy's Placement::spare_state when that is smaller (an option outside [0, 1] is passed
+  // on as it is, for the optimizer to refuse).
+  double SpareFraction(const ferry::Placement& placement) const;
+  // A new optimizer with `placement`; its masters come from the params (m = v = 0). Its spare state
+  // is bounded by SpareFraction(placement).
   absl::StatusOr<std::unique_ptr<HybridOptimizer>> BuildOptimizer(const ferry::Placement& placement,
                                                                   std::vector<bool>* offloaded_out);
   absl::StatusOr<PolicyContext> Context();
@@ -311,6 +317,9 @@ class EngineImpl final : public Engine {
   int64_t early_recomputed_ = 0;  // EngineStats::early_groups_recomputed
   int64_t deferred_steps_ = 0;    // EngineStats::deferred_steps
   int numa_node_ = -1;            // EngineStats::numa_node
+  // The policy's bound on the spare state (Placement::spare_state of the last place() call, at
+  // Finalize or ReloadPolicy); on_step moves keep it.
+  std::optional<double> policy_spare_state_;
   bool last_step_skipped_ = false;
   double last_grad_norm_ = 0.0;
   LoadReport last_load_;

@@ -160,6 +160,7 @@ absl::Status EngineImpl::RunOnStep(double step_seconds) {
   if (s.ok() && !request->empty()) {
     ferry::Placement next = PlacementAfter(stats, *request);
     for (size_t g = 0; g < group_names_.size(); ++g) next.state[group_names_[g]] = optimizer_->group_state(g);  // moves keep it
+    next.spare_state = policy_spare_state_;  // and the policy's bound on the spare state
     s = MoveTo(next);
   }
   if (!s.ok()) {

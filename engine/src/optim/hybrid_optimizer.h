@@ -263,6 +263,10 @@ class HybridOptimizer final {
   const AdamHyper& hyper() const { return options_.hyper; }
   size_t pinned_bytes() const;
   size_t spare_bytes() const { return spare_arena_ == nullptr ? 0 : spare_arena_->capacity(); }
+  // Replaces HybridOptions::spare_fraction. It sizes the spare state when it is allocated (the
+  // first early step): a spare state already allocated keeps its size. REQUIRES: between steps (no
+  // early work queued), `fraction` in [0, 1].
+  void set_spare_fraction(double fraction) { options_.spare_fraction = fraction; }
   size_t gpu_state_bytes() const;
 
  private:

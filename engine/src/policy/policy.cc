@@ -233,6 +233,7 @@ absl::StatusOr<Placement> Policy::Place(absl::Span<const GroupInfo> groups,
   std::vector<std::optional<PlaceKind>> kinds(groups.size());
   std::vector<std::optional<StateFormat>> formats(groups.size());
   std::optional<std::string> numa;
+  std::optional<double> spare_state;
   auto push_args = [&](lua_State* L) {
     PushGroups(L, groups);
     PushContext(L, ctx);
@@ -248,7 +249,8 @@ absl::StatusOr<Placement> Policy::Place(absl::Span<const GroupInfo> groups,
     while (lua_next(L, r) != 0) {
       if (lua_type(L, -2) != LUA_TSTRING) {
         return c.Error(absl::StrCat("has key ", Describe(L, -2),
-                                    "; expected group names (strings) and optionally \"numa\""));
+                                    "; expected group names (strings) and optionally \"numa\" and "
+                                    "\"spare_state\""));
       }
       const std::string_view key = StringAt(L, -2);
       auto it = index.find(AV(key));
@@ -265,6 +267,15 @@ absl::StatusOr<Placement> Policy::Place(absl::Span<const GroupInfo> groups,
                                       "\"local\""));
         }
         numa = std::string(StringAt(L, -1));
+      } else if (key == "spare_state" && (it == index.end() || !placement_value)) {
+        // The bound on the spare state (a group named "spare_state" is placed as "numa" is above).
+        const double f = lua_type(L, -1) == LUA_TNUMBER ? lua_tonumber(L, -1) : std::nan("");
+        if (!(f >= 0.0 && f <= 1.0)) {  // NaN, out of range, or not a number
+          return c.Error(absl::StrCat("field \"spare_state\" is ", Describe(L, -1),
+                                      "; expected a number in [0, 1] (a fraction of the offloaded "
+                                      "state's pinned bytes)"));
+        }
+        spare_state = f;
       } else if (it == index.end()) {
         return c.Error(absl::StrCat("names unknown group ", Quote(key), "; expected only the ",
                                     groups.size(), " groups passed to place()"));
@@ -301,6 +312,7 @@ absl::StatusOr<Placement> Policy::Place(absl::Span<const GroupInfo> groups,
     if (formats[i].has_value()) placement.state.emplace(names[i], *formats[i]);
   }
   placement.numa = std::move(numa);
+  placement.spare_state = spare_state;
   return placement;
 }
 

@@ -118,8 +118,10 @@ class Policy final {
   // Errors: InvalidArgument for a Lua runtime error (message with file:line, hook and traceback) or
   // a wrong result; ResourceExhausted when the call hit the instruction or memory limit.
   //
-  // place(groups, ctx). Default when absent: every group "gpu", no NUMA mode.
-  // The result names every group of `groups` exactly once.
+  // place(groups, ctx). Default when absent: every group "gpu", no NUMA mode, no spare-state bound.
+  // The result names every group of `groups` exactly once; besides the groups it may hold the keys
+  // "numa" (a NUMA mode) and "spare_state" (a number in [0, 1]: Placement::spare_state). A group
+  // named "numa" or "spare_state" is still placed under its name ("cpu", "gpu" or a table).
   absl::StatusOr<Placement> Place(absl::Span<const GroupInfo> groups, const PolicyContext& ctx);
 
   // after_load(event, ctx). `groups` are all the engine's groups: sync "all" means these, and every

@@ -54,6 +54,10 @@ struct Placement {
   // The state format of the groups whose place() value was a table (others: fp32 state).
   std::map<std::string, StateFormat> state;
   std::optional<std::string> numa;  // "interleave" | "bind" | "preferred" | "local" when set
+  // A bound on the early steps' spare state, a fraction in [0, 1] of the offloaded state's pinned
+  // bytes (the key "spare_state"); the engine takes the smaller of it and
+  // EngineOptions::spare_state_fraction. Unset: no bound of the policy's.
+  std::optional<double> spare_state;
 };
 
 // The spellings of state dtypes and roundings in policies and reports: "fp32", "bf16"; "nearest",
@@ -138,8 +142,8 @@ struct MoveRequest {
   bool empty() const { return moves.empty(); }
 };
 
-// The placement of every group of `stats` once `request` is applied (numa unset). `request` must come
-// from OnStep for these stats (its groups are among stats.groups).
+// The placement of every group of `stats` once `request` is applied (numa and spare_state unset).
+// `request` must come from OnStep for these stats (its groups are among stats.groups).
 Placement PlacementAfter(const StepStats& stats, const MoveRequest& request);
 
 }  // namespace ferry
