@@ -11,7 +11,8 @@
 --   budget   GPU memory available before the reserve is taken off; default ctx.gpu_free_bytes.
 --   numa     optional NUMA mode for the pinned arena: "interleave", "bind", "preferred" or "local".
 --   host_budget  pinned host memory for the offloaded state and the early steps' spare state;
---            default ctx.pinned_budget_bytes when it is > 0, else none (no bound on the spare state).
+--            default ctx.pinned_budget_bytes (the engine's process pinned budget, this rank's share
+--            of the host) when it is > 0, else none (no bound on the spare state).
 --
 -- place(), the exact rule. available = budget - reserve; need = 12 * (numel of the groups on the GPU).
 --   1. Start with every group on the GPU.

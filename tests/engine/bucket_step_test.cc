@@ -282,11 +282,16 @@ TEST(SpareStateBudgetTest, SpeculatesOnWhatFitsAndStaysExact) {
 
 // A policy that offloads every group and, with the arg `spare`, bounds the spare state to it.
 constexpr char kSparePolicy[] = R"lua(
-local M = { args = { spare = "the place() result's spare_state (default: none)" } }
+local M = { args = { spare = "the place() result's spare_state (default: none)",
+                     budget_is = "0.25 when ctx.pinned_budget_bytes is this number, else 1" } }
 function M.place(groups, ctx)
   local out = {}
   for _, g in ipairs(groups) do out[g.name] = "cpu" end
   if ctx.args.spare then out.spare_state = tonumber(ctx.args.spare) end
+  -- budget_is: the bound is 0.25 when ctx.pinned_budget_bytes is that number, else 1
+  if ctx.args.budget_is then
+    out.spare_state = ctx.pinned_budget_bytes == tonumber(ctx.args.budget_is) and 0.25 or 1
+  end
   return out
 end
 return M
@@ -345,6 +350,12 @@ class SparePolicyTest : public ::testing::Test {
     expect_ok(e.Synchronize());
     return e.Stats().spare_state_bytes;
   }
+  // EngineStats::pinned_limit_bytes of a fresh engine: the process's pinned budget.
+  size_t Stats0PinnedLimit() {
+    Model model(device_.get(), kSizes, 5);
+    auto e = Make(model, 1.0, policy_, {});
+    return e == nullptr ? 0 : e->Stats().pinned_limit_bytes;
+  }
   std::unique_ptr<Device> device_;
   TempDir tmp_{"ferry-spare-policy"};
   std::string policy_;
@@ -388,6 +399,14 @@ TEST_F(SparePolicyTest, PolicyBoundTakesTheSmallerFraction) {
                 {{"budget", "0"}, {"reserve", "0"}, {"host_budget", host_budget}});
   ASSERT_NE(e, nullptr);
   EXPECT_EQ(SpareAfterStep(*e, model, 9), by_option.at(0.5)) << "host_budget " << host_budget;
+  // place() sees the process's pinned budget (this rank's share) as ctx.pinned_budget_bytes, the
+  // default host budget of memory_budget.
+  const size_t limit = Stats0PinnedLimit();
+  ASSERT_GT(limit, 0u);
+  Model seen_model(device_.get(), kSizes, 5);
+  auto seen = Make(seen_model, 1.0, policy_, {{"budget_is", std::to_string(limit)}});
+  ASSERT_NE(seen, nullptr);
+  EXPECT_EQ(SpareAfterStep(*seen, seen_model, 9), by_option.at(0.25)) << "ctx.pinned_budget_bytes != " << limit;
   // An invalid option is still refused, whatever the policy's bound.
   Model bad_model(device_.get(), kSizes, 5);
   EngineOptions o;

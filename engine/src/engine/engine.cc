@@ -167,7 +167,12 @@ absl::StatusOr<PolicyContext> EngineImpl::Context() {
   ctx.world_size = world_size();
   FERRY_ASSIGN_OR_RETURN(size_t free_bytes, device_->FreeMemory());
   ctx.gpu_free_bytes = static_cast<int64_t>(free_bytes);
-  ctx.pinned_budget_bytes = 0;  // no budget configured: limited by the host's memory
+  // The process's pinned budget (this rank's share of the host; EngineStats::pinned_limit_bytes): what
+  // memory_budget fits the offloaded state and its spare state into. 0: unlimited.
+  const size_t pinned_limit = PinnedBudget::Process().limit();
+  ctx.pinned_budget_bytes = pinned_limit == PinnedBudget::kUnlimited
+                                ? 0
+                                : static_cast<int64_t>(std::min<size_t>(pinned_limit, size_t{1} << 62));
   ctx.numa_nodes = NumaNodeCount();
   ctx.args = options_.policy_args;
   return ctx;
