@@ -142,6 +142,9 @@ def run_row(row, args, device, rank, world, local_rank, data):
 
 def worker(rank, world, local_rank, args):
     device = dist_launch.cuda_device(local_rank) if args.device == "cuda" else torch.device("cpu")
+    if args.solo_mb is not None:  # ZeRO-1's gather units: the size from which a param is gathered alone
+        from ferry import _zero
+        _zero.SOLO_BYTES = int(args.solo_mb * (1 << 20))
     if args.check_exact:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
@@ -203,6 +206,9 @@ def main():
     ap.add_argument("--timeout", type=float, default=300.0, help="the optimizer's collective timeout, seconds")
     ap.add_argument("--trace", default="", help="ferry trace of each ferry row and rank: PATH with the row's name before "
                     "the extension and the engine's rank suffix, e.g. run.ddp_zero_1_offload_overlap.rank-0.json")
+    ap.add_argument("--solo-mb", type=float, default=None,
+                    help="ZeRO-1: MiB from which an evenly split param is a gather unit of its own, gathered in place "
+                    "under NCCL (ferry._zero.SOLO_BYTES, default 1; a huge value: every unit through copies)")
     ap.add_argument("--no-attach", action="store_true", help="overlap rows without opt.attach(model): step() "
                     "waits for every upload (and ZeRO-1's all-gathers) before the next forward")
     ap.add_argument("--check-exact", action="store_true",
