@@ -345,6 +345,8 @@ class Sharding:
         """Every unit, now (after a load_checkpoint or load_state_dict: each rank loaded its range)."""
         if self.world == 1 or not self.units:
             return
+        if self.gathers_pending and wait_local is None:  # a step's gathers wait for its uploads
+            raise RuntimeError("internal: gather_params() without wait_local while a step's gathers are pending")
         if not self.gathers_pending:
             self.begin_gathers()
         self.gather_rest(wait_local or (lambda ks, stream: None))
