@@ -202,6 +202,28 @@ TEST_P(BucketStepTest, MisusesAreClearErrors) {
   ASSERT_OK(e->VerifyMasters());
 }
 
+// An engine of `model` (a group per tensor) placed by `policy` with `args`, its spare state bounded
+// by EngineOptions::spare_state_fraction = `fraction`.
+std::unique_ptr<Engine> MakeSpareEngine(Device* device, Model& model, double fraction, const std::string& policy,
+                                        std::map<std::string, std::string> args = {}) {
+  EngineOptions o;
+  o.policy_path = policy;
+  o.policy_args = std::move(args);
+  o.optimizer.lr = 1e-3f;
+  o.optimizer.weight_decay = 0.01f;
+  o.transfer_chunk_bytes = 4096;
+  o.cpu_threads = 3;
+  o.spare_state_fraction = fraction;
+  o.device = std::string(BackendName(device->backend()));
+  absl::StatusOr<std::unique_ptr<Engine>> e = Engine::Create(o);
+  EXPECT_TRUE(e.ok()) << e.status();
+  if (!e.ok()) return nullptr;
+  EXPECT_TRUE(model.Register(**e).ok());
+  absl::Status s = (*e)->Finalize();
+  EXPECT_TRUE(s.ok()) << s;
+  return *std::move(e);
+}
+
 // EngineOptions::spare_state_fraction: the spare state takes at most that fraction of the offloaded
 // state; the groups that fit (the last registered first) speculate, the others update once Step knows
 // the step (deferred, in place). Bit-identical to an engine that only steps at 0, 0.5 and 1.
@@ -209,22 +231,8 @@ TEST(SpareStateBudgetTest, SpeculatesOnWhatFitsAndStaysExact) {
   absl::StatusOr<std::unique_ptr<Device>> d = CreateDevice();
   ASSERT_TRUE(d.ok()) << d.status();
   Device* device = d->get();
-  auto make = [&](Model& model, double fraction) -> std::unique_ptr<Engine> {
-    EngineOptions o;
-    o.policy_path = Policies() + "offload_all.lua";
-    o.optimizer.lr = 1e-3f;
-    o.optimizer.weight_decay = 0.01f;
-    o.transfer_chunk_bytes = 4096;
-    o.cpu_threads = 3;
-    o.spare_state_fraction = fraction;
-    o.device = std::string(BackendName(device->backend()));
-    absl::StatusOr<std::unique_ptr<Engine>> e = Engine::Create(o);
-    EXPECT_TRUE(e.ok()) << e.status();
-    if (!e.ok()) return nullptr;
-    EXPECT_TRUE(model.Register(**e).ok());  // a group per tensor
-    absl::Status s = (*e)->Finalize();
-    EXPECT_TRUE(s.ok()) << s;
-    return *std::move(e);
+  auto make = [&](Model& model, double fraction) {
+    return MakeSpareEngine(device, model, fraction, Policies() + "offload_all.lua");
   };
   size_t state_bytes = 0;
   for (const double fraction : {0.0, 0.5, 1.0}) {
@@ -326,20 +334,7 @@ class SparePolicyTest : public ::testing::Test {
   // with `args`.
   std::unique_ptr<Engine> Make(Model& model, double fraction, const std::string& policy,
                                std::map<std::string, std::string> args) {
-    EngineOptions o;
-    o.policy_path = policy;
-    o.policy_args = std::move(args);
-    o.transfer_chunk_bytes = 4096;
-    o.cpu_threads = 2;
-    o.spare_state_fraction = fraction;
-    o.device = std::string(BackendName(device_->backend()));
-    absl::StatusOr<std::unique_ptr<Engine>> e = Engine::Create(o);
-    EXPECT_TRUE(e.ok()) << e.status();
-    if (!e.ok()) return nullptr;
-    EXPECT_TRUE(model.Register(**e).ok());
-    absl::Status s = (*e)->Finalize();
-    EXPECT_TRUE(s.ok()) << s;
-    return *std::move(e);
+    return MakeSpareEngine(device_.get(), model, fraction, policy, std::move(args));
   }
   // One step whose grads are all announced (the first allocates the spare state); its spare bytes.
   size_t SpareAfterStep(Engine& e, Model& model, uint64_t seed) {
