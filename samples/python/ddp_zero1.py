@@ -195,9 +195,9 @@ def worker(rank, world, local_rank, args):
         if rank == 0:
             ceiling, ours = statistics.median(alone[2:]), statistics.median(units[2:])
             bus = lambda s: (world - 1) / world * numel * elem / s / 1e9  # noqa: E731
-            print("  all-gather alone: ZeRO-1's (%d units, copies in and out) %.3f ms (%.1f GB/s bus) vs %s's one "
+            print("  all-gather alone: ZeRO-1's (%d units, %d in place) %.3f ms (%.1f GB/s bus) vs %s's one "
                   "all-gather of the same bytes %.3f ms (%.1f GB/s bus): %.0f%%"
-                  % (opt.sharding["gather_units"], 1e3 * ours, bus(ours), dist.get_backend(), 1e3 * ceiling,
+                  % (opt.sharding["gather_units"], opt.sharding["gather_units_in_place"], 1e3 * ours, bus(ours), dist.get_backend(), 1e3 * ceiling,
                      bus(ceiling), 100.0 * ceiling / ours))
             sys.stdout.flush()
 

@@ -9,8 +9,9 @@ Every param is registered with the engine as a range [begin, end) of its flatten
     param order, laid end to end. Each unit is cut into world_size pieces of ceil(n / world_size)
     elements; rank r holds piece r of every unit. A param's range on a rank is its overlap with the
     rank's piece of its unit: uneven, often empty for small params. A param of SOLO_BYTES or more
-    whose elements split evenly is a unit of its own (NCCL all-gathers it in place, without copies
-    in and out). After each step the updated
+    whose elements split evenly is a unit of its own. NCCL all-gathers a unit of one param that
+    splits evenly in place, without copies in and out (the units of the small params between two
+    large ones are often such). After each step the updated
     pieces are all-gathered into every replica unit by unit, in unit order on every rank: each
     unit's all-gather waits only for the uploads of its own params, so it runs while later units
     still update. After a step of an attached optimizer (attach()) the gathers wait for the next
@@ -125,7 +126,7 @@ class Sharding:
         self.registered = []  # the local tensors whose memory the engine holds: kept alive here
         self.kind = []   # per param: "dtensor" or "replica"
         self.table = []  # per param: [(begin, end)] of every rank
-        self.units = []  # gather units: {"dtype", "n", "piece", "members": [(k, offset)], "flat", "send", "event"}
+        self.units = []  # gather units: {"dtype", "n", "piece", "members": [(k, offset)], "solo"} (+ _plan's keys)
         self.unit_of = []  # per param: its gather unit (None: a DTensor)
         unit = None
         for k, (p, where) in enumerate(zip(params, wheres)):
@@ -144,7 +145,7 @@ class Sharding:
             solo = p.numel() * p.element_size() >= SOLO_BYTES and p.numel() % self.world == 0
             if solo or unit is None or unit["solo"] or unit["dtype"] != p.dtype or \
                     unit["n"] * p.element_size() >= unit_bytes:
-                unit = {"dtype": p.dtype, "n": 0, "members": [], "flat": None, "solo": solo}
+                unit = {"dtype": p.dtype, "n": 0, "members": [], "solo": solo}
                 self.units.append(unit)
             self.unit_of.append(len(self.units) - 1)
             unit["members"].append((k, unit["n"]))
@@ -161,6 +162,8 @@ class Sharding:
         self._works = []  # NCCL: the all-gathers no host wait finished yet, and their arrival number
         self._arrival = None
         self._side = None  # NCCL: the side stream of the gathers
+        self._done = None  # NCCL: recorded on the side stream after each run of gathers
+        self._all_gather_into = getattr(dist, "all_gather_into_tensor", None) or getattr(dist, "_all_gather_base", None)
 
     def _gather_group(self, process_group):
         """(group, description) of ZeRO-1's bulk all-gather of the updated params. NCCL (the trainer's
@@ -247,10 +250,15 @@ class Sharding:
         if self.nccl:
             if self._side is None:
                 self._side = torch.cuda.Stream(device=self.params[self.unit_first(0)].device)
+                self._done = torch.cuda.Event()
             # The copies into the params wait for the forward and backward that read them.
             self._side.wait_stream(torch.cuda.current_stream(self._side.device))
             self.comm.check_aborts()
             self._arrival = self.comm.arrive("z")
+
+    def units_in_place(self):
+        """How many units NCCL gathers in place: those of one param that splits evenly (_plan)."""
+        return sum(1 for u in self.units if self.nccl and len(u["members"]) == 1 and u["n"] % self.world == 0)
 
     def unit_first(self, j):
         return self.units[j]["members"][0][0]
@@ -264,80 +272,92 @@ class Sharding:
             return
         start = time.perf_counter()
         try:
-            while self.next_unit <= last:
-                j = self.next_unit
-                self._gather_unit(j, wait_local)
-                self.next_unit = j + 1
+            if not self.nccl:  # gloo: on the current stream, each waited for on the host
+                while self.next_unit <= last:
+                    j = self.next_unit
+                    self._gather_unit_gloo(j, wait_local)
+                    self.next_unit = j + 1
+                return
+            # NCCL: every unit on the side stream (one stream switch for the run), then the current
+            # stream waits once, for the last of them (the side stream runs them in order).
+            current = torch.cuda.current_stream(self._side.device)
+            try:
+                with torch.cuda.stream(self._side):
+                    while self.next_unit <= last:
+                        j = self.next_unit
+                        self._gather_unit_nccl(j, wait_local)
+                        self.next_unit = j + 1
+            finally:
+                self._done.record(self._side)
+                current.wait_event(self._done)
         finally:
             self.last_gather_seconds += time.perf_counter() - start
 
     def gather_rest(self, wait_local):
         self.gather_through(len(self.units) - 1, wait_local)
 
-    def _gather_unit(self, j, wait_local):
+    def _plan(self, j):
+        """Unit j's gather, worked out at its first gather: this rank's params in it, and where each
+        member's elements go. A unit of one param that splits evenly is gathered in place under NCCL
+        (each rank's piece is its own range of the param, which the engine updates in place); any other
+        unit through a flat buffer, its members copied in and out."""
         unit = self.units[j]
-        ks = [k for k, _ in unit["members"] if self.local_numel(k)]
-        in_place = self.nccl and unit["solo"]
-        if unit["flat"] is None:
-            device = self.params[self.unit_first(j)].device
-            if in_place:  # the param itself; this rank's piece is its range (NCCL's in-place all-gather)
-                unit["flat"] = self.params[self.unit_first(j)].data.view(-1)
-                unit["send"] = unit["flat"].narrow(0, self.rank * unit["piece"], unit["piece"])
-            else:
-                with torch.cuda.stream(self._side) if self.nccl else _nothing():
-                    unit["flat"] = torch.empty(unit["piece"] * self.world, dtype=unit["dtype"], device=device)
-                    unit["send"] = torch.empty(unit["piece"], dtype=unit["dtype"], device=device)
-            unit["event"] = torch.cuda.Event() if self.nccl else None
-        what = "ZeRO-1 all-gather of unit %d of %d (%d %s params)" % (j, len(self.units), unit["n"], unit["dtype"])
-        if not self.nccl:  # gloo: on the current stream, waited for on the host
-            wait_local(ks, torch.cuda.current_stream(unit["flat"].device).cuda_stream if self.cuda else 0)
-            self._copy_in(unit)
-            self._all_gather_flat(unit["flat"], unit["send"], unit["piece"], what)
-            self._copy_out(unit)
-            return
-        current = torch.cuda.current_stream(unit["flat"].device)
-        with torch.cuda.stream(self._side):
-            wait_local(ks, self._side.cuda_stream)
-            if not in_place:
-                self._copy_in(unit)
-            self._works.append((what, self._launch_nccl(unit["flat"], unit["send"])))
-            if not in_place:
-                self._copy_out(unit)
-            unit["event"].record(self._side)
-        current.wait_event(unit["event"])
-
-    def _copy_in(self, unit):
+        unit["ks"] = [k for k, _ in unit["members"] if self.local_numel(k)]
+        device = self.params[self.unit_first(j)].device
+        unit["in_place"] = self.nccl and len(unit["members"]) == 1 and unit["n"] % self.world == 0  # units_in_place
+        if unit["in_place"]:
+            unit["flat"] = self.params[self.unit_first(j)].data.view(-1)
+            unit["send"] = unit["flat"].narrow(0, self.rank * unit["piece"], unit["piece"])
+            unit["copy_in"] = unit["copy_out"] = ()
+            return unit
+        with torch.cuda.stream(self._side) if self.nccl else _nothing():
+            flat = unit["flat"] = torch.empty(unit["piece"] * self.world, dtype=unit["dtype"], device=device)
+            send = unit["send"] = torch.empty(unit["piece"], dtype=unit["dtype"], device=device)
         lo = self.rank * unit["piece"]
-        send = unit["send"]
+        copy_in, copy_out = [], []
         for k, off in unit["members"]:
             b, e = self.range(k)
+            # Through .data, as the engine's own uploads write: no version bump that autograd would
+            # take for a change of a tensor a forward saved (a param read outside its module's forward).
+            whole = self.params[k].data.view(-1)
             if e > b:
-                send[off + b - lo:off + e - lo].copy_(self.params[k].view(-1)[b:e])
+                copy_in.append((send[off + b - lo:off + e - lo], whole[b:e]))
+            copy_out.append((whole, flat[off:off + whole.numel()]))
+        unit["copy_in"], unit["copy_out"] = tuple(copy_in), tuple(copy_out)
+        return unit
 
-    def _copy_out(self, unit):
-        # Through .data, as the engine's own uploads write: no version bump that autograd would
-        # take for a change of a tensor a forward saved (a param read outside its module's forward).
-        flat = unit["flat"]
-        for k, off in unit["members"]:
-            p = self.params[k].data
-            p.view(-1).copy_(flat[off:off + p.numel()])
+    def _what(self, j):
+        unit = self.units[j]
+        return "ZeRO-1 all-gather of unit %d of %d (%d %s params)" % (j, len(self.units), unit["n"], unit["dtype"])
 
-    def _launch_nccl(self, flat, send):
-        """all_gather_into_tensor on the current (side) stream; the stream then waits for it."""
-        group = self.gather_group
-        if hasattr(dist, "all_gather_into_tensor"):
-            work = dist.all_gather_into_tensor(flat, send, group=group, async_op=True)
-        else:
-            work = dist._all_gather_base(flat, send, group=group, async_op=True)
+    def _gather_unit_gloo(self, j, wait_local):
+        unit = self.units[j] if "ks" in self.units[j] else self._plan(j)
+        wait_local(unit["ks"], torch.cuda.current_stream(unit["flat"].device).cuda_stream if self.cuda else 0)
+        for dst, src in unit["copy_in"]:
+            dst.copy_(src)
+        self._all_gather_flat(unit["flat"], unit["send"], unit["piece"], self._what(j))
+        for dst, src in unit["copy_out"]:
+            dst.copy_(src)
+
+    def _gather_unit_nccl(self, j, wait_local):
+        """Unit j on the side stream (current): after this rank's uploads of its params, copies in,
+        NCCL's all-gather (the stream waits for it, the host does not), copies out."""
+        unit = self.units[j] if "ks" in self.units[j] else self._plan(j)
+        wait_local(unit["ks"], self._side.cuda_stream)
+        for dst, src in unit["copy_in"]:
+            dst.copy_(src)
+        work = self._all_gather_into(unit["flat"], unit["send"], group=self.gather_group, async_op=True)
         work.wait()  # NCCL: the stream waits; the host does not
-        return work
+        self._works.append((j, work))
+        for dst, src in unit["copy_out"]:
+            dst.copy_(src)
 
     def finish_gathers(self):
         """Waits on the host (within the timeout, naming a rank that never arrived) for the NCCL
         all-gathers launched so far: at the next step, when they have long finished."""
         works, self._works = self._works, []
         if works:
-            self.comm.finish("ZeRO-1 all-gathers of the last step (%s, ...)" % works[0][0],
+            self.comm.finish("ZeRO-1 all-gathers of the last step (%s, ...)" % self._what(works[0][0]),
                              [w for _, w in works], self._arrival, self.timeout_s, channel="z")
 
     @torch.no_grad()
