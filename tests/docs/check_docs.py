@@ -36,7 +36,12 @@ Runnable snippets. A fenced code block whose opening fence follows the line
 
 directly or after one blank line (no more: a marker must visibly belong to its block) is run:
 
-    sh, bash, shell   `bash -euo pipefail FILE`, from the repository root (build/ferry, samples/...)
+    sh, bash, shell   `bash -euo pipefail FILE`, from the repository root (build/ferry, samples/...).
+                      The docs name the build directory `build/` and Debian's interpreter
+                      `/usr/bin/python3`: with another --build (the GPU machine's build-gpu) the
+                      block runs in a fresh directory of links to the root's entries, its `build`
+                      the --build directory; with another --python, `/usr/bin/python3` in the
+                      block is that interpreter
     python            the interpreter given by --python (default: the one running this script), in a
                       fresh temporary directory; a block that imports torch is skipped, with a
                       message, when that interpreter cannot import torch
@@ -351,6 +356,23 @@ def tail(text, lines=TAIL_LINES):
     return "\n".join(head + ["    | " + l for l in shown])
 
 
+DEBIAN_PYTHON = "/usr/bin/python3"
+
+
+def shell_root(root, build, tmp):
+    """Where shell blocks run: the root itself when `build` is its build/, else a directory in `tmp`
+    of links to the root's entries whose `build` is `build` (the docs' `build/ferry` is this build's)."""
+    if os.path.realpath(build) == os.path.realpath(os.path.join(root, "build")):
+        return root
+    view = os.path.join(tmp, "root")
+    os.mkdir(view)
+    for name in os.listdir(root):
+        if name != "build":
+            os.symlink(os.path.join(root, name), os.path.join(view, name))
+    os.symlink(os.path.abspath(build), os.path.join(view, "build"))
+    return view
+
+
 def run_snippet(block, root, build, python, default_timeout):
     """Runs one marked block: (status, output) with status an int exit code, 'timeout' or 'skipped: why'."""
     lang = block.lang
@@ -361,9 +383,12 @@ def run_snippet(block, root, build, python, default_timeout):
         env.update({"FERRY_DEVICE": "host", "PYTHONPATH": os.path.join(build, "python"),
                     "PATH": build + os.pathsep + env.get("PATH", ""), "OMP_NUM_THREADS": "1",
                     "TMPDIR": tmp, "TMP": tmp, "TEMP": tmp})
+        text = block.text
         if lang in SHELL_LANGS:
             script = os.path.join(tmp, "snippet.sh")
-            argv, cwd = ["bash", "-euo", "pipefail", script], root
+            argv, cwd = ["bash", "-euo", "pipefail", script], shell_root(root, build, tmp)
+            if os.path.realpath(python) != os.path.realpath(DEBIAN_PYTHON):
+                text = re.sub(r"(?<![\w/.])%s(?![\w.])" % re.escape(DEBIAN_PYTHON), python, text)
         elif lang == "python":
             if imports_torch(block.text) and not can_import_torch(python):
                 return "skipped: %s cannot import torch" % python, ""
@@ -378,7 +403,7 @@ def run_snippet(block, root, build, python, default_timeout):
         else:
             return 2, "a ```%s block cannot be run: mark only sh/bash/shell, python or lua blocks" % (lang or "")
         with open(script, "w", encoding="utf-8") as f:
-            f.write(block.text)
+            f.write(text)
         proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
         try:

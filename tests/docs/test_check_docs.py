@@ -184,6 +184,32 @@ class SnippetTest(unittest.TestCase):
         self.assertEqual(rc, 0, out)
         self.assertIn("3 snippets run, 0 failures", out)
 
+    def test_other_build_dir_and_python(self):
+        # The GPU machine's layout: the build elsewhere than build/, and another interpreter.
+        other = os.path.join(self.t.root, "out", "gpu")
+        os.makedirs(os.path.join(other, "python"))
+        self.t.write("out/gpu/ferry", FAKE_FERRY.replace("exec sh", "echo other build; exec sh"))
+        os.chmod(os.path.join(other, "ferry"), 0o755)
+        shutil.rmtree(os.path.join(self.t.root, "build"))
+        fake_py = self.t.write("out/fakepy", "#!/bin/sh\necho \"fake python $*\"\n")
+        os.chmod(os.path.join(self.t.root, fake_py), 0o755)
+        self.t.write("x.lua", "echo ran x")
+        self.t.write("README.md", "# Top\n\n" + fenced("sh", """\
+            test -f README.md && test -f x.lua          # the root's entries, through links
+            build/ferry run x.lua | grep -x "ran x"
+            build/ferry run x.lua | grep -x "other build"
+            test "$(/usr/bin/python3 -V)" = "fake python -V"
+            echo /usr/bin/python3.11 x/usr/bin/python3 | grep -x "/usr/bin/python3.11 x/usr/bin/python3"
+            touch made-here
+            """))
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            rc = check_docs.main(["--root", self.t.root, "--build", other, "--snippets-only",
+                                  "--python", os.path.join(self.t.root, fake_py)])
+        self.assertEqual(rc, 0, out.getvalue())
+        self.assertFalse(os.path.exists(os.path.join(self.t.root, "build")))
+        self.assertFalse(os.path.exists(os.path.join(self.t.root, "made-here")))  # written in the view
+
     def test_failing_snippets(self):
         for lang, body, expect in (("bash", "echo to stdout\nfalse\necho never", "exit 1"),
                                    ("sh", "false | cat", "exit 1"),        # pipefail
