@@ -191,7 +191,10 @@ ferry_status ferry_wait_params_of(ferry_engine* engine, const char* const* param
 
 /* ---- stats (ferry::EngineStats) ------------------------------------------------------------------
  * Fields are only ever appended, never reordered or removed; ferry_stats_size() is sizeof(ferry_stats)
- * in this library, for bindings that mirror the struct (ctypes, LuaJIT's FFI) to check theirs. */
+ * in this library. ferry_get_stats fills a ferry_stats of this header's size. Code that may meet a
+ * newer library than its header (a binary built once, bindings that mirror the struct: ctypes,
+ * LuaJIT's FFI) calls ferry_get_stats_sized with the size of its own struct: the library writes that
+ * many bytes (the fields the caller knows) and no more, and zeroes what it has no field for. */
 typedef struct {
   int64_t step;                 /* optimizer steps taken */
   int64_t skipped_steps;        /* steps skipped because a grad was NaN/Inf */
@@ -211,6 +214,7 @@ typedef struct {
 } ferry_stats;
 
 ferry_status ferry_get_stats(ferry_engine* engine, ferry_stats* out);
+ferry_status ferry_get_stats_sized(ferry_engine* engine, void* out, size_t out_size);
 size_t ferry_stats_size(void);
 
 /* ---- placement listing (ferry::Engine::Placement) ------------------------------------------------ */

@@ -341,9 +341,20 @@ ferry_status ferry_wait_params_of(ferry_engine* engine, const char* const* param
 }
 
 ferry_status ferry_get_stats(ferry_engine* engine, ferry_stats* out) {
+  return ferry_get_stats_sized(engine, out, sizeof(ferry_stats));
+}
+
+ferry_status ferry_get_stats_sized(ferry_engine* engine, void* out_bytes, size_t out_size) {
   if (engine == nullptr) return NullHandle("ferry_get_stats");
-  if (out == nullptr) return Report(absl::InvalidArgumentError("ferry_get_stats: out is NULL"));
+  if (out_bytes == nullptr) return Report(absl::InvalidArgumentError("ferry_get_stats: out is NULL"));
+  if (out_size < sizeof(int64_t)) {
+    return Report(absl::InvalidArgumentError(absl::StrCat(
+        "ferry_get_stats_sized: out_size is ", out_size, " bytes; a ferry_stats of any version holds at least its "
+        "first field (", sizeof(int64_t), " bytes; this library's is ", sizeof(ferry_stats), ")")));
+  }
   const ferry::EngineStats s = engine->engine->Stats();
+  ferry_stats full;
+  ferry_stats* out = &full;
   std::memset(out, 0, sizeof(*out));
   out->step = s.step;
   out->skipped_steps = s.skipped_steps;
@@ -358,6 +369,10 @@ ferry_status ferry_get_stats(ferry_engine* engine, ferry_stats* out) {
   out->early_groups_recomputed = s.early_groups_recomputed;
   out->deferred_steps = s.deferred_steps;
   out->spare_state_bytes = s.spare_state_bytes;
+  // The caller's struct may be an older (shorter) or newer (longer) version: its prefix is ours.
+  const size_t n = std::min(out_size, sizeof(full));
+  std::memcpy(out_bytes, &full, n);
+  if (out_size > n) std::memset(static_cast<char*>(out_bytes) + n, 0, out_size - n);
   return Report(absl::OkStatus());
 }
 

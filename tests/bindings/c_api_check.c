@@ -9,6 +9,7 @@
  * Exit status 0 on success. */
 #define _POSIX_C_SOURCE 200809L /* truncate */
 #include <math.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -335,6 +336,24 @@ static void check_buckets(const char* policy) {
     for (int i = 0; i < NBUCKET; ++i) numel += kBucketNumel[i];
     EXPECT(stats.spare_state_bytes >= (uint64_t)(12 * numel));
     EXPECT(stats.spare_state_bytes < (uint64_t)(12 * numel) + 2u * 1024 * 1024);
+  }
+  /* A caller built against an older header (its struct ends before spare_state_bytes) gets its
+   * fields and nothing written past them; a newer one (a field this library lacks) gets it zeroed. */
+  {
+    enum { kOld = offsetof(ferry_stats, spare_state_bytes) };
+    unsigned char older[kOld + 16];
+    memset(older, 0xAB, sizeof(older));
+    CHECK(ferry_get_stats_sized(buckets, older, kOld));
+    EXPECT(memcmp(older, &stats, kOld) == 0);
+    for (size_t i = kOld; i < sizeof(older); ++i) EXPECT(older[i] == 0xAB);
+    struct {
+      ferry_stats known;
+      uint64_t future;
+    } newer;
+    memset(&newer, 0xAB, sizeof(newer));
+    CHECK(ferry_get_stats_sized(buckets, &newer, sizeof(newer)));
+    EXPECT(memcmp(&newer.known, &stats, sizeof(stats)) == 0 && newer.future == 0);
+    EXPECT_ERROR(ferry_get_stats_sized(buckets, older, 4), FERRY_INVALID_ARGUMENT, "out_size is 4 bytes");
   }
   ferry_stats plain_stats;
   CHECK(ferry_get_stats(plain, &plain_stats));
