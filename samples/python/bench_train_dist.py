@@ -22,6 +22,11 @@ slowest rank's iteration time and its ratio to the all-GPU DDP row of the same r
     python3 samples/python/bench_train_dist.py --world 2 --size medium                # spawned ranks
     python3 samples/python/bench_train_dist.py --world 2 --device cpu --size tiny --dtype float32 --check-exact
 
+--phases (CUDA): each row's GPU time per iteration split into forward, backward and step (CUDA events
+on the compute stream), rank 0's and the slowest rank's: where an N-GPU row loses to one GPU. Under
+`torchrun --nproc-per-node 1` the same rows run on one GPU (DDP over one rank, ZeRO-1 of the whole
+state): the 1-GPU ratio in the same harness.
+
 --check-exact: deterministic kernels; the losses of each overlap row must be the same bits as the
 same row without overlap (exits non-zero otherwise). FSDP2 rows need torch >= 2.4 and, on CUDA, a
 GPU per rank; elsewhere they are skipped with the reason. A benchmark: it asserts nothing about time.
@@ -30,6 +35,7 @@ import argparse
 import gc
 import inspect
 import os
+import statistics
 import sys
 import time
 
@@ -106,11 +112,47 @@ def build(row, args, device, world, local_rank):
     return outer, opt
 
 
+class Phases:
+    """--phases: CUDA events on the current (compute) stream at the start of each timed iteration and
+    after its forward, backward and step + zero_grad. The host runs ahead, so the time between two
+    events is what the GPU spent between those points of the loop: the forward's includes any wait of
+    its layers for params (uploads, ZeRO-1 all-gathers), the backward's any wait in the grad hooks."""
+
+    NAMES = ("forward", "backward", "step")
+
+    def __init__(self, device):
+        self.device = device
+        self.events = []  # per timed iteration: {"start": e, "forward": e, ...}
+
+    def mark(self, name):
+        if self.device.type != "cuda":
+            return
+        if name == "start":
+            self.events.append({})
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        self.events[-1][name] = e
+
+    def summary(self):
+        """{phase: [this rank's mean ms, the slowest rank's mean ms]} (collective), or None off CUDA."""
+        if self.device.type != "cuda" or not self.events:
+            return None
+        torch.cuda.synchronize(self.device)
+        mean = []
+        for b, name in zip(("start",) + self.NAMES, self.NAMES):
+            mean.append(statistics.mean(it[b].elapsed_time(it[name]) for it in self.events))
+        mine = torch.tensor(mean, dtype=torch.float64, device=self.device)
+        slowest = mine.clone()
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        return {name: (m, x) for name, m, x in zip(self.NAMES, mine.tolist(), slowest.tolist())}
+
+
 def run_row(row, args, device, rank, world, local_rank, data):
     """(slowest rank's iteration time in s, this rank's losses, overlap stats or None)."""
     outer, opt = build(row, args, device, world, local_rank)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     losses = []
+    phases = Phases(device) if args.phases else None
     dist.barrier()
     t0 = time.perf_counter()
     for it in range(args.warmup + args.steps):
@@ -118,10 +160,19 @@ def run_row(row, args, device, rank, world, local_rank, data):
             sync()
             dist.barrier()
             t0 = time.perf_counter()
+        timed = phases is not None and it >= args.warmup
+        if timed:
+            phases.mark("start")
         loss = outer(data[it % len(data)])
+        if timed:
+            phases.mark("forward")
         loss.backward()
+        if timed:
+            phases.mark("backward")
         opt.step()
         opt.zero_grad(set_to_none=row["kind"] == "torch")
+        if timed:
+            phases.mark("step")
         losses.append(loss.detach())
     if row["kind"] == "ferry":
         opt.wait_params()
@@ -133,6 +184,8 @@ def run_row(row, args, device, rank, world, local_rank, data):
     if row["kind"] == "ferry" and row.get("overlap"):
         s = opt.stats()
         stats = (s["early_groups_kept"], s["early_groups_recomputed"])
+    if phases is not None:
+        row["phases"] = phases.summary()
     del outer, opt
     gc.collect()
     if device.type == "cuda":
@@ -175,6 +228,11 @@ def worker(rank, world, local_rank, args):
             line += "  %5.2fx all-GPU DDP" % (iteration / base)
         if stats is not None:
             line += "   [early groups kept %d, recomputed %d on rank 0]" % stats
+        if row.get("phases"):
+            line += "\n      GPU time per iteration (rank 0 / the slowest rank): " + ", ".join(
+                "%s %.1f / %.1f ms" % (name, m, x) for name, (m, x) in row["phases"].items())
+        elif args.phases and rank == 0 and device.type != "cuda":
+            line += "   (--phases: CUDA only)"
         if rank == 0:
             print(line, flush=True)
         if args.check_exact and row.get("same_as") in results:
@@ -209,6 +267,9 @@ def main():
     ap.add_argument("--solo-mb", type=float, default=None,
                     help="ZeRO-1: MiB from which an evenly split param is a gather unit of its own, gathered in place "
                     "under NCCL (ferry._zero.SOLO_BYTES, default 1; a huge value: every unit through copies)")
+    ap.add_argument("--phases", action="store_true",
+                    help="CUDA: each row's GPU time per iteration in forward, backward and step (CUDA events on "
+                         "the compute stream; rank 0's and the slowest rank's mean)")
     ap.add_argument("--no-attach", action="store_true", help="overlap rows without opt.attach(model): step() "
                     "waits for every upload (and ZeRO-1's all-gathers) before the next forward")
     ap.add_argument("--check-exact", action="store_true",
