@@ -384,6 +384,11 @@ TEST_F(EngineTest, PipelineChunkingDoesNotChangeResults) {
 TEST_F(EngineTest, OnStepMovesGroupsBetweenSteps) {
   const std::string mover = tmp_.Write("mover.lua", R"(
 return {
+  place = function(groups, ctx)
+    local out = { numa = "interleave" }  -- kept by the moves below
+    for _, g in ipairs(groups) do out[g.name] = "gpu" end
+    return out
+  end,
   on_step = function(stats, ctx)
     if stats.step == 3 then return { move = { g0 = "cpu", g2 = "cpu" } } end
     if stats.step == 6 then return { move = { g0 = "gpu" } } end
@@ -418,6 +423,7 @@ return {
     ASSERT_OK(still->Step());
     if (s == 3) {
       EXPECT_TRUE(offloaded("g0") && offloaded("g2") && !offloaded("g1"));
+      EXPECT_EQ(moving->Stats().numa_policy, "interleave");  // the place() result's, not the default
     }
     if (s == 6) {
       EXPECT_TRUE(!offloaded("g0") && offloaded("g2"));

@@ -425,6 +425,7 @@ class PyEngine {
     d["cpu_list"] = s.cpu_list;
     d["host_share"] = s.host_share;
     d["numa_node"] = s.numa_node;
+    d["numa_policy"] = s.numa_policy;
     d["pinned_limit_bytes"] = s.pinned_limit_bytes;
     // The binding's own measure: the host wall time of the last Engine::Step call (without taking the
     // GIL and the engine's mutex; on CUDA, until Step returned, not until its stream finished).

@@ -241,6 +241,10 @@ struct EngineStats {
   std::string cpu_list;        // the CPUs they are pinned to, "0-15,32-47"; empty: not pinned
   std::string host_share;      // how the share and the worker count were chosen
   int numa_node = -1;          // the node the offloaded state's pages were placed on; -1: not bound
+  // The NUMA policy the offloaded state's pages follow: the policy's place() result `numa` (kept by
+  // on_step moves), else EngineOptions::numa, else "preferred" (its GPU's node) on a host of several
+  // nodes; empty: none (the kernel's first touch).
+  std::string numa_policy;
   size_t pinned_limit_bytes = 0;  // the process's pinned budget (split among the local ranks)
 };
 

@@ -186,6 +186,7 @@ absl::Status EngineImpl::Finalize() {
   std::unique_ptr<HybridOptimizer> optimizer;
   std::vector<bool> offloaded;
   std::optional<double> spare_state;
+  std::optional<std::string> numa;
   std::unique_ptr<Comm> ckpt_comm;
   absl::Status local = [&]() -> absl::Status {
     for (const auto& [name, unused] : group_options_) {
@@ -204,6 +205,7 @@ absl::Status EngineImpl::Finalize() {
     }
     FERRY_ASSIGN_OR_RETURN(optimizer, BuildOptimizer(placement, &offloaded));
     spare_state = placement.spare_state;
+    numa = placement.numa;
     return absl::OkStatus();
   }();
   if (multi_rank()) {
@@ -225,6 +227,7 @@ absl::Status EngineImpl::Finalize() {
   optimizer_ = std::move(optimizer);
   offloaded_ = std::move(offloaded);
   policy_spare_state_ = spare_state;
+  policy_numa_ = std::move(numa);
   ckpt_comm_ = std::move(ckpt_comm);
   return absl::OkStatus();
 }
@@ -249,6 +252,7 @@ absl::StatusOr<std::unique_ptr<HybridOptimizer>> EngineImpl::BuildOptimizer(cons
   hopt.spare_fraction = SpareFraction(placement);
   hopt.tracer = tracer_.get();
   std::string numa = placement.numa.value_or(options_.numa);
+  std::string numa_policy = numa;
   if (!numa.empty()) {
     absl::StatusOr<NumaPolicy> np = ParseNumaPolicy(numa);
     if (!np.ok()) return absl::InvalidArgumentError(absl::StrCat("NUMA policy: ", np.status().message()));
@@ -258,8 +262,10 @@ absl::StatusOr<std::unique_ptr<HybridOptimizer>> EngineImpl::BuildOptimizer(cons
     // (while it has memory), as are this rank's workers (host_share.h).
     hopt.numa = NumaPolicy::kPreferred;
     hopt.numa_node = device_->numa_node();
+    numa_policy = "preferred";
   }
   numa_node_ = hopt.numa == NumaPolicy::kBind || hopt.numa == NumaPolicy::kPreferred ? hopt.numa_node : -1;
+  numa_policy_ = numa_policy;
   std::vector<OptimGroup> groups(group_names_.size());
   std::vector<bool> offloaded(group_names_.size(), false);
   for (size_t g = 0; g < groups.size(); ++g) {
@@ -371,6 +377,7 @@ absl::Status EngineImpl::ReloadPolicy(const std::string& path, const std::map<st
   policy_ = std::move(policy);
   options_.policy_args = args;
   policy_spare_state_ = placement.spare_state;
+  policy_numa_ = placement.numa;
   return absl::OkStatus();
 }
 
@@ -498,6 +505,7 @@ EngineStats EngineImpl::Stats() const {
   s.host_share = workers_.share.reason;
   if (!workers_.knee.empty()) absl::StrAppend(&s.host_share, "; ", workers_.knee);
   s.numa_node = numa_node_;
+  s.numa_policy = numa_policy_;
   s.pinned_limit_bytes = PinnedBudget::Process().limit();
   s.host_registrations = device_->host_registrations();
   s.pinned_host_calls = GetPinnedHostCounters().calls();

@@ -317,9 +317,12 @@ class EngineImpl final : public Engine {
   int64_t early_recomputed_ = 0;  // EngineStats::early_groups_recomputed
   int64_t deferred_steps_ = 0;    // EngineStats::deferred_steps
   int numa_node_ = -1;            // EngineStats::numa_node
-  // The policy's bound on the spare state (Placement::spare_state of the last place() call, at
-  // Finalize or ReloadPolicy); on_step moves keep it.
+  // What the last place() call (Finalize, ReloadPolicy) chose beyond the groups' kinds: its bound on
+  // the spare state (Placement::spare_state) and its NUMA policy (Placement::numa); on_step moves
+  // keep both.
   std::optional<double> policy_spare_state_;
+  std::optional<std::string> policy_numa_;
+  std::string numa_policy_;  // EngineStats::numa_policy: the NUMA policy of the offloaded state in force
   bool last_step_skipped_ = false;
   double last_grad_norm_ = 0.0;
   LoadReport last_load_;

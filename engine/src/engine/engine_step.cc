@@ -161,6 +161,7 @@ absl::Status EngineImpl::RunOnStep(double step_seconds) {
     ferry::Placement next = PlacementAfter(stats, *request);
     for (size_t g = 0; g < group_names_.size(); ++g) next.state[group_names_[g]] = optimizer_->group_state(g);  // moves keep it
     next.spare_state = policy_spare_state_;  // and the policy's bound on the spare state
+    next.numa = policy_numa_;                // and its NUMA policy
     s = MoveTo(next);
   }
   if (!s.ok()) {
