@@ -159,7 +159,7 @@ class Sharding:
                                  for r in range(self.world)]
         # The gathers of the last step: units [next_unit, len(units)) are not gathered yet.
         self.next_unit = len(self.units)
-        self._works = []  # NCCL: the all-gathers no host wait finished yet, and their arrival number
+        self._works = []  # NCCL: (unit, work) of the all-gathers no host wait finished yet
         self._arrival = None
         self._side = None  # NCCL: the side stream of the gathers
         self._done = None  # NCCL: recorded on the side stream after each run of gathers
