@@ -215,13 +215,7 @@ std::unique_ptr<Engine> MakeSpareEngine(Device* device, Model& model, double fra
   o.cpu_threads = 3;
   o.spare_state_fraction = fraction;
   o.device = std::string(BackendName(device->backend()));
-  absl::StatusOr<std::unique_ptr<Engine>> e = Engine::Create(o);
-  EXPECT_TRUE(e.ok()) << e.status();
-  if (!e.ok()) return nullptr;
-  EXPECT_TRUE(model.Register(**e).ok());
-  absl::Status s = (*e)->Finalize();
-  EXPECT_TRUE(s.ok()) << s;
-  return *std::move(e);
+  return MakeFinalizedEngine(o, model);
 }
 
 // EngineOptions::spare_state_fraction: the spare state takes at most that fraction of the offloaded

@@ -46,13 +46,7 @@ class EarlyStepTest : public ::testing::TestWithParam<std::string> {
     o.transfer_chunk_bytes = 4096;  // many pipeline chunks, tensors straddling them
     o.cpu_threads = 3;
     o.device = std::string(BackendName(device_->backend()));
-    absl::StatusOr<std::unique_ptr<Engine>> e = Engine::Create(o);
-    EXPECT_TRUE(e.ok()) << e.status();
-    if (!e.ok()) return nullptr;
-    EXPECT_TRUE(model.Register(**e).ok());
-    absl::Status s = (*e)->Finalize();
-    EXPECT_TRUE(s.ok()) << s;
-    return *std::move(e);
+    return MakeFinalizedEngine(o, model);
   }
   // The policy of a parameter: "offload_all.lua", "all_gpu.lua", "half" (offload_fraction 0.5) or
   // "bf16" (offloaded, bf16 moments and masters with stochastic rounding).

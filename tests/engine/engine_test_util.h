@@ -149,6 +149,21 @@ class Model {
   std::vector<DeviceBuffer> params_, grads_;
 };
 
+// An engine created with `o`, `model` registered (a group per tensor) and finalized. Failures fail the
+// test with their reason; nullptr when the engine could not be created.
+inline std::unique_ptr<Engine> MakeFinalizedEngine(const EngineOptions& o, Model& model) {
+  absl::StatusOr<std::unique_ptr<Engine>> e = Engine::Create(o);
+  EXPECT_TRUE(e.ok()) << e.status();
+  if (!e.ok()) return nullptr;
+  absl::Status s = model.Register(**e);
+  EXPECT_TRUE(s.ok()) << s;
+  if (s.ok()) {
+    s = (*e)->Finalize();
+    EXPECT_TRUE(s.ok()) << s;
+  }
+  return *std::move(e);
+}
+
 }  // namespace ferry::engine_test
 
 #endif  // FERRY_TESTS_ENGINE_ENGINE_TEST_UTIL_H_
