@@ -256,9 +256,12 @@ class Sharding:
             self.comm.check_aborts()
             self._arrival = self.comm.arrive("z")
 
+    def _in_place(self, unit):
+        """Whether NCCL gathers `unit` in place: a unit of one param that splits evenly (_plan)."""
+        return self.nccl and len(unit["members"]) == 1 and unit["n"] % self.world == 0
+
     def units_in_place(self):
-        """How many units NCCL gathers in place: those of one param that splits evenly (_plan)."""
-        return sum(1 for u in self.units if self.nccl and len(u["members"]) == 1 and u["n"] % self.world == 0)
+        return sum(1 for u in self.units if self._in_place(u))
 
     def unit_first(self, j):
         return self.units[j]["members"][0][0]
@@ -304,8 +307,7 @@ class Sharding:
         unit = self.units[j]
         unit["ks"] = [k for k, _ in unit["members"] if self.local_numel(k)]
         device = self.params[self.unit_first(j)].device
-        unit["in_place"] = self.nccl and len(unit["members"]) == 1 and unit["n"] % self.world == 0  # units_in_place
-        if unit["in_place"]:
+        if self._in_place(unit):
             unit["flat"] = self.params[self.unit_first(j)].data.view(-1)
             unit["send"] = unit["flat"].narrow(0, self.rank * unit["piece"], unit["piece"])
             unit["copy_in"] = unit["copy_out"] = ()
