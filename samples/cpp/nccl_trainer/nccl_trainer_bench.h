@@ -62,7 +62,9 @@ class StepEvents {
 // the steps after the warm-up, the slowest rank's, printed by rank 0 with the reduce-scatter's and the
 // all-gather's bus bandwidth; then a plain in-place ncclAllGather loop on a bf16 buffer of
 // layout.total() elements (the loop's all-gather) on `nccl`, and the loop's all-gather bandwidth as a
-// fraction of that one's. Uses the current CUDA device.
+// fraction of that one's: its transfer (per step the shortest phase of any rank, the last rank to
+// arrive) and, beside it, with the wait of the first ranks for the last one. Uses the current CUDA
+// device.
 absl::Status ReportBench(ferry::Comm& comm, int rank, int world, const FlatLayout& layout, ncclComm_t nccl,
                          const std::vector<PhaseTimes>& times);
 
