@@ -40,7 +40,7 @@ directly or after one blank line (no more: a marker must visibly belong to its b
                       The docs name the build directory `build/` and Debian's interpreter
                       `/usr/bin/python3`: with another --build (the GPU machine's build-gpu) the
                       block runs in a fresh directory of links to the root's entries, its `build`
-                      the --build directory; with another --python, `/usr/bin/python3` in the
+                      the --build directory; with another --python (a venv's link to it counts as another), `/usr/bin/python3` in the
                       block is that interpreter
     python            the interpreter given by --python (default: the one running this script), in a
                       fresh temporary directory; a block that imports torch is skipped, with a
@@ -387,7 +387,9 @@ def run_snippet(block, root, build, python, default_timeout):
         if lang in SHELL_LANGS:
             script = os.path.join(tmp, "snippet.sh")
             argv, cwd = ["bash", "-euo", "pipefail", script], shell_root(root, build, tmp)
-            if os.path.realpath(python) != os.path.realpath(DEBIAN_PYTHON):
+            # The paths as given, not resolved: a venv's python3 is a link to the system's, but run
+            # by its own path it sees the venv's packages, and by /usr/bin/python3 it does not.
+            if os.path.abspath(python) != DEBIAN_PYTHON:
                 text = re.sub(r"(?<![\w/.])%s(?![\w.])" % re.escape(DEBIAN_PYTHON), python, text)
         elif lang == "python":
             if imports_torch(block.text) and not can_import_torch(python):

@@ -210,6 +210,27 @@ class SnippetTest(unittest.TestCase):
         self.assertFalse(os.path.exists(os.path.join(self.t.root, "build")))
         self.assertFalse(os.path.exists(os.path.join(self.t.root, "made-here")))  # written in the view
 
+    def test_venv_python_linked_to_the_debian_one(self):
+        # A venv's python3 links to the system interpreter; /usr/bin/python3 in a block must still
+        # become the venv's path (run by the link's path, it sees the venv's packages).
+        debian = self.t.write("usr/bin/python3", "#!/bin/sh\necho \"$0\"\n")
+        os.chmod(os.path.join(self.t.root, debian), 0o755)
+        venv = os.path.join(self.t.root, "venv", "bin", "python3")
+        os.makedirs(os.path.dirname(venv))
+        os.symlink(os.path.join(self.t.root, debian), venv)
+        self.t.write("README.md", "# Top\n\n" + fenced("sh", 'test "$(%s)" = "%s"\n' % (
+            os.path.join(self.t.root, debian), venv)))
+        saved = check_docs.DEBIAN_PYTHON
+        check_docs.DEBIAN_PYTHON = os.path.join(self.t.root, debian)
+        try:
+            out = io.StringIO()
+            with contextlib.redirect_stdout(out):
+                rc = check_docs.main(["--root", self.t.root, "--snippets-only", "--python", venv])
+        finally:
+            check_docs.DEBIAN_PYTHON = saved
+        self.assertEqual(rc, 0, out.getvalue())
+        self.assertIn("1 snippets run, 0 failures", out.getvalue())
+
     def test_failing_snippets(self):
         for lang, body, expect in (("bash", "echo to stdout\nfalse\necho never", "exit 1"),
                                    ("sh", "false | cat", "exit 1"),        # pipefail
