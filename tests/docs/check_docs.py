@@ -40,8 +40,8 @@ directly or after one blank line (no more: a marker must visibly belong to its b
                       The docs name the build directory `build/` and Debian's interpreter
                       `/usr/bin/python3`: with another --build (the GPU machine's build-gpu) the
                       block runs in a fresh directory of links to the root's entries, its `build`
-                      the --build directory; with another --python (a venv's link to it counts as another), `/usr/bin/python3` in the
-                      block is that interpreter
+                      the --build directory; with another --python (a venv's link to it counts
+                      as another), `/usr/bin/python3` in the block is that interpreter
     python            the interpreter given by --python (default: the one running this script), in a
                       fresh temporary directory; a block that imports torch is skipped, with a
                       message, when that interpreter cannot import torch
