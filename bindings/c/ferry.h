@@ -211,6 +211,10 @@ typedef struct {
   /* pinned bytes of the early steps' spare state (ferry::EngineStats::spare_state_bytes): allocated at
    * the first ferry_grads_ready / ferry_grads_ready_params that needs it; 0 before */
   uint64_t spare_state_bytes;
+  /* the offloaded update's CPU Adam over all steps (ferry::EngineStats::cpu_adam_busy_seconds): the
+   * wall time its rounds ran, and the bytes they read and wrote */
+  double cpu_adam_busy_seconds;
+  uint64_t cpu_adam_bytes;
 } ferry_stats;
 
 ferry_status ferry_get_stats(ferry_engine* engine, ferry_stats* out);

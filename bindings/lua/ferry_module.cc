@@ -432,6 +432,8 @@ int LEngineStats(lua_State* L) {
       {"early_groups_recomputed", static_cast<double>(s.early_groups_recomputed)},
       {"deferred_steps", static_cast<double>(s.deferred_steps)},
       {"spare_state_bytes", static_cast<double>(s.spare_state_bytes)},
+      {"cpu_adam_busy_seconds", s.cpu_adam_busy_seconds},
+      {"cpu_adam_bytes", static_cast<double>(s.cpu_adam_bytes)},
       {"skipped_steps", static_cast<double>(s.skipped_steps)},
       {"local_rank", static_cast<double>(s.local_rank)},
       {"local_world_size", static_cast<double>(s.local_world_size)},

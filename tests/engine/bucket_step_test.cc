@@ -261,6 +261,14 @@ TEST(SpareStateBudgetTest, SpeculatesOnWhatFitsAndStaysExact) {
       }
     }
     const EngineStats stats = early->Stats();
+    // CPU Adam's bytes: per element and step, the fp32 master, m and v read and written, the bf16 grad
+    // read and the bf16 param written (28 B); the engine that only steps does each update once, the
+    // other recomputes what a clip made wrong.
+    const EngineStats ref_stats = ref->Stats();
+    EXPECT_EQ(ref_stats.cpu_adam_bytes, 12u * 28u * static_cast<uint64_t>(total)) << fraction;
+    EXPECT_GE(stats.cpu_adam_bytes, ref_stats.cpu_adam_bytes) << fraction;
+    EXPECT_GT(ref_stats.cpu_adam_busy_seconds, 0.0);
+    EXPECT_GT(stats.cpu_adam_busy_seconds, 0.0) << fraction;
     EXPECT_LE(stats.spare_state_bytes, std::max<size_t>(4096, static_cast<size_t>(fraction * static_cast<double>(state_bytes))))
         << fraction;
     if (fraction == 1.0) {

@@ -233,6 +233,12 @@ struct EngineStats {
   int64_t deferred_steps = 0;
   size_t spare_state_bytes = 0;   // pinned bytes of the early steps' spare state (EngineOptions::spare_state_fraction
                                   // and the policy's bound)
+  // The offloaded update's CPU Adam, summed over all steps: the wall time its rounds ran (early passes,
+  // deferred updates and Step's own alike; rounds back to back counted once) and the bytes they read
+  // and wrote (state, grads, params). Their ratio is the update's memory bandwidth, to set beside the
+  // host's (STREAM) or `ferry bench adam`'s; divided by the steps, the update's time per step.
+  double cpu_adam_busy_seconds = 0.0;
+  uint64_t cpu_adam_bytes = 0;
 
   // This rank's share of its host (EngineOptions::local_rank).
   int local_rank = 0;

@@ -520,6 +520,8 @@ EngineStats EngineImpl::Stats() const {
     s.pinned_bytes = optimizer_->pinned_bytes();
     s.gpu_state_bytes = optimizer_->gpu_state_bytes();
     s.spare_state_bytes = optimizer_->spare_bytes();
+    s.cpu_adam_busy_seconds = optimizer_->cpu_adam_busy_seconds();
+    s.cpu_adam_bytes = optimizer_->cpu_adam_bytes();
   }
   s.checkpoint_copied_aside_bytes = ckpt_copied_aside_ + (ckpt_fence_ != nullptr ? ckpt_fence_->copied_bytes() : 0);
   return s;

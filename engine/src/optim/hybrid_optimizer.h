@@ -263,6 +263,11 @@ class HybridOptimizer final {
   const AdamHyper& hyper() const { return options_.hyper; }
   size_t pinned_bytes() const;
   size_t spare_bytes() const { return spare_arena_ == nullptr ? 0 : spare_arena_->capacity(); }
+  // The wall time CPU Adam rounds were running (rounds back to back counted once), and the bytes they
+  // moved (CpuAdamTrafficBytes), summed over every step since creation: early passes, deferred
+  // updates and Step's own pipeline alike.
+  double cpu_adam_busy_seconds() const { return 1e-9 * static_cast<double>(cpu_busy_ns_.load(std::memory_order_relaxed)); }
+  uint64_t cpu_adam_bytes() const { return cpu_bytes_.load(std::memory_order_relaxed); }
   // Replaces HybridOptions::spare_fraction. It sizes the spare state when it is allocated (the
   // first early step): a spare state already allocated keeps its size. REQUIRES: between steps (no
   // early work queued), `fraction` in [0, 1].
@@ -426,12 +431,18 @@ class HybridOptimizer final {
   // workers without a barrier (RunEarlyPass). `work`'s buffers stay untouched until the finish.
   struct RoundInFlight {
     CpuAdamPending pending;
-    int64_t start_ns = 0;  // tracing: when it started, or the round before it finished
+    int64_t start_ns = 0;        // tracing: when it started, or the round before it finished
+    int64_t clock_start_ns = 0;  // the busy time (steady clock): when it started
     double chunks = 0.0, elements = 0.0, bytes = 0.0;
   };
   absl::StatusOr<RoundInFlight> StartAdamRound(const AdamWork& work, size_t chunks);
   void FinishAdamRound(RoundInFlight& round);
   int64_t last_round_end_ns_ = 0;  // tracing: the last FinishAdamRound's end
+  // cpu_adam_busy_seconds() / cpu_adam_bytes(): rounds run on one thread at a time (the early thread,
+  // or Step's after WaitEarlyIdle); Stats() reads the sums from the trainer's thread.
+  int64_t last_busy_end_ns_ = 0;
+  std::atomic<int64_t> cpu_busy_ns_{0};
+  std::atomic<uint64_t> cpu_bytes_{0};
   // The same in the group's spare buffers (offloaded groups, once EnsureSpareState ran).
   char* SpareStatePtr(size_t p, StateKind kind, size_t e = 0) const;
   absl::Status SyncParamsFromModel(const std::vector<size_t>& params);

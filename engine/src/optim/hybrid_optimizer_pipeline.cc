@@ -3,6 +3,7 @@
 #include "optim/hybrid_optimizer.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <utility>
@@ -13,6 +14,14 @@
 #include "ferry/status.h"
 
 namespace ferry {
+namespace {
+
+int64_t SteadyNowNs() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+}  // namespace
 
 void HybridOptimizer::TraceSubmitted(LaneTrace& lane, TransferBatch* batch) {
   if (options_.tracer == nullptr || batch == nullptr || batch->num_chunks() == 0) return;
@@ -111,13 +120,12 @@ absl::StatusOr<HybridOptimizer::RoundInFlight> HybridOptimizer::StartAdamRound(c
     fence_->Acquire(work.params, pool_);
   }
   RoundInFlight round;
+  round.clock_start_ns = SteadyNowNs();
+  for (const CpuAdamTensor& t : work.tensors) round.bytes += CpuAdamTrafficBytes(t);
   if (tracer != nullptr) {
     round.start_ns = tracer->NowNs();
     round.chunks = static_cast<double>(chunks);
-    for (const CpuAdamTensor& t : work.tensors) {
-      round.elements += static_cast<double>(t.numel);
-      round.bytes += CpuAdamTrafficBytes(t);
-    }
+    for (const CpuAdamTensor& t : work.tensors) round.elements += static_cast<double>(t.numel);
   }
   FERRY_ASSIGN_OR_RETURN(round.pending, cpu_adam_.Start(work.tensors, CpuAdamStepOptions{}));
   return round;
@@ -125,6 +133,11 @@ absl::StatusOr<HybridOptimizer::RoundInFlight> HybridOptimizer::StartAdamRound(c
 
 void HybridOptimizer::FinishAdamRound(RoundInFlight& round) {
   round.pending.Finish();
+  const int64_t clock_end_ns = SteadyNowNs();
+  // A round started while the one before it ran is busy from that one's end (no time counted twice).
+  cpu_busy_ns_.fetch_add(clock_end_ns - std::max(round.clock_start_ns, last_busy_end_ns_), std::memory_order_relaxed);
+  last_busy_end_ns_ = clock_end_ns;
+  cpu_bytes_.fetch_add(static_cast<uint64_t>(round.bytes), std::memory_order_relaxed);
   Tracer* const tracer = options_.tracer;
   if (tracer != nullptr) {
     // Rounds started back to back overlap: each span starts where the one before it ended, so the
