@@ -286,7 +286,8 @@ def make_optimizer(row, model, loop, args):
 
 def run_row(row, model, init, data, loop, args):
     """Iteration time (s), losses (a CPU tensor), the offloaded step alone (s, or None), and None or
-    why the row was skipped. Sets row["deferred"] and row["clip"] (clip_verdict's)."""
+    why the row was skipped. Sets row["deferred"], row["clip"] (clip_verdict's) and row["cpu"]
+    (cpu_update's, over the timed steps)."""
     model.load_state_dict(init)
     for p in model.parameters():
         p.grad = None  # an optimizer adopts the grads it finds; each row starts from none
@@ -297,11 +298,12 @@ def run_row(row, model, init, data, loop, args):
     losses, norms = [], []
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     sync()
-    t0 = None
+    t0, before = None, None
     for it in range(args.warmup + args.steps):
         if it == args.warmup:
             sync()
             t0 = time.perf_counter()
+            before = opt.stats() if kind == "ferry" else None
         if isinstance(announcer, Announcer):
             announcer.reset()
         loss = loop.backward(model, data[it % len(data)], opt, kind, scaler, norms)
@@ -314,6 +316,7 @@ def run_row(row, model, init, data, loop, args):
     sync()
     iteration = (time.perf_counter() - t0) / args.steps
     deferred = opt.stats().get("deferred_steps", 0) if kind == "ferry" else 0
+    row["cpu"] = cpu_update(before, opt.stats(), args.steps) if kind == "ferry" else None
     alone = None
     if row.get("offloaded") and not row.get("overlap") and args.device == "cuda":
         # The offloaded step alone: grads final, the GPU idle (one backward and the loop's clip call,
@@ -335,6 +338,36 @@ def run_row(row, model, init, data, loop, args):
     row["deferred"] = deferred
     row["clip"] = loop.clip_verdict(norms)
     return iteration, torch.stack(losses).float().cpu(), alone, None
+
+
+def cpu_update(before, after, steps):
+    """What the offloaded update's CPU Adam did per timed step, from two stats() (None when this
+    ferry.torch has no such stats, or nothing ran on the CPU): its busy ms per step, the bytes it moved
+    per second of it (GB/s, to set beside the host's STREAM or `ferry bench adam`), and the early
+    groups kept, recomputed and the steps skipped (non-finite grads) over those steps."""
+    if "cpu_adam_busy_seconds" not in after:
+        return None
+    busy = after["cpu_adam_busy_seconds"] - before["cpu_adam_busy_seconds"]
+    if busy <= 0:
+        return None
+    moved = after["cpu_adam_bytes"] - before["cpu_adam_bytes"]
+    return {"ms": busy * 1e3 / steps, "gbs": moved / busy / 1e9,
+            "kept": after["early_groups_kept"] - before["early_groups_kept"],
+            "recomputed": after["early_groups_recomputed"] - before["early_groups_recomputed"],
+            "skipped": after["skipped_steps"] - before["skipped_steps"]}
+
+
+def cpu_text(cpu, whose=""):
+    """cpu_update's dict as a bracketed note for a row's line ('' for None); `whose` ends it (e.g.
+    "rank 0")."""
+    if cpu is None:
+        return ""
+    text = "   [CPU Adam %.1f ms/step at %.1f GB/s" % (cpu["ms"], cpu["gbs"])
+    if cpu["kept"] or cpu["recomputed"]:
+        text += "; early groups kept %d, recomputed %d" % (cpu["kept"], cpu["recomputed"])
+    if cpu["skipped"]:
+        text += "; %d steps skipped" % cpu["skipped"]
+    return text + (", " + whose if whose else "") + "]"
 
 
 def compute_alone(model, data, loop, args):
@@ -439,6 +472,7 @@ def bench_size(name, args):
             line += "   bound: step alone %.1f ms (%s)" % (alone * 1e3, bound)
         if row.get("deferred"):
             line += "   [%d of %d steps deferred]" % (row["deferred"], args.warmup + args.steps)
+        line += cpu_text(row.get("cpu"))
         clip_text, clip_ok = row["clip"]
         if clip_text:
             line += "   [%s]" % clip_text

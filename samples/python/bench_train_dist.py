@@ -148,18 +148,20 @@ class Phases:
 
 
 def run_row(row, args, device, rank, world, local_rank, data):
-    """(slowest rank's iteration time in s, this rank's losses, overlap stats or None)."""
+    """(slowest rank's iteration time in s, this rank's losses, bench_train.cpu_update's dict of this
+    rank's timed steps or None)."""
     outer, opt = build(row, args, device, world, local_rank)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     losses = []
     phases = Phases(device) if args.phases else None
     dist.barrier()
-    t0 = time.perf_counter()
+    t0, before = time.perf_counter(), None
     for it in range(args.warmup + args.steps):
         if it == args.warmup:
             sync()
             dist.barrier()
             t0 = time.perf_counter()
+            before = opt.stats() if row["kind"] == "ferry" else None
         timed = phases is not None and it >= args.warmup
         if timed:
             phases.mark("start")
@@ -180,10 +182,7 @@ def run_row(row, args, device, rank, world, local_rank, data):
     mine = (time.perf_counter() - t0) / args.steps
     slowest = torch.tensor([mine], dtype=torch.float64, device=device if dist.get_backend() == "nccl" else "cpu")
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    stats = None
-    if row["kind"] == "ferry" and row.get("overlap"):
-        s = opt.stats()
-        stats = (s["early_groups_kept"], s["early_groups_recomputed"])
+    stats = bench_train.cpu_update(before, opt.stats(), args.steps) if row["kind"] == "ferry" else None
     if phases is not None:
         row["phases"] = phases.summary()
     del outer, opt
@@ -226,8 +225,7 @@ def worker(rank, world, local_rank, args):
         line = "   %-30s %8.1f ms" % (row["name"], iteration * 1e3)
         if base:
             line += "  %5.2fx all-GPU DDP" % (iteration / base)
-        if stats is not None:
-            line += "   [early groups kept %d, recomputed %d on rank 0]" % stats
+        line += bench_train.cpu_text(stats, "rank 0")
         if row.get("phases"):
             line += "\n      GPU time per iteration (rank 0 / the slowest rank): " + ", ".join(
                 "%s %.1f / %.1f ms" % (name, m, x) for name, (m, x) in row["phases"].items())
