@@ -171,3 +171,16 @@ def test_loss_scale_and_clipping(device):
     assert oa.stats()["last_step_skipped"] and oa.stats()["skipped_steps"] == 1
     for p, x in zip(a, before):
         assert torch.equal(p.detach(), x)
+
+
+def test_stats_count_the_cpu_update(device):
+    """stats()'s cpu_adam_bytes: per step and element, the fp32 master, m and v read and written, the
+    fp32 grad read and the fp32 param written (32 B); nothing without offloaded state."""
+    _, _, opt = run(device, torch.float32, "offload_all", steps=5)
+    numel = sum(p.numel() for p in make_params(device, seed=3))
+    s = opt.stats()
+    assert s["cpu_adam_bytes"] == 5 * 32 * numel
+    assert s["cpu_adam_busy_seconds"] > 0
+    _, _, resident = run(device, torch.float32, None, steps=5)
+    s = resident.stats()
+    assert s["cpu_adam_bytes"] == 0 and s["cpu_adam_busy_seconds"] == 0
