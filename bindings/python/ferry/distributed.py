@@ -41,6 +41,11 @@ import torch.distributed as dist
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 _instances = itertools.count()
+# The longest sleep between two looks at a collective that has not completed: a rank that arrived
+# early returns at most this long after the last one (5 ms before: 1.7 ms median, 5.2 ms p90 on a
+# two-rank gloo all-reduce with the other rank 0-12 ms late; 0.2 ms costs a thread a few thousand
+# wake-ups a second while it waits).
+_MAX_PAUSE_S = 2e-4
 _store_lock = threading.Lock()  # store clients are used from the trainer's thread and the writer thread
 
 
@@ -267,7 +272,7 @@ class TorchComm:
                                    % (what, timeout_s, self.rank, self.world_size, self._late(mine, channel),
                                       _SEE_GUIDE))
             time.sleep(pause)
-            pause = min(pause * 2, 5e-3)
+            pause = min(pause * 2, _MAX_PAUSE_S)
         try:
             work.wait()
         except Exception as e:  # noqa: BLE001 -- gloo's error, with the ranks named
