@@ -163,6 +163,12 @@ TEST(TraceEngineTest, StepsSaveAndLoadAreTracedWithBytesAndNesting) {
       << "traced " << traced << " ms, measured " << measured_step_ms << " ms";
 }
 
+// What EngineAliveAtExitWritesItsTrace's child never destroys (volatile: the stores stay, and
+// LeakSanitizer finds the objects reachable).
+Engine* volatile g_engine_kept_alive = nullptr;
+Device* volatile g_device_kept_alive = nullptr;
+Model* volatile g_model_kept_alive = nullptr;
+
 // An engine that outlives main (never destroyed, as one a Python object cycle keeps alive until the
 // interpreter exits) still writes its trace, at exit.
 TEST(TraceEngineTest, EngineAliveAtExitWritesItsTrace) {
@@ -184,8 +190,10 @@ TEST(TraceEngineTest, EngineAliveAtExitWritesItsTrace) {
         if (!e.ok() || !model->Register(**e).ok() || !(*e)->Finalize().ok()) std::exit(11);
         model->SetGrads(1);
         if (!(*e)->Step().ok() || !(*e)->Synchronize().ok()) std::exit(12);
-        (void)e->release();      // never destroyed
-        (void)device->release();
+        // Never destroyed, and held by globals so that LeakSanitizer sees them reachable at exit.
+        g_engine_kept_alive = e->release();
+        g_device_kept_alive = device->release();
+        g_model_kept_alive = model;
         std::exit(0);
       },
       ::testing::ExitedWithCode(0), "trace written at exit");
