@@ -32,7 +32,7 @@ errors a user can meet name the guide's section. Skipped, with a message, while 
 
 Runnable snippets. A fenced code block whose opening fence follows the line
 
-    <!-- ferry:run -->                 or   <!-- ferry:run timeout=300 -->
+    <!-- ferry:run -->                 or   <!-- ferry:run timeout=300 -->   or   <!-- ferry:run needs=python -->
 
 directly or after one blank line (no more: a marker must visibly belong to its block) is run:
 
@@ -48,7 +48,8 @@ directly or after one blank line (no more: a marker must visibly belong to its b
     lua               `<build>/ferry run FILE` (the file in a fresh temporary directory), from the repo root
 
 `--skip-lang LANG` skips a language's blocks with a message (ctest: python, when the build has no
-Python package). Any other language (cpp, c, a bare fence, ...) is an error when marked, as is a marker followed by no
+Python package), and a shell block marked `needs=python` (one that runs a Python sample) with
+`--skip-lang python`. Any other language (cpp, c, a bare fence, ...) is an error when marked, as is a marker followed by no
 fence. Every snippet runs with FERRY_DEVICE=host, PYTHONPATH=<build>/python, PATH=<build>:$PATH,
 OMP_NUM_THREADS=1, TMPDIR a fresh temporary directory (removed afterwards), and a timeout (default
 120 s; `timeout=N` on the marker overrides it). CI has 2 cores and minutes for everything: keep marked
@@ -189,9 +190,11 @@ class Page:
                 for opt in mk.group(1).split():
                     key, _, value = opt.partition("=")
                     options[key] = value
-                bad = [k for k in options if k != "timeout"]
-                if bad or ("timeout" in options and not re.match(r"^\d+(\.\d+)?$", options["timeout"])):
-                    self.errors.append((n, "bad ferry:run marker options %r (only timeout=SECONDS)" % mk.group(1).strip()))
+                bad = [k for k in options if k not in ("timeout", "needs")]
+                if (bad or ("timeout" in options and not re.match(r"^\d+(\.\d+)?$", options["timeout"]))
+                        or options.get("needs", "python") != "python"):
+                    self.errors.append((n, "bad ferry:run marker options %r (only timeout=SECONDS and needs=python)"
+                                        % mk.group(1).strip()))
                 pending, blank_since = (n, options), 0
                 continue
             # HTML comments (other than markers) hold no links.
@@ -489,6 +492,8 @@ def main(argv=None):
             start = time.monotonic()
             if b.lang in args.skip_lang:
                 status, out = "skipped: --skip-lang %s" % b.lang, ""
+            elif b.marker.get("needs") in args.skip_lang:
+                status, out = "skipped: --skip-lang %s (the block needs=%s)" % ((b.marker["needs"],) * 2), ""
             else:
                 status, out = run_snippet(b, root, build, args.python, args.timeout)
             took = time.monotonic() - start

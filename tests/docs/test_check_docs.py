@@ -295,6 +295,20 @@ class SnippetTest(unittest.TestCase):
         self.assertEqual(rc, 0, out)
         self.assertIn("1 snippets run (1 skipped)", out)
 
+    def test_shell_block_that_needs_python(self):
+        # A shell block that runs a Python sample: skipped with --skip-lang python, run without it.
+        page = fenced("sh", "exit 4", marker="<!-- ferry:run needs=python -->") + fenced("sh", "true")
+        rc, out = self.run_page(page, "--skip-lang", "python")
+        self.assertEqual(rc, 0, out)
+        self.assertIn("1 snippets run (1 skipped)", out)
+        self.assertIn("needs=python", out)
+        rc, out = self.run_page(page)
+        self.assertEqual(rc, 1, out)
+        self.assertIn("exit 4", out)
+        rc, out = self.run_page(fenced("sh", "true", marker="<!-- ferry:run needs=lua -->"))
+        self.assertEqual(rc, 1, out)
+        self.assertIn("only timeout=SECONDS and needs=python", out)
+
     def test_torch_skipped_without_torch(self):
         fake = self.t.write("nopython.sh", "#!/bin/sh\ncase \"$2\" in 'import torch') exit 1;; esac\nexec %s \"$@\"\n"
                             % sys.executable)
