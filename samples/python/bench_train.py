@@ -315,8 +315,9 @@ def run_row(row, model, init, data, loop, args):
         opt.wait_params()
     sync()
     iteration = (time.perf_counter() - t0) / args.steps
-    deferred = opt.stats().get("deferred_steps", 0) if kind == "ferry" else 0
-    row["cpu"] = cpu_update(before, opt.stats(), args.steps) if kind == "ferry" else None
+    after = opt.stats() if kind == "ferry" else None
+    deferred = after.get("deferred_steps", 0) if after else 0
+    row["cpu"] = cpu_update(before, after, args.steps) if after else None
     alone = None
     if row.get("offloaded") and not row.get("overlap") and args.device == "cuda":
         # The offloaded step alone: grads final, the GPU idle (one backward and the loop's clip call,

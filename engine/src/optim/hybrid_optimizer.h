@@ -431,16 +431,15 @@ class HybridOptimizer final {
   // workers without a barrier (RunEarlyPass). `work`'s buffers stay untouched until the finish.
   struct RoundInFlight {
     CpuAdamPending pending;
-    int64_t start_ns = 0;        // tracing: when it started, or the round before it finished
-    int64_t clock_start_ns = 0;  // the busy time (steady clock): when it started
+    int64_t start_ns = 0;  // when it started (SteadyNs)
     double chunks = 0.0, elements = 0.0, bytes = 0.0;
   };
   absl::StatusOr<RoundInFlight> StartAdamRound(const AdamWork& work, size_t chunks);
   void FinishAdamRound(RoundInFlight& round);
-  int64_t last_round_end_ns_ = 0;  // tracing: the last FinishAdamRound's end
-  // cpu_adam_busy_seconds() / cpu_adam_bytes(): rounds run on one thread at a time (the early thread,
-  // or Step's after WaitEarlyIdle); Stats() reads the sums from the trainer's thread.
-  int64_t last_busy_end_ns_ = 0;
+  // The last FinishAdamRound's end (SteadyNs), and the sums of cpu_adam_busy_seconds() and
+  // cpu_adam_bytes(): rounds run on one thread at a time (the early thread, or Step's after
+  // WaitEarlyIdle); Stats() reads the sums from the trainer's thread.
+  int64_t last_round_end_ns_ = 0;
   std::atomic<int64_t> cpu_busy_ns_{0};
   std::atomic<uint64_t> cpu_bytes_{0};
   // The same in the group's spare buffers (offloaded groups, once EnsureSpareState ran).

@@ -3,7 +3,6 @@
 #include "optim/hybrid_optimizer.h"
 
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <utility>
@@ -14,14 +13,6 @@
 #include "ferry/status.h"
 
 namespace ferry {
-namespace {
-
-int64_t SteadyNowNs() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
-
-}  // namespace
 
 void HybridOptimizer::TraceSubmitted(LaneTrace& lane, TransferBatch* batch) {
   if (options_.tracer == nullptr || batch == nullptr || batch->num_chunks() == 0) return;
@@ -120,12 +111,11 @@ absl::StatusOr<HybridOptimizer::RoundInFlight> HybridOptimizer::StartAdamRound(c
     fence_->Acquire(work.params, pool_);
   }
   RoundInFlight round;
-  round.clock_start_ns = SteadyNowNs();
-  for (const CpuAdamTensor& t : work.tensors) round.bytes += CpuAdamTrafficBytes(t);
-  if (tracer != nullptr) {
-    round.start_ns = tracer->NowNs();
-    round.chunks = static_cast<double>(chunks);
-    for (const CpuAdamTensor& t : work.tensors) round.elements += static_cast<double>(t.numel);
+  round.start_ns = SteadyNs();
+  round.chunks = static_cast<double>(chunks);
+  for (const CpuAdamTensor& t : work.tensors) {
+    round.elements += static_cast<double>(t.numel);
+    round.bytes += CpuAdamTrafficBytes(t);
   }
   FERRY_ASSIGN_OR_RETURN(round.pending, cpu_adam_.Start(work.tensors, CpuAdamStepOptions{}));
   return round;
@@ -133,20 +123,18 @@ absl::StatusOr<HybridOptimizer::RoundInFlight> HybridOptimizer::StartAdamRound(c
 
 void HybridOptimizer::FinishAdamRound(RoundInFlight& round) {
   round.pending.Finish();
-  const int64_t clock_end_ns = SteadyNowNs();
-  // A round started while the one before it ran is busy from that one's end (no time counted twice).
-  cpu_busy_ns_.fetch_add(clock_end_ns - std::max(round.clock_start_ns, last_busy_end_ns_), std::memory_order_relaxed);
-  last_busy_end_ns_ = clock_end_ns;
+  // Rounds started back to back overlap: each counts from where the one before it ended, so the
+  // rounds tile the time CPU Adam was busy (the stats' sum; the trace's spans, whose writer adds each
+  // one's GB/s).
+  const int64_t end_ns = SteadyNs();
+  const int64_t start_ns = std::max(round.start_ns, last_round_end_ns_);
+  last_round_end_ns_ = end_ns;
+  cpu_busy_ns_.fetch_add(end_ns - start_ns, std::memory_order_relaxed);
   cpu_bytes_.fetch_add(static_cast<uint64_t>(round.bytes), std::memory_order_relaxed);
   Tracer* const tracer = options_.tracer;
   if (tracer != nullptr) {
-    // Rounds started back to back overlap: each span starts where the one before it ended, so the
-    // spans tile the time CPU Adam was busy (the writer adds each one's GB/s).
-    const int64_t end_ns = tracer->NowNs();
-    const int64_t start_ns = std::max(round.start_ns, last_round_end_ns_);
-    tracer->Complete("cpu_adam.round", "optim", start_ns, end_ns,
+    tracer->Complete("cpu_adam.round", "optim", tracer->FromSteadyNs(start_ns), tracer->FromSteadyNs(end_ns),
                      {{"chunks", round.chunks}, {"elements", round.elements}, {"bytes", round.bytes}});
-    last_round_end_ns_ = end_ns;
   }
 }
 

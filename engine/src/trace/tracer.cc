@@ -17,14 +17,15 @@
 #include "absl/strings/str_format.h"
 
 namespace ferry {
-namespace {
-
-std::atomic<uint64_t> next_uid{1};
 
 int64_t SteadyNs() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
       .count();
 }
+
+namespace {
+
+std::atomic<uint64_t> next_uid{1};
 
 // The calling thread's buffer of the tracer it used last (one entry: a thread records into one
 // tracer at a time in practice; a miss costs one lookup under the tracer's lock).

@@ -33,6 +33,9 @@
 
 namespace ferry {
 
+// The steady clock's time in nanoseconds: the clock every Tracer's NowNs counts from.
+int64_t SteadyNs();
+
 // One numeric argument of an event. `key` must be a string literal (it is not copied).
 struct TraceArg {
   const char* key = nullptr;
@@ -81,6 +84,9 @@ class Tracer final {
 
   // Nanoseconds since the tracer was created (steady clock).
   int64_t NowNs() const;
+  // The tracer's time (NowNs's) of a SteadyNs() reading: for spans timed by code that times them
+  // with or without a tracer.
+  int64_t FromSteadyNs(int64_t steady_ns) const { return steady_ns - epoch_ns_; }
 
   // Records a complete span [start_ns, end_ns) of thread `tid` (kCurrentThread: the caller's, or a
   // Lane). At most TraceEvent::kMaxArgs args are kept. Safe from any thread.
