@@ -20,6 +20,7 @@
 #include "ferry/engine.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "trace/trace_file.h"
 
 namespace ferry::engine_test {
 namespace {
@@ -216,6 +217,88 @@ std::unique_ptr<Engine> MakeSpareEngine(Device* device, Model& model, double fra
   o.spare_state_fraction = fraction;
   o.device = std::string(BackendName(device->backend()));
   return MakeFinalizedEngine(o, model);
+}
+
+// A step whose clip is reached cannot keep its speculation: after a deferred Step its whole update
+// runs in place beside the next forward, which waits layer by layer. The update must go in the
+// order that forward needs it, as the backward's announcements give it, whatever the registration:
+// here, as ferry.torch registers decay / no-decay groups, every weight comes before every bias, and
+// a layer's bias must not wait behind the last layer's weight. The part the trainer waits for first
+// is the one the early thread takes first (the latest queued), so, layer by layer in forward order,
+// each wait's part was queued before the one before it. Exact as Step alone.
+TEST(DeferredOrderTest, AClippedStepUpdatesLayersInForwardOrder) {
+  absl::StatusOr<std::unique_ptr<Device>> d = CreateDevice();
+  ASSERT_TRUE(d.ok()) << d.status();
+  Device* device = d->get();
+  constexpr size_t kLayers = 8;
+  std::vector<int64_t> sizes(kLayers, 6000);            // layer k's weight: tensor k, group "decay"
+  sizes.insert(sizes.end(), kLayers, 97);               // its bias: tensor kLayers + k, "no_decay"
+  std::vector<std::string> group_of(kLayers, "decay");
+  group_of.insert(group_of.end(), kLayers, "no_decay");
+  TempDir tmp("ferry-deferred-order");
+  const std::string trace_path = tmp.path() + "/trace.json";
+  Model ref_model(device, sizes, 23), model(device, sizes, 23);
+  constexpr int kSteps = 4;
+  {
+    auto make = [&](Model& m, const std::string& trace) -> std::unique_ptr<Engine> {
+      EngineOptions o;
+      o.policy_path = Policies() + "offload_all.lua";
+      o.transfer_chunk_bytes = 4096;  // a weight is three chunks: a bucket (two chunks) of its own
+      o.cpu_threads = 2;
+      o.device = std::string(BackendName(device->backend()));
+      o.trace_path = trace;
+      absl::StatusOr<std::unique_ptr<Engine>> e = Engine::Create(o);
+      EXPECT_TRUE(e.ok()) << e.status();
+      if (!e.ok()) return nullptr;
+      absl::Status s = m.RegisterIn(**e, group_of);
+      if (s.ok()) s = (*e)->Finalize();
+      EXPECT_TRUE(s.ok()) << s;
+      return *std::move(e);
+    };
+    auto ref = make(ref_model, "");
+    auto e = make(model, trace_path);
+    ASSERT_TRUE(ref && e);
+    for (int step = 1; step <= kSteps; ++step) {
+      ref_model.SetGrads(70 + static_cast<uint64_t>(step));
+      model.SetGrads(70 + static_cast<uint64_t>(step));
+      const StepOptions options{.lr = 1e-3f, .max_grad_norm = 1e-3f};  // reached at every step
+      for (size_t k = kLayers; k-- > 0;) {  // the backward: a layer's weight and bias together
+        ASSERT_OK(e->GradsReadyParams({model.name(k), model.name(kLayers + k)}, options));
+      }
+      ASSERT_OK(ref->Step(options));
+      StepOptions deferred = options;
+      deferred.wait_for_params = false;
+      ASSERT_OK(e->Step(deferred));
+      for (size_t k = 0; k < kLayers; ++k) {  // the next forward
+        for (size_t i : {k, kLayers + k}) {
+          ASSERT_OK(e->WaitParamsOf({model.name(i)}));
+          ASSERT_EQ(model.Param(i), ref_model.Param(i)) << "step " << step << ", tensor " << i;
+        }
+      }
+    }
+    EXPECT_EQ(e->Stats().deferred_steps, kSteps);
+    EXPECT_EQ(e->Stats().early_groups_kept, 0);
+    ASSERT_OK(e->VerifyMasters());
+  }
+  absl::StatusOr<TraceFile> trace = ReadTraceFile(trace_path);
+  ASSERT_TRUE(trace.ok()) << trace.status();
+  std::vector<const TraceFileEvent*> waits;
+  for (const TraceFileEvent& ev : trace->events) {
+    if (ev.name == "wait.upload" && ev.args.count("part") != 0) waits.push_back(&ev);
+  }
+  std::stable_sort(waits.begin(), waits.end(),
+                   [](const TraceFileEvent* a, const TraceFileEvent* b) { return a->ts_us < b->ts_us; });
+  ASSERT_EQ(waits.size(), kSteps * 2 * kLayers);  // every wait found its part (none waited a group)
+  for (int step = 0; step < kSteps; ++step) {
+    for (size_t w = 1; w < 2 * kLayers; ++w) {
+      const TraceFileEvent& before = *waits[step * 2 * kLayers + w - 1];
+      const TraceFileEvent& now = *waits[step * 2 * kLayers + w];
+      EXPECT_LT(now.args.at("part"), before.args.at("part"))
+          << "step " << step + 1 << ": param " << now.args.at("param") << " (wait " << w << " of the forward) is in part "
+          << now.args.at("part") << ", queued after param " << before.args.at("param") << "'s part "
+          << before.args.at("part") << ": the early thread takes it first, though the forward needs it later";
+    }
+  }
 }
 
 // EngineOptions::spare_state_fraction: the spare state takes at most that fraction of the offloaded

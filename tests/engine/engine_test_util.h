@@ -89,10 +89,17 @@ class Model {
   // Registers every tensor; tensor i is in group "g<i % groups>" (groups 0: "g<i>", a group each).
   absl::Status Register(Engine& e, size_t groups = 0) {
     if (groups == 0) groups = sizes_.size();
+    std::vector<std::string> group_of;
+    // (not "g" + to_string: GCC 12 -Wrestrict false positive)
+    for (size_t i = 0; i < sizes_.size(); ++i) group_of.push_back(absl::StrCat("g", i % groups));
+    return RegisterIn(e, group_of);
+  }
+  // Registers every tensor, in order; tensor i in group group_of[i].
+  absl::Status RegisterIn(Engine& e, const std::vector<std::string>& group_of) {
     for (size_t i = 0; i < sizes_.size(); ++i) {
       ParamSpec spec;
       spec.name = name(i);
-      spec.group = absl::StrCat("g", i % groups);  // (not "g" + to_string: GCC 12 -Wrestrict false positive)
+      spec.group = group_of.at(i);
       spec.shape = {sizes_[i]};
       spec.dtype = DType::kBF16;
       spec.param = params_[i].data();

@@ -419,6 +419,7 @@ absl::Status HybridOptimizer::WaitGroup(size_t g, Stream& stream) {
     bool done = false;
     {
       TraceSpan wait(options_.tracer, "wait.upload", "optim");
+      if (wait.on()) wait.Arg("group", static_cast<double>(g));
       std::unique_lock<std::mutex> lock(early_mu_);
       early_cv_.wait(lock, [&] { return early_done_[g] != 0 || (!early_busy_ && early_queue_.empty()); });
       done = early_done_[g] != 0;
@@ -454,6 +455,10 @@ absl::Status HybridOptimizer::WaitParamsOf(absl::Span<const size_t> params, Stre
     bool done = false;
     {
       TraceSpan wait(options_.tracer, "wait.upload", "optim");
+      if (wait.on()) {
+        wait.Arg("part", static_cast<double>(part));
+        wait.Arg("param", static_cast<double>(p));
+      }
       std::unique_lock<std::mutex> lock(early_mu_);
       early_cv_.wait(lock, [&] { return part_done_[part] != 0 || (!early_busy_ && early_queue_.empty()); });
       done = part_done_[part] != 0;

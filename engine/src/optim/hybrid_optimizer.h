@@ -320,6 +320,7 @@ class HybridOptimizer final {
     std::vector<uint8_t> mixed;         // per group: a later announcement of it used other scalars
     std::vector<uint8_t> queued;        // per group: a part of its update was started
     std::vector<size_t> unqueued;       // per group: its params no part holds yet
+    std::vector<std::vector<size_t>> announcements;  // the offloaded params of each, in order
     size_t events_used = 0;             // of early_events_
   };
 
@@ -374,7 +375,9 @@ class HybridOptimizer final {
   absl::Status QueueParts(std::vector<EarlyPart> parts, const std::vector<AdamScalars>& scalars, Stream& trainer,
                           bool in_place = false);
   // Step's own parts: the params of `groups` that no part holds yet, in buckets of about two
-  // chunks, queued so that the early thread takes them in forward order (registration order).
+  // chunks, queued so that the early thread takes them in forward order: the announcements of this
+  // step's backward last-to-first (a bucket may span groups: a layer's weights with its biases),
+  // then the params no announcement named, in registration order.
   // `in_place`: the groups have no part in the spare buffers and the step is decided.
   absl::Status QueueRest(const std::vector<size_t>& groups, const std::vector<AdamScalars>& scalars, Stream& trainer,
                          bool in_place = false);

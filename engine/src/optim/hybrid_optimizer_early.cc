@@ -125,13 +125,16 @@ absl::Status HybridOptimizer::Announce(const std::vector<size_t>& ps, const std:
     }
   };
   std::vector<std::vector<size_t>> fresh(groups_.size());  // per group: params announced now
+  std::vector<size_t> offloaded;
   for (size_t p : ps) {
     const size_t g = params_[p].group;
     touch(g);
     early_.param_announced[p] = true;
     if (--early_.left[g] == 0) early_.announced[g] = true;
     fresh[g].push_back(p);
+    if (groups_[g].offloaded) offloaded.push_back(p);
   }
+  if (!offloaded.empty()) early_.announcements.push_back(std::move(offloaded));
   for (size_t g : whole) {
     if (!early_.touched[g]) touch(g);
     early_.announced[g] = true;
@@ -198,31 +201,50 @@ absl::Status HybridOptimizer::QueueParts(std::vector<EarlyPart> parts, const std
 
 absl::Status HybridOptimizer::QueueRest(const std::vector<size_t>& groups, const std::vector<AdamScalars>& scalars,
                                         Stream& trainer, bool in_place) {
-  // Buckets of about two chunks of grads, each of whole params of one group in registration order (a
-  // model's forward order). The early thread takes the latest queued part whose grads are final
-  // first, so the buckets go in by their first param, backwards: the first layers' params are
-  // updated first, whichever groups hold them (decay / no-decay groups interleave layer by layer).
+  // Buckets of about two chunks of grads. The early thread takes the latest queued part whose grads
+  // are final first, so the parts go in backwards of the order the next forward needs them. That
+  // order is the announcements' of this step's backward, reversed: a backward announces the last
+  // layers first, and one announcement holds a layer's params of every group (decay / no-decay
+  // groups interleave layer by layer, while their params are registered group by group, so the
+  // registration order would put the first layer's biases after every weight). Params no
+  // announcement named go in registration order, last.
   const size_t bucket = std::max<size_t>(2 * options_.chunk_bytes, 1);
+  std::vector<uint8_t> wanted(groups_.size(), 0);
+  for (size_t g : groups) wanted[g] = groups_[g].offloaded ? 1 : 0;
+  std::vector<uint8_t> taken(params_.size(), 0);
   std::vector<EarlyPart> parts;
-  for (size_t g : groups) {
-    if (!groups_[g].offloaded) continue;
-    EarlyPart part{.groups = {g}};
+  // The params of `ps` not taken yet, in buckets in their order, appended to `parts` last-to-first.
+  auto add = [&](const std::vector<size_t>& ps) {
+    std::vector<EarlyPart> run;
+    EarlyPart part;
     size_t bytes = 0;
-    for (size_t p : groups_[g].params) {
-      if (part_of_param_[p] >= 0) continue;
+    for (size_t p : ps) {
+      const size_t g = params_[p].group;
+      if (wanted[g] == 0 || part_of_param_[p] >= 0 || taken[p] != 0) continue;
+      taken[p] = 1;
+      if (std::find(part.groups.begin(), part.groups.end(), g) == part.groups.end()) part.groups.push_back(g);
       part.params.push_back(p);
       bytes += static_cast<size_t>(params_[p].numel) * DTypeSize(params_[p].grad_dtype);
       if (bytes >= bucket) {
-        parts.push_back(std::move(part));
-        part = EarlyPart{.groups = {g}};
+        run.push_back(std::move(part));
+        part = EarlyPart{};
         bytes = 0;
       }
     }
-    if (!part.params.empty()) parts.push_back(std::move(part));
+    if (!part.params.empty()) run.push_back(std::move(part));
+    for (size_t i = run.size(); i-- > 0;) parts.push_back(std::move(run[i]));
+  };
+  std::vector<size_t> unnamed;
+  for (size_t g : groups) {
+    if (wanted[g] == 0) continue;
+    for (size_t p : groups_[g].params) {
+      if (p >= early_.param_announced.size() || !early_.param_announced[p]) unnamed.push_back(p);
+    }
   }
+  std::sort(unnamed.begin(), unnamed.end());
+  add(unnamed);
+  for (const std::vector<size_t>& announced : early_.announcements) add(announced);
   if (parts.empty()) return absl::OkStatus();
-  std::stable_sort(parts.begin(), parts.end(),
-                   [](const EarlyPart& a, const EarlyPart& b) { return a.params.front() > b.params.front(); });
   if (!in_place) FERRY_RETURN_IF_ERROR(EnsureSpareState());
   return QueueParts(std::move(parts), scalars, trainer, in_place);
 }

@@ -70,6 +70,8 @@ absl::Status HybridOptimizer::RunEarlyPass(EarlyItem first) {
   // (whose uploads run in order), and WaitParamsOf may use it; so is its group once every param of
   // it is in a part and every part is done (group_uploaded_, for WaitParams).
   auto finish_part = [&](const GroupWork& w) -> absl::Status {
+    TraceSpan done(tracer, "early.part_done", "optim");
+    if (done.on()) done.Arg("part", static_cast<double>(w.part));
     Stream& h2d = transfer_->h2d_stream();
     FERRY_RETURN_IF_ERROR(h2d.Record(*w.uploaded));
     {
