@@ -20,6 +20,7 @@
 #include "ferry/engine.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "optim/hybrid_optimizer.h"
 #include "trace/trace_file.h"
 
 namespace ferry::engine_test {
@@ -302,7 +303,7 @@ TEST(DeferredOrderTest, AClippedStepUpdatesLayersInForwardOrder) {
 }
 
 // EngineOptions::spare_state_fraction: the spare state takes at most that fraction of the offloaded
-// state; the groups that fit (the last registered first) speculate, the others update once Step knows
+// state; the groups that fit (a centred run: SpareGroups) speculate, the others update once Step knows
 // the step (deferred, in place). Bit-identical to an engine that only steps at 0, 0.5 and 1.
 TEST(SpareStateBudgetTest, SpeculatesOnWhatFitsAndStaysExact) {
   absl::StatusOr<std::unique_ptr<Device>> d = CreateDevice();
@@ -391,7 +392,7 @@ return M
 )lua";
 
 // The spare state's bytes by the engine's rule (EngineOptions::spare_state_fraction): each offloaded
-// group's state in whole pages; the groups that fit in `fraction` of their sum, the last first.
+// group's state in whole pages; the groups SpareGroups chooses under `fraction` of their sum.
 size_t ExpectedSpareBytes(Engine& e, double fraction) {
   std::vector<size_t> pages;
   size_t total = 0;
@@ -399,12 +400,39 @@ size_t ExpectedSpareBytes(Engine& e, double fraction) {
     pages.push_back((static_cast<size_t>(g.host_state_bytes) + 4095) / 4096 * 4096);
     total += pages.back();
   }
-  const size_t budget = static_cast<size_t>(fraction * static_cast<double>(total));
+  const std::vector<uint8_t> chosen = SpareGroups(pages, static_cast<size_t>(fraction * static_cast<double>(total)));
   size_t bytes = 0;
-  for (size_t g = pages.size(); g-- > 0;) {
-    if (pages[g] > 0 && bytes + pages[g] <= budget) bytes += pages[g];
-  }
+  for (size_t g = 0; g < pages.size(); ++g) bytes += chosen[g] != 0 ? pages[g] : 0;
   return std::max<size_t>(bytes, 4096);
+}
+
+// Which groups get spare state under a budget: a run of consecutive groups (registration order, a
+// model's forward order) that fits, of the runs within 90% of the most bytes the most centred, on a
+// tie the later; never more than the budget.
+TEST(SpareGroupsTest, ACentredRunThatFits) {
+  using V = std::vector<uint8_t>;
+  // The 735M model of bench_train.py by groups (M params): embeddings, 12 blocks, the final norm
+  // with the head. Half of it: 7 blocks (352 M) rather than the embeddings and 6 blocks (367 M, the
+  // most bytes, but the forward would wait for all the rest, 7 groups from its 8th on): blocks 3 to
+  // 9, with 3 blocks and the head after them, 3 blocks and the embeddings before (a tie: the later).
+  std::vector<size_t> model = {655};
+  for (int b = 0; b < 12; ++b) model.push_back(503);
+  model.push_back(655);
+  EXPECT_EQ(SpareGroups(model, 3676), (V{0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0}));
+  EXPECT_EQ(SpareGroups(model, 7346), V(14, 1));                  // all fit: all
+  EXPECT_EQ(SpareGroups(model, 0), V(14, 0));                     // none fits
+  EXPECT_EQ(SpareGroups(model, 600), (V{0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0}));  // one block: the later middle
+  EXPECT_EQ(SpareGroups({10, 10, 10, 10}, 20), (V{0, 1, 1, 0}));
+  EXPECT_EQ(SpareGroups({10, 10, 10}, 10), (V{0, 1, 0}));
+  EXPECT_EQ(SpareGroups({10, 0, 10, 10}, 20), (V{0, 0, 1, 1}));  // a GPU group (0 bytes) is never chosen
+  EXPECT_EQ(SpareGroups({100, 1, 1}, 50), (V{0, 1, 1}));          // what fits, though small
+  for (size_t budget = 0; budget <= 40; ++budget) {
+    const std::vector<size_t> bytes = {7, 3, 9, 1, 12, 5};
+    const V chosen = SpareGroups(bytes, budget);
+    size_t sum = 0;
+    for (size_t g = 0; g < bytes.size(); ++g) sum += chosen[g] != 0 ? bytes[g] : 0;
+    EXPECT_LE(sum, budget);
+  }
 }
 
 class SparePolicyTest : public ::testing::Test {

@@ -107,6 +107,11 @@ struct HybridStepResult {
 // Which per-parameter tensor of the optimizer state.
 enum class StateKind : uint8_t { kMaster, kExpAvg, kExpAvgSq };
 
+// The groups that get spare state under `budget` bytes (EngineOptions::spare_state_fraction), given
+// each group's spare bytes in registration order (0: not offloaded): the run of consecutive groups
+// with the most bytes that fit, of those the most centred. 1 for a chosen group.
+std::vector<uint8_t> SpareGroups(const std::vector<size_t>& bytes, size_t budget);
+
 // HybridOptimizer: one thread at a time.
 class HybridOptimizer final {
  public:

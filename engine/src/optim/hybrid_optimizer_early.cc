@@ -38,6 +38,40 @@ bool SameScalars(const AdamScalars& a, const AdamScalars& b) {
 
 }  // namespace
 
+std::vector<uint8_t> SpareGroups(const std::vector<size_t>& bytes, size_t budget) {
+  // The groups in registration order, which is a model's forward order; a backward finishes their
+  // grads last to first. The groups that speculate must finish within the backward, while the
+  // others update after Step, the next forward waiting for each in turn: the forward is held up
+  // least when it has speculated layers to run while the CPU updates the later ones. So the run is
+  // centred: of the runs that fit with at least 90% of the most bytes any run fits, the one whose
+  // groups before and after it are most even, on a tie the later one (its grads come earlier).
+  const size_t n = bytes.size();
+  size_t total = 0;
+  for (size_t b : bytes) total += b;
+  std::vector<size_t> end(n, 0), sum(n, 0);  // per start: the run's end (exclusive) and bytes
+  size_t most = 0;
+  for (size_t i = 0; i < n; ++i) {
+    size_t j = i;
+    while (j < n && sum[i] + bytes[j] <= budget) sum[i] += bytes[j++];
+    end[i] = j;
+    most = std::max(most, sum[i]);
+  }
+  std::vector<uint8_t> chosen(n, 0);
+  if (most == 0) return chosen;
+  size_t before = 0, best = n, best_skew = 0;
+  for (size_t i = 0; i < n; before += bytes[i], ++i) {
+    if (sum[i] == 0 || 10 * sum[i] < 9 * most) continue;
+    const size_t after = total - before - sum[i];
+    const size_t skew = before > after ? before - after : after - before;
+    if (best == n || skew <= best_skew) {
+      best = i;
+      best_skew = skew;
+    }
+  }
+  for (size_t g = best; g < end[best]; ++g) chosen[g] = bytes[g] != 0 ? 1 : 0;
+  return chosen;
+}
+
 absl::Status HybridOptimizer::BeginGroups(absl::Span<const size_t> groups, const HybridStepParams& params,
                                           Stream& trainer) {
   FERRY_RETURN_IF_ERROR(CheckStepParams(params));
@@ -306,24 +340,20 @@ void HybridOptimizer::StopEarlyThread() {
 
 absl::Status HybridOptimizer::EnsureSpareState() {
   if (spare_arena_ != nullptr) return absl::OkStatus();
-  // The groups that get spare buffers: all, or under a fraction below 1 those that fit, the last
-  // registered first (a backward finishes their grads first, so they speculate longest).
+  // The groups that get spare buffers: all, or under a fraction below 1 a run of consecutive groups
+  // that fits, chosen by SpareGroups.
+  std::vector<size_t> pages(groups_.size(), 0);
   size_t total = 0;
-  for (const Group& g : groups_) {
-    if (g.offloaded && !g.host_state.empty()) total += (g.host_state.bytes + 4095) / 4096 * 4096;
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    if (groups_[g].offloaded && !groups_[g].host_state.empty()) pages[g] = (groups_[g].host_state.bytes + 4095) / 4096 * 4096;
+    total += pages[g];
   }
   const size_t budget = options_.spare_fraction >= 1.0
                             ? total
                             : static_cast<size_t>(options_.spare_fraction * static_cast<double>(total));
-  std::vector<uint8_t> chosen(groups_.size(), 0);
+  const std::vector<uint8_t> chosen = SpareGroups(pages, budget);
   size_t bytes = 0;
-  for (size_t g = groups_.size(); g-- > 0;) {
-    if (!groups_[g].offloaded || groups_[g].host_state.empty()) continue;
-    const size_t need = (groups_[g].host_state.bytes + 4095) / 4096 * 4096;
-    if (bytes + need > budget) continue;
-    chosen[g] = 1;
-    bytes += need;
-  }
+  for (size_t g = 0; g < groups_.size(); ++g) bytes += chosen[g] != 0 ? pages[g] : 0;
   if (group_uploaded_.empty()) {
     group_uploaded_.resize(groups_.size());
     for (size_t g = 0; g < groups_.size(); ++g) {
