@@ -44,7 +44,7 @@ TEST(WorkerKneeTest, MeasuresEveryCountOnce) {
     EXPECT_EQ(k.rates[i].first, KneeLadder(max_workers)[i]);
     EXPECT_GT(k.rates[i].second, 0.0);
   }
-  EXPECT_EQ(k.workers, PickKnee(k.rates, 0.05));
+  EXPECT_EQ(k.workers, PickKnee(k.rates, kKneeTolerance));
   EXPECT_NE(k.Describe().find(" of 20 workers"), std::string::npos) << k.Describe();
   const WorkerKnee again = MeasureWorkerKnee(max_workers, {}, int64_t{1} << 18);
   EXPECT_EQ(again.rates, k.rates) << "measured once per process";

@@ -112,7 +112,7 @@ struct EngineOptions {
   // measured: past the host's memory-bandwidth knee more workers add nothing to CPU Adam and take the
   // CPUs the pipeline's copies and the trainer need, so the first Finalize that offloads a group, on
   // a share of more than 16 CPUs, times CPU Adam with 8, 12, 16, 24, 32, ... workers on scratch
-  // memory (~0.5 s, once per process) and takes the fewest within 5% of the best (engine/EMBEDDING.md, "Big hosts and ranks that share a host").
+  // memory (~0.5 s, once per process) and takes the fewest within 10% of the best (engine/EMBEDDING.md, "Big hosts and ranks that share a host").
   size_t cpu_threads_max = 0;
   // The spare state of early steps (GradsReady), as a fraction of the offloaded state's pinned bytes
   // (0 to 1): a speculative update writes a second set of state buffers, as much pinned memory again

@@ -99,7 +99,7 @@ WorkerKnee MeasureWorkerKnee(size_t max_workers, const std::vector<int>& cpus, i
     }
     knee.rates.push_back({workers, best});
   }
-  knee.workers = std::max<size_t>(1, PickKnee(knee.rates, 0.05));
+  knee.workers = std::max<size_t>(1, PickKnee(knee.rates, kKneeTolerance));
   knee.seconds = Seconds(start);
   cache->emplace(std::make_pair(max_workers, cpus), knee);
   return knee;

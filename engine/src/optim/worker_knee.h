@@ -5,7 +5,7 @@
 // and the trainer need (on a 64-CPU host the offloaded step ran at 0.75 of its slowest stage with 63
 // workers, 0.96 with 24 to 48: tests/bench/README.md, `ferry bench step`). So an engine whose share has more than
 // kKneeProbeAbove CPUs measures CPU Adam's rate on scratch memory with a ladder of worker counts, once
-// per process, and takes the fewest workers within 5% of the best rate.
+// per process, and takes the fewest workers within kKneeTolerance of the best rate.
 #ifndef FERRY_OPTIM_WORKER_KNEE_H_
 #define FERRY_OPTIM_WORKER_KNEE_H_
 
@@ -22,6 +22,14 @@ namespace ferry {
 // Up to this many workers, all of them are taken without measuring (base/host_share.h).
 inline constexpr size_t kKneeProbeAbove = kSmallShareCpus;
 
+// The knee: the fewest workers within this fraction of the best rate on scratch memory. In the
+// pipeline the copies and the trainer share the host's memory bandwidth with CPU Adam, which the
+// measurement does not see: on the 64-CPU host, 48 workers measured 6-10% above 32 (7.25 against
+// 6.82, 6.70 against 6.10 G params/s), and with them the 735M loop's CPU Adam ran at 73 GB/s
+// instead of 141 (fp32 grads and params, `--amp fp16`: 368.1 against 195.2 ms). A 5% tolerance
+// took 48 there.
+inline constexpr double kKneeTolerance = 0.10;
+
 struct WorkerKnee {
   size_t workers = 0;                              // the fewest workers within `tolerance` of the best
   std::vector<std::pair<size_t, double>> rates;    // (workers, G params/s) for each count tried
@@ -37,7 +45,7 @@ size_t PickKnee(const std::vector<std::pair<size_t, double>>& rates, double tole
 
 // Measures CPU Adam (fp32 state, bf16 grads and params, in place) on `elements` of scratch memory
 // (allocated and freed here) with each count of KneeLadder(max_workers), its workers allowed on
-// `cpus` (empty: anywhere), and picks the knee with a 5% tolerance. The result is cached per
+// `cpus` (empty: anywhere), and picks the knee with kKneeTolerance. The result is cached per
 // (max_workers, cpus) for the process. max_workers <= kKneeProbeAbove: {max_workers} at once.
 WorkerKnee MeasureWorkerKnee(size_t max_workers, const std::vector<int>& cpus, int64_t elements = int64_t{48} << 20);
 
