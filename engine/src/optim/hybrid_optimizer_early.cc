@@ -15,7 +15,9 @@
 // A deferred Step (see HybridOptimizer::deferred) leaves the rest of the early work running after it
 // returns; Settle commits it. The early pass itself is in hybrid_optimizer_early_pass.cc.
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
+#include <string>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -351,7 +353,17 @@ absl::Status HybridOptimizer::EnsureSpareState() {
   const size_t budget = options_.spare_fraction >= 1.0
                             ? total
                             : static_cast<size_t>(options_.spare_fraction * static_cast<double>(total));
-  const std::vector<uint8_t> chosen = SpareGroups(pages, budget);
+  std::vector<uint8_t> chosen = SpareGroups(pages, budget);
+  if (const char* rule = std::getenv("FERRY_SPARE_RUN"); rule != nullptr && std::string(rule) == "last") {
+    // A/B measurement only: the groups that fit, the last registered first.
+    chosen.assign(groups_.size(), 0);
+    size_t sum = 0;
+    for (size_t g = groups_.size(); g-- > 0;) {
+      if (pages[g] == 0 || sum + pages[g] > budget) continue;
+      chosen[g] = 1;
+      sum += pages[g];
+    }
+  }
   size_t bytes = 0;
   for (size_t g = 0; g < groups_.size(); ++g) bytes += chosen[g] != 0 ? pages[g] : 0;
   if (group_uploaded_.empty()) {
