@@ -227,7 +227,10 @@ std::unique_ptr<Engine> MakeSpareEngine(Device* device, Model& model, double fra
 // a layer's bias must not wait behind the last layer's weight. The part the trainer waits for first
 // is the one the early thread takes first (the latest queued), so, layer by layer in forward order,
 // each wait's part was queued before the one before it. Exact as Step alone.
-TEST(DeferredOrderTest, AClippedStepUpdatesLayersInForwardOrder) {
+class DeferredOrderTest : public ::testing::TestWithParam<bool> {};  // announced as a backward does, or not
+
+TEST_P(DeferredOrderTest, AClippedStepUpdatesLayersInForwardOrder) {
+  const bool backward = GetParam();
   absl::StatusOr<std::unique_ptr<Device>> d = CreateDevice();
   ASSERT_TRUE(d.ok()) << d.status();
   Device* device = d->get();
@@ -263,7 +266,8 @@ TEST(DeferredOrderTest, AClippedStepUpdatesLayersInForwardOrder) {
       ref_model.SetGrads(70 + static_cast<uint64_t>(step));
       model.SetGrads(70 + static_cast<uint64_t>(step));
       const StepOptions options{.lr = 1e-3f, .max_grad_norm = 1e-3f};  // reached at every step
-      for (size_t k = kLayers; k-- > 0;) {  // the backward: a layer's weight and bias together
+      for (size_t i = 0; i < kLayers; ++i) {  // a layer's weight and bias together
+        const size_t k = backward ? kLayers - 1 - i : i;  // as a backward, or after it in forward order
         ASSERT_OK(e->GradsReadyParams({model.name(k), model.name(kLayers + k)}, options));
       }
       ASSERT_OK(ref->Step(options));
@@ -301,6 +305,13 @@ TEST(DeferredOrderTest, AClippedStepUpdatesLayersInForwardOrder) {
     }
   }
 }
+
+// Announced during the backward (the last layer first), and after it in forward order (a trainer
+// announcing group by group once its backward is done): the update follows the forward either way.
+INSTANTIATE_TEST_SUITE_P(Announcements, DeferredOrderTest, ::testing::Bool(),
+                         [](const ::testing::TestParamInfo<bool>& p) {
+                           return std::string(p.param ? "as_the_backward" : "in_forward_order");
+                         });
 
 // EngineOptions::spare_state_fraction: the spare state takes at most that fraction of the offloaded
 // state; the groups that fit (a centred run: SpareGroups) speculate, the others update once Step knows

@@ -381,8 +381,9 @@ class HybridOptimizer final {
                           bool in_place = false);
   // Step's own parts: the params of `groups` that no part holds yet, in buckets of about two
   // chunks, queued so that the early thread takes them in forward order: the announcements of this
-  // step's backward last-to-first (a bucket may span groups: a layer's weights with its biases),
-  // then the params no announcement named, in registration order.
+  // step's backward last-to-first (a bucket may span groups: a layer's weights with its biases;
+  // first-to-last when they came in registration order), then the params no announcement named, in
+  // registration order.
   // `in_place`: the groups have no part in the spare buffers and the step is decided.
   absl::Status QueueRest(const std::vector<size_t>& groups, const std::vector<AdamScalars>& scalars, Stream& trainer,
                          bool in_place = false);

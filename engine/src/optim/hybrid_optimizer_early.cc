@@ -279,7 +279,12 @@ absl::Status HybridOptimizer::QueueRest(const std::vector<size_t>& groups, const
   }
   std::sort(unnamed.begin(), unnamed.end());
   add(unnamed);
-  for (const std::vector<size_t>& announced : early_.announcements) add(announced);
+  // A trainer that announced in registration order (after its backward, its first announcement
+  // holding lower params than its last) gets that order: its first announcement is taken first.
+  const std::vector<std::vector<size_t>>& said = early_.announcements;
+  const bool forward = said.size() > 1 && *std::min_element(said.front().begin(), said.front().end()) <
+                                              *std::min_element(said.back().begin(), said.back().end());
+  for (size_t i = 0; i < said.size(); ++i) add(said[forward ? said.size() - 1 - i : i]);
   if (parts.empty()) return absl::OkStatus();
   if (!in_place) FERRY_RETURN_IF_ERROR(EnsureSpareState());
   return QueueParts(std::move(parts), scalars, trainer, in_place);
