@@ -5,6 +5,9 @@ with attach() and opt.clip_grad_norm_ (reached or not): the same bits as overlap
 torch.optim.AdamW (+ torch's clip_grad_norm_), early work kept on the steps that do not clip, and
 every step deferred under attach() (a clipped one too: its update runs with the step's own scalars
 beside the next forward)."""
+import gc
+import json
+
 import pytest
 import torch
 
@@ -116,3 +119,49 @@ def test_spare_state_budget(device):
     assert sizes[0.0] <= 4096 and sizes[0.0] < sizes[0.5] < sizes[1.0], sizes
     with pytest.raises(ValueError, match="spare_state"):
         ferry.torch.Optimizer(Net().parameters(), spare_state=1.5)
+
+
+def test_a_clipped_step_updates_layers_in_forward_order(device, tmp_path):
+    """A clip reached at every step keeps no speculation: under attach() the step's update runs after
+    step(), beside the next forward, which waits layer by layer. ferry.torch registers decay /
+    no-decay groups group by group (every weight before every bias), so the update must follow the
+    backward's buckets, not the registration: in the trace, the parts each layer's wait names are
+    queued (and so taken by the engine's early thread, the latest first) no later than the parts of
+    the layers after it. With the registration order the first layer's bias waited for every weight."""
+    layers, dim = 6, 32
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(*[torch.nn.Linear(dim, dim) for _ in range(layers)]).to(device)
+    groups = groups_of(net, "decay")
+    trace = str(tmp_path / "trace.json")
+    opt = ferry.torch.Optimizer(groups, lr=1e-2, weight_decay=0.1, policy="offload_all", overlap=True,
+                                transfer_chunk_bytes=1024, bucket_mb=2e-4, trace_path=trace)
+    opt.attach(net)
+    for step in range(1, 4):
+        x = torch.randn(8, dim, generator=torch.Generator().manual_seed(step)).to(device)
+        net(x).pow(2).mean().backward()
+        opt.clip_grad_norm_(1e-6)
+        opt.step()
+        opt.zero_grad()
+    opt.wait_params()
+    assert opt.stats()["deferred_steps"] == 3
+    del opt
+    gc.collect()  # the engine writes its trace when it is destroyed
+    registered = [p for g in groups for p in g["params"]]  # the engine's param indices
+    layer_of = {i: next(k for k, m in enumerate(net) if any(p is q for q in m.parameters()))
+                for i, p in enumerate(registered)}
+    with open(trace) as f:
+        events = json.load(f)["traceEvents"]
+    steps = sorted(e["ts"] for e in events if e.get("ph") == "X" and e["name"] == "step")
+    waits = sorted((e for e in events if e.get("ph") == "X" and e["name"] == "wait.upload"
+                    and "part" in e.get("args", {})), key=lambda e: e["ts"])
+    checked = 0
+    for begin, end in zip(steps[1:], steps[2:] + [float("inf")]):  # the forwards after steps 1 and 2
+        parts = {}  # layer -> the parts its waits named
+        for e in waits:
+            if begin <= e["ts"] < end:
+                parts.setdefault(layer_of[int(e["args"]["param"])], []).append(e["args"]["part"])
+        assert sorted(parts) == list(range(layers)), parts
+        for k in range(1, layers):
+            assert max(parts[k]) <= min(parts[k - 1]), (k, parts)
+            checked += 1
+    assert checked == 2 * (layers - 1)
