@@ -247,17 +247,17 @@ absl::Status HybridOptimizer::QueueRest(const std::vector<size_t>& groups, const
   const size_t bucket = std::max<size_t>(2 * options_.chunk_bytes, 1);
   std::vector<uint8_t> wanted(groups_.size(), 0);
   for (size_t g : groups) wanted[g] = groups_[g].offloaded ? 1 : 0;
-  std::vector<uint8_t> taken(params_.size(), 0);
   std::vector<EarlyPart> parts;
-  // The params of `ps` not taken yet, in buckets in their order, appended to `parts` last-to-first.
+  // The params of `ps` that no part holds yet, in buckets in their order, appended to `parts`
+  // last-to-first. The lists passed are disjoint: a param is announced at most once a step, and the
+  // unnamed ones are those never announced.
   auto add = [&](const std::vector<size_t>& ps) {
     std::vector<EarlyPart> run;
     EarlyPart part;
     size_t bytes = 0;
     for (size_t p : ps) {
       const size_t g = params_[p].group;
-      if (wanted[g] == 0 || part_of_param_[p] >= 0 || taken[p] != 0) continue;
-      taken[p] = 1;
+      if (wanted[g] == 0 || part_of_param_[p] >= 0) continue;
       if (std::find(part.groups.begin(), part.groups.end(), g) == part.groups.end()) part.groups.push_back(g);
       part.params.push_back(p);
       bytes += static_cast<size_t>(params_[p].numel) * DTypeSize(params_[p].grad_dtype);
