@@ -11,6 +11,7 @@
 #include <memory>
 #include <ostream>
 #include <random>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -312,6 +313,99 @@ INSTANTIATE_TEST_SUITE_P(Announcements, DeferredOrderTest, ::testing::Bool(),
                          [](const ::testing::TestParamInfo<bool>& p) {
                            return std::string(p.param ? "as_the_backward" : "in_forward_order");
                          });
+
+// Under a spare-state budget, some groups speculate and the others update once Step knows the step.
+// When CPU Adam is behind the backward, speculating parts are still waiting when Step queues the
+// rest: all of it must then go in the order the next forward needs it, the speculating parts
+// between the others by their announcement (EarlyPart::priority), not after every one of them. The
+// early thread starts a part (trace: `early.part_start`) the highest priority first once Step's
+// parts have joined, so from the first of them on, the priorities never rise. Bit-identical to Step
+// alone.
+TEST(SpareStateBudgetTest, WhatStepQueuesInterleavesWithTheSpeculationByTheForwardsOrder) {
+  absl::StatusOr<std::unique_ptr<Device>> d = CreateDevice();
+  ASSERT_TRUE(d.ok()) << d.status();
+  Device* device = d->get();
+  constexpr size_t kLayers = 12;  // a group each; SpareGroups gives the spare state to the middle ones
+  const std::vector<int64_t> sizes(kLayers, 300000);  // 18 chunks each: more than the staging ring holds
+  TempDir tmp("ferry-spare-order");
+  const std::string trace_path = tmp.path() + "/trace.json";
+  Model ref_model(device, sizes, 29), model(device, sizes, 29);
+  constexpr int kSteps = 6;
+  {
+    auto make = [&](Model& m, double fraction, const std::string& trace) -> std::unique_ptr<Engine> {
+      EngineOptions o;
+      o.policy_path = Policies() + "offload_all.lua";
+      o.transfer_chunk_bytes = 1 << 15;
+      o.cpu_threads = 1;  // CPU Adam far behind the "backward", which announces at once
+      o.spare_state_fraction = 0.5;
+      o.device = std::string(BackendName(device->backend()));
+      o.trace_path = trace;
+      absl::StatusOr<std::unique_ptr<Engine>> e = Engine::Create(o);
+      EXPECT_TRUE(e.ok()) << e.status();
+      if (!e.ok()) return nullptr;
+      absl::Status s = m.Register(**e, kLayers);
+      if (s.ok()) s = (*e)->Finalize();
+      EXPECT_TRUE(s.ok()) << s;
+      return *std::move(e);
+    };
+    auto ref = make(ref_model, 1.0, "");
+    auto e = make(model, 0.5, trace_path);
+    ASSERT_TRUE(ref && e);
+    for (int step = 1; step <= kSteps; ++step) {
+      ref_model.SetGrads(90 + static_cast<uint64_t>(step));
+      model.SetGrads(90 + static_cast<uint64_t>(step));
+      const StepOptions options{.lr = 1e-3f};
+      for (size_t k = kLayers; k-- > 0;) ASSERT_OK(e->GradsReadyParams({model.name(k)}, options));
+      StepOptions deferred = options;
+      deferred.wait_for_params = false;
+      ASSERT_OK(e->Step(deferred));
+      ASSERT_OK(ref->Step(options));
+      for (size_t k = 0; k < kLayers; ++k) {
+        ASSERT_OK(e->WaitParamsOf({model.name(k)}));
+        ASSERT_EQ(model.Param(k), ref_model.Param(k)) << "step " << step << ", tensor " << k;
+      }
+    }
+    const EngineStats stats = e->Stats();
+    EXPECT_EQ(stats.deferred_steps, kSteps);
+    EXPECT_GT(stats.early_groups_kept, 0);
+    ASSERT_OK(e->VerifyMasters());
+  }
+  absl::StatusOr<TraceFile> trace = ReadTraceFile(trace_path);
+  ASSERT_TRUE(trace.ok()) << trace.status();
+  std::vector<const TraceFileEvent*> starts;
+  for (const TraceFileEvent& ev : trace->events) {
+    if (ev.name == "early.part_start") starts.push_back(&ev);
+  }
+  std::stable_sort(starts.begin(), starts.end(),
+                   [](const TraceFileEvent* a, const TraceFileEvent* b) { return a->ts_us < b->ts_us; });
+  // A step's parts are numbered from 0, and each starts once; every part of a step is done before the
+  // next step's first starts: a step's starts run until a part number comes again.
+  int steps_seen = 0, interleaved = 0;
+  for (size_t i = 0; i < starts.size();) {
+    size_t end = i;
+    for (std::set<double> parts; end < starts.size() && parts.insert(starts[end]->args.at("part")).second;) ++end;
+    ++steps_seen;
+    bool rest = false, spec_after_rest = false;
+    for (size_t j = i; j < end; ++j) {
+      const TraceFileEvent& now = *starts[j];
+      if (rest) {
+        const TraceFileEvent& before = *starts[j - 1];
+        EXPECT_LE(now.args.at("priority"), before.args.at("priority"))
+            << "step " << steps_seen << ": part " << now.args.at("part") << " (priority " << now.args.at("priority")
+            << (now.args.at("in_place") != 0 ? ", in place" : ", speculating") << ") started after part "
+            << before.args.at("part") << " (priority " << before.args.at("priority")
+            << "), once Step's parts had joined: the next forward needs it first";
+        spec_after_rest = spec_after_rest || now.args.at("in_place") == 0;
+      }
+      rest = rest || now.args.at("in_place") != 0;
+    }
+    interleaved += spec_after_rest ? 1 : 0;
+    i = end;
+  }
+  EXPECT_EQ(steps_seen, kSteps);
+  // The case this is about happened: a speculating part started after Step's first part.
+  EXPECT_GT(interleaved, 0) << "CPU Adam finished every speculation before Step in every step";
+}
 
 // EngineOptions::spare_state_fraction: the spare state takes at most that fraction of the offloaded
 // state; the groups that fit (a centred run: SpareGroups) speculate, the others update once Step knows

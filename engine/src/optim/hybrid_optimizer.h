@@ -304,6 +304,11 @@ class HybridOptimizer final {
     std::vector<size_t> params;  // indices into params_
     size_t id = 0;               // this step's part number (part_done_, part_events_)
     Event* uploaded = nullptr;   // recorded on the H2D stream after its last upload
+    // The early thread downloads the final part of the highest priority first (on a tie the latest
+    // queued): the index of the announcement that holds its params, so that a backward's latest
+    // announcement, which the next forward needs first, goes first, whether the part speculates or
+    // Step queued it; -1 for params no announcement held.
+    int64_t priority = 0;
   };
   // An announcement's work, queued for the early thread.
   struct EarlyItem {

@@ -178,6 +178,7 @@ absl::Status HybridOptimizer::Announce(const std::vector<size_t>& ps, const std:
   // The offloaded params of the announcement, one part: their chunks coalesce across groups (a
   // decay / no-decay bucket's biases ride with its weights).
   EarlyPart part;
+  part.priority = static_cast<int64_t>(early_.announcements.size()) - 1;  // the one just added
   bool any = false;
   for (size_t g = 0; g < groups_.size(); ++g) any = any || (!fresh[g].empty() && groups_[g].offloaded);
   if (!any || !(speculate_ || speculate_always_)) return absl::OkStatus();
@@ -237,13 +238,15 @@ absl::Status HybridOptimizer::QueueParts(std::vector<EarlyPart> parts, const std
 
 absl::Status HybridOptimizer::QueueRest(const std::vector<size_t>& groups, const std::vector<AdamScalars>& scalars,
                                         Stream& trainer, bool in_place) {
-  // Buckets of about two chunks of grads. The early thread takes the latest queued part whose grads
-  // are final first, so the parts go in backwards of the order the next forward needs them. That
-  // order is the announcements' of this step's backward, reversed: a backward announces the last
-  // layers first, and one announcement holds a layer's params of every group (decay / no-decay
+  // Buckets of about two chunks of grads, each with the priority of the announcement that held its
+  // params (EarlyPart::priority): the early thread takes them in the order the next forward needs
+  // them, which is the announcements' of this step's backward, reversed (a backward announces the
+  // last layers first, and one announcement holds a layer's params of every group: decay / no-decay
   // groups interleave layer by layer, while their params are registered group by group, so the
-  // registration order would put the first layer's biases after every weight). Params no
-  // announcement named go in registration order, last.
+  // registration order would put the first layer's biases after every weight). Speculating parts
+  // not started yet (groups with spare state under a budget, when the CPU is behind the backward)
+  // carry their announcement's priority too, so they go between these, where the forward needs
+  // them, not after all of them. Params no announcement named go in registration order, last.
   const size_t bucket = std::max<size_t>(2 * options_.chunk_bytes, 1);
   std::vector<uint8_t> wanted(groups_.size(), 0);
   for (size_t g : groups) wanted[g] = groups_[g].offloaded ? 1 : 0;
@@ -251,9 +254,10 @@ absl::Status HybridOptimizer::QueueRest(const std::vector<size_t>& groups, const
   // The params of `ps` that no part holds yet, in buckets in their order, appended to `parts`
   // last-to-first. The lists passed are disjoint: a param is announced at most once a step, and the
   // unnamed ones are those never announced.
-  auto add = [&](const std::vector<size_t>& ps) {
+  auto add = [&](const std::vector<size_t>& ps, int64_t priority) {
     std::vector<EarlyPart> run;
     EarlyPart part;
+    part.priority = priority;
     size_t bytes = 0;
     for (size_t p : ps) {
       const size_t g = params_[p].group;
@@ -264,6 +268,7 @@ absl::Status HybridOptimizer::QueueRest(const std::vector<size_t>& groups, const
       if (bytes >= bucket) {
         run.push_back(std::move(part));
         part = EarlyPart{};
+        part.priority = priority;
         bytes = 0;
       }
     }
@@ -278,13 +283,18 @@ absl::Status HybridOptimizer::QueueRest(const std::vector<size_t>& groups, const
     }
   }
   std::sort(unnamed.begin(), unnamed.end());
-  add(unnamed);
+  add(unnamed, -1);
   // A trainer that announced in registration order (after its backward, its first announcement
-  // holding lower params than its last) gets that order: its first announcement is taken first.
+  // holding lower params than its last) gets that order: its first announcement is taken first,
+  // and these parts before any speculating one.
   const std::vector<std::vector<size_t>>& said = early_.announcements;
   const bool forward = said.size() > 1 && *std::min_element(said.front().begin(), said.front().end()) <
                                               *std::min_element(said.back().begin(), said.back().end());
-  for (size_t i = 0; i < said.size(); ++i) add(said[forward ? said.size() - 1 - i : i]);
+  const int64_t n = static_cast<int64_t>(said.size());
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t a = forward ? n - 1 - i : i;
+    add(said[static_cast<size_t>(a)], forward ? 2 * n - 1 - a : a);
+  }
   if (parts.empty()) return absl::OkStatus();
   if (!in_place) FERRY_RETURN_IF_ERROR(EnsureSpareState());
   return QueueParts(std::move(parts), scalars, trainer, in_place);

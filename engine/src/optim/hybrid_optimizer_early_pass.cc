@@ -1,14 +1,16 @@
 // The early thread's pass (see BeginGroups and deferred() in hybrid_optimizer.h): the speculative
 // updates of the announced offloaded groups, through the staging ring (the grad and param slots).
 //
-// Which chunk goes down next is decided as slots free up: a chunk of the latest announced group
-// whose grads are final (its announcement's event has completed), else the next chunk of the
-// earliest announced group still to go down (the next to become final: the device orders its copy
-// after the announcement). During a backward that is the group whose grads became final last, and
-// that is the one the trainer's next forward needs first (a backward announces the last layers
-// first): when the host runs ahead of the GPU and CPU Adam is the slower, the work left when the
-// backward ends runs in forward order, overlapping the trainer's next forward, which waits per
-// group (WaitParams) after a deferred Step. Announcements made while the pass runs join it at its
+// Which chunk goes down next is decided as slots free up: a chunk of the part of the highest
+// priority whose grads are final (its announcement's event has completed; EarlyPart::priority: its
+// announcement's index, the latest queued on a tie), else the next chunk of the earliest queued part
+// still to go down (the next to become final: the device orders its copy after the announcement).
+// During a backward that is the part whose grads became final last, and that is the one the
+// trainer's next forward needs first (a backward announces the last layers first): when the host
+// runs ahead of the GPU and CPU Adam is the slower, the work left when the backward ends runs in
+// forward order, overlapping the trainer's next forward, which waits per part (WaitParamsOf) after
+// a deferred Step. What a decided Step queues (QueueRest) carries the same priorities, so it
+// interleaves with the speculating parts not started yet in that order. Announcements made while the pass runs join it at its
 // next round. Grads stay in the ring's few slots, which the host's last-level cache holds (PCIe
 // writes land there): a copy of every grad in host memory, read back later, costs CPU Adam about a
 // fifth of its rate (measured on the H200 machine). A round of CPU Adam takes every landed chunk and
@@ -19,6 +21,8 @@
 // params go up through the param slots in turn (twice as many as grad slots, so a round does not wait
 // for the uploads of the rounds before).
 #include <algorithm>
+#include <cstdlib>
+#include <string>
 #include <deque>
 #include <memory>
 #include <utility>
@@ -50,6 +54,7 @@ absl::Status HybridOptimizer::RunEarlyPass(EarlyItem first) {
     size_t next_down = 0;    // its next chunk to download
     size_t left = 0;         // chunks not yet updated
     bool final = false;      // its announcement's event was seen complete
+    int64_t priority = 0;    // EarlyPart::priority
   };
   struct Download {
     size_t work = 0;  // index into `works`
@@ -58,7 +63,8 @@ absl::Status HybridOptimizer::RunEarlyPass(EarlyItem first) {
     std::unique_ptr<TransferBatch> batch;
     size_t param_slot = 0;  // once in a round: where CPU Adam writes its new params
   };
-  std::deque<GroupWork> works;     // in announcement order
+  std::deque<GroupWork> works;     // in the order queued
+  std::vector<size_t> by_priority;  // indices into works: the highest priority first, the latest on a tie
   std::deque<Download> in_flight;  // in submission order: they land in this order
   std::vector<size_t> free_slots(depth);
   for (size_t i = 0; i < depth; ++i) free_slots[i] = depth - 1 - i;
@@ -106,20 +112,34 @@ absl::Status HybridOptimizer::RunEarlyPass(EarlyItem first) {
         w.mode = item.in_place ? PipelineMode::kInPlace : PipelineMode::kToSpare;
         w.uploaded = part.uploaded;
         w.ready = item.ready;
+        w.priority = part.priority;
         w.plan = PlanForParams(std::move(part.params));
         w.left = w.plan.chunks.size();
         works.push_back(std::move(w));
         if (works.back().left == 0) FERRY_RETURN_IF_ERROR(finish_part(works.back()));  // no elements
+        by_priority.push_back(works.size() - 1);
       }
     }
+    // Those all down leave the list; the rest in order.
+    by_priority.erase(std::remove_if(by_priority.begin(), by_priority.end(),
+                                     [&](size_t i) { return works[i].next_down == works[i].plan.chunks.size(); }),
+                      by_priority.end());
+    static const bool by_queue = [] {  // TEMPORARY A/B: the rule before priorities (the latest queued first)
+      const char* v = std::getenv("FERRY_EARLY_PICK");
+      return v != nullptr && std::string(v) == "queue";
+    }();
+    std::sort(by_priority.begin(), by_priority.end(), [&](size_t a, size_t b) {
+      if (by_queue) return a > b;
+      return works[a].priority != works[b].priority ? works[a].priority > works[b].priority : a > b;
+    });
     return absl::OkStatus();
   };
-  // The next chunk to download: of the latest announced group seen final, else of the earliest
-  // announced group not yet all down. Null when every chunk is down.
+  // The next chunk to download: of the part of the highest priority seen final, else of the
+  // earliest queued part not yet all down. Null when every chunk is down.
   constexpr size_t kNone = static_cast<size_t>(-1);
   auto pick = [&]() -> size_t {
     while (first_open < works.size() && works[first_open].next_down == works[first_open].plan.chunks.size()) ++first_open;
-    for (size_t i = works.size(); i-- > first_open;) {
+    for (size_t i : by_priority) {
       GroupWork& w = works[i];
       if (w.next_down == w.plan.chunks.size()) continue;
       if (!w.final) {
@@ -151,6 +171,14 @@ absl::Status HybridOptimizer::RunEarlyPass(EarlyItem first) {
       const size_t i = pick();
       if (i == kNone) break;
       GroupWork& w = works[i];
+      if (w.next_down == 0 && tracer != nullptr) {
+        TraceSpan start(tracer, "early.part_start", "optim");  // its first chunk goes down now
+        if (start.on()) {
+          start.Arg("part", static_cast<double>(w.part));
+          start.Arg("priority", static_cast<double>(w.priority));
+          start.Arg("in_place", w.mode == PipelineMode::kInPlace ? 1.0 : 0.0);
+        }
+      }
       const size_t slot = free_slots.back();
       FERRY_ASSIGN_OR_RETURN(std::unique_ptr<TransferBatch> down, SubmitGradChunk(w.plan, w.next_down, slot, *w.ready));
       TraceSubmitted(d2h_trace_, down.get());
