@@ -15,8 +15,11 @@ slowest rank's iteration time and its ratio to the all-GPU DDP row of the same r
     DDP offload + overlap            unsharded (every rank the whole state offloaded), attach_ddp, and
                                      attach(model) as bench_train.py's overlap rows (deferred steps)
     FSDP2 offload                    fully_shard per block and the root (DTensor params), offloaded
-    FSDP2 offload + overlap          the same with overlap=True: groups announced once FSDP2's
-                                     reduce-scatter has landed (its post-accumulate-grad hooks)
+    FSDP2 offload + overlap          the same with overlap=True (groups announced once FSDP2's
+                                     reduce-scatter has landed: its post-accumulate-grad hooks) and
+                                     attach(model): the step returns before its update, and each
+                                     FSDP2 module's forward waits for its own params before FSDP2
+                                     all-gathers them
 
     torchrun --nproc-per-node 4 samples/python/bench_train_dist.py --size medium     # 4 GPUs
     python3 samples/python/bench_train_dist.py --world 2 --size medium                # spawned ranks
@@ -58,7 +61,7 @@ ROWS = [
      "attach": True, "same_as": "DDP offload"},
     {"name": "FSDP2 offload", "kind": "ferry", "wrap": "fsdp2", "policy": "offload_all"},
     {"name": "FSDP2 offload + overlap", "kind": "ferry", "wrap": "fsdp2", "policy": "offload_all", "overlap": True,
-     "same_as": "FSDP2 offload"},
+     "attach": True, "same_as": "FSDP2 offload"},
 ]
 
 

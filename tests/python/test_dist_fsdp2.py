@@ -362,27 +362,31 @@ def test_checkpoint_saved_by_w_resumes_on_w2(runs, resume_world):
 
 
 def fsdp2_overlap(rank, world):
-    """The same FSDP2 training twice, Ferry with overlap=True and overlap=False (one param group per
-    layer, offloaded): 6 steps, step 2 accumulating two micro-batches (the first without gradient
-    sync). FSDP2 calls the sharded params' post-accumulate-grad hooks once their reduce-scatter has
-    landed (on its reduce-scatter stream), so the groups are announced during the backward."""
+    """The same FSDP2 training three times, Ferry with overlap=True and attach(model), overlap=True
+    alone, and overlap=False (one param group per layer, offloaded): 6 steps, step 2 accumulating two
+    micro-batches (the first without gradient sync). FSDP2 calls the sharded params' post-accumulate-
+    grad hooks once their reduce-scatter has landed (on its reduce-scatter stream), so the groups are
+    announced during the backward; with attach() every step returns before its update, and each
+    FSDP2 module's forward (Ferry's hook before FSDP2's all-gather) waits for its own params, and
+    l1's for l2's too, which its pre-forward prefetches (set_modules_to_forward_prefetch)."""
     import ferry.torch
     fully_shard, _, _, init_device_mesh = fsdp2()
     mesh = init_device_mesh("cpu", (world,))
     out = {}
-    for overlap in (True, False):
+    for overlap, attach in ((True, True), (True, False), (False, False)):
         model = Mlp()
         for layer in (model.l1, model.l2, model.l3):
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
+        if hasattr(model.l1, "set_modules_to_forward_prefetch"):  # torch >= 2.5
+            model.l1.set_modules_to_forward_prefetch([model.l2])
         groups = [{"params": list(layer.parameters())} for layer in (model.l1, model.l2, model.l3)]
         opt = ferry.torch.Optimizer(groups, lr=1e-2, weight_decay=0.1, policy="offload_all", overlap=overlap,
                                     collective_timeout=60)
-        try:
-            opt.attach(model)  # refused: FSDP2's pre-forward all-gathers before Ferry's hook could wait
-            attach = None
-        except ValueError as e:
-            attach = str(e)
+        hooks = 0
+        if attach:
+            opt.attach(model)
+            hooks = len(opt._waits.handles)
         gen = torch.Generator().manual_seed(100 + rank)
         losses, announced = [], []
         for step in range(6):
@@ -398,21 +402,28 @@ def fsdp2_overlap(rank, world):
             opt.step()
             opt.zero_grad()
             losses.append(loss.item())
+        opt.wait_params()
         stats = opt.stats()
-        out[overlap] = {"losses": losses, "announced": announced, "attach": attach, "kept": stats["early_groups_kept"],
-                        "recomputed": stats["early_groups_recomputed"],
-                        "rows": [p.to_local().detach().clone() for p in model.parameters()]}
+        out[(overlap, attach)] = {"losses": losses, "announced": announced, "hooks": hooks,
+                                  "kept": stats["early_groups_kept"], "recomputed": stats["early_groups_recomputed"],
+                                  "deferred": stats["deferred_steps"],
+                                  "rows": [p.to_local().detach().clone() for p in model.parameters()]}
     return out
 
 
-def test_fsdp2_overlap_bit_identical_to_no_overlap():
+def test_fsdp2_overlap_and_attach_bit_identical_to_no_overlap():
     for rank, r in enumerate(dist_util.ok(dist_util.run_ranks(2, fsdp2_overlap, timeout=180))):
-        on, off = r[True], r[False]
-        # Every param (a weight and a bias per layer) announced at every step, in buckets.
-        assert on["announced"] == [6] * 6, "rank %d: params announced per step %s" % (rank, on["announced"])
-        assert on["kept"] == 18 and on["recomputed"] == 0, (rank, on["kept"], on["recomputed"])
+        attached, on, off = r[(True, True)], r[(True, False)], r[(False, False)]
+        for run in (attached, on):
+            # Every param (a weight and a bias per layer) announced at every step, in buckets.
+            assert run["announced"] == [6] * 6, "rank %d: params announced per step %s" % (rank, run["announced"])
+            assert run["kept"] == 18 and run["recomputed"] == 0, (rank, run["kept"], run["recomputed"])
         assert off["announced"] == [0] * 6
-        assert on["attach"] is not None and "FSDP2" in on["attach"], on["attach"]
-        assert on["losses"] == off["losses"], "rank %d: %s vs %s" % (rank, on["losses"], off["losses"])
-        for i, (a, b) in enumerate(zip(on["rows"], off["rows"])):
-            assert_same_bits(a, b, "rank %d param %d" % (rank, i))
+        # attach(): a pre-hook on each FSDP2 module (l1, l2, l3 and the root, which holds no param), a
+        # grad hook per param; every step deferred.
+        assert attached["hooks"] == 4 + 6 and attached["deferred"] == 6, (attached["hooks"], attached["deferred"])
+        assert on["deferred"] == 0 and off["deferred"] == 0
+        for name, run in (("attach", attached), ("overlap", on)):
+            assert run["losses"] == off["losses"], "rank %d, %s: %s vs %s" % (rank, name, run["losses"], off["losses"])
+            for i, (a, b) in enumerate(zip(run["rows"], off["rows"])):
+                assert_same_bits(a, b, "rank %d, %s, param %d" % (rank, name, i))

@@ -10,6 +10,14 @@ step(). The hooks cost a set lookup per module and one engine call per bucket an
 synchronization. So a model in one param group starts its next forward while the params of its later
 layers still update, as one with a group per layer does.
 
+FSDP2 (DTensor params): FSDP2's own forward pre-hook (registered with prepend=True) all-gathers a
+module's params, and its copy-in of the local shards runs on a stream of FSDP2's (the all-gather
+copy-in stream, or the current one for explicit prefetches), which waits for the current stream only
+at the root's forward. So Fsdp2Waits registers its hooks with prepend=True on each module fully_shard
+was applied to (they run before FSDP2's), for the params of that module's FSDP2 param groups and of
+the modules its forward prefetches (set_modules_to_forward_prefetch), and makes both the current
+stream and the copy-in stream wait for their buckets.
+
 After a deferred step the engine may still read a bucket's grads until that wait, so zero_grad()
 zeroes such a bucket's grads at the wait (Optimizer._wait_units). A grad hook on every param makes
 sure of it before a backward accumulates into a grad whose bucket nothing waited for yet (a param
@@ -47,6 +55,81 @@ class ModuleWaits:
         for h in self.handles:
             h.remove()
         self.handles = []
+
+
+def _fsdp_state(module):
+    """FSDP2's state of a module fully_shard was applied to, or None."""
+    get = getattr(module, "_get_fsdp_state", None)
+    if get is None:
+        return None
+    try:
+        return get()
+    except (AssertionError, RuntimeError):
+        return None
+
+
+def _fsdp_groups(state):
+    """The FSDPParamGroups of an FSDP2 state (one before torch's per-param meshes, a list after)."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = getattr(state, "_fsdp_param_group", None)
+    return [] if group is None else [group]
+
+
+def _fsdp_params(state):
+    """The sharded params (the module's nn.Parameters, DTensors) an FSDP2 state all-gathers."""
+    return [fp.sharded_param for g in _fsdp_groups(state) for fp in g.fsdp_params]
+
+
+class Fsdp2Waits:
+    """attach(model) over FSDP2: hooks that run before FSDP2's pre-forward (above)."""
+
+    def __init__(self, optimizer, model, index):
+        me = weakref.ref(optimizer)
+        self.handles = []
+        self.owned = set()
+        seen = set()
+        for module in model.modules():
+            state = _fsdp_state(module)
+            if state is None or id(state) in seen:
+                continue
+            seen.add(id(state))
+            try:
+                ks = tuple(sorted({index[id(p)] for p in _fsdp_params(state) if id(p) in index}))
+            except AttributeError as e:
+                raise ValueError("attach: this torch's FSDP2 state of %s has no param groups Ferry knows (%s); "
+                                 "leave the optimizer unattached" % (type(module).__name__, e)) from None
+            self.owned.update(ks)
+            self.handles.append(module.register_forward_pre_hook(_fsdp_pre_hook(me, state, ks, index),
+                                                                 prepend=True))
+        if not self.handles:
+            raise ValueError("attach: %s has DTensor params but no module of it is an FSDP2 module (fully_shard)"
+                             % type(model).__name__)
+        for k, p in enumerate(optimizer._params):
+            if p.requires_grad and id(p) in index:
+                self.handles.append(p.register_hook(_grad_hook(me, k)))
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+
+def _fsdp_pre_hook(me, state, own, index):
+    def hook(_module, _inputs):
+        opt = me()
+        if opt is None or not opt._pending:
+            return
+        ks = set(own)
+        for target in getattr(state, "_states_to_forward_prefetch", ()):  # all-gathered from this pre-forward
+            ks.update(index[id(p)] for p in _fsdp_params(target) if id(p) in index)
+        if not ks:
+            return
+        ctx = getattr(state, "_comm_ctx", None)
+        copy_in = getattr(ctx, "all_gather_copy_in_stream", None) if opt._cuda else None
+        opt._wait_units({opt._unit_of[k] for k in ks}, also=copy_in)
+    return hook
 
 
 def _grad_hook(me, k):
@@ -90,13 +173,11 @@ class AttachMixin:
         a param outside the forward of a module owning it calls opt.wait_params() first. Returns self."""
         if self._waits is not None:
             raise RuntimeError("attach: the optimizer is attached already; detach() first")
-        dtensors = [self._where[k] for k, p in enumerate(self._params) if _zero.is_dtensor(p)]
-        if dtensors:
-            raise ValueError("attach: %s is a DTensor (FSDP2): FSDP2's own forward pre-hook (registered with "
-                             "prepend=True) all-gathers a module's params before any hook of Ferry's could wait for "
-                             "their upload. Leave the optimizer unattached: step() waits for every upload, and "
-                             "overlap=True still announces each bucket once its reduce-scatter has landed" % dtensors[0])
-        self._waits = ModuleWaits(self, model, {id(p): k for k, p in enumerate(self._params)})
+        index = {id(p): k for k, p in enumerate(self._params)}
+        if any(_zero.is_dtensor(p) for p in self._params):
+            self._waits = Fsdp2Waits(self, model, index)
+        else:
+            self._waits = ModuleWaits(self, model, index)
         return self
 
     def detach(self):
@@ -114,18 +195,21 @@ class AttachMixin:
         if self._pending:
             self._wait_units(sorted(self._pending) if groups is None else self._units_of_groups(groups))
 
-    def _wait_units(self, units):
+    def _wait_units(self, units, also=None):
+        """The current stream (and the torch stream `also`, where given) waits for these buckets."""
         if not self._pending:
             return
         with self._engine_lock:  # attach_ddp's comm hook may announce from another thread
-            self._wait_units_locked(units)
+            self._wait_units_locked(units, also)
 
-    def _wait_units_locked(self, units):
+    def _wait_units_locked(self, units, also=None):
         need = sorted(u for u in units if u in self._pending)
         if not need:
             return
         names = self._unit_names[need[0]] if len(need) == 1 else [n for u in need for n in self._unit_names[u]]
         self._engine.wait_params_of(names, stream=self._stream())
+        if also is not None and also.cuda_stream != self._stream():
+            self._engine.wait_params_of(names, stream=also.cuda_stream)
         self._pending.difference_update(need)
         zero = [u for u in need if u in self._zero_pending]
         if zero:  # zero_grad() of these buckets, now ordered after the engine's reads of their grads
