@@ -21,8 +21,6 @@
 // params go up through the param slots in turn (twice as many as grad slots, so a round does not wait
 // for the uploads of the rounds before).
 #include <algorithm>
-#include <cstdlib>
-#include <string>
 #include <deque>
 #include <memory>
 #include <utility>
@@ -124,12 +122,7 @@ absl::Status HybridOptimizer::RunEarlyPass(EarlyItem first) {
     by_priority.erase(std::remove_if(by_priority.begin(), by_priority.end(),
                                      [&](size_t i) { return works[i].next_down == works[i].plan.chunks.size(); }),
                       by_priority.end());
-    static const bool by_queue = [] {  // TEMPORARY A/B: the rule before priorities (the latest queued first)
-      const char* v = std::getenv("FERRY_EARLY_PICK");
-      return v != nullptr && std::string(v) == "queue";
-    }();
     std::sort(by_priority.begin(), by_priority.end(), [&](size_t a, size_t b) {
-      if (by_queue) return a > b;
       return works[a].priority != works[b].priority ? works[a].priority > works[b].priority : a > b;
     });
     return absl::OkStatus();
