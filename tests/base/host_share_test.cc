@@ -56,8 +56,20 @@ TEST(HostShareTest, OneRankTakesEveryCpuOneCoreFirst) {
   const HostShare big = SplitHost(MakeHost(1, 64, 1), LocalRanks{}, {}, 1);
   EXPECT_EQ(big.Workers(0, 0), 63u - 8u);
   EXPECT_EQ(big.Workers(0, 32), 32u);
+  // Ranks that divide more than 16 CPUs take at most half their share: they share the host's memory
+  // bandwidth, and their trainers' threads need CPUs. 2 ranks on 64 CPUs: 32 each, 31 - 4 = 27
+  // capped at 16; 4 ranks: 16 each, 15 capped at 8; 2 ranks on a 16-CPU host: 8 each, 7 (not capped).
   const HostShare half = SplitHost(MakeHost(1, 64, 1), LocalRanks{1, 2, "test"}, {}, 1);
-  EXPECT_EQ(half.Workers(0, 0), 31u - 4u);
+  EXPECT_EQ(half.split_of, 64u);
+  EXPECT_EQ(half.Workers(0, 0), 16u);
+  EXPECT_EQ(half.Workers(0, 10), 10u);
+  EXPECT_EQ(half.Workers(20, 0), 20u) << "an explicit cpu_threads is taken as it is";
+  for (int r = 0; r < 4; ++r) {
+    EXPECT_EQ(SplitHost(MakeHost(1, 64, 1), LocalRanks{r, 4, "test"}, {}, 1).Workers(0, 0), 8u) << "rank " << r;
+  }
+  EXPECT_EQ(SplitHost(MakeHost(1, 16, 1), LocalRanks{1, 2, "test"}, {}, 1).Workers(0, 0), 7u);
+  // Split by NUMA node: the ranks divide their GPU node's 16 CPUs, not the host's 32.
+  EXPECT_EQ(SplitHost(MakeHost(2, 16, 1), LocalRanks{0, 4, "test"}, {0, 0, 1, 1}, 1).split_of, 16u);
   EXPECT_EQ(s.node, 0);
 }
 

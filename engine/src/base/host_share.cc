@@ -205,6 +205,7 @@ HostShare SplitHost(const HostTopology& topo, const LocalRanks& local, const std
                                   ranks, " of the process's cores");
     }
     const size_t n = pool.size();
+    for (const auto& cpus : pool) share.split_of += cpus.size();
     if (n >= static_cast<size_t>(slices)) {
       const size_t lo = n * static_cast<size_t>(slice) / static_cast<size_t>(slices);
       const size_t hi = n * static_cast<size_t>(slice + 1) / static_cast<size_t>(slices);
@@ -250,6 +251,7 @@ size_t HostShare::Workers(size_t cpu_threads, size_t cap) const {
   if (cpu_threads > 0) return cpu_threads;
   size_t n = worker_cpus();
   if (cpus.size() > kSmallShareCpus) n -= std::min(n - 1, cpus.size() / 8);
+  if (split && split_of > kSmallShareCpus) n = std::min(n, std::max<size_t>(1, cpus.size() / 2));
   return std::max<size_t>(1, cap > 0 ? std::min(n, cap) : n);
 }
 

@@ -62,6 +62,7 @@ struct HostShare {
   size_t trainer_cpus = 0;       // the last ones of `cpus`, left to the trainer's own threads
   int node = -1;                 // the NUMA node of the share's CPUs when they are all on one; else -1
   bool split = false;            // the host's CPUs were divided among the local ranks
+  size_t split_of = 0;           // split: how many CPUs the local ranks divided (the process's, or its GPU's node's)
   bool launcher_bound = false;   // the process was already restricted to fewer CPUs than are online
   std::string reason;            // how the share was chosen, for `ferry check` and the trace
 
@@ -72,10 +73,16 @@ struct HostShare {
     return {cpus.begin(), cpus.begin() + static_cast<std::ptrdiff_t>(std::min(worker_cpus(), cpus.size()))};
   }
   // CPU Adam's workers in this share: `cpu_threads` when > 0 (EngineOptions::cpu_threads), else
-  // worker_cpus(), less 1/8 of the share's CPUs on shares of more than kSmallShareCpus, and no more
-  // than `cap` (0: no cap); at least 1. The eighth is headroom for the pipeline's own threads, the
-  // driver's and the trainer's: with every CPU but one busy with workers the offloaded step ran at
-  // 0.54-0.76 of its slowest stage on 32- and 64-CPU shares of an H100 host (tests/bench/README.md, `ferry bench step`).
+  // worker_cpus(), less 1/8 of the share's CPUs on shares of more than kSmallShareCpus, at most half
+  // the share where the local ranks divided more than kSmallShareCpus CPUs, and no more than `cap`
+  // (0: no cap); at least 1. The eighth is headroom for the pipeline's own threads, the driver's and
+  // the trainer's: with every CPU but one busy with workers the offloaded step ran at 0.54-0.76 of its
+  // slowest stage on 32- and 64-CPU shares of an H100 host (tests/bench/README.md, `ferry bench step`).
+  // The half: the ranks share the host's memory bandwidth, whose knee one process measured at 24-32
+  // workers of 64 CPUs (optim/worker_knee.h; split ranks do not measure it, they would disturb each
+  // other), and with 15 workers in each 16-CPU share of 4 ranks on that host, the trainers' own
+  // threads (the gradient check's all-reduce, autograd, the early step) waited for CPUs: the check's
+  // all-reduce took 19-26 ms, with 8 workers 10 ms, CPU Adam as fast.
   size_t Workers(size_t cpu_threads, size_t cap) const;
 };
 
