@@ -30,7 +30,22 @@ import torch
 from . import _zero
 
 
-class ModuleWaits:
+class _Waits:
+    """What the hooks of attach() share: their handles, the params some module owns, and a grad hook
+    per param (the deferred zeroing before a backward accumulates into a bucket nothing waited for)."""
+
+    def _add_grad_hooks(self, optimizer, me, index):
+        for k, p in enumerate(optimizer._params):
+            if p.requires_grad and id(p) in index:
+                self.handles.append(p.register_hook(_grad_hook(me, k)))
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+
+class ModuleWaits(_Waits):
     """The forward pre-hooks of one attach(model)."""
 
     def __init__(self, optimizer, model, index):
@@ -47,14 +62,7 @@ class ModuleWaits:
             raise ValueError("attach: no module of %s owns a param of this optimizer" % type(model).__name__)
         if optimizer._gathering():  # ZeRO-1: the units no module's forward gathered, once it returns
             self.handles.append(model.register_forward_hook(_post_hook(me)))
-        for k, p in enumerate(optimizer._params):
-            if p.requires_grad and id(p) in index:
-                self.handles.append(p.register_hook(_grad_hook(me, k)))
-
-    def remove(self):
-        for h in self.handles:
-            h.remove()
-        self.handles = []
+        self._add_grad_hooks(optimizer, me, index)
 
 
 def _fsdp_state(module):
@@ -82,7 +90,7 @@ def _fsdp_params(state):
     return [fp.sharded_param for g in _fsdp_groups(state) for fp in g.fsdp_params]
 
 
-class Fsdp2Waits:
+class Fsdp2Waits(_Waits):
     """attach(model) over FSDP2: hooks that run before FSDP2's pre-forward (above)."""
 
     def __init__(self, optimizer, model, index):
@@ -106,14 +114,7 @@ class Fsdp2Waits:
         if not self.handles:
             raise ValueError("attach: %s has DTensor params but no module of it is an FSDP2 module (fully_shard)"
                              % type(model).__name__)
-        for k, p in enumerate(optimizer._params):
-            if p.requires_grad and id(p) in index:
-                self.handles.append(p.register_hook(_grad_hook(me, k)))
-
-    def remove(self):
-        for h in self.handles:
-            h.remove()
-        self.handles = []
+        self._add_grad_hooks(optimizer, me, index)
 
 
 def _fsdp_pre_hook(me, state, own, index):
