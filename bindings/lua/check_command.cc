@@ -100,8 +100,9 @@ void PrintHostShares(std::FILE* out, int local_world_size) {
                   HumanBytes(static_cast<int64_t>(PinnedBudget::DefaultProcessLimit() / static_cast<size_t>(ranks))));
     if (r == 0) absl::FPrintF(out, "    (%s)\n", share.reason);
   }
-  absl::FPrintF(out, "  (a share of more than %d CPUs: the engine measures at Finalize how many workers help, and "
-                "takes no more)\n", kKneeProbeAbove);
+  absl::FPrintF(out, "  (one rank on more than %d CPUs: the engine measures at Finalize how many workers help, and "
+                "takes no more; ranks that split more than %d CPUs take at most half their slice)\n",
+                kKneeProbeAbove, kSmallShareCpus);
 }
 
 // Collects the report's errors.
