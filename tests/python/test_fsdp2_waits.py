@@ -1,0 +1,150 @@
+"""attach(model) over FSDP2 (ferry/_attach.py, Fsdp2Waits), on any torch: the parts of FSDP2 that
+attach() reads stand in as fakes, with the attribute names of torch's FSDPState (2.4 to 2.11): a
+module fully_shard was applied to has `_get_fsdp_state()`; the state has `_fsdp_param_groups` (a list,
+torch >= 2.10; `_fsdp_param_group` before), each with `fsdp_params` whose `sharded_param` is the
+module's param; `_states_to_forward_prefetch` (set_modules_to_forward_prefetch); and
+`_comm_ctx.all_gather_copy_in_stream`. FSDP2's own pre-forward hook, registered with prepend=True
+when fully_shard runs, stands in as a hook that records which buckets were still waiting for their
+upload when it would all-gather. The real FSDP2 runs in test_dist_fsdp2.py (torch >= 2.4).
+
+Checked: Ferry's hooks run before FSDP2's; each FSDP2 module's hook waits for the buckets of its own
+params and of the modules it prefetches, and no others; a state of either torch layout works; the
+training is bit-identical to the same optimizer unattached.
+"""
+import pytest
+import torch
+
+import ferry.torch
+from ferry import _attach, _zero
+
+STEPS = 4
+
+
+class _FsdpParam:
+    def __init__(self, p):
+        self.sharded_param = p
+
+
+class _Group:
+    def __init__(self, params):
+        self.fsdp_params = [_FsdpParam(p) for p in params]
+
+
+class _CommCtx:
+    all_gather_copy_in_stream = None  # CPU: no streams
+
+
+class _State:
+    def __init__(self, params, plural):
+        groups = [_Group(params)] if params else []
+        if plural:
+            self._fsdp_param_groups = groups
+        else:
+            self._fsdp_param_group = groups[0] if groups else None
+        self._states_to_forward_prefetch = []
+        self._comm_ctx = _CommCtx()
+
+
+_HAS_PREPEND = "prepend" in torch.nn.Module.register_forward_pre_hook.__code__.co_varnames
+
+
+def _register_pre_hook(module, hook, prepend=False):
+    """register_forward_pre_hook(hook, prepend=...) on any torch: torch 1.13 has no `prepend` (FSDP2
+    needs torch >= 2.4, which has), so there the hook is moved to the front of the module's hooks."""
+    if _HAS_PREPEND:
+        return torch.nn.Module.register_forward_pre_hook(module, hook, prepend=prepend)
+    handle = _ORIGINAL_REGISTER(module, hook)
+    if prepend:
+        module._forward_pre_hooks.move_to_end(handle.id, last=False)
+    return handle
+
+
+_ORIGINAL_REGISTER = torch.nn.Module.register_forward_pre_hook
+
+
+class Net(torch.nn.Module):
+    """Three layers, each "fully_shard"ed, and the root (no params of its own); l1 prefetches l2."""
+
+    def __init__(self, plural, seen):
+        super().__init__()
+        torch.manual_seed(0)
+        self.l1, self.l2, self.l3 = torch.nn.Linear(6, 9), torch.nn.Linear(9, 5), torch.nn.Linear(5, 2)
+        self.states = {}
+        for name, module in (("l1", self.l1), ("l2", self.l2), ("l3", self.l3), ("root", self)):
+            state = _State(list(module.parameters(recurse=False)), plural)
+            self.states[name] = state
+            module._get_fsdp_state = (lambda s: (lambda: s))(state)
+            _register_pre_hook(module, self._fsdp_pre_forward(name, seen), prepend=True)
+        self.states["l1"]._states_to_forward_prefetch = [self.states["l2"]]
+
+    def _fsdp_pre_forward(self, name, seen):
+        def hook(_module, _inputs):
+            opt = self.opt
+            if opt is not None:
+                seen.append((name, frozenset(opt._pending)))
+        return hook
+
+    def forward(self, x):
+        return self.l3(torch.tanh(self.l2(torch.tanh(self.l1(x)))))
+
+
+def train(attach, plural, monkeypatch):
+    seen = []
+    net = Net(plural, seen)
+    net.opt = None
+    opt = ferry.torch.Optimizer(list(net.parameters()), lr=1e-2, weight_decay=0.1, policy="offload_all",
+                                overlap=True, bucket_mb=1e-6)  # a bucket per param
+    if attach:
+        with monkeypatch.context() as m:
+            m.setattr(_zero, "is_dtensor", lambda t: True)  # FSDP2's params are DTensors
+            if not _HAS_PREPEND:
+                m.setattr(torch.nn.Module, "register_forward_pre_hook", _register_pre_hook)
+            opt.attach(net)
+        assert isinstance(opt._waits, _attach.Fsdp2Waits)
+    net.opt = opt
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(STEPS):
+        x, y = torch.randn(8, 6, generator=gen), torch.randn(8, 2, generator=gen)
+        torch.nn.functional.mse_loss(net(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    net.opt = None
+    opt.wait_params()
+    units = {name: {opt._unit_of[k] for k, p in enumerate(opt._params)
+                    if any(p is q for q in getattr(net, name).parameters())} for name in ("l1", "l2", "l3")}
+    return {"params": [p.detach().clone() for p in net.parameters()], "seen": seen, "units": units,
+            "deferred": opt.stats()["deferred_steps"], "hooks": len(opt._waits.handles) if opt._waits else 0}
+
+
+@pytest.mark.parametrize("plural", [True, False], ids=["param_groups_list", "param_group"])
+def test_hooks_wait_before_fsdp2_all_gathers_own_and_prefetched(monkeypatch, plural):
+    run = train(True, plural, monkeypatch)
+    assert run["deferred"] == STEPS, "every step returned before its update"
+    # A pre-hook per FSDP2 module (l1, l2, l3, the root) and a grad hook per param (6).
+    assert run["hooks"] == 4 + 6
+    u = run["units"]
+    assert all(len(u[n]) == 2 for n in u), u  # a weight and a bias each, a bucket each
+    forwards = [run["seen"][i:i + 4] for i in range(0, len(run["seen"]), 4)]
+    assert len(forwards) == STEPS
+    for step, f in enumerate(forwards):
+        assert [name for name, _ in f] == ["root", "l1", "l2", "l3"], f
+        if step == 0:
+            assert all(not pending for _, pending in f), "nothing pends before the first step"
+            continue
+        pending = dict(f)
+        # When FSDP2 all-gathers l1 (and prefetches l2 from l1's pre-forward), their buckets were
+        # waited for already; l3's not yet (its own forward waits for them).
+        assert not (pending["l1"] & (u["l1"] | u["l2"])), (step, pending["l1"], u)
+        assert u["l3"] <= pending["l1"], (step, pending["l1"], u)
+        assert not (pending["l3"] & u["l3"]), (step, pending["l3"], u)
+        # The root holds no param: its hook waits for nothing.
+        assert u["l1"] | u["l2"] | u["l3"] <= pending["root"]
+
+
+def test_attached_bit_identical_to_unattached(monkeypatch):
+    a = train(True, True, monkeypatch)
+    b = train(False, True, monkeypatch)
+    assert b["deferred"] == 0
+    for i, (x, y) in enumerate(zip(a["params"], b["params"])):
+        assert torch.equal(x.view(torch.int32), y.view(torch.int32)), "param %d differs" % i
+    assert not torch.equal(a["params"][0], Net(True, []).l1.weight.detach()), "the training moved the params"
