@@ -278,11 +278,7 @@ absl::Status EngineImpl::ReduceGradStats(GradStats& stats, const absl::Status& m
     values[1] = stats.found_inf != 0 ? 1.0 : 0.0;
     stats.exact.ToExchange(values.data() + 2);
   }
-  absl::Status s;
-  {
-    TraceSpan span(tracer_.get(), "comm.grad_check", "engine");  // this rank's wait for every rank's check
-    s = comm_->AllReduce(absl::MakeSpan(values), ReduceOp::kSum, options_.collective_timeout);
-  }
+  absl::Status s = comm_->AllReduce(absl::MakeSpan(values), ReduceOp::kSum, options_.collective_timeout);
   if (!s.ok()) return absl::Status(s.code(), absl::StrCat("Step: the gradient check's all-reduce failed: ", s.message()));
   if (values[0] > 0.0) return Agree(mine, "Step");  // every rank saw the failure: name the ranks
   stats = GradStatsFromExact(ExactSumSq::FromExchange(values.data() + 2), values[1] > 0.0);
