@@ -1,0 +1,395 @@
+// The spare state of early steps under a budget (EngineOptions::spare_state_fraction, a policy's
+// spare_state): which groups get it (SpareGroups: a centred run), exactness at any budget, the order
+// of the work a decided Step queues beside the speculation not started yet, and a policy's bound
+// (memory_budget.lua's host_budget, reloads).
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <memory>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "device/device.h"
+#include "engine/engine_test_util.h"
+#include "ferry/engine.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "optim/hybrid_optimizer.h"
+#include "trace/trace_file.h"
+
+namespace ferry::engine_test {
+namespace {
+
+using ::testing::HasSubstr;
+
+const std::vector<int64_t> kSizes = {1000, 7, 4099, 65, 3, 20000, 513, 3000, 777, 12000, 1, 2500};
+
+// An engine of `model` (a group per tensor) placed by `policy` with `args`, its spare state bounded
+// by EngineOptions::spare_state_fraction = `fraction`.
+std::unique_ptr<Engine> MakeSpareEngine(Device* device, Model& model, double fraction, const std::string& policy,
+                                        std::map<std::string, std::string> args = {}) {
+  EngineOptions o;
+  o.policy_path = policy;
+  o.policy_args = std::move(args);
+  o.optimizer.lr = 1e-3f;
+  o.optimizer.weight_decay = 0.01f;
+  o.transfer_chunk_bytes = 4096;
+  o.cpu_threads = 3;
+  o.spare_state_fraction = fraction;
+  o.device = std::string(BackendName(device->backend()));
+  return MakeFinalizedEngine(o, model);
+}
+
+// Under a spare-state budget, some groups speculate and the others update once Step knows the step.
+// When CPU Adam is behind the backward, speculating parts are still waiting when Step queues the
+// rest: all of it must then go in the order the next forward needs it, the speculating parts
+// between the others by their announcement (EarlyPart::priority), not after every one of them. The
+// early thread starts a part (trace: `early.part_start`) the highest priority first once Step's
+// parts have joined, so from the first of them on, the priorities never rise. Bit-identical to Step
+// alone.
+TEST(SpareStateBudgetTest, WhatStepQueuesInterleavesWithTheSpeculationByTheForwardsOrder) {
+  absl::StatusOr<std::unique_ptr<Device>> d = CreateDevice();
+  ASSERT_TRUE(d.ok()) << d.status();
+  Device* device = d->get();
+  constexpr size_t kLayers = 12;  // a group each; SpareGroups gives the spare state to the middle ones
+  const std::vector<int64_t> sizes(kLayers, 300000);  // 18 chunks each: more than the staging ring holds
+  TempDir tmp("ferry-spare-order");
+  const std::string trace_path = tmp.path() + "/trace.json";
+  Model ref_model(device, sizes, 29), model(device, sizes, 29);
+  constexpr int kSteps = 6;
+  {
+    auto make = [&](Model& m, double fraction, const std::string& trace) -> std::unique_ptr<Engine> {
+      EngineOptions o;
+      o.policy_path = Policies() + "offload_all.lua";
+      o.transfer_chunk_bytes = 1 << 15;
+      o.cpu_threads = 1;  // CPU Adam far behind the "backward", which announces at once
+      o.spare_state_fraction = 0.5;
+      o.device = std::string(BackendName(device->backend()));
+      o.trace_path = trace;
+      absl::StatusOr<std::unique_ptr<Engine>> e = Engine::Create(o);
+      EXPECT_TRUE(e.ok()) << e.status();
+      if (!e.ok()) return nullptr;
+      absl::Status s = m.Register(**e, kLayers);
+      if (s.ok()) s = (*e)->Finalize();
+      EXPECT_TRUE(s.ok()) << s;
+      return *std::move(e);
+    };
+    auto ref = make(ref_model, 1.0, "");
+    auto e = make(model, 0.5, trace_path);
+    ASSERT_TRUE(ref && e);
+    for (int step = 1; step <= kSteps; ++step) {
+      ref_model.SetGrads(90 + static_cast<uint64_t>(step));
+      model.SetGrads(90 + static_cast<uint64_t>(step));
+      const StepOptions options{.lr = 1e-3f};
+      for (size_t k = kLayers; k-- > 0;) ASSERT_OK(e->GradsReadyParams({model.name(k)}, options));
+      StepOptions deferred = options;
+      deferred.wait_for_params = false;
+      ASSERT_OK(e->Step(deferred));
+      ASSERT_OK(ref->Step(options));
+      for (size_t k = 0; k < kLayers; ++k) {
+        ASSERT_OK(e->WaitParamsOf({model.name(k)}));
+        ASSERT_EQ(model.Param(k), ref_model.Param(k)) << "step " << step << ", tensor " << k;
+      }
+    }
+    const EngineStats stats = e->Stats();
+    EXPECT_EQ(stats.deferred_steps, kSteps);
+    EXPECT_GT(stats.early_groups_kept, 0);
+    ASSERT_OK(e->VerifyMasters());
+  }
+  absl::StatusOr<TraceFile> trace = ReadTraceFile(trace_path);
+  ASSERT_TRUE(trace.ok()) << trace.status();
+  std::vector<const TraceFileEvent*> starts;
+  for (const TraceFileEvent& ev : trace->events) {
+    if (ev.name == "early.part_start") starts.push_back(&ev);
+  }
+  std::stable_sort(starts.begin(), starts.end(),
+                   [](const TraceFileEvent* a, const TraceFileEvent* b) { return a->ts_us < b->ts_us; });
+  // A step's parts are numbered from 0, and each starts once; every part of a step is done before the
+  // next step's first starts: a step's starts run until a part number comes again.
+  int steps_seen = 0, interleaved = 0;
+  for (size_t i = 0; i < starts.size();) {
+    size_t end = i;
+    for (std::set<double> parts; end < starts.size() && parts.insert(starts[end]->args.at("part")).second;) ++end;
+    ++steps_seen;
+    bool rest = false, spec_after_rest = false;
+    for (size_t j = i; j < end; ++j) {
+      const TraceFileEvent& now = *starts[j];
+      if (rest) {
+        const TraceFileEvent& before = *starts[j - 1];
+        EXPECT_LE(now.args.at("priority"), before.args.at("priority"))
+            << "step " << steps_seen << ": part " << now.args.at("part") << " (priority " << now.args.at("priority")
+            << (now.args.at("in_place") != 0 ? ", in place" : ", speculating") << ") started after part "
+            << before.args.at("part") << " (priority " << before.args.at("priority")
+            << "), once Step's parts had joined: the next forward needs it first";
+        spec_after_rest = spec_after_rest || now.args.at("in_place") == 0;
+      }
+      rest = rest || now.args.at("in_place") != 0;
+    }
+    interleaved += spec_after_rest ? 1 : 0;
+    i = end;
+  }
+  EXPECT_EQ(steps_seen, kSteps);
+  // The case this is about happened: a speculating part started after Step's first part.
+  EXPECT_GT(interleaved, 0) << "CPU Adam finished every speculation before Step in every step";
+}
+
+// EngineOptions::spare_state_fraction: the spare state takes at most that fraction of the offloaded
+// state; the groups that fit (a centred run: SpareGroups) speculate, the others update once Step knows
+// the step (deferred, in place). Bit-identical to an engine that only steps at 0, 0.5 and 1.
+TEST(SpareStateBudgetTest, SpeculatesOnWhatFitsAndStaysExact) {
+  absl::StatusOr<std::unique_ptr<Device>> d = CreateDevice();
+  ASSERT_TRUE(d.ok()) << d.status();
+  Device* device = d->get();
+  auto make = [&](Model& model, double fraction) {
+    return MakeSpareEngine(device, model, fraction, Policies() + "offload_all.lua");
+  };
+  size_t state_bytes = 0;
+  for (const double fraction : {0.0, 0.5, 1.0}) {
+    Model ref_model(device, kSizes, 17), early_model(device, kSizes, 17);
+    auto ref = make(ref_model, 1.0);
+    auto early = make(early_model, fraction);
+    ASSERT_TRUE(ref && early);
+    if (state_bytes == 0) {
+      // The offloaded state as the spare state counts it: each group's in whole pages.
+      for (const GroupPlacement& g : early->Placement()) {
+        state_bytes += (static_cast<size_t>(g.host_state_bytes) + 4095) / 4096 * 4096;
+      }
+    }
+    int64_t total = 0;
+    for (int64_t n : kSizes) total += n;
+    const float clip_norm = std::sqrt(static_cast<float>(total));
+    for (int step = 1; step <= 12; ++step) {
+      ref_model.SetGrads(40 + static_cast<uint64_t>(step));
+      early_model.SetGrads(40 + static_cast<uint64_t>(step));
+      const float factor = step % 4 == 0 ? 1.3f : 0.8f;  // the clip reached every fourth step
+      ref_model.ScaleGrads(factor);
+      early_model.ScaleGrads(factor);
+      const StepOptions options{.lr = 1e-3f, .max_grad_norm = clip_norm};
+      for (size_t i = kSizes.size(); i-- > 0;) ASSERT_OK(early->GradsReadyParams({early_model.name(i)}, options));
+      ASSERT_OK(ref->Step(options));
+      StepOptions deferred = options;
+      deferred.wait_for_params = step % 2 == 0;
+      ASSERT_OK(early->Step(deferred));
+      for (size_t i = 0; i < kSizes.size(); ++i) {
+        ASSERT_OK(early->WaitParamsOf({early_model.name(i)}));
+        ASSERT_EQ(early_model.Param(i), ref_model.Param(i)) << "fraction " << fraction << ", step " << step;
+      }
+    }
+    const EngineStats stats = early->Stats();
+    // CPU Adam's bytes: per element and step, the fp32 master, m and v read and written, the bf16 grad
+    // read and the bf16 param written (28 B); the engine that only steps does each update once, the
+    // other recomputes what a clip made wrong.
+    const EngineStats ref_stats = ref->Stats();
+    EXPECT_EQ(ref_stats.cpu_adam_bytes, 12u * 28u * static_cast<uint64_t>(total)) << fraction;
+    EXPECT_GE(stats.cpu_adam_bytes, ref_stats.cpu_adam_bytes) << fraction;
+    EXPECT_GT(ref_stats.cpu_adam_busy_seconds, 0.0);
+    EXPECT_GT(stats.cpu_adam_busy_seconds, 0.0) << fraction;
+    EXPECT_LE(stats.spare_state_bytes, std::max<size_t>(4096, static_cast<size_t>(fraction * static_cast<double>(state_bytes))))
+        << fraction;
+    if (fraction == 1.0) {
+      EXPECT_EQ(stats.spare_state_bytes, state_bytes);
+    }
+    if (fraction == 0.0) {
+      EXPECT_EQ(stats.early_groups_kept, 0);
+    } else {
+      EXPECT_GT(stats.early_groups_kept, 0) << fraction;
+    }
+    EXPECT_EQ(stats.deferred_steps, 6) << fraction;  // the steps with wait_for_params = false
+    TempDir tmp("ferry-spare");
+    absl::StatusOr<std::string> a = ref->SaveCheckpoint(tmp.path() + "/ref", 12);
+    absl::StatusOr<std::string> b = early->SaveCheckpoint(tmp.path() + "/early", 12);
+    ASSERT_TRUE(a.ok() && b.ok()) << a.status() << " " << b.status();
+    ASSERT_EQ(ReadAll(*a), ReadAll(*b)) << fraction;
+    ASSERT_OK(early->VerifyMasters());
+  }
+  EXPECT_GT(state_bytes, 0u);
+}
+
+// A policy that offloads every group and, with the arg `spare`, bounds the spare state to it.
+constexpr char kSparePolicy[] = R"lua(
+local M = { args = { spare = "the place() result's spare_state (default: none)",
+                     budget_is = "0.25 when ctx.pinned_budget_bytes is this number, else 1" } }
+function M.place(groups, ctx)
+  local out = {}
+  for _, g in ipairs(groups) do out[g.name] = "cpu" end
+  if ctx.args.spare then out.spare_state = tonumber(ctx.args.spare) end
+  -- budget_is: the bound is 0.25 when ctx.pinned_budget_bytes is that number, else 1
+  if ctx.args.budget_is then
+    out.spare_state = ctx.pinned_budget_bytes == tonumber(ctx.args.budget_is) and 0.25 or 1
+  end
+  return out
+end
+return M
+)lua";
+
+// The spare state's bytes by the engine's rule (EngineOptions::spare_state_fraction): each offloaded
+// group's state in whole pages; the groups SpareGroups chooses under `fraction` of their sum.
+size_t ExpectedSpareBytes(Engine& e, double fraction) {
+  std::vector<size_t> pages;
+  size_t total = 0;
+  for (const GroupPlacement& g : e.Placement()) {
+    pages.push_back((static_cast<size_t>(g.host_state_bytes) + 4095) / 4096 * 4096);
+    total += pages.back();
+  }
+  const std::vector<uint8_t> chosen = SpareGroups(pages, static_cast<size_t>(fraction * static_cast<double>(total)));
+  size_t bytes = 0;
+  for (size_t g = 0; g < pages.size(); ++g) bytes += chosen[g] != 0 ? pages[g] : 0;
+  return std::max<size_t>(bytes, 4096);
+}
+
+// Which groups get spare state under a budget: a run of consecutive groups (registration order, a
+// model's forward order) that fits, of the runs within 90% of the most bytes the most centred, on a
+// tie the later; never more than the budget.
+TEST(SpareGroupsTest, ACentredRunThatFits) {
+  using V = std::vector<uint8_t>;
+  // The 735M model of bench_train.py by groups (M params): embeddings, 12 blocks, the final norm
+  // with the head. Half of it: 7 blocks (352 M) rather than the embeddings and 6 blocks (367 M, the
+  // most bytes, but the forward would wait for all the rest, 7 groups from its 8th on): blocks 3 to
+  // 9, with 3 blocks and the head after them, 3 blocks and the embeddings before (a tie: the later).
+  std::vector<size_t> model = {655};
+  for (int b = 0; b < 12; ++b) model.push_back(503);
+  model.push_back(655);
+  EXPECT_EQ(SpareGroups(model, 3676), (V{0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0}));
+  EXPECT_EQ(SpareGroups(model, 7346), V(14, 1));                  // all fit: all
+  EXPECT_EQ(SpareGroups(model, 0), V(14, 0));                     // none fits
+  EXPECT_EQ(SpareGroups(model, 600), (V{0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0}));  // one block: the later middle
+  EXPECT_EQ(SpareGroups({10, 10, 10, 10}, 20), (V{0, 1, 1, 0}));
+  EXPECT_EQ(SpareGroups({10, 10, 10}, 10), (V{0, 1, 0}));
+  EXPECT_EQ(SpareGroups({10, 0, 10, 10}, 20), (V{0, 0, 1, 1}));  // a GPU group (0 bytes) is never chosen
+  EXPECT_EQ(SpareGroups({100, 1, 1}, 50), (V{0, 1, 1}));          // what fits, though small
+  for (size_t budget = 0; budget <= 40; ++budget) {
+    const std::vector<size_t> bytes = {7, 3, 9, 1, 12, 5};
+    const V chosen = SpareGroups(bytes, budget);
+    size_t sum = 0;
+    for (size_t g = 0; g < bytes.size(); ++g) sum += chosen[g] != 0 ? bytes[g] : 0;
+    EXPECT_LE(sum, budget);
+  }
+}
+
+class SparePolicyTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    absl::StatusOr<std::unique_ptr<Device>> d = CreateDevice();
+    ASSERT_TRUE(d.ok()) << d.status();
+    device_ = *std::move(d);
+    policy_ = tmp_.Write("spare.lua", kSparePolicy);
+  }
+  // An engine with every group offloaded (a group per tensor), the option `fraction` and `policy`
+  // with `args`.
+  std::unique_ptr<Engine> Make(Model& model, double fraction, const std::string& policy,
+                               std::map<std::string, std::string> args) {
+    return MakeSpareEngine(device_.get(), model, fraction, policy, std::move(args));
+  }
+  // One step whose grads are all announced (the first allocates the spare state); its spare bytes.
+  size_t SpareAfterStep(Engine& e, Model& model, uint64_t seed) {
+    auto expect_ok = [](const absl::Status& s) { EXPECT_TRUE(s.ok()) << s; };
+    model.SetGrads(seed);
+    for (size_t i = model.size(); i-- > 0;) expect_ok(e.GradsReadyParams({model.name(i)}));
+    expect_ok(e.Step({.wait_for_params = false}));
+    expect_ok(e.Synchronize());
+    return e.Stats().spare_state_bytes;
+  }
+  // EngineStats::pinned_limit_bytes of a fresh engine: the process's pinned budget.
+  size_t Stats0PinnedLimit() {
+    Model model(device_.get(), kSizes, 5);
+    auto e = Make(model, 1.0, policy_, {});
+    return e == nullptr ? 0 : e->Stats().pinned_limit_bytes;
+  }
+  std::unique_ptr<Device> device_;
+  TempDir tmp_{"ferry-spare-policy"};
+  std::string policy_;
+};
+
+// A policy's spare_state bounds the spare state as EngineOptions::spare_state_fraction does, and the
+// smaller of the two wins; memory_budget's host_budget gives that bound from a byte size.
+TEST_F(SparePolicyTest, PolicyBoundTakesTheSmallerFraction) {
+  std::map<double, size_t> by_option;  // the option alone
+  for (const double fraction : {0.25, 0.5, 1.0}) {
+    Model model(device_.get(), kSizes, 5);
+    auto e = Make(model, fraction, policy_, {});
+    ASSERT_NE(e, nullptr);
+    by_option[fraction] = SpareAfterStep(*e, model, 9);
+    EXPECT_EQ(by_option[fraction], ExpectedSpareBytes(*e, fraction)) << fraction;
+  }
+  // Distinct sizes, so that the comparisons below tell the fractions apart.
+  ASSERT_LT(by_option[0.25], by_option[0.5]);
+  ASSERT_LT(by_option[0.5], by_option[1.0]);
+  struct Bound {
+    double option;
+    const char* policy;  // the policy's spare_state
+    double expected;     // the fraction that must apply
+  };
+  for (const Bound& b : {Bound{1.0, "0.5", 0.5}, Bound{0.5, "1", 0.5}, Bound{0.25, "0.5", 0.25},
+                         Bound{0.5, "0.25", 0.25}, Bound{1.0, "1", 1.0}, Bound{0.5, "0.5", 0.5}}) {
+    Model model(device_.get(), kSizes, 5);
+    auto e = Make(model, b.option, policy_, {{"spare", b.policy}});
+    ASSERT_NE(e, nullptr);
+    EXPECT_EQ(SpareAfterStep(*e, model, 9), by_option.at(b.expected))
+        << "option " << b.option << ", policy " << b.policy;
+  }
+  // memory_budget: everything offloaded; a host budget of the state and half of it again gives
+  // spare_state 0.5 (the policy counts 12 B per element: the engine's pages hold as much or more).
+  int64_t numel = 0;
+  for (int64_t n : kSizes) numel += n;
+  const std::string host_budget = std::to_string(12 * numel * 3 / 2);
+  ASSERT_EQ(12 * numel * 3 % 2, 0);
+  Model model(device_.get(), kSizes, 5);
+  auto e = Make(model, 1.0, Policies() + "memory_budget.lua",
+                {{"budget", "0"}, {"reserve", "0"}, {"host_budget", host_budget}});
+  ASSERT_NE(e, nullptr);
+  EXPECT_EQ(SpareAfterStep(*e, model, 9), by_option.at(0.5)) << "host_budget " << host_budget;
+  // place() sees the process's pinned budget (this rank's share) as ctx.pinned_budget_bytes, the
+  // default host budget of memory_budget.
+  const size_t limit = Stats0PinnedLimit();
+  ASSERT_GT(limit, 0u);
+  Model seen_model(device_.get(), kSizes, 5);
+  auto seen = Make(seen_model, 1.0, policy_, {{"budget_is", std::to_string(limit)}});
+  ASSERT_NE(seen, nullptr);
+  EXPECT_EQ(SpareAfterStep(*seen, seen_model, 9), by_option.at(0.25)) << "ctx.pinned_budget_bytes != " << limit;
+  // An invalid option is still refused, whatever the policy's bound.
+  Model bad_model(device_.get(), kSizes, 5);
+  EngineOptions o;
+  o.policy_path = policy_;
+  o.policy_args = {{"spare", "0.5"}};
+  o.spare_state_fraction = 1.5;
+  o.device = std::string(BackendName(device_->backend()));
+  absl::StatusOr<std::unique_ptr<Engine>> bad = Engine::Create(o);
+  ASSERT_TRUE(bad.ok()) << bad.status();
+  ASSERT_OK(bad_model.Register(**bad));
+  absl::Status s = (*bad)->Finalize();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_THAT(std::string(s.message()), HasSubstr("spare state fraction must be in [0, 1], got 1.5"));
+}
+
+// ReloadPolicy: a new bound applies at the spare state's next allocation (engine.h): before the first
+// announcement it sizes the spare state; once allocated the spare state keeps its size; a reload
+// that moves groups rebuilds the offloaded state and allocates it afresh under the bound.
+TEST_F(SparePolicyTest, ReloadedBoundAppliesAtTheNextAllocation) {
+  std::map<double, size_t> by_option;
+  for (const double fraction : {0.25, 0.5}) {
+    Model model(device_.get(), kSizes, 5);
+    auto e = Make(model, fraction, policy_, {});
+    ASSERT_NE(e, nullptr);
+    by_option[fraction] = SpareAfterStep(*e, model, 9);
+  }
+  ASSERT_LT(by_option[0.25], by_option[0.5]);
+  Model model(device_.get(), kSizes, 5);
+  auto e = Make(model, 1.0, policy_, {{"spare", "0.5"}});
+  ASSERT_NE(e, nullptr);
+  ASSERT_OK(e->ReloadPolicy(policy_, {{"spare", "0.25"}}));  // nothing allocated yet
+  EXPECT_EQ(e->Stats().spare_state_bytes, 0u);
+  EXPECT_EQ(SpareAfterStep(*e, model, 9), by_option.at(0.25));
+  ASSERT_OK(e->ReloadPolicy(policy_, {{"spare", "0.5"}}));  // same placement: kept as allocated
+  EXPECT_EQ(SpareAfterStep(*e, model, 10), by_option.at(0.25));
+  // All on the GPU and back: the offloaded state is rebuilt, its spare state sized by the new bound.
+  ASSERT_OK(e->ReloadPolicy(Policies() + "all_gpu.lua", {}));
+  EXPECT_EQ(e->Stats().spare_state_bytes, 0u);
+  ASSERT_OK(e->ReloadPolicy(policy_, {{"spare", "0.5"}}));
+  EXPECT_EQ(SpareAfterStep(*e, model, 11), by_option.at(0.5));
+  ASSERT_OK(e->VerifyMasters());
+}
+
+}  // namespace
+}  // namespace ferry::engine_test
