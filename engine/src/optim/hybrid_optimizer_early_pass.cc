@@ -3,23 +3,23 @@
 //
 // Which chunk goes down next is decided as slots free up: a chunk of the part of the highest
 // priority whose grads are final (its announcement's event has completed; EarlyPart::priority: its
-// announcement's index, the latest queued on a tie), else the next chunk of the earliest queued part
-// still to go down (the next to become final: the device orders its copy after the announcement).
-// During a backward that is the part whose grads became final last, and that is the one the
-// trainer's next forward needs first (a backward announces the last layers first): when the host
-// runs ahead of the GPU and CPU Adam is the slower, the work left when the backward ends runs in
-// forward order, overlapping the trainer's next forward, which waits per part (WaitParamsOf) after
-// a deferred Step. What a decided Step queues (QueueRest) carries the same priorities, so it
+// announcement's index, the latest queued on a tie), else the next chunk of the earliest queued
+// part still to go down (the next to become final: the device orders its copy after the
+// announcement). During a backward that is the part whose grads became final last, and that is the
+// one the trainer's next forward needs first (a backward announces the last layers first): when the
+// host runs ahead of the GPU and CPU Adam is the slower, the work left when the backward ends runs
+// in forward order, overlapping the trainer's next forward, which waits per part (WaitParamsOf)
+// after a deferred Step. What a decided Step queues (QueueRest) carries the same priorities, so it
 // interleaves with the speculating parts not started yet in that order. Announcements made while
 // the pass runs join it at its next round. Grads stay in the ring's few slots, which the host's
-// last-level cache holds (PCIe writes land there): a copy of every grad in host memory, read back later, costs CPU Adam about a
-// fifth of its rate (measured on the H200 machine). A round of CPU Adam takes every landed chunk and
-// starts while the round before still runs (no barrier: the workers go from one to the next); then
-// the early thread finishes the round before, uploads its new params and fills the grad slots it
-// freed (its CUDA calls took ~90 us between rounds, ~10 ms of a 735M step, when they ran between
-// rounds), and helps with the running round's tasks while it watches for the next chunk. The new
-// params go up through the param slots in turn (twice as many as grad slots, so a round does not wait
-// for the uploads of the rounds before).
+// last-level cache holds (PCIe writes land there): a copy of every grad in host memory, read back
+// later, costs CPU Adam about a fifth of its rate (measured on the H200 machine). A round of CPU
+// Adam takes every landed chunk and starts while the round before still runs (no barrier: the
+// workers go from one to the next); then the early thread finishes the round before, uploads its
+// new params and fills the grad slots it freed (its CUDA calls took ~90 us between rounds, ~10 ms
+// of a 735M step, when they ran between rounds), and helps with the running round's tasks while it
+// watches for the next chunk. The new params go up through the param slots in turn (twice as many
+// as grad slots, so a round does not wait for the uploads of the rounds before).
 #include <algorithm>
 #include <deque>
 #include <memory>
