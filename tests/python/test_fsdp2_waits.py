@@ -8,8 +8,9 @@ when fully_shard runs, stands in as a hook that records which buckets were still
 upload when it would all-gather. The real FSDP2 runs in test_dist_fsdp2.py (torch >= 2.4).
 
 Checked: Ferry's hooks run before FSDP2's; each FSDP2 module's hook waits for the buckets of its own
-params and of the modules it prefetches, and no others; a state of either torch layout works; the
-training is bit-identical to the same optimizer unattached.
+params and of the modules it prefetches, and no others; a state of either torch layout works; a state of
+several modules (fully_shard([a, b])) waits at whichever of them runs first; the training is
+bit-identical to the same optimizer unattached.
 """
 import pytest
 import torch
@@ -139,6 +140,59 @@ def test_hooks_wait_before_fsdp2_all_gathers_own_and_prefetched(monkeypatch, plu
         assert not (pending["l3"] & u["l3"]), (step, pending["l3"], u)
         # The root holds no param: its hook waits for nothing.
         assert u["l1"] | u["l2"] | u["l3"] <= pending["root"]
+
+
+class SharedNet(torch.nn.Module):
+    """fully_shard([l2, l3]): one state for l2 and l3, whose all-gather runs at the pre-forward of
+    whichever of them runs first, here l3 (the forward calls l3 before l2)."""
+
+    def __init__(self, seen):
+        super().__init__()
+        torch.manual_seed(0)
+        self.l1, self.l2, self.l3 = torch.nn.Linear(6, 9), torch.nn.Linear(5, 2), torch.nn.Linear(9, 5)
+        shared = _State(list(self.l2.parameters()) + list(self.l3.parameters()), True)
+        for name, module, state in (("l1", self.l1, _State(list(self.l1.parameters()), True)),
+                                    ("l2", self.l2, shared), ("l3", self.l3, shared),
+                                    ("root", self, _State([], True))):
+            module._get_fsdp_state = (lambda s: (lambda: s))(state)
+            _register_pre_hook(module, self._fsdp_pre_forward(name, seen), prepend=True)
+        self.opt = None
+
+    def _fsdp_pre_forward(self, name, seen):
+        def hook(_module, _inputs):
+            if self.opt is not None:
+                seen.append((name, frozenset(self.opt._pending)))
+        return hook
+
+    def forward(self, x):
+        return self.l2(torch.tanh(self.l3(torch.tanh(self.l1(x)))))
+
+
+def test_a_state_of_several_modules_waits_at_the_first_to_run(monkeypatch):
+    seen = []
+    net = SharedNet(seen)
+    opt = ferry.torch.Optimizer(list(net.parameters()), lr=1e-2, policy="offload_all", overlap=True, bucket_mb=1e-6)
+    with monkeypatch.context() as m:
+        m.setattr(_zero, "is_dtensor", lambda t: True)
+        if not _HAS_PREPEND:
+            m.setattr(torch.nn.Module, "register_forward_pre_hook", _register_pre_hook)
+        opt.attach(net)
+    net.opt = opt
+    shared = {opt._unit_of[k] for k, p in enumerate(opt._params)
+              if any(p is q for q in list(net.l2.parameters()) + list(net.l3.parameters()))}
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(3):
+        x, y = torch.randn(4, 6, generator=gen), torch.randn(4, 2, generator=gen)
+        torch.nn.functional.mse_loss(net(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    net.opt = None
+    assert opt.stats()["deferred_steps"] == 3
+    at_l3 = [pending for name, pending in seen if name == "l3"]
+    assert len(at_l3) == 3
+    for step, pending in enumerate(at_l3[1:], 1):
+        assert not (pending & shared), "step %d: l3 ran first and its state's all-gather found %s pending" % (
+            step, sorted(pending & shared))
 
 
 def test_attached_bit_identical_to_unattached(monkeypatch):

@@ -97,12 +97,12 @@ class Fsdp2Waits(_Waits):
         me = weakref.ref(optimizer)
         self.handles = []
         self.owned = set()
-        seen = set()
+        # Every module of a state: fully_shard([a, b]) gives a and b one state, whose all-gather runs
+        # at the pre-forward of whichever of them runs first.
         for module in model.modules():
             state = _fsdp_state(module)
-            if state is None or id(state) in seen:
+            if state is None:
                 continue
-            seen.add(id(state))
             try:
                 ks = tuple(sorted({index[id(p)] for p in _fsdp_params(state) if id(p) in index}))
             except AttributeError as e:
