@@ -8,9 +8,9 @@ when fully_shard runs, stands in as a hook that records which buckets were still
 upload when it would all-gather. The real FSDP2 runs in test_dist_fsdp2.py (torch >= 2.4).
 
 Checked: Ferry's hooks run before FSDP2's; each FSDP2 module's hook waits for the buckets of its own
-params and of the modules it prefetches, and no others; a state of either torch layout works; a state of
-several modules (fully_shard([a, b])) waits at whichever of them runs first; the training is
-bit-identical to the same optimizer unattached.
+params and of the modules it prefetches, and no others; a state of either torch layout works; a
+state of several modules (fully_shard([a, b])) waits at whichever of them runs first; the training
+is bit-identical to the same optimizer unattached.
 """
 import pytest
 import torch
