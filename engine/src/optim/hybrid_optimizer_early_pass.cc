@@ -95,6 +95,7 @@ absl::Status HybridOptimizer::RunEarlyPass(EarlyItem first) {
   // and the running rounds read them).
   std::vector<uint8_t> have_scalars(groups_.size(), 0);
   auto join = [&](std::deque<EarlyItem>& items) -> absl::Status {
+    if (items.empty()) return absl::OkStatus();  // every round looks: the order stands as it was
     for (EarlyItem& item : items) {
       for (EarlyPart& part : item.parts) {
         for (size_t g : part.groups) {
