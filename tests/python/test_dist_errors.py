@@ -124,3 +124,88 @@ def test_mismatched_registration_refused_on_every_rank(case, param):
         assert isinstance(res, dict) and "error" in res, "rank %d accepted a mismatched registration" % rank
         assert "FerryError" in res["mro"], res
         assert "rank 1" in res["message"] and "'%s'" % param in res["message"], res["message"]
+
+
+class _NeverDone:
+    """A collective that never completes and never fails: NCCL's, when a peer has died."""
+
+    def is_completed(self):
+        return False
+
+    def wait(self):
+        raise AssertionError("waited on a collective that never completes")
+
+
+def wait_for_a_dead_peer(rank, world, timeout):
+    import torch.distributed as dist
+    import ferry.torch
+    opt = ferry.torch.Optimizer(params(rank), lr=1e-2, shard=True, collective_timeout=timeout)
+    dist.barrier()
+    if rank != 0:
+        return "left"  # this process exits: rank 0's collective can no longer complete
+    start = time.monotonic()
+    try:
+        opt._zero.comm.run("an all-gather on the GPU", lambda: _NeverDone(), timeout)
+    except Exception as e:
+        return {"error": type(e).__name__, "mro": [c.__name__ for c in type(e).__mro__], "message": str(e),
+                "seconds": time.monotonic() - start}
+    return {"seconds": time.monotonic() - start}
+
+
+def test_a_collective_that_never_fails_names_a_dead_peer_long_before_the_timeout():
+    # An NCCL collective waits forever when a peer dies; the host's poll looks the peers' processes up.
+    world, timeout = 2, 30.0
+    results = dist_util.run_ranks(world, wait_for_a_dead_peer, timeout, timeout=60)
+    assert results[1] == "left"
+    res = results[0]
+    assert "error" in res, res
+    assert "FerryError" in res["mro"], res
+    assert "rank 1 of 2 is gone" in res["message"], res["message"]
+    assert res["seconds"] < 5.0, res["seconds"]  # a quarter second's poll, and the exit's own time
+
+
+def grad_check_on(rank, world, on_trainers_group, steps=4):
+    """Clipped ZeRO-1 steps; the gradient check's all-reduce on Ferry's gloo group or on the trainer's
+    (reduce_on, as an NCCL group of CUDA params gets; here the world's gloo group on the CPU). Returns
+    the params' bits, the norms, and the groups the float64 all-reduces ran on."""
+    import torch.distributed as dist
+    import ferry.torch
+    ps = params(rank)
+    opt = ferry.torch.Optimizer(ps, lr=1e-2, shard=True, policy="offload_all", collective_timeout=TIMEOUT)
+    comm = opt._zero.comm
+    if on_trainers_group:
+        comm.reduce_on(dist.group.WORLD, torch.device("cpu"))
+    seen, orig = [], dist.all_reduce
+
+    def spy(t, *a, group=None, **k):
+        if t.dtype == torch.float64:
+            seen.append("trainer" if group in (None, dist.group.WORLD) else
+                        "ferry" if group is comm.group else "other")
+        return orig(t, *a, group=group, **k)
+    dist.all_reduce = spy
+    norms = []
+    for step in range(steps):
+        gen = torch.Generator().manual_seed(1000 * step + rank)  # each rank its own grads
+        with torch.no_grad():
+            for p in ps:
+                p.grad = torch.randn(p.shape, generator=gen) * (1 + step)
+        opt.step(max_grad_norm=45.0)  # reached at some steps (norms about 20, 40, 55, 80), not at others
+        norms.append(opt.stats()["last_grad_norm"])
+        dist.all_reduce(torch.zeros(3))  # a collective of the trainer's between the engine's
+    dist.all_reduce = orig
+    return {"bits": [p.detach().view(torch.int32).clone() for p in ps], "norms": norms, "seen": seen,
+            "on": comm.reduces_on}
+
+
+def test_the_grad_check_on_the_trainers_group_is_exact():
+    world = 3
+    mine = dist_util.run_ranks(world, grad_check_on, False, timeout=60)
+    theirs = dist_util.run_ranks(world, grad_check_on, True, timeout=60)
+    for rank in range(world):
+        assert mine[rank]["seen"] == ["ferry"] * 4 and mine[rank]["on"] == "gloo", mine[rank]
+        assert theirs[rank]["seen"] == ["trainer"] * 4 and theirs[rank]["on"] == "cpu", theirs[rank]
+        assert theirs[rank]["norms"] == mine[rank]["norms"] == mine[0]["norms"]
+        for a, b in zip(theirs[rank]["bits"], mine[rank]["bits"]):
+            assert torch.equal(a, b)
+    # Some steps clipped: the reduced norm decided the multiplier.
+    assert min(mine[0]["norms"]) < 45.0 < max(mine[0]["norms"]), mine[0]["norms"]

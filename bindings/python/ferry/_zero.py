@@ -122,6 +122,10 @@ class Sharding:
         self.cuda = device.type == "cuda"
         self.gather_group, self.gather_via = self._gather_group(process_group)
         self.nccl = self.cuda and self.gather_group is not self.comm.group
+        if self.nccl:
+            # The step's gradient check all-reduces on the GPU too: gloo's ring of host threads
+            # waited 10-14 ms a step for CPUs on a 4-GPU host whose cores ran the offloaded update.
+            self.comm.reduce_on(self.gather_group, device)
         self.last_gather_seconds = 0.0  # host time of the last step's gathers (benchmarks read it)
         self.registered = []  # the local tensors whose memory the engine holds: kept alive here
         self.kind = []   # per param: "dtensor" or "replica"

@@ -10,8 +10,11 @@ Why a group of its own: the engine calls these collectives from inside step() an
 interleaved with nothing of the trainer's, but torch.distributed collectives are not safe from two
 threads on one group, and asynchronous checkpoint saves run their exchange from the engine's writer
 thread. So ``make_comm`` creates two gloo groups over the same ranks: one for the thread that drives the
-optimizer and one that ``duplicate()`` hands to the engine's writer thread. gloo (never NCCL) because
-the payloads are a few host bytes and gloo's ops can be polled from the host.
+optimizer and one that ``duplicate()`` hands to the engine's writer thread. gloo because the payloads
+are a few host bytes and gloo's ops can be polled from the host. One exception: where the optimizer's
+params are CUDA tensors on an NCCL group, the step's gradient-check all-reduce runs on that group, on
+the GPU (``reduce_on``): on a host whose cores run the offloaded update, gloo's ring of host threads
+took 10-14 ms a step on 4 GPUs. Its wait is polled like any other.
 
 Nothing hangs, and failures are named. Every collective is started asynchronously and polled until
 its deadline (the engine passes the time left); meanwhile the store of the default group (a
@@ -25,7 +28,8 @@ TCPStore or FileStore, under the prefix ``ferry/<n>/``) carries two things:
   * each rank's process (host, pid, start time): a rank killed outright (SIGKILL, the OOM killer)
     leaves no note, and gloo's error for the closed connection names only an address, so a failed
     or timed-out collective looks up the processes of the ranks on its own host and names the ones
-    that are gone ("rank 2 of 4 is gone: its process 1234 on host h exited or was killed").
+    that are gone ("rank 2 of 4 is gone: its process 1234 on host h exited or was killed"); a wait
+    also looks them up every quarter second, since an NCCL collective does not fail when a peer dies.
 After a failure the engine considers the comm unusable (its later calls fail at once), as in C++.
 """
 import contextlib
@@ -46,6 +50,8 @@ _instances = itertools.count()
 # two-rank gloo all-reduce with the other rank 0-12 ms late; 0.2 ms costs a thread a few thousand
 # wake-ups a second while it waits).
 _MAX_PAUSE_S = 2e-4
+# How often a wait looks up the processes of the other ranks on this host (a few store reads).
+_LOST_EVERY_S = 0.25
 _store_lock = threading.Lock()  # store clients are used from the trainer's thread and the writer thread
 
 
@@ -149,14 +155,36 @@ class TorchComm:
         self._notes = notes
         self._channel = channel
         self._dup_group = dup_group
+        self._reduce_group, self._reduce_device = group, None
+
+    def reduce_on(self, group, device):
+        """Runs this comm's all-reduces (the step's gradient check: a few doubles holding integers, so
+        the sum is exact in any order) on `group` with tensors on `device`: the trainer's NCCL group
+        and its GPU, where gloo's ring of host threads waits for CPUs the offloaded update keeps busy.
+        The same ranks in the same rank order as this comm's group. Only for the comm of the
+        optimizer's thread (the trainer's group takes collectives from that thread only); the deadline
+        and abort rules stay, and a rank whose process is gone is named while the wait polls.
+        FERRY_COMM_DEVICE_REDUCE=0 keeps them on gloo."""
+        if os.environ.get("FERRY_COMM_DEVICE_REDUCE", "1") == "0":
+            return
+        if group_ranks(group) != group_ranks(self.group):
+            raise ValueError("reduce_on: the group holds ranks %s, this comm's group %s"
+                             % (group_ranks(group), group_ranks(self.group)))
+        self._reduce_group, self._reduce_device = group, device
+
+    @property
+    def reduces_on(self):
+        """Where all_reduce runs: "gloo" or the device its tensors are on."""
+        return "gloo" if self._reduce_device is None else str(self._reduce_device)
 
     # ---- the callbacks the engine calls (ferry._ferry's CommCallbacks) -------------------------------
 
     def all_reduce(self, values, op, timeout_s):
-        t = torch.tensor(values, dtype=torch.float64)
+        group = self._reduce_group
+        t = torch.tensor(values, dtype=torch.float64, device=self._reduce_device)
         self._run("all_reduce of %d values (%s)" % (len(values), op),
-                  lambda: dist.all_reduce(t, op=_REDUCE_OPS[op], group=self.group, async_op=True), timeout_s)
-        return t.tolist()
+                  lambda: dist.all_reduce(t, op=_REDUCE_OPS[op], group=group, async_op=True), timeout_s)
+        return t.tolist()  # on a device: after work.wait() ordered the current stream behind it
 
     def all_gather(self, mine, timeout_s):
         n = len(mine)
@@ -220,6 +248,16 @@ class TorchComm:
         gone = self._gone()
         return "; ".join([g for _, g in gone] + [text])
 
+    def _raise_if_lost(self, what, mine, channel):
+        try:
+            gone = self._notes.lost()
+        except Exception:  # noqa: BLE001 -- the store may be gone with the failure: the deadline remains
+            return
+        if gone:
+            self.check_aborts()  # a rank that failed and said why is named first
+            raise RuntimeError("torch.distributed %s failed on rank %d of %d: %s%s"
+                               % (what, self.rank, self.world_size, self._late(mine, channel), _SEE_GUIDE))
+
     def _gone(self):
         """The lost ranks' texts. A connection closed by a killed peer can be seen a moment before its
         process is reaped or turns zombie: look again for up to a second when none is found."""
@@ -261,12 +299,18 @@ class TorchComm:
         self._wait(what, work, mine, channel, time.monotonic() + max(float(timeout_s), 0.0), timeout_s)
 
     def _wait(self, what, work, mine, channel, deadline, timeout_s):
-        pause, next_check = 2e-5, time.monotonic() + 0.05
+        start = time.monotonic()
+        pause, next_check, next_lost = 2e-5, start + 0.05, start + _LOST_EVERY_S
         while not work.is_completed():
             now = time.monotonic()
             if now >= next_check:
                 self.check_aborts()
                 next_check = now + 0.1
+            if now >= next_lost:
+                # A collective on the GPU (NCCL) never fails when a peer dies: it waits. Ranks on
+                # this host whose process is gone are named now, not at the deadline.
+                self._raise_if_lost(what, mine, channel)
+                next_lost = now + _LOST_EVERY_S
             if now >= deadline:
                 raise TimeoutError("torch.distributed %s timed out after %.1f s on rank %d of %d: %s%s"
                                    % (what, timeout_s, self.rank, self.world_size, self._late(mine, channel),
