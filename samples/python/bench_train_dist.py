@@ -20,6 +20,8 @@ slowest rank's iteration time and its ratio to the all-GPU DDP row of the same r
                                      attach(model): the step returns before its update, and each
                                      FSDP2 module's forward waits for its own params before FSDP2
                                      all-gathers them
+    FSDP2 torch AdamW                all-GPU: the FSDP2 model with torch's AdamW (foreach) on the GPU
+                                     (what FSDP2's own collectives cost beside DDP's)
 
     torchrun --nproc-per-node 4 samples/python/bench_train_dist.py --size medium     # 4 GPUs
     python3 samples/python/bench_train_dist.py --world 2 --size medium                # spawned ranks
@@ -62,6 +64,7 @@ ROWS = [
     {"name": "FSDP2 offload", "kind": "ferry", "wrap": "fsdp2", "policy": "offload_all"},
     {"name": "FSDP2 offload + overlap", "kind": "ferry", "wrap": "fsdp2", "policy": "offload_all", "overlap": True,
      "attach": True, "same_as": "FSDP2 offload"},
+    {"name": "FSDP2 torch AdamW", "kind": "torch", "wrap": "fsdp2"},
 ]
 
 
@@ -96,7 +99,7 @@ def build(row, args, device, world, local_rank):
     kw = dict(lr=args.lr, weight_decay=0.1)
     if row["kind"] == "torch":
         fused = {"fused": True} if "fused" in inspect.signature(torch.optim.AdamW).parameters and \
-            device.type == "cuda" else {}
+            device.type == "cuda" and row["wrap"] == "ddp" else {}
         return outer, torch.optim.AdamW(groups, **kw, **fused)
     extra = dict(policy=row["policy"], overlap=bool(row.get("overlap")), collective_timeout=args.timeout,
                  trace_path=bench_train.trace_path(args.trace, row))
