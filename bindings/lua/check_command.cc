@@ -93,15 +93,22 @@ void PrintHostShares(std::FILE* out, int local_world_size) {
     const HostShare share = SplitHost(topo, LocalRanks{r, ranks, "check"}, nodes, /*trainer_threads=*/1);
     const size_t workers = share.Workers(0, CpuThreadsCap(0));
     const std::vector<int> cpus = share.WorkerSet();
-    absl::FPrintF(out, "  local rank %d: up to %d CPU Adam workers on CPUs %s%s, %d CPU%s left to the trainer; "
+    const std::string measured =
+        share.shares_bandwidth()
+            ? absl::StrFormat(" (ranks joined by a comm measure %s together)",
+                              absl::StrJoin(SharedKneeLadder(share.MaxWorkers(CpuThreadsCap(0))), "/"))
+            : "";
+    absl::FPrintF(out, "  local rank %d: up to %d CPU Adam workers%s on CPUs %s%s, %d CPU%s left to the trainer; "
                   "pinned budget %s\n",
-                  r, workers, FormatCpuList(cpus), share.split ? " (restricted to them)" : " (not restricted)",
+                  r, workers, measured, FormatCpuList(cpus), share.split ? " (restricted to them)" : " (not restricted)",
                   share.trainer_cpus, share.trainer_cpus == 1 ? "" : "s",
                   HumanBytes(static_cast<int64_t>(PinnedBudget::DefaultProcessLimit() / static_cast<size_t>(ranks))));
     if (r == 0) absl::FPrintF(out, "    (%s)\n", share.reason);
   }
   absl::FPrintF(out, "  (one rank on more than %d CPUs: the engine measures at Finalize how many workers help, and "
-                "takes no more; ranks that split more than %d CPUs take at most half their slice)\n",
+                "takes no more; ranks that split more than %d CPUs measure at their first Finalize, in lockstep, "
+                "the counts shown, and take the fewest within 10%% of the best rate of all of them together; "
+                "ranks without a comm between them take at most half their slice)\n",
                 kKneeProbeAbove, kSmallShareCpus);
 }
 

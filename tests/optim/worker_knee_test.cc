@@ -1,8 +1,12 @@
 // The worker-count knee (optim/worker_knee.h): the ladder, the pick, and a real measurement.
 #include "optim/worker_knee.h"
 
+#include <memory>
+#include <thread>
 #include <vector>
 
+#include "absl/time/time.h"
+#include "ferry/comm.h"
 #include "gtest/gtest.h"
 
 namespace ferry {
@@ -48,6 +52,51 @@ TEST(WorkerKneeTest, MeasuresEveryCountOnce) {
   EXPECT_NE(k.Describe().find(" of 20 workers"), std::string::npos) << k.Describe();
   const WorkerKnee again = MeasureWorkerKnee(max_workers, {}, int64_t{1} << 18);
   EXPECT_EQ(again.rates, k.rates) << "measured once per process";
+}
+
+TEST(WorkerKneeTest, SharedLadder) {
+  EXPECT_EQ(SharedKneeLadder(15), (std::vector<size_t>{8, 12, 15}));
+  EXPECT_EQ(SharedKneeLadder(27), (std::vector<size_t>{14, 21, 27}));
+  EXPECT_EQ(SharedKneeLadder(7), (std::vector<size_t>{4, 6, 7}));
+  EXPECT_EQ(SharedKneeLadder(2), (std::vector<size_t>{1, 2}));
+  EXPECT_EQ(SharedKneeLadder(1), (std::vector<size_t>{1}));
+  EXPECT_EQ(SharedKneeLadder(0), (std::vector<size_t>{1}));
+}
+
+// Ranks measuring together: every rank tries every count of the ladder, and all take the same pick,
+// made on the rates summed over the ranks (each rank its own pool on scratch memory of its own).
+TEST(WorkerKneeTest, RanksMeasureTogetherAndTakeTheSamePick) {
+  constexpr int kWorld = 3;
+  std::vector<std::unique_ptr<Comm>> comms = MakeThreadComms(kWorld);
+  std::vector<absl::StatusOr<WorkerKnee>> knees(kWorld, absl::UnknownError("not run"));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < kWorld; ++r) {
+    threads.emplace_back([&, r] { knees[r] = MeasureSharedKnee(*comms[r], 4, {}, absl::Seconds(60), int64_t{1} << 16); });
+  }
+  for (std::thread& t : threads) t.join();
+  for (int r = 0; r < kWorld; ++r) {
+    ASSERT_TRUE(knees[r].ok()) << knees[r].status();
+    const WorkerKnee& k = *knees[r];
+    ASSERT_EQ(k.rates.size(), SharedKneeLadder(4).size());
+    for (size_t i = 0; i < k.rates.size(); ++i) {
+      EXPECT_EQ(k.rates[i].first, SharedKneeLadder(4)[i]);
+      EXPECT_GT(k.rates[i].second, 0.0);
+      EXPECT_EQ(k.rates[i].second, knees[0]->rates[i].second) << "the same sums on every rank";
+    }
+    EXPECT_EQ(k.workers, PickKnee(k.rates, kKneeTolerance));
+    EXPECT_EQ(k.workers, knees[0]->workers);
+    EXPECT_EQ(k.ranks, kWorld);
+    EXPECT_NE(k.Describe().find("per rank (CPU Adam's G params/s of 3 ranks measuring together"), std::string::npos)
+        << k.Describe();
+  }
+}
+
+// A rank that never comes: the others fail at the first barrier's deadline, naming what they waited for.
+TEST(WorkerKneeTest, ARankMissingFromTheSharedMeasurementFailsTheOthers) {
+  std::vector<std::unique_ptr<Comm>> comms = MakeThreadComms(2);
+  const absl::StatusOr<WorkerKnee> k = MeasureSharedKnee(*comms[0], 2, {}, absl::Milliseconds(200), int64_t{1} << 12);
+  ASSERT_FALSE(k.ok());
+  EXPECT_EQ(k.status().code(), absl::StatusCode::kDeadlineExceeded) << k.status();
 }
 
 }  // namespace

@@ -247,12 +247,17 @@ HostShare SplitHost(const HostTopology& topo, const LocalRanks& local, const std
   return share;
 }
 
-size_t HostShare::Workers(size_t cpu_threads, size_t cap) const {
-  if (cpu_threads > 0) return cpu_threads;
+size_t HostShare::MaxWorkers(size_t cap) const {
   size_t n = worker_cpus();
   if (cpus.size() > kSmallShareCpus) n -= std::min(n - 1, cpus.size() / 8);
-  if (split && split_of > kSmallShareCpus) n = std::min(n, std::max<size_t>(1, cpus.size() / 2));
   return std::max<size_t>(1, cap > 0 ? std::min(n, cap) : n);
+}
+
+size_t HostShare::Workers(size_t cpu_threads, size_t cap) const {
+  if (cpu_threads > 0) return cpu_threads;
+  size_t n = MaxWorkers(cap);
+  if (shares_bandwidth()) n = std::min(n, std::max<size_t>(1, cpus.size() / 2));
+  return n;
 }
 
 size_t CpuThreadsCap(size_t option) {

@@ -79,11 +79,16 @@ struct HostShare {
   // the trainer's: with every CPU but one busy with workers the offloaded step ran at 0.54-0.76 of its
   // slowest stage on 32- and 64-CPU shares of an H100 host (tests/bench/README.md, `ferry bench step`).
   // The half: the ranks share the host's memory bandwidth, whose knee one process measured at 24-32
-  // workers of 64 CPUs (optim/worker_knee.h; split ranks do not measure it, they would disturb each
-  // other), and with 15 workers in each 16-CPU share of 4 ranks on that host, the trainers' own
-  // threads (the gradient check's all-reduce, autograd, the early step) waited for CPUs: the check's
-  // all-reduce took 19-26 ms, with 8 workers 10 ms, CPU Adam as fast.
+  // workers of 64 CPUs, and with 15 workers in each 16-CPU share of 4 ranks on that host, the
+  // trainers' own threads (the gradient check's all-reduce, autograd, the early step) waited for
+  // CPUs: the check's all-reduce took 19-26 ms, with 8 workers 10 ms, CPU Adam as fast. Ranks joined
+  // by a comm measure instead, together (optim/worker_knee.h, MeasureSharedKnee): the half is the rule
+  // where they cannot.
   size_t Workers(size_t cpu_threads, size_t cap) const;
+  // Whether the local ranks share a host of more than kSmallShareCpus CPUs (the half rule above).
+  bool shares_bandwidth() const { return split && split_of > kSmallShareCpus; }
+  // The most workers a measurement of this share tries: Workers() without the half rule.
+  size_t MaxWorkers(size_t cap) const;
 };
 
 // The cap on CPU Adam's workers (EngineOptions::cpu_threads_max): `option` when > 0, else the

@@ -5,7 +5,6 @@
 #include <charconv>
 #include <cmath>
 
-#include "optim/worker_knee.h"
 
 namespace ferry {
 namespace engine_internal {
@@ -188,6 +187,7 @@ absl::Status EngineImpl::Finalize() {
   std::optional<double> spare_state;
   std::optional<std::string> numa;
   std::unique_ptr<Comm> ckpt_comm;
+  ferry::Placement placement;
   absl::Status local = [&]() -> absl::Status {
     for (const auto& [name, unused] : group_options_) {
       if (!group_index_.contains(name)) {
@@ -197,17 +197,22 @@ absl::Status EngineImpl::Finalize() {
     }
     std::vector<GroupInfo> infos = GroupInfos();
     FERRY_ASSIGN_OR_RETURN(PolicyContext ctx, Context());
-    ferry::Placement placement;
     if (policy_ != nullptr) {
       FERRY_ASSIGN_OR_RETURN(placement, policy_->Place(infos, ctx));
     } else {
       for (const GroupInfo& g : infos) placement.groups[g.name] = PlaceKind::kGpu;
     }
-    FERRY_ASSIGN_OR_RETURN(optimizer, BuildOptimizer(placement, &offloaded));
-    spare_state = placement.spare_state;
-    numa = placement.numa;
     return absl::OkStatus();
   }();
+  FERRY_RETURN_IF_ERROR(TuneSharedWorkers(local, placement));  // collective: every rank, even after a local error
+  if (local.ok()) {
+    local = [&]() -> absl::Status {
+      FERRY_ASSIGN_OR_RETURN(optimizer, BuildOptimizer(placement, &offloaded));
+      spare_state = placement.spare_state;
+      numa = placement.numa;
+      return absl::OkStatus();
+    }();
+  }
   if (multi_rank()) {
     // Checkpoint exchanges get a communicator of their own, so a background save's exchange never
     // interleaves with the trainer's collectives. Collective, so every rank asks even after a local error.
@@ -448,52 +453,6 @@ std::vector<GroupPlacement> EngineImpl::Placement() const {
     out[p.group].global_numel += p.global_numel;
   }
   return out;
-}
-
-WorkerPlan PlanWorkers(const EngineOptions& options, const Device& device) {
-  WorkerPlan plan;
-  plan.local = DetectLocalRanks(options.local_rank, options.local_world_size);
-  // The GPU of each local rank, when this one drives GPU `local rank` (torchrun's convention): their
-  // NUMA nodes let a host of several nodes be split by node.
-  std::vector<int> gpu_nodes;
-  if (device.backend() == Backend::kCuda && device.numa_node() >= 0) {
-    const std::vector<int> nodes = CudaNumaNodes();
-    const int n = static_cast<int>(nodes.size());
-    if (n > 0 && nodes[static_cast<size_t>(plan.local.local_rank % n)] == device.numa_node()) {
-      for (int r = 0; r < plan.local.local_world_size; ++r) gpu_nodes.push_back(nodes[static_cast<size_t>(r % n)]);
-    }
-  }
-  plan.share = SplitHost(ReadHostTopology(), plan.local, gpu_nodes, options.trainer_threads);
-  plan.threads = plan.share.Workers(options.cpu_threads, CpuThreadsCap(options.cpu_threads_max));
-  int pin_option = options.pin_cpu_threads;
-  if (pin_option < 0) {
-    const char* env = std::getenv("FERRY_PIN_CPU_THREADS");
-    if (env != nullptr && (std::string_view(env) == "0" || std::string_view(env) == "1")) pin_option = *env - '0';
-  }
-  const bool pin = pin_option > 0 || (pin_option < 0 && plan.share.split);
-  if (pin) plan.cpus = plan.share.WorkerSet();
-  return plan;
-}
-
-void EngineImpl::TuneWorkers() {
-  // Only the engine's own choice is tuned, once, before any optimizer uses the pool (nothing runs on
-  // it yet). Not on a host split among local ranks: their measurements would disturb each other.
-  if (options_.cpu_threads > 0 || CpuThreadsCap(options_.cpu_threads_max) > 0 || !workers_.knee.empty() ||
-      pool_->num_threads() <= kKneeProbeAbove || workers_.share.split) {
-    return;
-  }
-  const int64_t start = tracer_ != nullptr ? tracer_->NowNs() : 0;
-  const WorkerKnee knee = MeasureWorkerKnee(pool_->num_threads(), workers_.cpus);
-  workers_.knee = absl::StrCat("workers: ", knee.Describe());
-  FERRY_LOG(INFO) << "CPU Adam " << workers_.knee;
-  if (tracer_ != nullptr) {
-    tracer_->Complete("worker_knee", "engine", start, tracer_->NowNs(),
-                      {{"cpu_threads", static_cast<double>(knee.workers)}}, workers_.knee);
-  }
-  if (knee.workers < pool_->num_threads()) {
-    pool_ = std::make_unique<ThreadPool>(knee.workers, -1, workers_.cpus);
-    workers_.threads = knee.workers;
-  }
 }
 
 EngineStats EngineImpl::Stats() const {

@@ -243,6 +243,12 @@ class EngineImpl final : public Engine {
   // no cap) cut to the host's bandwidth knee when the share has more than kKneeProbeAbove CPUs
   // (optim/worker_knee.h). REQUIRES: no optimizer yet.
   void TuneWorkers();
+  // At the first Finalize of several ranks (collective: every rank calls it, also after a local
+  // error): where every rank shares a host of more than kSmallShareCpus CPUs with other local ranks,
+  // offloads, and has the engine's own choice of workers, they measure CPU Adam's knee together
+  // (optim/worker_knee.h, MeasureSharedKnee) and take it instead of half their share. An error only
+  // when a collective fails. REQUIRES: no optimizer yet, the pool unused.
+  absl::Status TuneSharedWorkers(const absl::Status& local, const ferry::Placement& placement);
   // The spare state's fraction for an optimizer of `placement`: EngineOptions::spare_state_fraction,
   // or the policy's Placement::spare_state when that is smaller (an option outside [0, 1] is passed
   // on as it is, for the optimizer to refuse).

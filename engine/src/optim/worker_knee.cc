@@ -11,6 +11,7 @@
 #include "absl/strings/str_format.h"
 #include "base/adam_math.h"
 #include "base/thread_pool.h"
+#include "ferry/status.h"
 #include "optim/cpu_adam.h"
 
 namespace ferry {
@@ -33,6 +34,11 @@ std::string WorkerKnee::Describe() const {
   std::string out;
   for (const auto& [n, rate] : rates) absl::StrAppend(&out, out.empty() ? "" : ", ", n, ": ", absl::StrFormat("%.2f", rate));
   if (rates.empty()) return absl::StrCat(workers, " workers (not measured)");
+  if (ranks > 1) {
+    return absl::StrCat(workers, " of ", rates.back().first, " workers per rank (CPU Adam's G params/s of ", ranks,
+                        " ranks measuring together, by workers per rank: ", out,
+                        absl::StrFormat("; measured in %.2f s)", seconds));
+  }
   return absl::StrCat(workers, " of ", rates.back().first, " workers (CPU Adam's G params/s by workers: ", out,
                       absl::StrFormat("; measured in %.2f s)", seconds));
 }
@@ -53,6 +59,59 @@ size_t PickKnee(const std::vector<std::pair<size_t, double>>& rates, double tole
   return 0;
 }
 
+namespace {
+
+// CPU Adam on scratch memory (fp32 master and moments, bf16 grads and params: the 28 bytes per element
+// of an in-place update), allocated here and first touched by the widest pool, so that its pages are
+// spread as the workers will use them.
+class KneeScratch {
+ public:
+  KneeScratch(int64_t elements, size_t widest, const std::vector<int>& cpus) : n_(static_cast<size_t>(elements)) {
+    master_ = Allocate(n_ * 4);
+    m_ = Allocate(n_ * 4);
+    v_ = Allocate(n_ * 4);
+    grad_ = Allocate(n_ * 2);
+    param_ = Allocate(n_ * 2);
+    if (!ok()) return;
+    ThreadPool pool(widest, 0, cpus);
+    const size_t parts = widest * 4;
+    pool.ParallelFor(parts, [&](size_t p) {
+      const size_t lo = n_ * p / parts, hi = n_ * (p + 1) / parts;
+      for (size_t i = lo; i < hi; ++i) {
+        static_cast<float*>(master_.get())[i] = 0.01f;
+        static_cast<float*>(m_.get())[i] = 0.0f;
+        static_cast<float*>(v_.get())[i] = 0.0f;
+        static_cast<uint16_t*>(grad_.get())[i] = 0x3c00;  // bf16 0.0078125
+      }
+    });
+  }
+  bool ok() const { return master_ && m_ && v_ && grad_ && param_; }
+
+  // CPU Adam's best rate of three steps (after one to warm up) with `workers` workers beside the
+  // calling thread (as the engine's pool runs them), in G params/s; 0 when a step failed.
+  double Rate(size_t workers, const std::vector<int>& cpus) {
+    ThreadPool pool(workers, -1, cpus);
+    CpuAdam adam(&pool);
+    AdamScalars scalars = MakeAdamScalars(AdamHyper{}, 1);
+    CpuAdamTensor t{master_.get(), m_.get(), v_.get(), grad_.get(), param_.get(), static_cast<int64_t>(n_),
+                    DType::kBF16, DType::kBF16, &scalars};
+    if (!adam.Step({&t, 1}).ok()) return 0;
+    double best = 0;
+    for (int rep = 0; rep < 3; ++rep) {
+      const auto t0 = std::chrono::steady_clock::now();
+      if (!adam.Step({&t, 1}).ok()) return 0;
+      best = std::max(best, static_cast<double>(n_) / Seconds(t0) / 1e9);
+    }
+    return best;
+  }
+
+ private:
+  size_t n_;
+  Scratch master_, m_, v_, grad_, param_;
+};
+
+}  // namespace
+
 WorkerKnee MeasureWorkerKnee(size_t max_workers, const std::vector<int>& cpus, int64_t elements) {
   WorkerKnee knee;
   knee.workers = std::max<size_t>(1, max_workers);
@@ -63,45 +122,47 @@ WorkerKnee MeasureWorkerKnee(size_t max_workers, const std::vector<int>& cpus, i
   auto it = cache->find({max_workers, cpus});
   if (it != cache->end()) return it->second;
   const auto start = std::chrono::steady_clock::now();
-  // fp32 master and moments, bf16 grads and params: the 28 bytes per element of an in-place update.
-  const size_t n = static_cast<size_t>(elements);
-  Scratch master = Allocate(n * 4), m = Allocate(n * 4), v = Allocate(n * 4), grad = Allocate(n * 2),
-          param = Allocate(n * 2);
-  if (!master || !m || !v || !grad || !param) return knee;  // no memory to measure with: take every worker
-  AdamScalars scalars = MakeAdamScalars(AdamHyper{}, 1);
-  CpuAdamTensor t{master.get(), m.get(), v.get(), grad.get(), param.get(), elements, DType::kBF16, DType::kBF16,
-                  &scalars};
-  {
-    // First touch by the widest pool, so that the pages are spread as the workers will use them.
-    ThreadPool pool(max_workers, 0, cpus);
-    const size_t parts = max_workers * 4;
-    pool.ParallelFor(parts, [&](size_t p) {
-      const size_t lo = n * p / parts, hi = n * (p + 1) / parts;
-      for (size_t i = lo; i < hi; ++i) {
-        static_cast<float*>(master.get())[i] = 0.01f;
-        static_cast<float*>(m.get())[i] = 0.0f;
-        static_cast<float*>(v.get())[i] = 0.0f;
-        static_cast<uint16_t*>(grad.get())[i] = 0x3c00;  // bf16 0.0078125
-      }
-    });
-  }
+  KneeScratch scratch(elements, max_workers, cpus);
+  if (!scratch.ok()) return knee;  // no memory to measure with: take every worker
   for (size_t workers : KneeLadder(max_workers)) {
-    // The engine's pool runs `workers` workers beside the thread that steps: the same here.
-    ThreadPool pool(workers, -1, cpus);
-    CpuAdam adam(&pool);
-    if (!adam.Step({&t, 1}).ok()) return knee;  // warm-up
-    double best = 0;
-    for (int rep = 0; rep < 3; ++rep) {
-      const auto t0 = std::chrono::steady_clock::now();
-      if (!adam.Step({&t, 1}).ok()) return knee;
-      const double s = Seconds(t0);
-      best = std::max(best, static_cast<double>(elements) / s / 1e9);
-    }
-    knee.rates.push_back({workers, best});
+    const double rate = scratch.Rate(workers, cpus);
+    if (rate <= 0) return knee;
+    knee.rates.push_back({workers, rate});
   }
   knee.workers = std::max<size_t>(1, PickKnee(knee.rates, kKneeTolerance));
   knee.seconds = Seconds(start);
   cache->emplace(std::make_pair(max_workers, cpus), knee);
+  return knee;
+}
+
+std::vector<size_t> SharedKneeLadder(size_t max_workers) {
+  const size_t m = std::max<size_t>(1, max_workers);
+  std::vector<size_t> ladder = {(m + 1) / 2, (3 * m + 3) / 4, m};
+  ladder.erase(std::unique(ladder.begin(), ladder.end()), ladder.end());
+  return ladder;
+}
+
+absl::StatusOr<WorkerKnee> MeasureSharedKnee(Comm& comm, size_t max_workers, const std::vector<int>& cpus,
+                                             absl::Duration timeout, int64_t elements) {
+  const auto start = std::chrono::steady_clock::now();
+  const std::vector<size_t> ladder = SharedKneeLadder(max_workers);
+  KneeScratch scratch(elements, ladder.back(), cpus);
+  // [ranks that could not measure, each count's rate]: summed over the ranks.
+  std::vector<double> sums(1 + ladder.size(), 0.0);
+  sums[0] = scratch.ok() ? 0.0 : 1.0;
+  for (size_t i = 0; i < ladder.size(); ++i) {
+    FERRY_RETURN_IF_ERROR(comm.Barrier(timeout));  // every rank starts this count at once
+    const double rate = scratch.ok() ? scratch.Rate(ladder[i], cpus) : 0.0;
+    if (rate <= 0) sums[0] = 1.0;
+    sums[1 + i] = rate;
+  }
+  FERRY_RETURN_IF_ERROR(comm.AllReduce(absl::MakeSpan(sums), ReduceOp::kSum, timeout));
+  WorkerKnee knee;
+  knee.seconds = Seconds(start);
+  knee.ranks = comm.world_size();
+  if (sums[0] > 0) return knee;  // some rank could not measure: keep the rule
+  for (size_t i = 0; i < ladder.size(); ++i) knee.rates.push_back({ladder[i], sums[1 + i]});
+  knee.workers = std::max<size_t>(1, PickKnee(knee.rates, kKneeTolerance));
   return knee;
 }
 

@@ -15,7 +15,10 @@
 #include <utility>
 #include <vector>
 
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "base/host_share.h"
+#include "ferry/comm.h"
 
 namespace ferry {
 
@@ -34,6 +37,7 @@ struct WorkerKnee {
   size_t workers = 0;                              // the fewest workers within `tolerance` of the best
   std::vector<std::pair<size_t, double>> rates;    // (workers, G params/s) for each count tried
   double seconds = 0;                              // how long the measurement took
+  int ranks = 1;                                   // MeasureSharedKnee: the ranks measured together (rates summed)
   std::string Describe() const;                    // "24 of 63 workers (CPU Adam: 8: 3.1, 12: ... G params/s)"
 };
 
@@ -48,6 +52,19 @@ size_t PickKnee(const std::vector<std::pair<size_t, double>>& rates, double tole
 // `cpus` (empty: anywhere), and picks the knee with kKneeTolerance. The result is cached per
 // (max_workers, cpus) for the process. max_workers <= kKneeProbeAbove: {max_workers} at once.
 WorkerKnee MeasureWorkerKnee(size_t max_workers, const std::vector<int>& cpus, int64_t elements = int64_t{48} << 20);
+
+// The counts ranks sharing a host try, up to `max_workers` each: half, three quarters and all of it.
+std::vector<size_t> SharedKneeLadder(size_t max_workers);
+
+// The knee of ranks that share a host's memory bandwidth (HostShare::shares_bandwidth), measured
+// together: every rank of `comm` calls it, each with its own share, and they step through
+// SharedKneeLadder in lockstep (a barrier before each count), so that each count's rate is what the
+// host gives when every rank runs that many workers. The rates are summed over the ranks and every
+// rank takes the same pick (kKneeTolerance). One that could not allocate its scratch memory still
+// keeps step; then the result has workers == 0 and no rates (keep the rule without a measurement).
+// An error only when a collective fails (every rank gets one).
+absl::StatusOr<WorkerKnee> MeasureSharedKnee(Comm& comm, size_t max_workers, const std::vector<int>& cpus,
+                                             absl::Duration timeout, int64_t elements = int64_t{32} << 20);
 
 }  // namespace ferry
 

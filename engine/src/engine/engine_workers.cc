@@ -1,0 +1,98 @@
+// The rank's share of its host: CPU Adam's workers planned at Create (PlanWorkers: the local rank, the
+// share's CPUs, the rule without a measurement) and measured at the first Finalize that offloads
+// (TuneWorkers: one process's bandwidth knee; TuneSharedWorkers: the knee of the local ranks that
+// share a host, measured together). See engine_impl.h.
+#include "engine/engine_impl.h"
+
+#include "optim/worker_knee.h"
+
+namespace ferry {
+namespace engine_internal {
+
+WorkerPlan PlanWorkers(const EngineOptions& options, const Device& device) {
+  WorkerPlan plan;
+  plan.local = DetectLocalRanks(options.local_rank, options.local_world_size);
+  // The GPU of each local rank, when this one drives GPU `local rank` (torchrun's convention): their
+  // NUMA nodes let a host of several nodes be split by node.
+  std::vector<int> gpu_nodes;
+  if (device.backend() == Backend::kCuda && device.numa_node() >= 0) {
+    const std::vector<int> nodes = CudaNumaNodes();
+    const int n = static_cast<int>(nodes.size());
+    if (n > 0 && nodes[static_cast<size_t>(plan.local.local_rank % n)] == device.numa_node()) {
+      for (int r = 0; r < plan.local.local_world_size; ++r) gpu_nodes.push_back(nodes[static_cast<size_t>(r % n)]);
+    }
+  }
+  plan.share = SplitHost(ReadHostTopology(), plan.local, gpu_nodes, options.trainer_threads);
+  plan.threads = plan.share.Workers(options.cpu_threads, CpuThreadsCap(options.cpu_threads_max));
+  int pin_option = options.pin_cpu_threads;
+  if (pin_option < 0) {
+    const char* env = std::getenv("FERRY_PIN_CPU_THREADS");
+    if (env != nullptr && (std::string_view(env) == "0" || std::string_view(env) == "1")) pin_option = *env - '0';
+  }
+  const bool pin = pin_option > 0 || (pin_option < 0 && plan.share.split);
+  if (pin) plan.cpus = plan.share.WorkerSet();
+  return plan;
+}
+
+void EngineImpl::TuneWorkers() {
+  // Only the engine's own choice is tuned, once, before any optimizer uses the pool (nothing runs on
+  // it yet). Not on a host split among local ranks: alone, their measurements would disturb each
+  // other (they measure together, TuneSharedWorkers, where a comm joins them).
+  if (options_.cpu_threads > 0 || CpuThreadsCap(options_.cpu_threads_max) > 0 || !workers_.knee.empty() ||
+      pool_->num_threads() <= kKneeProbeAbove || workers_.share.split) {
+    return;
+  }
+  const int64_t start = tracer_ != nullptr ? tracer_->NowNs() : 0;
+  const WorkerKnee knee = MeasureWorkerKnee(pool_->num_threads(), workers_.cpus);
+  workers_.knee = absl::StrCat("workers: ", knee.Describe());
+  FERRY_LOG(INFO) << "CPU Adam " << workers_.knee;
+  if (tracer_ != nullptr) {
+    tracer_->Complete("worker_knee", "engine", start, tracer_->NowNs(),
+                      {{"cpu_threads", static_cast<double>(knee.workers)}}, workers_.knee);
+  }
+  if (knee.workers < pool_->num_threads()) {
+    pool_ = std::make_unique<ThreadPool>(knee.workers, -1, workers_.cpus);
+    workers_.threads = knee.workers;
+  }
+}
+
+absl::Status EngineImpl::TuneSharedWorkers(const absl::Status& local, const ferry::Placement& placement) {
+  if (!multi_rank() || optimizer_ != nullptr) return absl::OkStatus();
+  bool offloads = false;
+  for (const auto& [name, kind] : placement.groups) offloads = offloads || kind == PlaceKind::kCpu;
+  // Only the engine's own choice is measured, and only where every rank shares a host with others
+  // and offloads (the measurement is collective: each rank says whether it takes part).
+  const bool wants = local.ok() && offloads && workers_.share.shares_bandwidth() && options_.cpu_threads == 0 &&
+                     workers_.knee.empty();
+  std::vector<double> votes = {wants ? 1.0 : 0.0};
+  absl::Status s = comm_->AllReduce(absl::MakeSpan(votes), ReduceOp::kSum, options_.collective_timeout);
+  if (!s.ok()) return absl::Status(s.code(), absl::StrCat("Finalize: choosing CPU Adam's workers: ", s.message()));
+  if (votes[0] < static_cast<double>(comm_->world_size())) return absl::OkStatus();  // the half rule stays
+  const int64_t start = tracer_ != nullptr ? tracer_->NowNs() : 0;
+  absl::StatusOr<WorkerKnee> knee =
+      MeasureSharedKnee(*comm_, workers_.share.MaxWorkers(CpuThreadsCap(options_.cpu_threads_max)), workers_.cpus,
+                        options_.collective_timeout);
+  if (!knee.ok()) {
+    return absl::Status(knee.status().code(),
+                        absl::StrCat("Finalize: measuring CPU Adam's workers with the other ranks: ", knee.status().message()));
+  }
+  if (knee->workers == 0) {
+    FERRY_LOG(INFO) << "CPU Adam workers: a rank could not measure (no scratch memory); " << pool_->num_threads()
+                    << " per rank (half the share)";
+    return absl::OkStatus();
+  }
+  workers_.knee = absl::StrCat("workers: ", knee->Describe());
+  FERRY_LOG(INFO) << "CPU Adam " << workers_.knee;
+  if (tracer_ != nullptr) {
+    tracer_->Complete("worker_knee", "engine", start, tracer_->NowNs(),
+                      {{"cpu_threads", static_cast<double>(knee->workers)}}, workers_.knee);
+  }
+  if (knee->workers != pool_->num_threads()) {
+    pool_ = std::make_unique<ThreadPool>(knee->workers, -1, workers_.cpus);
+    workers_.threads = knee->workers;
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace engine_internal
+}  // namespace ferry
