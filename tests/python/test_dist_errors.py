@@ -164,6 +164,40 @@ def test_a_collective_that_never_fails_names_a_dead_peer_long_before_the_timeout
     assert res["seconds"] < 5.0, res["seconds"]  # a quarter second's poll, and the exit's own time
 
 
+class _DoneAt:
+    """A collective that completes at a given time (its peer did its part, then exited)."""
+
+    def __init__(self, at):
+        self.at = at
+
+    def is_completed(self):
+        return time.monotonic() >= self.at
+
+    def wait(self):
+        pass
+
+
+def peer_leaves_after_its_part(rank, world):
+    import torch.distributed as dist
+    import ferry.torch
+    opt = ferry.torch.Optimizer(params(rank), lr=1e-2, shard=True, collective_timeout=30.0)
+    dist.barrier()
+    if rank != 0:
+        return "left"
+    time.sleep(1.0)  # the peer has exited (its process is gone) before this rank's work completes
+    start = time.monotonic()
+    # Completes after the first look for lost peers (0.25 s), within the grace that look gives it.
+    opt._zero.comm.run("a collective the peer finished", lambda: _DoneAt(start + 0.3), 30.0)
+    return {"seconds": time.monotonic() - start}
+
+
+def test_a_peer_that_exits_after_its_part_is_not_called_lost():
+    results = dist_util.run_ranks(2, peer_leaves_after_its_part, timeout=60)
+    assert results[1] == "left"
+    assert "error" not in results[0], results[0]
+    assert 0.29 <= results[0]["seconds"] < 5.0, results[0]
+
+
 def grad_check_on(rank, world, on_trainers_group, steps=4):
     """Clipped ZeRO-1 steps; the gradient check's all-reduce on Ferry's gloo group or on the trainer's
     (reduce_on, as an NCCL group of CUDA params gets; here the world's gloo group on the CPU). Returns

@@ -52,6 +52,8 @@ _instances = itertools.count()
 _MAX_PAUSE_S = 2e-4
 # How often a wait looks up the processes of the other ranks on this host (a few store reads).
 _LOST_EVERY_S = 0.25
+# How long a wait that found a peer's process gone still looks for its own collective to complete.
+_LOST_GRACE_S = 0.2
 _store_lock = threading.Lock()  # store clients are used from the trainer's thread and the writer thread
 
 
@@ -248,12 +250,19 @@ class TorchComm:
         gone = self._gone()
         return "; ".join([g for _, g in gone] + [text])
 
-    def _raise_if_lost(self, what, mine, channel):
+    def _raise_if_lost(self, what, work, mine, channel):
         try:
             gone = self._notes.lost()
         except Exception:  # noqa: BLE001 -- the store may be gone with the failure: the deadline remains
             return
         if gone:
+            # A peer that did its part and then exited (its work is done before ours is marked so):
+            # give this rank's work a moment to complete before calling the peer lost.
+            end = time.monotonic() + _LOST_GRACE_S
+            while time.monotonic() < end:
+                if work.is_completed():
+                    return
+                time.sleep(0.005)
             self.check_aborts()  # a rank that failed and said why is named first
             raise RuntimeError("torch.distributed %s failed on rank %d of %d: %s%s"
                                % (what, self.rank, self.world_size, self._late(mine, channel), _SEE_GUIDE))
@@ -309,7 +318,7 @@ class TorchComm:
             if now >= next_lost:
                 # A collective on the GPU (NCCL) never fails when a peer dies: it waits. Ranks on
                 # this host whose process is gone are named now, not at the deadline.
-                self._raise_if_lost(what, mine, channel)
+                self._raise_if_lost(what, work, mine, channel)
                 next_lost = now + _LOST_EVERY_S
             if now >= deadline:
                 raise TimeoutError("torch.distributed %s timed out after %.1f s on rank %d of %d: %s%s"
