@@ -1,10 +1,10 @@
 // Engine: wires device, memory, transfer, optim, ckpt and policy together behind ferry/engine.h.
-// The class is in engine_impl.h; checkpoints are in engine_checkpoint.cc.
+// The class is in engine_impl.h; checkpoints are in engine_checkpoint.cc, CPU Adam's workers in
+// engine_workers.cc.
 #include "engine/engine_impl.h"
 
 #include <charconv>
 #include <cmath>
-
 
 namespace ferry {
 namespace engine_internal {
