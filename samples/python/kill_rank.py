@@ -106,9 +106,10 @@ def train(rank, world, local_rank, args):
             if rank == args.victim:
                 arm_kill(args.case, 2)
             opt.save_checkpoint(root, KILL_AT)  # asynchronous: returns while the writer thread saves
-            # Wait here rather than step on: with NCCL the next step's all-gather would meet the dead
-            # rank in a collective nobody can poll but the deadline (the gloo one of the engine's step
-            # fails at once). Steps overlapping a writer: tests/python/test_dist_zero.py.
+            # Wait here rather than step on: this case checks what the save's own collectives say.
+            # (A step would name the victim too: its collectives' waits look up the ranks' processes;
+            # with NCCL, all-gathers queued on the GPU behind the dead rank stall the stream instead.)
+            # Steps overlapping a writer: tests/python/test_dist_zero.py.
             opt.wait_checkpoint()
     opt.wait_checkpoint()
     raise AssertionError("rank %d: the run went on to its end: the victim (rank %d) was not killed"
