@@ -236,13 +236,7 @@ TEST_P(DeferredOrderTest, AClippedStepUpdatesLayersInForwardOrder) {
       o.cpu_threads = 2;
       o.device = std::string(BackendName(device->backend()));
       o.trace_path = trace;
-      absl::StatusOr<std::unique_ptr<Engine>> e = Engine::Create(o);
-      EXPECT_TRUE(e.ok()) << e.status();
-      if (!e.ok()) return nullptr;
-      absl::Status s = m.RegisterIn(**e, group_of);
-      if (s.ok()) s = (*e)->Finalize();
-      EXPECT_TRUE(s.ok()) << s;
-      return *std::move(e);
+      return MakeFinalizedEngine(o, [&](Engine& e) { return m.RegisterIn(e, group_of); });
     };
     auto ref = make(ref_model, "");
     auto e = make(model, trace_path);

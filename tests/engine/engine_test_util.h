@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <memory>
 #include <random>
@@ -158,17 +159,24 @@ class Model {
 
 // An engine created with `o`, `model` registered (a group per tensor) and finalized. Failures fail the
 // test with their reason; nullptr when the engine could not be created.
-inline std::unique_ptr<Engine> MakeFinalizedEngine(const EngineOptions& o, Model& model) {
+// An engine of `o` with the params `add` registers (e.g. Model::Register with a group count),
+// finalized; each failure is a failed expectation (null when Create failed).
+inline std::unique_ptr<Engine> MakeFinalizedEngine(const EngineOptions& o,
+                                                   const std::function<absl::Status(Engine&)>& add) {
   absl::StatusOr<std::unique_ptr<Engine>> e = Engine::Create(o);
   EXPECT_TRUE(e.ok()) << e.status();
   if (!e.ok()) return nullptr;
-  absl::Status s = model.Register(**e);
+  absl::Status s = add(**e);
   EXPECT_TRUE(s.ok()) << s;
   if (s.ok()) {
     s = (*e)->Finalize();
     EXPECT_TRUE(s.ok()) << s;
   }
   return *std::move(e);
+}
+
+inline std::unique_ptr<Engine> MakeFinalizedEngine(const EngineOptions& o, Model& model) {
+  return MakeFinalizedEngine(o, [&](Engine& e) { return model.Register(e); });
 }
 
 }  // namespace ferry::engine_test

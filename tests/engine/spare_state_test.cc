@@ -68,13 +68,7 @@ TEST(SpareStateBudgetTest, WhatStepQueuesInterleavesWithTheSpeculationByTheForwa
       o.spare_state_fraction = 0.5;
       o.device = std::string(BackendName(device->backend()));
       o.trace_path = trace;
-      absl::StatusOr<std::unique_ptr<Engine>> e = Engine::Create(o);
-      EXPECT_TRUE(e.ok()) << e.status();
-      if (!e.ok()) return nullptr;
-      absl::Status s = m.Register(**e, kLayers);
-      if (s.ok()) s = (*e)->Finalize();
-      EXPECT_TRUE(s.ok()) << s;
-      return *std::move(e);
+      return MakeFinalizedEngine(o, [&](Engine& e) { return m.Register(e, kLayers); });
     };
     auto ref = make(ref_model, 1.0, "");
     auto e = make(model, 0.5, trace_path);
