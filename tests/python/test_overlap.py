@@ -282,30 +282,61 @@ def test_announcing_by_hand_beside_the_hooks(device):
     assert opt.stats()["early_groups_kept"] == KEPT_PER_STEP * 3 + 2
 
 
+def _allocations(snapshot, device):
+    """The device allocations a memory-history snapshot recorded: (bytes, the innermost Python frames
+    of Ferry or the tests), for the message of a failed check."""
+    out = []
+    for event in snapshot.get("device_traces", [[]])[device.index or 0]:
+        if event.get("action") != "alloc":
+            continue
+        frames = [f for f in event.get("frames", []) if "ferry" in f["filename"] or "tests" in f["filename"]]
+        out.append((event["size"], ["%s:%d %s" % (f["filename"].rsplit("/", 1)[-1], f["line"], f["name"])
+                                    for f in frames[:4]]))
+    return out
+
+
 def test_hooks_take_no_device_memory_and_no_host_sync(device):
     """On CUDA: a backward with the hooks announcing allocates no more device memory than one without
-    (peak), and no torch call in the hooks synchronizes the host (sync debug mode raises on one)."""
+    (peak over the backward, the forward done), and no torch call in the hooks or in attach()'s forward
+    pre-hooks synchronizes the host (sync debug mode raises on one). On a failure the message lists
+    the backward's allocations where torch records them."""
     if device.type != "cuda":
         pytest.skip("CUDA only: device memory and host synchronization are a GPU's (the CPU runs are above)")
-    peaks = []  # the peak of each backward above the memory allocated before it
+    memory = torch.cuda.memory
+    record = hasattr(memory, "_record_memory_history") and hasattr(memory, "_snapshot")
+    peaks, allocations = [], []  # the peak of each backward above the memory allocated before it
     for overlap in (False, True):
         net, opt = make(device, False, overlap=overlap)
         opt.attach(net)
         train_step(net, opt, 1)  # warm: buffers, the engine's spare state
         x, y = batches(device, 2)[0]
         torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats(device)
-        base = torch.cuda.memory_allocated(device)
         torch.cuda.set_sync_debug_mode("error")
         try:
-            loss_of(net, x, y, 2).backward()
+            loss = loss_of(net, x, y, 2)  # attach()'s pre-hooks wait for the last step's uploads here
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        if record:
+            try:
+                memory._record_memory_history(max_entries=10000)
+            except TypeError:  # torch before 2.1 takes other arguments
+                record = False
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            loss.backward()
         finally:
             torch.cuda.set_sync_debug_mode("default")
         torch.cuda.synchronize()
         peaks.append(torch.cuda.max_memory_allocated(device) - base)
+        if record:
+            allocations.append(_allocations(memory._snapshot(), device))
+            memory._record_memory_history(enabled=None)
         assert bool(opt._tracker.announced) == overlap
         opt.step()
-    assert peaks[1] <= peaks[0], peaks
+    assert peaks[1] <= peaks[0], (peaks, allocations)
 
 
 def test_a_dropped_optimizer_leaves_the_params(device):
