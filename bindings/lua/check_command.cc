@@ -92,15 +92,19 @@ void PrintHostShares(std::FILE* out, int local_world_size) {
     for (int j = 0; !gpu_nodes.empty() && j < ranks; ++j) nodes.push_back(gpu_nodes[static_cast<size_t>(j) % gpu_nodes.size()]);
     const HostShare share = SplitHost(topo, LocalRanks{r, ranks, "check"}, nodes, /*trainer_threads=*/1);
     const size_t workers = share.Workers(0, CpuThreadsCap(0));
-    const std::vector<int> cpus = share.WorkerSet();
+    const std::vector<int> cpus = share.RestrictedTo(PinCpuThreads(-1));
     const std::string measured =
         share.shares_bandwidth()
             ? absl::StrFormat(" (ranks joined by a comm measure %s together)",
                               absl::StrJoin(SharedKneeLadder(share.MaxWorkers(CpuThreadsCap(0))), "/"))
             : "";
-    absl::FPrintF(out, "  local rank %d: up to %d CPU Adam workers%s on CPUs %s%s, %d CPU%s left to the trainer; "
+    const std::string pinned =
+        share.split ? absl::StrCat("; FERRY_PIN_CPU_THREADS=1: CPUs ", FormatCpuList(share.WorkerSet())) : "";
+    const std::string where = cpus.empty() ? absl::StrCat("on any CPU of the process (not restricted", pinned, ")")
+                                           : absl::StrCat("on CPUs ", FormatCpuList(cpus), " (restricted to them)");
+    absl::FPrintF(out, "  local rank %d: up to %d CPU Adam workers%s %s; share: CPUs %s, %d CPU%s left to the trainer; "
                   "pinned budget %s\n",
-                  r, workers, measured, FormatCpuList(cpus), share.split ? " (restricted to them)" : " (not restricted)",
+                  r, workers, measured, where, FormatCpuList(share.cpus),
                   share.trainer_cpus, share.trainer_cpus == 1 ? "" : "s",
                   HumanBytes(static_cast<int64_t>(PinnedBudget::DefaultProcessLimit() / static_cast<size_t>(ranks))));
     if (r == 0) absl::FPrintF(out, "    (%s)\n", share.reason);

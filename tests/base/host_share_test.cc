@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <thread>
 #include <map>
 #include <mutex>
@@ -129,6 +130,53 @@ TEST(HostShareTest, RanksFollowTheirGpusNumaNode) {
   // Unknown nodes: divided flat, across both nodes.
   const HostShare flat = SplitHost(t, LocalRanks{0, 2, "test"}, {0, -1}, 1);
   EXPECT_EQ(flat.cpus.size(), 32u);
+}
+
+// Where the workers are restricted: by default to the CPUs of the rank's GPU's node on a host split
+// by node (every rank of that node may use them all), on a one-node host nowhere; pin 1: the rank's
+// own slice less the trainer's CPUs; pin 0: nowhere.
+TEST(HostShareTest, WorkersAreRestrictedToTheirNodeByDefaultAndToTheirSliceWhenPinned) {
+  const HostTopology t = MakeHost(2, 16, 2);
+  const std::vector<int> gpu_nodes = {0, 0, 1, 1};
+  for (int r = 0; r < 4; ++r) {
+    const HostShare s = SplitHost(t, LocalRanks{r, 4, "test"}, gpu_nodes, 1);
+    const int node = gpu_nodes[static_cast<size_t>(r)];
+    std::vector<int> node_cpus;
+    for (const HostCpu& c : t.cpus) {
+      if (c.node == node) node_cpus.push_back(c.cpu);
+    }
+    EXPECT_EQ(s.RestrictedTo(-1), node_cpus) << "rank " << r;
+    EXPECT_EQ(s.RestrictedTo(1), s.WorkerSet()) << "rank " << r;
+    EXPECT_EQ(s.RestrictedTo(1).size(), 15u) << "its 16 CPUs less the trainer's";
+    EXPECT_TRUE(s.RestrictedTo(0).empty());
+  }
+  // One node, split among 2 ranks: not restricted unless pinned; the count stays the share's.
+  const HostTopology one = MakeHost(1, 32, 1);
+  const HostShare s = SplitHost(one, LocalRanks{1, 2, "test"}, {0, 0}, 1);
+  EXPECT_TRUE(s.split);
+  EXPECT_TRUE(s.RestrictedTo(-1).empty());
+  EXPECT_EQ(FormatCpuList(s.RestrictedTo(1)), "16-30");
+  EXPECT_EQ(s.Workers(0, 0), 8u) << "half of the 16-CPU slice: 2 ranks share the 32 CPUs' bandwidth";
+  // Unknown GPU nodes on a 2-node host: divided flat, not restricted by default.
+  EXPECT_TRUE(SplitHost(t, LocalRanks{0, 2, "test"}, {0, -1}, 1).RestrictedTo(-1).empty());
+}
+
+TEST(HostShareTest, PinCpuThreadsTakesTheOptionThenTheEnvironment) {
+  const char* saved = std::getenv("FERRY_PIN_CPU_THREADS");
+  const std::string keep = saved != nullptr ? saved : "";
+  unsetenv("FERRY_PIN_CPU_THREADS");
+  EXPECT_EQ(PinCpuThreads(-1), -1);
+  EXPECT_EQ(PinCpuThreads(1), 1);
+  setenv("FERRY_PIN_CPU_THREADS", "1", 1);
+  EXPECT_EQ(PinCpuThreads(-1), 1);
+  EXPECT_EQ(PinCpuThreads(0), 0) << "the option wins";
+  setenv("FERRY_PIN_CPU_THREADS", "yes", 1);
+  EXPECT_EQ(PinCpuThreads(-1), -1) << "only 0 or 1";
+  if (saved != nullptr) {
+    setenv("FERRY_PIN_CPU_THREADS", keep.c_str(), 1);
+  } else {
+    unsetenv("FERRY_PIN_CPU_THREADS");
+  }
 }
 
 TEST(HostShareTest, LauncherBoundProcessKeepsItsCpus) {

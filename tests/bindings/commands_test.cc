@@ -227,9 +227,14 @@ TEST(CheckCommandTest, ShowsEachLocalRanksShareOfTheHost) {
   std::vector<std::string> lists;
   for (int rank = 0; rank < 2; ++rank) {
     const HostShare share = SplitHost(topo, LocalRanks{rank, 2, "test"}, {}, 1);
+    // No GPU node here: the host is split flat, and the workers are not restricted unless pinned.
     EXPECT_THAT(r.out, HasSubstr(absl::StrCat("  local rank ", rank, ": up to ", share.Workers(0, CpuThreadsCap(0)),
-                                              " CPU Adam workers on CPUs ", FormatCpuList(share.WorkerSet()))));
+                                              " CPU Adam workers on any CPU of the process (not restricted; "
+                                              "FERRY_PIN_CPU_THREADS=1: CPUs ", FormatCpuList(share.WorkerSet()),
+                                              "); share: CPUs ", FormatCpuList(share.cpus))));
+    lists.push_back(FormatCpuList(share.cpus));
   }
+  EXPECT_NE(lists[0], lists[1]) << "the two shares are disjoint";
   EXPECT_THAT(r.out, HasSubstr("pinned budget " + HumanBytes(static_cast<int64_t>(PinnedBudget::DefaultProcessLimit() / 2))));
   Result one = Check({kPolicies + "offload_all.lua", "--model", "a:1000", "--local_world_size", "1"});
   EXPECT_THAT(one.out, HasSubstr("one rank on this host: every CPU of the process"));

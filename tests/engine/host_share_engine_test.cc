@@ -1,7 +1,8 @@
 // Engines of several local ranks in one process, as ranks sharing a host see them: each takes a
-// disjoint share of the CPUs (workers restricted to it), the shares add up, stats() shows them, and
-// the default pinned budget is divided among the local ranks. In its own binary: the budget is the
-// process's.
+// disjoint share of the CPUs (its workers restricted to it when pinned; by default as many workers
+// as the share gives, left free on a host not split by NUMA node), the shares add up, stats() shows
+// them, and the default pinned budget is divided among the local ranks. In its own binary: the budget
+// is the process's.
 #include <set>
 #include <string>
 #include <vector>
@@ -52,6 +53,7 @@ TEST(HostShareEngineTest, LocalRanksTakeDisjointSharesAndTheBudgetSplits) {
     o.policy_path = engine_test::Policies() + "offload_all.lua";
     o.local_rank = r;
     o.local_world_size = ranks;
+    o.pin_cpu_threads = 1;
     auto engine = Engine::Create(o);
     ASSERT_TRUE(engine.ok()) << engine.status();
     ASSERT_OK((*engine)->AddParam({.name = "w", .shape = {64}, .dtype = DType::kF32, .param = param.data(),
@@ -76,6 +78,37 @@ TEST(HostShareEngineTest, LocalRanksTakeDisjointSharesAndTheBudgetSplits) {
   }
   EXPECT_EQ(total, topo.cpus.size()) << "the shares add up to the process's CPUs";
   engines.clear();
+  PinnedBudget::Process().set_limit(full);
+}
+
+TEST(HostShareEngineTest, ByDefaultTheSharesWorkersAreNotRestrictedOnAHostNotSplitByNode) {
+  const HostTopology topo = ReadHostTopology();
+  if (topo.cpus.size() < 2 || static_cast<int>(topo.cpus.size()) < topo.online_cpus) {
+    GTEST_SKIP() << "needs 2 or more CPUs and a process not bound by its launcher (" << topo.cpus.size() << " of "
+                 << topo.online_cpus << ")";
+  }
+  const size_t full = PinnedBudget::DefaultProcessLimit();
+  std::vector<float> param(64, 0.5f), grad(64, 0.25f);
+  for (int r = 0; r < 2; ++r) {
+    EngineOptions o;
+    o.device = "host";  // no GPU node: the host is split flat, whatever its nodes
+    o.policy_path = engine_test::Policies() + "offload_all.lua";
+    o.local_rank = r;
+    o.local_world_size = 2;
+    o.pin_cpu_threads = -1;
+    o.cpu_threads_max = 0;
+    auto engine = Engine::Create(o);
+    ASSERT_TRUE(engine.ok()) << engine.status();
+    ASSERT_OK((*engine)->AddParam({.name = "w", .shape = {64}, .dtype = DType::kF32, .param = param.data(),
+                                   .grad = grad.data()}));
+    ASSERT_OK((*engine)->Finalize());
+    ASSERT_OK((*engine)->Step());
+    const EngineStats s = (*engine)->Stats();
+    EXPECT_EQ(s.cpu_list, "") << "not restricted: " << s.host_share;
+    const HostShare share = SplitHost(topo, LocalRanks{r, 2, "test"}, {}, o.trainer_threads);
+    EXPECT_TRUE(share.split);
+    EXPECT_EQ(s.cpu_threads, share.Workers(0, CpuThreadsCap(0))) << "the share's count, restricted or not";
+  }
   PinnedBudget::Process().set_limit(full);
 }
 

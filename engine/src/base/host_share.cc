@@ -9,6 +9,7 @@
 #include <fstream>
 #include <set>
 #include <string>
+#include <string_view>
 #include <utility>
 
 #include "absl/strings/match.h"
@@ -193,8 +194,11 @@ HostShare SplitHost(const HostTopology& topo, const LocalRanks& local, const std
     if (by_node) {
       const int node = gpu_nodes[static_cast<size_t>(me)];
       for (auto& [id, cpus] : cores) {
-        if (cpus.front()->node == node) pool.push_back(cpus);
+        if (cpus.front()->node != node) continue;
+        pool.push_back(cpus);
+        for (const HostCpu* c : cpus) share.node_cpus.push_back(c->cpu);
       }
+      std::sort(share.node_cpus.begin(), share.node_cpus.end());
       slices = static_cast<int>(std::count(gpu_nodes.begin(), gpu_nodes.end(), node));
       slice = static_cast<int>(std::count(gpu_nodes.begin(), gpu_nodes.begin() + me, node));
       share.reason = absl::StrCat("local rank ", me, " of ", ranks, " (", local.source, "): slice ", slice, " of ",
@@ -265,6 +269,13 @@ size_t CpuThreadsCap(size_t option) {
   size_t v = 0;
   const char* env = std::getenv("FERRY_CPU_THREADS_MAX");
   return env != nullptr && absl::SimpleAtoi(env, &v) ? v : 0;
+}
+
+int PinCpuThreads(int option) {
+  if (option == 0 || option == 1) return option;
+  const char* env = std::getenv("FERRY_PIN_CPU_THREADS");
+  if (env != nullptr && (std::string_view(env) == "0" || std::string_view(env) == "1")) return *env - '0';
+  return -1;
 }
 
 std::string FormatCpuList(std::vector<int> cpus) {

@@ -64,6 +64,7 @@ struct HostShare {
   bool split = false;            // the host's CPUs were divided among the local ranks
   size_t split_of = 0;           // split: how many CPUs the local ranks divided (the process's, or its GPU's node's)
   bool launcher_bound = false;   // the process was already restricted to fewer CPUs than are online
+  std::vector<int> node_cpus;    // split by NUMA node: every CPU of the process on the share's node
   std::string reason;            // how the share was chosen, for `ferry check` and the trace
 
   // The CPUs a worker may be pinned to: `cpus` less the trainer's (at least one).
@@ -71,6 +72,19 @@ struct HostShare {
   // The CPUs the workers may run on: the first worker_cpus() of `cpus` (empty when `cpus` is).
   std::vector<int> WorkerSet() const {
     return {cpus.begin(), cpus.begin() + static_cast<std::ptrdiff_t>(std::min(worker_cpus(), cpus.size()))};
+  }
+  // The CPUs CPU Adam's workers are restricted to (empty: not restricted), as `pin` says
+  // (EngineOptions::pin_cpu_threads, resolved by PinCpuThreads): 1, the share's CPUs less the
+  // trainer's (WorkerSet); 0, none; -1 (the default), the CPUs of the share's NUMA node where the
+  // host was split by node (the rank's arena is there), else none. Restricting each rank's workers to
+  // its own slice of a one-node host ran the offloaded loop 2-13% slower (each lease's mean) than
+  // leaving them free (2 ranks on 32 CPUs, FSDP2; `ferry bench step` on 64 CPUs: tests/bench/README.md):
+  // the trainer's threads, which no restriction holds, land on the slice's CPUs, and a restricted
+  // worker cannot move away from them.
+  std::vector<int> RestrictedTo(int pin) const {
+    if (pin > 0) return WorkerSet();
+    if (pin < 0) return node_cpus;
+    return {};
   }
   // CPU Adam's workers in this share: `cpu_threads` when > 0 (EngineOptions::cpu_threads), else
   // worker_cpus(), less 1/8 of the share's CPUs on shares of more than kSmallShareCpus, at most half
@@ -106,6 +120,10 @@ size_t CpuThreadsCap(size_t option);
 // left to the trainer.
 HostShare SplitHost(const HostTopology& topo, const LocalRanks& local, const std::vector<int>& gpu_nodes,
                     size_t trainer_threads);
+
+// Whether to restrict CPU Adam's workers (HostShare::RestrictedTo): `option` when 0 or 1, else the
+// FERRY_PIN_CPU_THREADS environment variable when 0 or 1, else -1 (the default rule).
+int PinCpuThreads(int option);
 
 // "0-15,32-47": CPU numbers as ranges, in ascending order.
 std::string FormatCpuList(std::vector<int> cpus);

@@ -24,13 +24,7 @@ WorkerPlan PlanWorkers(const EngineOptions& options, const Device& device) {
   }
   plan.share = SplitHost(ReadHostTopology(), plan.local, gpu_nodes, options.trainer_threads);
   plan.threads = plan.share.Workers(options.cpu_threads, CpuThreadsCap(options.cpu_threads_max));
-  int pin_option = options.pin_cpu_threads;
-  if (pin_option < 0) {
-    const char* env = std::getenv("FERRY_PIN_CPU_THREADS");
-    if (env != nullptr && (std::string_view(env) == "0" || std::string_view(env) == "1")) pin_option = *env - '0';
-  }
-  const bool pin = pin_option > 0 || (pin_option < 0 && plan.share.split);
-  if (pin) plan.cpus = plan.share.WorkerSet();
+  plan.cpus = plan.share.RestrictedTo(PinCpuThreads(options.pin_cpu_threads));
   return plan;
 }
 
