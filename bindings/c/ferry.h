@@ -215,6 +215,8 @@ typedef struct {
    * wall time its rounds ran, and the bytes they read and wrote */
   double cpu_adam_busy_seconds;
   uint64_t cpu_adam_bytes;
+  /* of pinned_bytes, those huge pages back (ferry::EngineStats::pinned_huge_bytes) */
+  uint64_t pinned_huge_bytes;
 } ferry_stats;
 
 ferry_status ferry_get_stats(ferry_engine* engine, ferry_stats* out);

@@ -363,6 +363,7 @@ ferry_status ferry_get_stats_sized(ferry_engine* engine, void* out_bytes, size_t
   out->host_registrations = s.host_registrations;
   out->pinned_host_calls = s.pinned_host_calls;
   out->pinned_bytes = s.pinned_bytes;
+  out->pinned_huge_bytes = s.pinned_huge_bytes;
   out->gpu_state_bytes = s.gpu_state_bytes;
   out->checkpoint_copied_aside_bytes = s.checkpoint_copied_aside_bytes;
   out->early_groups_kept = s.early_groups_kept;

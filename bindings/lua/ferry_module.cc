@@ -426,6 +426,7 @@ int LEngineStats(lua_State* L) {
       {"step", static_cast<double>(s.step)},
       {"host_registrations", static_cast<double>(s.host_registrations)},
       {"pinned_bytes", static_cast<double>(s.pinned_bytes)},
+      {"pinned_huge_bytes", static_cast<double>(s.pinned_huge_bytes)},
       {"gpu_state_bytes", static_cast<double>(s.gpu_state_bytes)},
       {"checkpoint_copied_aside_bytes", static_cast<double>(s.checkpoint_copied_aside_bytes)},
       {"early_groups_kept", static_cast<double>(s.early_groups_kept)},

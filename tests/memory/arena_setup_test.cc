@@ -4,6 +4,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -128,6 +129,7 @@ TEST(ArenaSetupTest, SetupRecordsTheSteps) {
   EXPECT_GE(setup.register_seconds, 0.0);
   EXPECT_DOUBLE_EQ(setup.total_seconds(),
                    setup.reserve_seconds + setup.prefault_seconds + setup.register_seconds);
+  EXPECT_EQ(setup.huge_bytes, 0u) << "base pages, marked so that khugepaged leaves them";
   EXPECT_EQ(setup.host_calls, 2u);  // one mmap, one registration
   EXPECT_EQ(arena->stats().host_calls, 2u);
   EXPECT_EQ(setup.numa_applied, arena->numa_applied());
@@ -147,6 +149,10 @@ TEST(ArenaSetupTest, TransparentHugePagesAreAlignedOrExplained) {
     EXPECT_EQ(reinterpret_cast<uintptr_t>(arena->base()) % (2 * kMiB), 0u);
   }
   EXPECT_EQ(arena->capacity(), 8 * kMiB);
+  // What the kernel managed to back with huge pages: whole ones, within the region (on a host with
+  // memory to spare, all of it; a fragmented one may give fewer).
+  EXPECT_LE(arena->setup().huge_bytes, arena->capacity());
+  EXPECT_EQ(arena->setup().huge_bytes % (2 * kMiB), 0u);
   EXPECT_EQ(ResidentPages(arena->base(), arena->capacity()), arena->capacity() / PageSize());
   std::memset(arena->base(), 0x42, arena->capacity());  // all of it is usable memory
 
@@ -155,6 +161,41 @@ TEST(ArenaSetupTest, TransparentHugePagesAreAlignedOrExplained) {
   ASSERT_NE(small, nullptr);
   EXPECT_EQ(small->setup().pages, PageKind::kBase);
   EXPECT_EQ(small->capacity(), size_t{64} << 10);
+}
+
+// The huge-page bytes of a range, from /proc/<pid>/smaps: only mappings that overlap it count, each
+// at most its overlap (a mapping merged with a neighbour), and every kind of PMD mapping counts.
+TEST(HugeBackedBytesTest, CountsTheRangesHugePagesFromSmaps) {
+  const std::string smaps =
+      "7f0000000000-7f0000400000 rw-p 00000000 00:00 0 \n"  // before the range: 4 MiB, all huge
+      "Size:               4096 kB\n"
+      "AnonHugePages:      4096 kB\n"
+      "VmFlags: rd wr mr mw me ac sd hg\n"
+      "7f0000400000-7f0000c00000 rw-p 00000000 00:00 0 \n"  // 8 MiB, 2 MiB of it before the range
+      "Size:               8192 kB\n"
+      "AnonHugePages:      8192 kB\n"
+      "ShmemPmdMapped:        0 kB\n"
+      "THPeligible:    1\n"
+      "7f0000c00000-7f0001000000 rw-s 00000000 00:05 1234  /dev/zero (deleted)\n"  // 4 MiB, 2 MiB huge
+      "AnonHugePages:         0 kB\n"
+      "ShmemPmdMapped:     2048 kB\n"
+      "FilePmdMapped:         0 kB\n"
+      "7f0001000000-7f0001200000 rw-p 00000000 00:00 0 [anon:after]\n"  // after the range
+      "AnonHugePages:      2048 kB\n";
+  const uintptr_t begin = 0x7f0000600000, end = 0x7f0001000000;  // 10 MiB
+  EXPECT_EQ(memory_internal::HugeBackedBytesIn(smaps, begin, end), 6 * kMiB + 2 * kMiB);
+  EXPECT_EQ(memory_internal::HugeBackedBytesIn(smaps, 0x7f0000000000, 0x7f0000200000), 2 * kMiB);
+  EXPECT_EQ(memory_internal::HugeBackedBytesIn(smaps, 0x6000, 0x8000), 0u);
+  EXPECT_EQ(memory_internal::HugeBackedBytesIn("", begin, end), 0u);
+  // A hugetlb region is huge pages all through; base pages of this process read 0.
+  const size_t bytes = 64 << 10;  // a mapping of its own (smaller than a huge page) that THP leaves alone
+  void* plain = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  ASSERT_NE(plain, MAP_FAILED) << std::strerror(errno);
+  ASSERT_EQ(madvise(plain, bytes, MADV_NOHUGEPAGE), 0) << std::strerror(errno);
+  std::memset(plain, 1, bytes);
+  EXPECT_EQ(memory_internal::HugeBackedBytes(plain, bytes, PageKind::kHugetlb), bytes);
+  EXPECT_EQ(memory_internal::HugeBackedBytes(plain, bytes, PageKind::kBase), 0u);
+  munmap(plain, bytes);
 }
 
 TEST(ArenaSetupTest, HugetlbWithoutRoomFailsWithHowToGrowThePool) {

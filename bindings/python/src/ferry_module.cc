@@ -295,6 +295,7 @@ class PyEngine {
     d["last_step_skipped"] = s.last_step_skipped;
     d["last_grad_norm"] = s.last_grad_norm;
     d["pinned_bytes"] = s.pinned_bytes;
+    d["pinned_huge_bytes"] = s.pinned_huge_bytes;
     d["gpu_state_bytes"] = s.gpu_state_bytes;
     d["host_registrations"] = s.host_registrations;
     d["pinned_host_calls"] = s.pinned_host_calls;

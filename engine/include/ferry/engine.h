@@ -221,6 +221,10 @@ struct EngineStats {
   bool last_step_skipped = false;
   double last_grad_norm = 0.0;      // global L2 norm of the unscaled grads at the last checked step
   size_t pinned_bytes = 0;          // pinned host memory reserved (offloaded state and the staging ring)
+  // Of pinned_bytes, those huge pages back (read once per arena, after its pages were faulted in):
+  // below pinned_bytes with transparent huge pages, the kernel could not find them all (fragmented
+  // memory), and CPU Adam pays in TLB misses.
+  size_t pinned_huge_bytes = 0;
   size_t gpu_state_bytes = 0;       // device memory held for GPU groups' state (master, m, v)
   // Offloaded state that steps copied aside because they overtook an asynchronous save's writer
   // (copy-on-write; the rest was written in place), summed over all saves.

@@ -477,6 +477,7 @@ EngineStats EngineImpl::Stats() const {
   if (optimizer_ != nullptr) {
     s.step = optimizer_->num_groups() > 0 ? optimizer_->group_step(0) : 0;
     s.pinned_bytes = optimizer_->pinned_bytes();
+    s.pinned_huge_bytes = optimizer_->pinned_huge_bytes();
     s.gpu_state_bytes = optimizer_->gpu_state_bytes();
     s.spare_state_bytes = optimizer_->spare_bytes();
     s.cpu_adam_busy_seconds = optimizer_->cpu_adam_busy_seconds();

@@ -9,6 +9,7 @@
 #include <cerrno>
 #include <cstring>
 #include <fstream>
+#include <iterator>
 #include <string>
 #include <system_error>
 #include <thread>
@@ -329,6 +330,50 @@ int AutoPrefaultThreads(size_t bytes, const std::vector<int>& toucher_nodes) {
   const size_t by_size = std::max<size_t>(1, bytes / kBytesPerPrefaultThread);
   return static_cast<int>(
       std::min<size_t>({by_size, static_cast<size_t>(cpus), static_cast<size_t>(kMaxPrefaultThreads)}));
+}
+
+size_t HugeBackedBytesIn(std::string_view smaps, uintptr_t begin, uintptr_t end) {
+  size_t total = 0;
+  size_t overlap = 0;  // of the mapping being read; 0: it does not overlap [begin, end)
+  size_t huge = 0;     // its huge bytes so far
+  auto close = [&] {
+    total += std::min(huge, overlap);
+    overlap = huge = 0;
+  };
+  for (absl::string_view line : absl::StrSplit(ToAbsl(smaps), '\n')) {
+    const size_t colon = line.find(':');
+    const size_t dash = line.find('-');
+    if (dash != absl::string_view::npos && (colon == absl::string_view::npos || dash < colon)) {
+      // A mapping's header: "start-end perms offset dev inode path".
+      uint64_t lo = 0, hi = 0;
+      const absl::string_view range = line.substr(0, line.find(' '));
+      const size_t d = range.find('-');
+      if (d != absl::string_view::npos && absl::SimpleHexAtoi(range.substr(0, d), &lo) &&
+          absl::SimpleHexAtoi(range.substr(d + 1), &hi)) {
+        close();
+        const uint64_t a = std::max<uint64_t>(lo, begin), b = std::min<uint64_t>(hi, end);
+        overlap = b > a ? static_cast<size_t>(b - a) : 0;
+        continue;
+      }
+    }
+    if (overlap == 0 || colon == absl::string_view::npos) continue;
+    const absl::string_view key = line.substr(0, colon);
+    if (key != "AnonHugePages" && key != "ShmemPmdMapped" && key != "FilePmdMapped") continue;
+    std::vector<absl::string_view> parts = absl::StrSplit(line.substr(colon + 1), ' ', absl::SkipWhitespace());
+    uint64_t kb = 0;
+    if (!parts.empty() && absl::SimpleAtoi(parts[0], &kb)) huge += static_cast<size_t>(kb) * 1024;
+  }
+  close();
+  return total;
+}
+
+size_t HugeBackedBytes(const void* base, size_t bytes, PageKind kind) {
+  if (kind == PageKind::kHugetlb) return bytes;
+  std::ifstream in("/proc/self/smaps");
+  if (!in) return 0;
+  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const auto begin = reinterpret_cast<uintptr_t>(base);
+  return HugeBackedBytesIn(text, begin, begin + bytes);
 }
 
 }  // namespace memory_internal

@@ -208,6 +208,7 @@ absl::StatusOr<std::unique_ptr<PinnedArena>> PinnedArena::Create(
     return RegistrationError(s, *device, capacity, name);
   }
   setup.register_seconds = Seconds(start);
+  setup.huge_bytes = memory_internal::HugeBackedBytes(region->base(), capacity, region->kind());
 
   std::move(give_back).Cancel();
   counters.arenas_created.fetch_add(1);

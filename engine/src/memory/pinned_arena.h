@@ -74,6 +74,10 @@ struct ArenaSetup {
   std::string pages_note;     // why the pages differ from what options.huge_pages asked ("" if not)
   bool numa_applied = false;  // see PinnedArena::numa_applied()
   int prefault_threads = 0;   // threads that faulted the pages in; 0: left to the registration
+  // Bytes of the region huge pages back once it was faulted in (hugetlb: all; THP: what the kernel
+  // managed, from /proc/self/smaps; see memory_internal::HugeBackedBytes). Left to the registration
+  // (prefault_threads 0): read after it.
+  size_t huge_bytes = 0;
   double reserve_seconds = 0;   // budget, mmap, madvise and mbind
   double prefault_seconds = 0;  // faulting every page in
   double register_seconds = 0;  // Device::RegisterHost

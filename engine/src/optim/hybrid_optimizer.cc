@@ -547,6 +547,11 @@ size_t HybridOptimizer::pinned_bytes() const {
   return (arena_ == nullptr ? 0 : arena_->capacity()) + (spare_arena_ == nullptr ? 0 : spare_arena_->capacity());
 }
 
+size_t HybridOptimizer::pinned_huge_bytes() const {
+  return (arena_ == nullptr ? 0 : arena_->setup().huge_bytes) +
+         (spare_arena_ == nullptr ? 0 : spare_arena_->setup().huge_bytes);
+}
+
 size_t HybridOptimizer::gpu_state_bytes() const {
   size_t n = 0;
   for (const Group& g : groups_) n += g.device_state.bytes();

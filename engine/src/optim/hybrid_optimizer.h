@@ -267,6 +267,8 @@ class HybridOptimizer final {
   bool offloaded(size_t g) const { return groups_[g].offloaded; }
   const AdamHyper& hyper() const { return options_.hyper; }
   size_t pinned_bytes() const;
+  // Of pinned_bytes(), those huge pages back (ArenaSetup::huge_bytes of each arena).
+  size_t pinned_huge_bytes() const;
   size_t spare_bytes() const { return spare_arena_ == nullptr ? 0 : spare_arena_->capacity(); }
   // The wall time CPU Adam rounds were running (rounds back to back counted once), and the bytes they
   // moved (CpuAdamTrafficBytes), summed over every step since creation: early passes, deferred
