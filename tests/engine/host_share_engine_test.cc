@@ -8,10 +8,12 @@
 #include <vector>
 
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "base/host_share.h"
 #include "engine/engine_test_util.h"
 #include "ferry/engine.h"
+#include "ferry/status.h"
 #include "gtest/gtest.h"
 #include "memory/pinned_budget.h"
 
@@ -34,12 +36,34 @@ std::set<int> Cpus(const std::string& list) {
   return out;
 }
 
+// Why this process cannot be split among local ranks ("" when it can).
+std::string WhyNotSplittable(const HostTopology& topo) {
+  if (topo.cpus.size() >= 2 && static_cast<int>(topo.cpus.size()) >= topo.online_cpus) return "";
+  return absl::StrCat("needs 2 or more CPUs and a process not bound by its launcher (", topo.cpus.size(), " of ",
+                      topo.online_cpus, ")");
+}
+
+// The engine of local rank `r` of `ranks` on the host backend, its workers pinned as `pin` says,
+// after one offloaded step of `param`.
+absl::StatusOr<std::unique_ptr<Engine>> RankEngine(int r, int ranks, int pin, std::vector<float>& param,
+                                                   std::vector<float>& grad) {
+  EngineOptions o;
+  o.device = "host";  // no GPU node: the host is split flat, whatever its nodes
+  o.policy_path = engine_test::Policies() + "offload_all.lua";
+  o.local_rank = r;
+  o.local_world_size = ranks;
+  o.pin_cpu_threads = pin;
+  FERRY_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine, Engine::Create(o));
+  FERRY_RETURN_IF_ERROR(engine->AddParam({.name = "w", .shape = {static_cast<int64_t>(param.size())},
+                                          .dtype = DType::kF32, .param = param.data(), .grad = grad.data()}));
+  FERRY_RETURN_IF_ERROR(engine->Finalize());
+  FERRY_RETURN_IF_ERROR(engine->Step());  // the workers run a step
+  return engine;
+}
+
 TEST(HostShareEngineTest, LocalRanksTakeDisjointSharesAndTheBudgetSplits) {
   const HostTopology topo = ReadHostTopology();
-  if (topo.cpus.size() < 2 || static_cast<int>(topo.cpus.size()) < topo.online_cpus) {
-    GTEST_SKIP() << "needs 2 or more CPUs and a process not bound by its launcher (" << topo.cpus.size() << " of "
-                 << topo.online_cpus << ")";
-  }
+  if (const std::string why = WhyNotSplittable(topo); !why.empty()) GTEST_SKIP() << why;
   const size_t full = PinnedBudget::DefaultProcessLimit();
   ASSERT_EQ(PinnedBudget::Process().limit(), full);
   const int ranks = 2;
@@ -48,18 +72,8 @@ TEST(HostShareEngineTest, LocalRanksTakeDisjointSharesAndTheBudgetSplits) {
   std::set<int> seen;
   size_t total = 0;
   for (int r = 0; r < ranks; ++r) {
-    EngineOptions o;
-    o.device = "host";
-    o.policy_path = engine_test::Policies() + "offload_all.lua";
-    o.local_rank = r;
-    o.local_world_size = ranks;
-    o.pin_cpu_threads = 1;
-    auto engine = Engine::Create(o);
+    auto engine = RankEngine(r, ranks, /*pin=*/1, param, grad);
     ASSERT_TRUE(engine.ok()) << engine.status();
-    ASSERT_OK((*engine)->AddParam({.name = "w", .shape = {64}, .dtype = DType::kF32, .param = param.data(),
-                                   .grad = grad.data()}));
-    ASSERT_OK((*engine)->Finalize());
-    ASSERT_OK((*engine)->Step());  // the restricted workers run a step
     const EngineStats s = (*engine)->Stats();
     EXPECT_EQ(s.local_rank, r);
     EXPECT_EQ(s.local_world_size, ranks);
@@ -70,7 +84,7 @@ TEST(HostShareEngineTest, LocalRanksTakeDisjointSharesAndTheBudgetSplits) {
     EXPECT_GE(s.cpu_threads, 1u);
     for (int c : cpus) EXPECT_TRUE(seen.insert(c).second) << "CPU " << c << " in two ranks' shares";
     // Each share: its workers' CPUs plus the trainer's (the share of a 1-CPU slice keeps it for the workers).
-    const HostShare share = SplitHost(topo, LocalRanks{r, ranks, "test"}, {}, o.trainer_threads);
+    const HostShare share = SplitHost(topo, LocalRanks{r, ranks, "test"}, {}, EngineOptions{}.trainer_threads);
     EXPECT_EQ(cpus.size() + share.trainer_cpus, share.cpus.size());
     total += share.cpus.size();
     EXPECT_EQ(s.pinned_limit_bytes, full / ranks);
@@ -83,29 +97,15 @@ TEST(HostShareEngineTest, LocalRanksTakeDisjointSharesAndTheBudgetSplits) {
 
 TEST(HostShareEngineTest, ByDefaultTheSharesWorkersAreNotRestrictedOnAHostNotSplitByNode) {
   const HostTopology topo = ReadHostTopology();
-  if (topo.cpus.size() < 2 || static_cast<int>(topo.cpus.size()) < topo.online_cpus) {
-    GTEST_SKIP() << "needs 2 or more CPUs and a process not bound by its launcher (" << topo.cpus.size() << " of "
-                 << topo.online_cpus << ")";
-  }
+  if (const std::string why = WhyNotSplittable(topo); !why.empty()) GTEST_SKIP() << why;
   const size_t full = PinnedBudget::DefaultProcessLimit();
   std::vector<float> param(64, 0.5f), grad(64, 0.25f);
   for (int r = 0; r < 2; ++r) {
-    EngineOptions o;
-    o.device = "host";  // no GPU node: the host is split flat, whatever its nodes
-    o.policy_path = engine_test::Policies() + "offload_all.lua";
-    o.local_rank = r;
-    o.local_world_size = 2;
-    o.pin_cpu_threads = -1;
-    o.cpu_threads_max = 0;
-    auto engine = Engine::Create(o);
+    auto engine = RankEngine(r, 2, /*pin=*/-1, param, grad);
     ASSERT_TRUE(engine.ok()) << engine.status();
-    ASSERT_OK((*engine)->AddParam({.name = "w", .shape = {64}, .dtype = DType::kF32, .param = param.data(),
-                                   .grad = grad.data()}));
-    ASSERT_OK((*engine)->Finalize());
-    ASSERT_OK((*engine)->Step());
     const EngineStats s = (*engine)->Stats();
     EXPECT_EQ(s.cpu_list, "") << "not restricted: " << s.host_share;
-    const HostShare share = SplitHost(topo, LocalRanks{r, 2, "test"}, {}, o.trainer_threads);
+    const HostShare share = SplitHost(topo, LocalRanks{r, 2, "test"}, {}, EngineOptions{}.trainer_threads);
     EXPECT_TRUE(share.split);
     EXPECT_EQ(s.cpu_threads, share.Workers(0, CpuThreadsCap(0))) << "the share's count, restricted or not";
   }
