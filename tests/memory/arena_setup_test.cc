@@ -187,7 +187,8 @@ TEST(HugeBackedBytesTest, CountsTheRangesHugePagesFromSmaps) {
   EXPECT_EQ(memory_internal::HugeBackedBytesIn(smaps, 0x7f0000000000, 0x7f0000200000), 2 * kMiB);
   EXPECT_EQ(memory_internal::HugeBackedBytesIn(smaps, 0x6000, 0x8000), 0u);
   EXPECT_EQ(memory_internal::HugeBackedBytesIn("", begin, end), 0u);
-  // A hugetlb region is huge pages all through; base pages of this process read 0.
+  // A hugetlb region is huge pages all through; a base-page region reads 0 without a look, and so
+  // does a range of this process that THP leaves alone, read from smaps.
   const size_t bytes = 64 << 10;  // a mapping of its own (smaller than a huge page) that THP leaves alone
   void* plain = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   ASSERT_NE(plain, MAP_FAILED) << std::strerror(errno);
@@ -195,6 +196,7 @@ TEST(HugeBackedBytesTest, CountsTheRangesHugePagesFromSmaps) {
   std::memset(plain, 1, bytes);
   EXPECT_EQ(memory_internal::HugeBackedBytes(plain, bytes, PageKind::kHugetlb), bytes);
   EXPECT_EQ(memory_internal::HugeBackedBytes(plain, bytes, PageKind::kBase), 0u);
+  EXPECT_EQ(memory_internal::HugeBackedBytes(plain, bytes, PageKind::kTransparentHuge), 0u);
   munmap(plain, bytes);
 }
 

@@ -341,27 +341,24 @@ size_t HugeBackedBytesIn(std::string_view smaps, uintptr_t begin, uintptr_t end)
     overlap = huge = 0;
   };
   for (absl::string_view line : absl::StrSplit(ToAbsl(smaps), '\n')) {
-    const size_t colon = line.find(':');
-    const size_t dash = line.find('-');
-    if (dash != absl::string_view::npos && (colon == absl::string_view::npos || dash < colon)) {
-      // A mapping's header: "start-end perms offset dev inode path".
-      uint64_t lo = 0, hi = 0;
-      const absl::string_view range = line.substr(0, line.find(' '));
-      const size_t d = range.find('-');
-      if (d != absl::string_view::npos && absl::SimpleHexAtoi(range.substr(0, d), &lo) &&
-          absl::SimpleHexAtoi(range.substr(d + 1), &hi)) {
-        close();
-        const uint64_t a = std::max<uint64_t>(lo, begin), b = std::min<uint64_t>(hi, end);
-        overlap = b > a ? static_cast<size_t>(b - a) : 0;
-        continue;
-      }
+    // A mapping's header starts with its range, "start-end perms offset dev inode path"; a field's
+    // line with its name, "AnonHugePages:   2048 kB".
+    const absl::string_view first = line.substr(0, line.find(' '));
+    const size_t dash = first.find('-');
+    uint64_t lo = 0, hi = 0;
+    if (dash != absl::string_view::npos && absl::SimpleHexAtoi(first.substr(0, dash), &lo) &&
+        absl::SimpleHexAtoi(first.substr(dash + 1), &hi)) {
+      close();
+      const uint64_t a = std::max<uint64_t>(lo, begin), b = std::min<uint64_t>(hi, end);
+      overlap = b > a ? static_cast<size_t>(b - a) : 0;
+      continue;
     }
-    if (overlap == 0 || colon == absl::string_view::npos) continue;
-    const absl::string_view key = line.substr(0, colon);
-    if (key != "AnonHugePages" && key != "ShmemPmdMapped" && key != "FilePmdMapped") continue;
-    std::vector<absl::string_view> parts = absl::StrSplit(line.substr(colon + 1), ' ', absl::SkipWhitespace());
+    if (overlap == 0) continue;
+    if (first != "AnonHugePages:" && first != "ShmemPmdMapped:" && first != "FilePmdMapped:") continue;
     uint64_t kb = 0;
-    if (!parts.empty() && absl::SimpleAtoi(parts[0], &kb)) huge += static_cast<size_t>(kb) * 1024;
+    if (absl::SimpleAtoi(absl::StripAsciiWhitespace(absl::StripSuffix(line.substr(first.size()), "kB")), &kb)) {
+      huge += static_cast<size_t>(kb) * 1024;
+    }
   }
   close();
   return total;
@@ -369,6 +366,7 @@ size_t HugeBackedBytesIn(std::string_view smaps, uintptr_t begin, uintptr_t end)
 
 size_t HugeBackedBytes(const void* base, size_t bytes, PageKind kind) {
   if (kind == PageKind::kHugetlb) return bytes;
+  if (kind == PageKind::kBase) return 0;  // marked MADV_NOHUGEPAGE (ReserveHostRegion), or under a huge page
   std::ifstream in("/proc/self/smaps");
   if (!in) return 0;
   const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());

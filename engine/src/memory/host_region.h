@@ -115,10 +115,12 @@ absl::StatusOr<int> PrefaultRegion(void* base, size_t bytes, PageKind kind, int 
 size_t HugeBackedBytesIn(std::string_view smaps, uintptr_t begin, uintptr_t end);
 
 // The bytes of this process's [base, base + bytes) that huge pages back now: every byte of a
-// kHugetlb region, else HugeBackedBytesIn of /proc/self/smaps (the kernel walks every mapping's page
-// tables for it: 40-77 ms for a process holding 4 GiB of base pages on a 2-CPU VM, far less per GiB
-// of huge pages; arenas ask once, after a prefault that takes longer); 0 when smaps cannot be read. THP regions the kernel could not back with huge pages (fragmented memory,
-// THP defrag off) read low, and CPU Adam runs slower through their TLB misses.
+// kHugetlb region, none of a kBase one (marked MADV_NOHUGEPAGE, or smaller than a huge page), and
+// for a kTransparentHuge one HugeBackedBytesIn of /proc/self/smaps (the kernel walks every mapping's
+// page tables for it: 40-77 ms for a process holding 4 GiB of base pages on a 2-CPU VM, far less per
+// GiB of huge pages; arenas ask once, after a prefault that takes longer); 0 when smaps cannot be
+// read. THP regions the kernel could not back with huge pages (fragmented memory, THP defrag off)
+// read low, and CPU Adam runs slower through their TLB misses.
 size_t HugeBackedBytes(const void* base, size_t bytes, PageKind kind);
 
 // The number of prefault threads for a region of `bytes` when the options say "auto": one per 64 MiB,
