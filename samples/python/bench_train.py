@@ -295,6 +295,7 @@ def run_row(row, model, init, data, loop, args):
     if opt is None:
         return None, None, None, announcer
     scaler, kind = loop.scaler(), row["kind"]
+    row["placed"] = placed_share(opt) if kind == "ferry" else None
     losses, norms = [], []
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     sync()
@@ -339,6 +340,18 @@ def run_row(row, model, init, data, loop, args):
     row["deferred"] = deferred
     row["clip"] = loop.clip_verdict(norms)
     return iteration, torch.stack(losses).float().cpu(), alone, None
+
+
+def placed_share(opt):
+    """(share of the params offloaded, offloaded groups, groups) from opt.placement(), or None where
+    this ferry.torch has no placement(). Placement is by param group: with one group, `offload_fraction`
+    offloads all of it or nothing."""
+    if not hasattr(opt, "placement"):
+        return None
+    groups = opt.placement()
+    total = sum(g["numel"] for g in groups)
+    off = [g for g in groups if g["offloaded"]]
+    return (sum(g["numel"] for g in off) / total if total else 0.0), len(off), len(groups)
 
 
 def cpu_update(before, after, steps):
@@ -478,6 +491,11 @@ def bench_size(name, args):
             line += "   bound: step alone %.1f ms (%s)" % (alone * 1e3, bound)
         if row.get("deferred"):
             line += "   [%d of %d steps deferred]" % (row["deferred"], args.warmup + args.steps)
+        if row.get("policy_args", {}).get("fraction") is not None and row.get("placed"):
+            share, off, n = row["placed"]
+            line += "   [offloaded %.0f%% of the params: %d of %d param groups%s]" % (
+                100 * share, off, n, "; placement is by group" if abs(share - float(row["policy_args"]["fraction"])) > 0.1
+                else "")
         line += cpu_text(row.get("cpu"))
         clip_text, clip_ok = row["clip"]
         if clip_text:

@@ -178,12 +178,22 @@ def worker(rank, world, local_rank, args):
         gather = (lambda: dist.all_gather_into_tensor(flat.narrow(0, 0, piece.numel() * world), piece)) \
             if hasattr(dist, "all_gather_into_tensor") and dist.get_backend() == "nccl" else \
             (lambda: dist.all_gather(list(flat.narrow(0, 0, piece.numel() * world).chunk(world)), piece))
-        def units_alone():  # every unit, nothing to wait for (the host waits only for the GPU below)
-            opt._zero.begin_gathers()
-            opt._zero.gather_rest(lambda ks, stream: None)
+        def units_alone(coalesce):  # every unit, nothing to wait for (the host waits only for the GPU below)
+            def run():
+                opt._zero.coalesce = coalesce
+                opt._zero.begin_gathers()
+                opt._zero.gather_rest(lambda ks, stream: None)
+            return run
 
-        alone, units = [], []
-        for fn, into in ((gather, alone), (units_alone, units)):
+        grouped = opt._zero.coalesce
+        runs = [("one all-gather", gather, [])]
+        if grouped:  # the default group size first, then larger ones and every unit in one group
+            for cap in sorted({grouped, 4 * grouped, 1 << 62}):
+                what = "in one NCCL group" if cap == 1 << 62 else "in NCCL groups of %d MiB%s" % (
+                    cap >> 20, " (the default)" if cap == grouped else "")
+                runs.append(("ZeRO-1's units %s" % what, units_alone(cap), []))
+        runs.append(("ZeRO-1's units one by one", units_alone(0), []))
+        for _, fn, into in runs:
             for _ in range(12):
                 sync(device)
                 dist.barrier()
@@ -192,13 +202,16 @@ def worker(rank, world, local_rank, args):
                 sync(device)
                 into.append(time.perf_counter() - t0)
         opt._zero.finish_gathers()
+        opt._zero.coalesce = grouped
         if rank == 0:
-            ceiling, ours = statistics.median(alone[2:]), statistics.median(units[2:])
             bus = lambda s: (world - 1) / world * numel * elem / s / 1e9  # noqa: E731
-            print("  all-gather alone: ZeRO-1's (%d units, %d in place) %.3f ms (%.1f GB/s bus) vs %s's one "
-                  "all-gather of the same bytes %.3f ms (%.1f GB/s bus): %.0f%%"
-                  % (opt.sharding["gather_units"], opt.sharding["gather_units_in_place"], 1e3 * ours, bus(ours), dist.get_backend(), 1e3 * ceiling,
-                     bus(ceiling), 100.0 * ceiling / ours))
+            ceiling = statistics.median(runs[0][2][2:])
+            print("  all-gather alone (%d units, %d in place): %s's one all-gather of the same bytes %.3f ms "
+                  "(%.1f GB/s bus)" % (opt.sharding["gather_units"], opt.sharding["gather_units_in_place"],
+                                       dist.get_backend(), 1e3 * ceiling, bus(ceiling)))
+            for what, _, into in runs[1:]:
+                ours = statistics.median(into[2:])
+                print("    %-52s %.3f ms (%.1f GB/s bus): %.0f%% of it" % (what, 1e3 * ours, bus(ours), 100.0 * ceiling / ours))
             sys.stdout.flush()
 
 

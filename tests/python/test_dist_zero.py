@@ -335,3 +335,43 @@ def test_zero1_attached_gathers_in_forward_bit_identical(world, tmp_path):
             assert_same_bits(a, b, "world %d rank %d: param %d" % (world, rank, i))
     assert not torch.equal(ref["params"][0], Reversed().layers[0].weight.detach())  # the run moved
     assert torch.equal(ref["params"][-1], Reversed().unused.bias.detach())  # no grad: unchanged
+
+
+def test_nccl_gather_runs_cover_the_units_in_order_within_the_cap():
+    """ZeRO-1's NCCL gathers group consecutive units into runs of at most the cap's bytes (a larger
+    unit alone), each run as long as the cap allows, every unit of first..last once, in order."""
+    from ferry import _zero
+    rng = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    for _ in range(200):
+        n = int(torch.randint(1, 40, (1,), generator=rng))
+        sizes = [int(s) for s in torch.randint(1, 300, (n,), generator=rng)]
+        cap = int(torch.randint(1, 600, (1,), generator=rng))
+        first = int(torch.randint(0, n, (1,), generator=rng))
+        last = int(torch.randint(first, n, (1,), generator=rng))
+        runs = list(_zero.coalesced_runs(sizes, first, last, cap))
+        assert [j for j, end in runs for j in range(j, end + 1)] == list(range(first, last + 1)), (sizes, cap, runs)
+        for j, end in runs:
+            size = sum(sizes[j:end + 1])
+            assert size <= cap or end == j, (sizes, cap, runs)
+            if end < last:  # the next unit would not have fitted
+                assert size + sizes[end + 1] > cap or size >= cap, (sizes, cap, runs)
+    assert list(_zero.coalesced_runs([5, 5, 5], 1, 2, 0)) == [(1, 1), (2, 2)]
+
+
+@pytest.mark.parametrize("text,expected", [(None, 1 << 30), ("", 1 << 30), ("0", 0), ("64", 64 << 20),
+                                           ("0.5", 1 << 19)])
+def test_gather_group_size_comes_from_the_environment(monkeypatch, text, expected):
+    from ferry import _zero
+    if text is None:
+        monkeypatch.delenv("FERRY_ZERO_COALESCE_MB", raising=False)
+    else:
+        monkeypatch.setenv("FERRY_ZERO_COALESCE_MB", text)
+    assert _zero._coalesce_bytes() == expected
+
+
+@pytest.mark.parametrize("text", ["-1", "lots"])
+def test_a_bad_gather_group_size_is_named(monkeypatch, text):
+    from ferry import _zero
+    monkeypatch.setenv("FERRY_ZERO_COALESCE_MB", text)
+    with pytest.raises(ValueError, match="FERRY_ZERO_COALESCE_MB=%r" % text):
+        _zero._coalesce_bytes()

@@ -533,13 +533,15 @@ class Optimizer(StateMixin, _buckets.BucketMixin, _attach.AttachMixin, _zero.Sha
         the updated params runs: its backend and group), grad_check ("gloo", or the device of the
         trainer's NCCL group the step's gradient-check all-reduce runs on), replicated / dtensor (how many params of
         each kind), local_numel (the elements this rank's engine steps), gather_units (ZeRO-1's
-        all-gather units) and gather_units_in_place (those NCCL gathers in place, without copies)."""
+        all-gather units), gather_units_in_place (those NCCL gathers in place, without copies) and
+        gather_coalesced (whether NCCL gathers a run of units as one group)."""
         z = self._zero
         if z is None:
             return None
         return {"rank": z.rank, "world_size": z.world, "all_gather": z.gather_via if z.units else None,
                 "grad_check": z.comm.reduces_on,
                 "gather_units": len(z.units), "gather_units_in_place": z.units_in_place(),
+                "gather_coalesced": bool(z.coalesce),
                 "replicated": z.kind.count("replica"), "dtensor": z.kind.count("dtensor"),
                 "local_numel": sum(z.local_numel(k) for k in range(len(self._params)))}
 
