@@ -100,8 +100,13 @@ void PrintHostShares(std::FILE* out, int local_world_size) {
             : "";
     const std::string pinned =
         share.split ? absl::StrCat("; FERRY_PIN_CPU_THREADS=1: CPUs ", FormatCpuList(share.WorkerSet())) : "";
+    const std::string freed = share.split && cpus == share.WorkerSet() && PinCpuThreads(-1) < 0
+                                  ? absl::StrCat("; more than ", kFreeWorkersMaxRanks,
+                                                 " local ranks: each held to its slice; FERRY_PIN_CPU_THREADS=0: any CPU")
+                                  : "";
     const std::string where = cpus.empty() ? absl::StrCat("on any CPU of the process (not restricted", pinned, ")")
-                                           : absl::StrCat("on CPUs ", FormatCpuList(cpus), " (restricted to them)");
+                                           : absl::StrCat("on CPUs ", FormatCpuList(cpus), " (restricted to them", freed,
+                                                          ")");
     absl::FPrintF(out, "  local rank %d: up to %d CPU Adam workers%s %s; share: CPUs %s, %d CPU%s left to the trainer; "
                   "pinned budget %s\n",
                   r, workers, measured, where, FormatCpuList(share.cpus),

@@ -161,6 +161,37 @@ TEST(HostShareTest, WorkersAreRestrictedToTheirNodeByDefaultAndToTheirSliceWhenP
   EXPECT_TRUE(SplitHost(t, LocalRanks{0, 2, "test"}, {0, -1}, 1).RestrictedTo(-1).empty());
 }
 
+// More than kFreeWorkersMaxRanks ranks dividing the same CPUs: by default each rank's workers are held
+// to its own slice (less the trainer's CPUs), on a one-node host and within a node alike; 0 frees them.
+TEST(HostShareTest, TheWorkersOfMoreThanTwoRanksAreHeldToTheirSlicesByDefault) {
+  const HostTopology one = MakeHost(1, 64, 1);
+  for (int ranks : {3, 4}) {
+    std::set<int> seen;
+    for (int r = 0; r < ranks; ++r) {
+      const HostShare s = SplitHost(one, LocalRanks{r, ranks, "test"}, {}, 1);
+      EXPECT_EQ(s.split_among, static_cast<size_t>(ranks));
+      EXPECT_EQ(s.RestrictedTo(-1), s.WorkerSet()) << ranks << " ranks, rank " << r;
+      EXPECT_EQ(s.RestrictedTo(-1).size(), s.cpus.size() - 1) << "the slice less the trainer's CPU";
+      EXPECT_TRUE(s.RestrictedTo(0).empty());
+      for (int c : s.RestrictedTo(-1)) EXPECT_TRUE(seen.insert(c).second) << "CPU " << c << " in two ranks' sets";
+    }
+  }
+  EXPECT_EQ(SplitHost(one, LocalRanks{0, 2, "test"}, {}, 1).split_among, 2u);
+  // A 2-node host, 3 ranks' GPUs on node 0 and one on node 1: node 0's ranks are held to their
+  // slices, node 1's rank (alone on its node) to its node.
+  const HostTopology two = MakeHost(2, 16, 1);
+  const std::vector<int> gpu_nodes = {0, 0, 0, 1};
+  for (int r = 0; r < 3; ++r) {
+    const HostShare s = SplitHost(two, LocalRanks{r, 4, "test"}, gpu_nodes, 1);
+    EXPECT_EQ(s.split_among, 3u);
+    EXPECT_EQ(s.RestrictedTo(-1), s.WorkerSet()) << "rank " << r;
+  }
+  const HostShare last = SplitHost(two, LocalRanks{3, 4, "test"}, gpu_nodes, 1);
+  EXPECT_EQ(last.split_among, 1u);
+  EXPECT_EQ(last.RestrictedTo(-1), last.node_cpus);
+  EXPECT_EQ(last.node_cpus.size(), 16u);
+}
+
 TEST(HostShareTest, PinCpuThreadsTakesTheOptionThenTheEnvironment) {
   const char* saved = std::getenv("FERRY_PIN_CPU_THREADS");
   const std::string keep = saved != nullptr ? saved : "";

@@ -238,6 +238,17 @@ TEST(CheckCommandTest, ShowsEachLocalRanksShareOfTheHost) {
   EXPECT_THAT(r.out, HasSubstr("pinned budget " + HumanBytes(static_cast<int64_t>(PinnedBudget::DefaultProcessLimit() / 2))));
   Result one = Check({kPolicies + "offload_all.lua", "--model", "a:1000", "--local_world_size", "1"});
   EXPECT_THAT(one.out, HasSubstr("one rank on this host: every CPU of the process"));
+  // More than two local ranks: each rank's workers are held to its slice by default.
+  Result four = Check({kPolicies + "offload_all.lua", "--model", "a:1000", "--local_world_size", "4"});
+  EXPECT_EQ(four.status, 0) << four.err;
+  for (int rank = 0; rank < 4; ++rank) {
+    const HostShare share = SplitHost(topo, LocalRanks{rank, 4, "test"}, {}, 1);
+    EXPECT_THAT(four.out, HasSubstr(absl::StrCat("  local rank ", rank, ": up to ", share.Workers(0, CpuThreadsCap(0)),
+                                                 " CPU Adam workers on CPUs ", FormatCpuList(share.WorkerSet()),
+                                                 " (restricted to them; more than 2 local ranks: each held to its "
+                                                 "slice; FERRY_PIN_CPU_THREADS=0: any CPU); share: CPUs ",
+                                                 FormatCpuList(share.cpus))));
+  }
 }
 
 // Per-group state precision: the table's last column and the bytes follow it (8 B per element with

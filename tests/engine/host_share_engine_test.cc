@@ -112,5 +112,22 @@ TEST(HostShareEngineTest, ByDefaultTheSharesWorkersAreNotRestrictedOnAHostNotSpl
   PinnedBudget::Process().set_limit(full);
 }
 
+TEST(HostShareEngineTest, ByDefaultTheWorkersOfMoreThanTwoRanksAreHeldToTheirSlices) {
+  const HostTopology topo = ReadHostTopology();
+  if (const std::string why = WhyNotSplittable(topo); !why.empty()) GTEST_SKIP() << why;
+  const size_t full = PinnedBudget::DefaultProcessLimit();
+  std::vector<float> param(64, 0.5f), grad(64, 0.25f);
+  const int ranks = 3;
+  for (int r = 0; r < ranks; ++r) {
+    auto engine = RankEngine(r, ranks, /*pin=*/-1, param, grad);
+    ASSERT_TRUE(engine.ok()) << engine.status();
+    const EngineStats s = (*engine)->Stats();
+    const HostShare share = SplitHost(topo, LocalRanks{r, ranks, "test"}, {}, EngineOptions{}.trainer_threads);
+    ASSERT_TRUE(share.split);
+    EXPECT_EQ(s.cpu_list, FormatCpuList(share.WorkerSet())) << "held to its slice: " << s.host_share;
+  }
+  PinnedBudget::Process().set_limit(full);
+}
+
 }  // namespace
 }  // namespace ferry

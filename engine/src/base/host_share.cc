@@ -230,6 +230,7 @@ HostShare SplitHost(const HostTopology& topo, const LocalRanks& local, const std
       }
     }
     share.split = true;
+    share.split_among = static_cast<size_t>(slices);
   }
   // One CPU per core first, then the second of each core, and so on.
   for (size_t level = 0;; ++level) {

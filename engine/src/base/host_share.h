@@ -56,6 +56,9 @@ LocalRanks DetectLocalRanks(int rank, int size, const std::map<std::string, std:
 // hosts: every one helped); larger ones keep headroom (HostShare::Workers) and stop at the host's
 // bandwidth knee (optim/worker_knee.h).
 inline constexpr size_t kSmallShareCpus = 16;
+// By default (HostShare::RestrictedTo), each rank's workers are held to its own slice where more local
+// ranks than this divide the CPUs.
+inline constexpr size_t kFreeWorkersMaxRanks = 2;
 
 struct HostShare {
   std::vector<int> cpus;         // the rank's CPUs, one per physical core first, then their siblings
@@ -64,6 +67,7 @@ struct HostShare {
   bool split = false;            // the host's CPUs were divided among the local ranks
   size_t split_of = 0;           // split: how many CPUs the local ranks divided (the process's, or its GPU's node's)
   bool launcher_bound = false;   // the process was already restricted to fewer CPUs than are online
+  size_t split_among = 1;        // split: how many local ranks divided those CPUs
   std::vector<int> node_cpus;    // split by NUMA node: every CPU of the process on the share's node
   std::string reason;            // how the share was chosen, for `ferry check` and the trace
 
@@ -75,14 +79,16 @@ struct HostShare {
   }
   // The CPUs CPU Adam's workers are restricted to (empty: not restricted), as `pin` says
   // (EngineOptions::pin_cpu_threads, resolved by PinCpuThreads): 1, the share's CPUs less the
-  // trainer's (WorkerSet); 0, none; -1 (the default), the CPUs of the share's NUMA node where the
-  // host was split by node (the rank's arena is there), else none. Restricting each rank's workers to
-  // its own slice of a one-node host ran the offloaded loop 2-13% slower (each lease's mean) than
-  // leaving them free (2 ranks on 32 CPUs, FSDP2; `ferry bench step` on 64 CPUs: tests/bench/README.md):
-  // the trainer's threads, which no restriction holds, land on the slice's CPUs, and a restricted
-  // worker cannot move away from them.
+  // trainer's (WorkerSet); 0, none; -1 (the default): WorkerSet where more than
+  // kFreeWorkersMaxRanks local ranks divided the CPUs, else the CPUs of the share's NUMA node where
+  // the host was split by node (the rank's arena is there), else none. Measured on hosts of one node
+  // (tests/bench/README.md): 2 ranks ran the offloaded loop 2-13% faster with their workers free
+  // (32 CPUs, FSDP2; `ferry bench step` on 64 CPUs): the trainer's threads, which no restriction
+  // holds, land on a slice's CPUs, and a restricted worker cannot move away from them. 4 ranks on 64
+  // CPUs ran the ZeRO-1 step 22% slower with free workers (246.3 against 192.7 ms, one lease): four
+  // pools of workers free over the same CPUs.
   std::vector<int> RestrictedTo(int pin) const {
-    if (pin > 0) return WorkerSet();
+    if (pin > 0 || (pin < 0 && split && split_among > kFreeWorkersMaxRanks)) return WorkerSet();
     if (pin < 0) return node_cpus;
     return {};
   }
