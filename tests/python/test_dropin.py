@@ -226,3 +226,18 @@ def test_torch_adamw_with_frozen_layers_over_many_steps(device):
     run(twin, ref, 30, heads, True, device)
     worst = max(ulps(p, q).max().item() for p, q in zip(model.parameters(), twin.parameters()))
     assert worst <= FP32_ULPS
+
+
+def test_a_fraction_the_groups_cannot_give_warns_naming_the_share(device):
+    """offload_fraction places whole param groups: one group with fraction 0.5 is offloaded whole
+    (the warning names the share and the groups); four equal groups give the fraction, no warning."""
+    layers = [torch.nn.Linear(32, 32).to(device) for _ in range(4)]
+    params = [p for m in layers for p in m.parameters()]
+    with pytest.warns(UserWarning, match=r"fraction=0.5, but 100% of the params are offloaded \(1 of 1 param groups\)"):
+        opt = ferry.torch.Optimizer(params, policy="offload_fraction", policy_args={"fraction": 0.5})
+    assert [g["offloaded"] for g in opt.placement()] == [True]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt = ferry.torch.Optimizer([{"params": list(m.parameters())} for m in layers], policy="offload_fraction",
+                                    policy_args={"fraction": 0.5})
+    assert [g["offloaded"] for g in opt.placement()] == [True, True, False, False]

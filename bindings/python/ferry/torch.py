@@ -76,6 +76,26 @@ def _caller_level():
     return level
 
 
+def _warn_if_placed_off_fraction(placement, fraction):
+    """Warns when a policy given `fraction` (offload_fraction and the policies built on it) placed a
+    share of the params more than 0.1 away from it: a param group is placed whole, so one group (a
+    model's parameters()) is offloaded all or nothing."""
+    try:
+        want = float(fraction)
+    except (TypeError, ValueError):
+        return
+    total = sum(g["numel"] for g in placement)
+    if not total or not 0.0 < want < 1.0:
+        return
+    off = [g for g in placement if g["offloaded"]]
+    share = sum(g["numel"] for g in off) / total
+    if abs(share - want) > 0.1:
+        warnings.warn("ferry.torch.Optimizer: policy_args fraction=%s, but %.0f%% of the params are offloaded (%d of %d "
+                      "param groups): a param group is placed whole; give the optimizer more groups (e.g. one per "
+                      "block) for a placement nearer the fraction" % (fraction, 100 * share, len(off), len(placement)),
+                      stacklevel=_caller_level())
+
+
 class Optimizer(StateMixin, _buckets.BucketMixin, _attach.AttachMixin, _zero.ShardedStepMixin, _ddp.DDPMixin,
                 _clip.ClipMixin, _amp.AmpMixin,
                 torch.optim.Optimizer):
@@ -179,6 +199,7 @@ class Optimizer(StateMixin, _buckets.BucketMixin, _attach.AttachMixin, _zero.Sha
         self._group_start = [sum(self._group_sizes[:gi]) for gi in range(len(self._group_sizes))]
         self._group_of = group_of
         self._offloaded = any(g["offloaded"] for g in engine.placement())
+        _warn_if_placed_off_fraction(engine.placement(), (policy_args or {}).get("fraction"))
         self._overlap = overlap
         self._overlap_off = False  # overlap=None: turned off for good by a step that was not safe
         self._warned = set()
