@@ -92,7 +92,8 @@ void PrintHostShares(std::FILE* out, int local_world_size) {
     for (int j = 0; !gpu_nodes.empty() && j < ranks; ++j) nodes.push_back(gpu_nodes[static_cast<size_t>(j) % gpu_nodes.size()]);
     const HostShare share = SplitHost(topo, LocalRanks{r, ranks, "check"}, nodes, /*trainer_threads=*/1);
     const size_t workers = share.Workers(0, CpuThreadsCap(0));
-    const std::vector<int> cpus = share.RestrictedTo(PinCpuThreads(-1));
+    const int pin = PinCpuThreads(-1);
+    const std::vector<int> cpus = share.RestrictedTo(pin);
     const std::string measured =
         share.shares_bandwidth()
             ? absl::StrFormat(" (ranks joined by a comm measure %s together)",
@@ -100,7 +101,7 @@ void PrintHostShares(std::FILE* out, int local_world_size) {
             : "";
     const std::string pinned =
         share.split ? absl::StrCat("; FERRY_PIN_CPU_THREADS=1: CPUs ", FormatCpuList(share.WorkerSet())) : "";
-    const std::string freed = share.split && cpus == share.WorkerSet() && PinCpuThreads(-1) < 0
+    const std::string freed = pin < 0 && share.split && cpus == share.WorkerSet()
                                   ? absl::StrCat("; more than ", kFreeWorkersMaxRanks,
                                                  " local ranks: each held to its slice; FERRY_PIN_CPU_THREADS=0: any CPU")
                                   : "";

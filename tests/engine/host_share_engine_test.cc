@@ -1,8 +1,9 @@
 // Engines of several local ranks in one process, as ranks sharing a host see them: each takes a
-// disjoint share of the CPUs (its workers restricted to it when pinned; by default as many workers
-// as the share gives, left free on a host not split by NUMA node), the shares add up, stats() shows
-// them, and the default pinned budget is divided among the local ranks. In its own binary: the budget
-// is the process's.
+// disjoint share of the CPUs (its workers restricted to it when pinned or where more than 2 ranks
+// divide the host; by default as many workers as the share gives, left free on a host not split by
+// NUMA node for 2 ranks), the shares add up, stats() shows them, and the default pinned budget is
+// divided among the local ranks. In its own binary: the budget is the process's.
+#include <functional>
 #include <set>
 #include <string>
 #include <vector>
@@ -95,38 +96,37 @@ TEST(HostShareEngineTest, LocalRanksTakeDisjointSharesAndTheBudgetSplits) {
   PinnedBudget::Process().set_limit(full);
 }
 
+// Each of `ranks` local ranks' engine with the default restriction, after one step: `expect` checks
+// its stats beside the share SplitHost gives it.
+void ForEachDefaultRank(const HostTopology& topo, int ranks,
+                        const std::function<void(const EngineStats&, const HostShare&)>& expect) {
+  const size_t full = PinnedBudget::DefaultProcessLimit();
+  std::vector<float> param(64, 0.5f), grad(64, 0.25f);
+  for (int r = 0; r < ranks; ++r) {
+    auto engine = RankEngine(r, ranks, /*pin=*/-1, param, grad);
+    ASSERT_TRUE(engine.ok()) << engine.status();
+    const HostShare share = SplitHost(topo, LocalRanks{r, ranks, "test"}, {}, EngineOptions{}.trainer_threads);
+    ASSERT_TRUE(share.split);
+    expect((*engine)->Stats(), share);
+  }
+  PinnedBudget::Process().set_limit(full);
+}
+
 TEST(HostShareEngineTest, ByDefaultTheSharesWorkersAreNotRestrictedOnAHostNotSplitByNode) {
   const HostTopology topo = ReadHostTopology();
   if (const std::string why = WhyNotSplittable(topo); !why.empty()) GTEST_SKIP() << why;
-  const size_t full = PinnedBudget::DefaultProcessLimit();
-  std::vector<float> param(64, 0.5f), grad(64, 0.25f);
-  for (int r = 0; r < 2; ++r) {
-    auto engine = RankEngine(r, 2, /*pin=*/-1, param, grad);
-    ASSERT_TRUE(engine.ok()) << engine.status();
-    const EngineStats s = (*engine)->Stats();
+  ForEachDefaultRank(topo, 2, [](const EngineStats& s, const HostShare& share) {
     EXPECT_EQ(s.cpu_list, "") << "not restricted: " << s.host_share;
-    const HostShare share = SplitHost(topo, LocalRanks{r, 2, "test"}, {}, EngineOptions{}.trainer_threads);
-    EXPECT_TRUE(share.split);
     EXPECT_EQ(s.cpu_threads, share.Workers(0, CpuThreadsCap(0))) << "the share's count, restricted or not";
-  }
-  PinnedBudget::Process().set_limit(full);
+  });
 }
 
 TEST(HostShareEngineTest, ByDefaultTheWorkersOfMoreThanTwoRanksAreHeldToTheirSlices) {
   const HostTopology topo = ReadHostTopology();
   if (const std::string why = WhyNotSplittable(topo); !why.empty()) GTEST_SKIP() << why;
-  const size_t full = PinnedBudget::DefaultProcessLimit();
-  std::vector<float> param(64, 0.5f), grad(64, 0.25f);
-  const int ranks = 3;
-  for (int r = 0; r < ranks; ++r) {
-    auto engine = RankEngine(r, ranks, /*pin=*/-1, param, grad);
-    ASSERT_TRUE(engine.ok()) << engine.status();
-    const EngineStats s = (*engine)->Stats();
-    const HostShare share = SplitHost(topo, LocalRanks{r, ranks, "test"}, {}, EngineOptions{}.trainer_threads);
-    ASSERT_TRUE(share.split);
+  ForEachDefaultRank(topo, 3, [](const EngineStats& s, const HostShare& share) {
     EXPECT_EQ(s.cpu_list, FormatCpuList(share.WorkerSet())) << "held to its slice: " << s.host_share;
-  }
-  PinnedBudget::Process().set_limit(full);
+  });
 }
 
 }  // namespace

@@ -181,7 +181,7 @@ class Sharding:
         self.registered = []  # the local tensors whose memory the engine holds: kept alive here
         self.kind = []   # per param: "dtensor" or "replica"
         self.table = []  # per param: [(begin, end)] of every rank
-        self.units = []  # gather units: {"dtype", "n", "piece", "members": [(k, offset)], "solo"} (+ _plan's keys)
+        self.units = []  # gather units: {"dtype", "elem", "n", "piece", "members": [(k, offset)], "solo"} (+ _plan's keys)
         self.unit_of = []  # per param: its gather unit (None: a DTensor)
         unit = None
         for k, (p, where) in enumerate(zip(params, wheres)):
@@ -206,6 +206,7 @@ class Sharding:
             unit["members"].append((k, unit["n"]))
             unit["n"] += p.numel()
             self.table.append(None)
+        self.unit_sizes = [unit["n"] * unit["elem"] for unit in self.units]  # bytes of each unit
         for unit in self.units:
             piece = unit["piece"] = -(-unit["n"] // self.world)
             for k, off in unit["members"]:
@@ -353,8 +354,7 @@ class Sharding:
                     else:
                         # Runs of units of about coalesce bytes: a run's gathers wait for all its
                         # uploads, the next run's uploads land meanwhile.
-                        sizes = [u["n"] * u["elem"] for u in self.units]
-                        for j, end in coalesced_runs(sizes, self.next_unit, last, self.coalesce):
+                        for j, end in coalesced_runs(self.unit_sizes, self.next_unit, last, self.coalesce):
                             self._gather_units_coalesced(j, end, wait_local)
                             self.next_unit = end + 1
             finally:

@@ -198,8 +198,9 @@ class Optimizer(StateMixin, _buckets.BucketMixin, _attach.AttachMixin, _zero.Sha
         self._group_sizes = [len(g["params"]) for g in self.param_groups]
         self._group_start = [sum(self._group_sizes[:gi]) for gi in range(len(self._group_sizes))]
         self._group_of = group_of
-        self._offloaded = any(g["offloaded"] for g in engine.placement())
-        _warn_if_placed_off_fraction(engine.placement(), (policy_args or {}).get("fraction"))
+        placement = engine.placement()
+        self._offloaded = any(g["offloaded"] for g in placement)
+        _warn_if_placed_off_fraction(placement, (policy_args or {}).get("fraction"))
         self._overlap = overlap
         self._overlap_off = False  # overlap=None: turned off for good by a step that was not safe
         self._warned = set()
