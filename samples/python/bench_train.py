@@ -9,6 +9,9 @@ of the same model and loop in the same run (Ferry's `all_gpu` row and torch's Ad
     ferry offload                fp32 state in pinned host memory, step() only
     ferry offload + overlap      the same, buckets (or groups) announced from grad hooks during backward
     ferry offload bf16 (+ overlap)  bf16 moments (8 B of host state per param), without and with overlap
+    ferry offload 50% (end) + overlap  offload_fraction 0.5: whole groups from the start of the parameter
+                                 order (the embeddings and first blocks), or from its end (the head and
+                                 the last blocks, whose grads come first in a backward)
 
 Beside each offloaded row, its bound: the offloaded step measured alone (the GPU idle, the grads
 ready: CPU Adam and the copies). When that bound exceeds forward + backward (also measured alone),
@@ -419,6 +422,11 @@ def rows_for(args):
         # offloads all of it or none).
         {"name": "ferry offload 50% + overlap", "kind": "ferry", "policy": "offload_fraction",
          "policy_args": {"fraction": "0.5"}, "offloaded": True, "overlap": True, "exact": True},
+        # The same share taken from the end of the parameter order (the head and the last blocks:
+        # their grads come first in a backward, their params last in a forward).
+        {"name": "ferry offload 50% end + overlap", "kind": "ferry", "policy": "offload_fraction",
+         "policy_args": {"fraction": "0.5", "from": "end"}, "offloaded": True, "overlap": True,
+         "exact": True},
     ]
     if args.rows:
         wanted = [int(i) for i in args.rows.split(",")]

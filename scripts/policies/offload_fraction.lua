@@ -1,20 +1,29 @@
--- offload_fraction.lua: offload a leading fraction of the model, by element count, to the CPU.
+-- offload_fraction.lua: offload a fraction of the model, by element count, to the CPU: whole groups
+-- from the start of the parameter order (the default) or from its end.
 --
 -- Args:
 --   fraction  number in [0, 1], default 0.5: the share of all parameter elements whose fp32 master
 --             copy and Adam state go to pinned host memory.
+--   from      "start" (default) or "end": which end of the parameter order the offloaded groups are
+--             taken from. With groups in forward order (embeddings, blocks, head), "end" offloads the
+--             groups whose grads a backward finishes first and the next forward needs last: their CPU
+--             update has the rest of the backward and the next forward's first layers to hide behind,
+--             while "start" offloads the groups the next forward needs first (measured: the bench guide).
 --   numa      optional NUMA mode for the pinned arena: "interleave", "bind", "preferred" or
 --             "local" (default: the engine's choice).
 --
--- place(), the exact rule. Let total = the sum of numel over all groups, budget = fraction * total.
+-- place(), the exact rule. Let total = the sum of numel over all groups, budget = fraction * total,
+-- and the walk order be the groups in the order given (parameter order) for from = "start", that
+-- order reversed for from = "end".
 --   1. fraction == 0: every group stays on the GPU. fraction == 1: every group is offloaded.
---   2. Otherwise walk the groups in the order given (parameter order) and offload whole groups
---      while the running count of offloaded elements stays <= budget; stop at the first group that
---      would exceed it (the offloaded groups are always a prefix of the order).
---   3. If that offloaded nothing, the first group is offloaded anyway (fraction > 0 offloads
---      something).
---   4. If that offloaded every group and there are at least two, the last one goes back to the GPU
---      (fraction < 1 keeps something on the GPU; only possible when every group is empty).
+--   2. Otherwise walk the groups in the walk order and offload whole groups while the running count
+--      of offloaded elements stays <= budget; stop at the first group that would exceed it (the
+--      offloaded groups are always a prefix of the walk order: a prefix of the parameter order for
+--      "start", a suffix for "end").
+--   3. If that offloaded nothing, the first group of the walk is offloaded anyway (fraction > 0
+--      offloads something).
+--   4. If that offloaded every group and there are at least two, the walk's last one goes back to
+--      the GPU (fraction < 1 keeps something on the GPU; only possible when every group is empty).
 --      A single group with 0 < fraction < 1 is offloaded.
 --   Every group not offloaded stays on the GPU.
 --
@@ -30,6 +39,7 @@ local M = {}
 -- a default unnoticed.
 M.args = {
   fraction = "share of all parameter elements offloaded, a number in [0, 1] (default 0.5)",
+  from = "which end of the parameter order the offloaded groups come from: start (default) or end",
   numa = "NUMA mode of the pinned arena: interleave, bind, preferred or local (default: the engine's)",
 }
 
@@ -43,10 +53,23 @@ local function parse_fraction(args)
   return f
 end
 
--- Returns the set of offloaded group names (name -> true), following the rule above.
-local function offloaded_set(groups, fraction)
+local function parse_from(args)
+  local text = args.from
+  if text == nil or text == "start" then return false end
+  if text == "end" then return true end
+  error(string.format("args.from must be \"start\" or \"end\", got %q", tostring(text)), 0)
+end
+
+-- Returns the set of offloaded group names (name -> true), following the rule above; `from_end`
+-- walks the groups last to first.
+local function offloaded_set(all_groups, fraction, from_end)
   local offload = {}
-  local n = #groups
+  local n = #all_groups
+  local groups = all_groups
+  if from_end then
+    groups = {}
+    for i = n, 1, -1 do groups[#groups + 1] = all_groups[i] end
+  end
   if n == 0 or fraction == 0 then return offload end
   if fraction == 1 then
     for _, g in ipairs(groups) do offload[g.name] = true end
@@ -71,7 +94,7 @@ local function offloaded_set(groups, fraction)
 end
 
 function M.place(groups, ctx)
-  local offload = offloaded_set(groups, parse_fraction(ctx.args))
+  local offload = offloaded_set(groups, parse_fraction(ctx.args), parse_from(ctx.args))
   local placement = {}
   for _, g in ipairs(groups) do
     placement[g.name] = offload[g.name] and "cpu" or "gpu"

@@ -29,7 +29,7 @@
 --   So resuming from one of this policy's model-only checkpoints starts Adam afresh from masters
 --   equal to the loaded params, and a full checkpoint resumes exactly.
 
--- No args table: the base shares this policy's args (it sees fraction and numa, the ones it takes).
+-- No args table: the base shares this policy's args (it sees fraction, from and numa, the ones it takes).
 local base = ferry.policy("offload_fraction")
 
 local M = { place = base.place }
@@ -65,7 +65,7 @@ function M.after_load(event, ctx)
   return { sync = sync, reset_optimizer = not event.optimizer_loaded }
 end
 
--- The base's args (fraction, numa) and this file's own.
+-- The base's args (fraction, from, numa) and this file's own.
 M.args = base.args
 M.args.always = "true: model-only checkpoints even when nothing is offloaded (default false)"
 M.args.keep_last = "checkpoints to keep, an integer >= 0 (default 0: keep all)"

@@ -28,7 +28,7 @@
 --
 -- checkpoint(): the engine's defaults (not defined here; offload_fraction's is not taken over).
 
--- No args table: the base shares this policy's args (it sees fraction and numa, the ones it takes).
+-- No args table: the base shares this policy's args (it sees fraction, from and numa, the ones it takes).
 local base = ferry.policy("offload_fraction")
 
 local M = { place = base.place }
@@ -53,7 +53,7 @@ function M.after_load(event, ctx)
   return { sync = sync, reset_optimizer = reset }
 end
 
--- The base's args (fraction, numa) and this file's own.
+-- The base's args (fraction, from, numa) and this file's own.
 M.args = base.args
 M.args.reset_optimizer = "auto (default): reset Adam when the load did not restore it; always; never"
 

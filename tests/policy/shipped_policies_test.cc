@@ -97,6 +97,41 @@ TEST(OffloadFractionTest, PlacesExactlyTheDocumentedGroups) {
             (Names{"embed", "layer0", "layer1", "layer2", "layer3"}));
 }
 
+TEST(OffloadFractionTest, FromTheEndOffloadsASuffixOfTheParameterOrder) {
+  auto policy = MustLoad("offload_fraction.lua");
+  ASSERT_NE(policy, nullptr);
+  const std::vector<GroupInfo> model = Model();
+  // budget 5000, walked from the head: head (1000) + layer3 + layer2 = 5000 <= 5000.
+  EXPECT_EQ(OffloadedWith(*policy, model, {{"fraction", "0.5"}, {"from", "end"}}),
+            (Names{"layer2", "layer3", "head"}));
+  // budget 4900: layer2 would make 5000 > 4900, so the suffix stops at layer3.
+  EXPECT_EQ(OffloadedWith(*policy, model, {{"fraction", "0.49"}, {"from", "end"}}),
+            (Names{"layer3", "head"}));
+  // fraction > 0 offloads at least the walk's first group (the head), even past the budget (500).
+  EXPECT_EQ(OffloadedWith(*policy, model, {{"fraction", "0.05"}, {"from", "end"}}), Names{"head"});
+  // fraction < 1 keeps the walk's tail (the embeddings) on the GPU (budget 9900).
+  EXPECT_EQ(OffloadedWith(*policy, model, {{"fraction", "0.99"}, {"from", "end"}}),
+            (Names{"layer0", "layer1", "layer2", "layer3", "head"}));
+  EXPECT_EQ(OffloadedWith(*policy, model, {{"fraction", "1"}, {"from", "end"}}),
+            (Names{"embed", "layer0", "layer1", "layer2", "layer3", "head"}));
+  EXPECT_EQ(OffloadedWith(*policy, model, {{"fraction", "0"}, {"from", "end"}}), Names{});
+  // All groups empty: the walk's last group (the first in parameter order) goes back to the GPU.
+  const std::vector<GroupInfo> empty = {Group("a", 0), Group("b", 0), Group("c", 0)};
+  EXPECT_EQ(OffloadedWith(*policy, empty, {{"fraction", "0.5"}, {"from", "end"}}), (Names{"b", "c"}));
+  // "start" is the default, spelled out.
+  EXPECT_EQ(OffloadedWith(*policy, model, {{"fraction", "0.5"}, {"from", "start"}}),
+            (Names{"embed", "layer0", "layer1"}));
+  for (const char* bad : {"END", "last", "", "1"}) {
+    SCOPED_TRACE(bad);
+    absl::StatusOr<Placement> p = policy->Place(model, Args({{"fraction", "0.5"}, {"from", bad}}));
+    ASSERT_FALSE(p.ok());
+    EXPECT_EQ(p.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(std::string(p.status().message()),
+                HasSubstr("offload_fraction.lua: place(): args.from must be \"start\" or \"end\", got \"" +
+                          std::string(bad) + "\""));
+  }
+}
+
 TEST(OffloadFractionTest, EdgeCases) {
   auto policy = MustLoad("offload_fraction.lua");
   ASSERT_NE(policy, nullptr);
@@ -133,13 +168,15 @@ TEST(OffloadFractionTest, RejectsBadFraction) {
   }
 }
 
-// The documented rule, written again in C++.
-Names ReferenceOffload(const std::vector<GroupInfo>& groups, double fraction) {
+// The documented rule, written again in C++; `from_end` walks the groups last to first (from = "end").
+Names ReferenceOffload(const std::vector<GroupInfo>& in_order, double fraction, bool from_end) {
+  std::vector<GroupInfo> groups = in_order;
+  if (from_end) std::reverse(groups.begin(), groups.end());
   Names out;
   const size_t n = groups.size();
   if (n == 0 || fraction == 0) return out;
   if (fraction == 1) {
-    for (const GroupInfo& g : groups) out.push_back(g.name);
+    for (const GroupInfo& g : in_order) out.push_back(g.name);
     return out;
   }
   double total = 0;
@@ -156,6 +193,7 @@ Names ReferenceOffload(const std::vector<GroupInfo>& groups, double fraction) {
   } else if (out.size() == n && n >= 2) {
     out.pop_back();
   }
+  if (from_end) std::reverse(out.begin(), out.end());  // Offloaded() lists in parameter order
   return out;
 }
 
@@ -175,10 +213,13 @@ TEST(OffloadFractionTest, MatchesTheRuleOnRandomModels) {
     const std::string text =
         std::to_string(m / 1000) + "." + std::to_string(1000 + m % 1000).substr(1);
     const double fraction = std::strtod(text.c_str(), nullptr);
-    const Names expected = ReferenceOffload(groups, fraction);
+    const bool from_end = trial % 2 == 1;
+    const Names expected = ReferenceOffload(groups, fraction, from_end);
     sizes_seen.insert(expected.size());
-    ASSERT_EQ(OffloadedWith(*policy, groups, {{"fraction", text}}), expected)
-        << "fraction " << text << ", " << n << " groups";
+    std::map<std::string, std::string> args = {{"fraction", text}};
+    if (from_end || trial % 4 == 2) args["from"] = from_end ? "end" : "start";
+    ASSERT_EQ(OffloadedWith(*policy, groups, args), expected)
+        << "fraction " << text << ", " << n << " groups, from " << (from_end ? "end" : "start");
   }
   EXPECT_GT(sizes_seen.size(), 3u);  // the trials covered several outcomes
 }
@@ -557,9 +598,12 @@ TEST(SharedPlacementTest, NewPoliciesPlaceExactlyLikeOffloadFraction) {
       const int m = millis(rng);
       const std::string text =
           std::to_string(m / 1000) + "." + std::to_string(1000 + m % 1000).substr(1);
-      ASSERT_EQ(OffloadedWith(*policy, groups, {{"fraction", text}}),
-                ReferenceOffload(groups, std::strtod(text.c_str(), nullptr)))
-          << text;
+      const bool from_end = trial % 2 == 1;
+      std::map<std::string, std::string> args = {{"fraction", text}};
+      if (from_end) args["from"] = "end";
+      ASSERT_EQ(OffloadedWith(*policy, groups, args),
+                ReferenceOffload(groups, std::strtod(text.c_str(), nullptr), from_end))
+          << text << (from_end ? ", from end" : "");
     }
     absl::StatusOr<Placement> bad = policy->Place(Model(), Args({{"fraction", "2"}}));
     ASSERT_FALSE(bad.ok());
