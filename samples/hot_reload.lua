@@ -4,7 +4,7 @@
 --   ferry run samples/hot_reload.lua
 --
 -- Two engines train the same linear regression from the same initial weights on the same data:
--- "moving" starts with offload_fraction (the first group on the CPU) and has its policy reloaded
+-- "moving" starts with offload_fraction (the last two groups on the CPU) and has its policy reloaded
 -- three times (all_gpu, offload_all, memory_budget); "steady" keeps offload_fraction throughout.
 -- Each reload moves the fp32 masters and Adam moments of the groups whose placement changed between
 -- pinned host memory and the device; no value changes, so after every phase both engines' params
@@ -51,7 +51,7 @@ local steady = build(policies .. "offload_fraction.lua", { fraction = 0.5 })
 -- memory_budget with a budget of 200 bytes holds the state (12 B per element) of at most 16
 -- elements on the device: it offloads the largest groups until the rest fits.
 local phases = {
-  { name = "offload_fraction.lua", args = { fraction = 0.5 }, expect = "cpu gpu gpu gpu" },
+  { name = "offload_fraction.lua", args = { fraction = 0.5 }, expect = "gpu gpu cpu cpu" },
   { name = "all_gpu.lua", args = {}, expect = "gpu gpu gpu gpu" },
   { name = "offload_all.lua", args = {}, expect = "cpu cpu cpu cpu" },
   { name = "memory_budget.lua", args = { budget = "200", reserve = "0" }, expect = "cpu cpu gpu gpu" },

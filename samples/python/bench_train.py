@@ -9,9 +9,10 @@ of the same model and loop in the same run (Ferry's `all_gpu` row and torch's Ad
     ferry offload                fp32 state in pinned host memory, step() only
     ferry offload + overlap      the same, buckets (or groups) announced from grad hooks during backward
     ferry offload bf16 (+ overlap)  bf16 moments (8 B of host state per param), without and with overlap
-    ferry offload 50% (end) + overlap  offload_fraction 0.5: whole groups from the start of the parameter
-                                 order (the embeddings and first blocks), or from its end (the head and
-                                 the last blocks, whose grads come first in a backward)
+    ferry offload 50% (start) + overlap  offload_fraction 0.5: whole groups from the end of the parameter
+                                 order (the head and the last blocks, whose grads come first in a
+                                 backward: the policy's default), or from its start (the embeddings
+                                 and the first blocks, which the next forward needs first)
 
 Beside each offloaded row, its bound: the offloaded step measured alone (the GPU idle, the grads
 ready: CPU Adam and the copies). When that bound exceeds forward + backward (also measured alone),
@@ -419,13 +420,13 @@ def rows_for(args):
         {"name": "ferry offload bf16", "kind": "ferry", "policy": "offload_bf16_moments", "offloaded": True},
         {"name": "ferry offload bf16 + overlap", "kind": "ferry", "policy": "offload_bf16_moments", "offloaded": True, "overlap": True},
         # Half the groups' bytes offloaded (a group is the unit of placement: with one group the policy
-        # offloads all of it or none).
+        # offloads all of it or none), taken from the end of the parameter order (the policy's default:
+        # the head and the last blocks, whose grads come first in a backward and params last in a forward).
         {"name": "ferry offload 50% + overlap", "kind": "ferry", "policy": "offload_fraction",
          "policy_args": {"fraction": "0.5"}, "offloaded": True, "overlap": True, "exact": True},
-        # The same share taken from the end of the parameter order (the head and the last blocks:
-        # their grads come first in a backward, their params last in a forward).
-        {"name": "ferry offload 50% end + overlap", "kind": "ferry", "policy": "offload_fraction",
-         "policy_args": {"fraction": "0.5", "from": "end"}, "offloaded": True, "overlap": True,
+        # The same share from the start (the embeddings and first blocks: the policy's rule before).
+        {"name": "ferry offload 50% start + overlap", "kind": "ferry", "policy": "offload_fraction",
+         "policy_args": {"fraction": "0.5", "from": "start"}, "offloaded": True, "overlap": True,
          "exact": True},
     ]
     if args.rows:

@@ -99,7 +99,7 @@ def worker(rank, world, local_rank, args):
     # hooks see, so groups announced from those hooks would only be recomputed (exact either way).
     opt = ferry.torch.Optimizer(model.parameters(), lr=lr_at(0, args.steps), weight_decay=0.1, policy=args.policy,
                                 max_grad_norm=args.clip, shard=True, overlap=args.overlap,
-                                collective_timeout=args.timeout)
+                                collective_timeout=args.timeout, cpu_threads=args.cpu_threads)
     if args.overlap:
         opt.attach_ddp(ddp)
     ref = None
@@ -228,6 +228,7 @@ def main():
     ap.add_argument("--policy", default="offload_all", help="Ferry policy (a shipped name or a file)")
     ap.add_argument("--clip", type=float, default=0.6, help="max_grad_norm (the tiny default model's norms are "
                     "about 0.55-0.65: some steps clip)")
+    ap.add_argument("--cpu-threads", type=int, default=0, help="ferry's CPU Adam workers per rank (0: its own choice)")
     ap.add_argument("--timeout", type=float, default=120.0, help="collective timeout of the optimizer, seconds")
     ap.add_argument("--check", action="store_true", help="assert bit-identical params to the unsharded optimizer")
     ap.add_argument("--bench", action="store_true", help="print the ZeRO-1 and unsharded step times")

@@ -158,8 +158,8 @@ TEST(ByteSizeTest, UnitsAndErrors) {
 // ---- ferry check -----------------------------------------------------------------------------------
 
 TEST(CheckCommandTest, PlacementTableCheckpointPlanAndAfterLoad) {
-  // offload_fraction with fraction 0.25 of 4500 elements: a (1000) fits the budget of 1125, b
-  // would not.
+  // offload_fraction with fraction 0.25 of 4500 elements, walked from the end: c (500) fits the budget
+  // of 1125, b would not.
   Result r = Check({kPolicies + "offload_fraction.lua", "--model", "a:1000,b:3000:f32,c:500:f16",
                     "--arg", "fraction=0.25", "--gpu_free=1MiB", "--step", "77"});
   EXPECT_EQ(r.status, 0) << r.err;
@@ -168,13 +168,13 @@ TEST(CheckCommandTest, PlacementTableCheckpointPlanAndAfterLoad) {
   EXPECT_THAT(r.out, HasSubstr("ctx: rank 0, world_size 1, gpu_free_bytes 1048576 (1.0 MiB), "
                                "pinned_budget_bytes 0, numa_nodes 1, args {fraction=0.25}\n"));
   // group, numel, dtype, device, gpu_bytes (params + grads + 12 B/element on the GPU), cpu_bytes.
-  EXPECT_THAT(Row(r.out, "  a "), ElementsAre("a", "1000", "bf16", "cpu", "4000", "12000", "fp32/fp32"));
+  EXPECT_THAT(Row(r.out, "  a "), ElementsAre("a", "1000", "bf16", "gpu", "16000", "0", "fp32/fp32"));
   EXPECT_THAT(Row(r.out, "  b "), ElementsAre("b", "3000", "f32", "gpu", "60000", "0", "fp32/fp32"));
-  EXPECT_THAT(Row(r.out, "  c "), ElementsAre("c", "500", "f16", "gpu", "8000", "0", "fp32/fp32"));
-  EXPECT_THAT(Row(r.out, "  total "), ElementsAre("total", "4500", "1/3", "72000", "12000"));
-  EXPECT_THAT(r.out, HasSubstr("the optimizer state placed there is 41.0 KiB, within "
+  EXPECT_THAT(Row(r.out, "  c "), ElementsAre("c", "500", "f16", "cpu", "2000", "6000", "fp32/fp32"));
+  EXPECT_THAT(Row(r.out, "  total "), ElementsAre("total", "4500", "1/3", "78000", "6000"));
+  EXPECT_THAT(r.out, HasSubstr("the optimizer state placed there is 46.9 KiB, within "
                                "gpu_free_bytes (1.0 MiB)"));
-  EXPECT_THAT(r.out, HasSubstr("overlap (GradsReady; ferry.torch's overlap) adds up to 11.7 KiB of pinned "
+  EXPECT_THAT(r.out, HasSubstr("overlap (GradsReady; ferry.torch's overlap) adds up to 5.9 KiB of pinned "
                                "spare state"));
   EXPECT_THAT(r.out, HasSubstr("checkpoint(step=77):\n  skip: nothing\n"
                                "  writes: model 15000 B, master 18000 B, optimizer 36000 B"));
@@ -312,15 +312,15 @@ return M
                                "  place from " + kPolicies + "offload_fraction.lua:"));
   EXPECT_THAT(r.out, HasSubstr("\n  checkpoint from " + policy + ":3\n"));
   EXPECT_THAT(r.out, HasSubstr("files: " + policy + ", " + kPolicies + "offload_fraction.lua (bases"));
-  EXPECT_THAT(r.out, HasSubstr("args taken: numa\n"));
-  EXPECT_THAT(Row(r.out, "  a "), ElementsAre("a", "1000", "bf16", "cpu", "4000", "12000", "fp32/fp32"));
+  EXPECT_THAT(r.out, HasSubstr("args taken: from, numa\n"));
+  EXPECT_THAT(Row(r.out, "  c "), ElementsAre("c", "500", "bf16", "cpu", "2000", "6000", "fp32/fp32"));
   EXPECT_THAT(r.out, HasSubstr("  numa: bind\n"));
   EXPECT_THAT(r.out, HasSubstr("  skip: optimizer\n"));
 
   Result typo = Check({kPolicies + "skip_optimizer_on_save.lua", "--arg", "fracton=0.25"});
   EXPECT_EQ(typo.status, 1);
   EXPECT_THAT(typo.err, HasSubstr("skip_optimizer_on_save.lua: unknown arg \"fracton\" (fracton=0.25); it takes "
-                                  "always, fraction, keep_last, numa"));
+                                  "always, fraction, from, keep_last, numa"));
   EXPECT_THAT(typo.out, HasSubstr("result: 1 error\n"));
   EXPECT_THAT(typo.out, Not(HasSubstr("place():")));
 

@@ -469,8 +469,9 @@ TEST_F(EngineTest, NoPinningAfterWarmUp) {
 // saw the bad step.
 TEST_F(EngineTest, FoundInfSkipsTheWholeStep) {
   Model a(device_.get(), kSizes, 101), b(device_.get(), kSizes, 101);
-  auto e = MakeEngine(Policies() + "offload_fraction.lua", {{"fraction", "0.5"}}, 4096);
-  auto ref = MakeEngine(Policies() + "offload_fraction.lua", {{"fraction", "0.5"}}, 4096);
+  // From the start: g0 offloaded, g2 on the GPU (from the end both would stay on the GPU).
+  auto e = MakeEngine(Policies() + "offload_fraction.lua", {{"fraction", "0.5"}, {"from", "start"}}, 4096);
+  auto ref = MakeEngine(Policies() + "offload_fraction.lua", {{"fraction", "0.5"}, {"from", "start"}}, 4096);
   ASSERT_OK(a.Register(*e, 4));
   ASSERT_OK(b.Register(*ref, 4));
   ASSERT_OK(e->Finalize());

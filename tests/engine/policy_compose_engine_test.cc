@@ -95,7 +95,7 @@ return { place = base.place, args = { unused = "an arg of the top only" } }
   ASSERT_TRUE(other.Register(**typo_engine).ok());
   absl::Status fin = (*typo_engine)->Finalize();
   ASSERT_FALSE(fin.ok());
-  EXPECT_THAT(std::string(fin.message()), HasSubstr("unknown arg \"fracton\" (fracton=0.25); it takes fraction, numa"));
+  EXPECT_THAT(std::string(fin.message()), HasSubstr("unknown arg \"fracton\" (fracton=0.25); it takes fraction, from, numa"));
   std::filesystem::remove_all(dir);
 }
 

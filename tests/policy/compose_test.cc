@@ -36,8 +36,8 @@ GroupInfo Group(std::string name, int64_t numel) {
   return g;
 }
 
-// 4500 elements: fraction 0.25 offloads a (1000 <= 1125); 0.5 offloads a and c... by prefix: a only
-// (a + b = 4000 > 2250).
+// 4500 elements: fraction 0.25 (budget 1125) offloads c, the walk from the end stopping at b
+// (500 + 3000 > 1125); from the start it would offload a (1000 <= 1125).
 std::vector<GroupInfo> Model() { return {Group("a", 1000), Group("b", 3000), Group("c", 500)}; }
 
 PolicyContext Ctx(std::map<std::string, std::string> args) {
@@ -101,7 +101,7 @@ return {
   ASSERT_TRUE(mine.ok()) << mine.status();
   ASSERT_TRUE(theirs.ok()) << theirs.status();
   EXPECT_EQ(mine->groups, theirs->groups);
-  EXPECT_THAT(Offloaded(*mine), ElementsAre("a"));
+  EXPECT_THAT(Offloaded(*mine), ElementsAre("c"));
   EXPECT_EQ(mine->numa, "bind");  // numa is shared: the derived policy's arg reaches the base
 
   LoadEvent event;
@@ -129,9 +129,9 @@ return {
   EXPECT_EQ((*derived)->hook_location("checkpoint"), dir_ + "/lean.lua:6");
   EXPECT_EQ((*derived)->hook_location("on_step"), "");
   EXPECT_THAT((*derived)->files(), ElementsAre(dir_ + "/lean.lua", kPolicies + "/offload_fraction.lua"));
-  // fraction is fixed by the derived policy: it takes numa only.
+  // fraction is fixed by the derived policy: it takes from and numa only.
   ASSERT_TRUE((*derived)->declared_args().has_value());
-  EXPECT_THAT(*(*derived)->declared_args(), ElementsAre(testing::Key("numa")));
+  EXPECT_THAT(*(*derived)->declared_args(), ElementsAre(testing::Key("from"), testing::Key("numa")));
 }
 
 // The base sees its own args: the fixed ones, and of the policy's args only those it declares
@@ -352,7 +352,7 @@ end }
   ASSERT_TRUE(twice.ok()) << twice.status();
   absl::StatusOr<Placement> p = (*twice)->Place(Model(), Ctx({}));
   ASSERT_TRUE(p.ok()) << p.status();
-  EXPECT_THAT(Offloaded(*p), ElementsAre("a"));
+  EXPECT_THAT(Offloaded(*p), ElementsAre("c"));
 }
 
 TEST_F(ComposeTest, CallableFromTheTopLevelOnly) {
@@ -374,7 +374,7 @@ TEST_F(ComposeTest, UnknownArgsAreRefusedNamingThemAndTheKnownOnes) {
   ASSERT_FALSE(typo.ok());
   EXPECT_EQ(typo.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(Msg(typo.status()), HasSubstr("offload_fraction.lua: unknown arg \"fracton\" (fracton=0.25); "
-                                            "it takes fraction, numa"));
+                                            "it takes fraction, from, numa"));
   // Every hook checks, not only place.
   CheckpointInfo info;
   EXPECT_THAT(Msg((*fraction)->Checkpoint(info, Ctx({{"fracton", "0.25"}})).status()), HasSubstr("unknown arg"));
@@ -384,21 +384,21 @@ TEST_F(ComposeTest, UnknownArgsAreRefusedNamingThemAndTheKnownOnes) {
   auto skip = Policy::LoadFile(kPolicies + "/skip_optimizer_on_save.lua");
   ASSERT_TRUE(skip.ok()) << skip.status();
   EXPECT_THAT(Msg((*skip)->Place(Model(), Ctx({{"keep_lats", "2"}})).status()),
-              HasSubstr("unknown arg \"keep_lats\" (keep_lats=2); it takes always, fraction, keep_last, numa"));
+              HasSubstr("unknown arg \"keep_lats\" (keep_lats=2); it takes always, fraction, from, keep_last, numa"));
 
   // Args given to a base are checked against the base's declaration.
   auto fixed = Load("fixed.lua", "local base = ferry.policy('offload_fraction', { fracton = '0.25' })\nreturn base\n");
   ASSERT_FALSE(fixed.ok());
   EXPECT_THAT(Msg(fixed.status()), HasSubstr("fixed.lua:1: ferry.policy(\"offload_fraction\"): " + kPolicies +
                                              "/offload_fraction.lua: unknown arg \"fracton\" (fracton=0.25); "
-                                             "it takes fraction, numa"));
+                                             "it takes fraction, from, numa"));
   // A policy that shares its args with a base must declare the base's (the union).
   auto partial = Load("partial.lua", R"lua(local base = ferry.policy("offload_fraction")
 return { args = { fraction = "mine" }, place = base.place }
 )lua");
   ASSERT_FALSE(partial.ok());
   EXPECT_THAT(Msg(partial.status()), HasSubstr("partial.lua: " + dir_ + "/partial.lua:1: ferry.policy(\"offload_fraction\") "
-                                               "shares this policy's args with the base, which takes \"numa\""));
+                                               "shares this policy's args with the base, which takes \"from\""));
   // A policy that declares nothing is not checked (policies written before declarations).
   auto old = Load("old.lua", "return { place = function(g, ctx) local p = {} for _, x in ipairs(g) do p[x.name] = 'gpu' end return p end }\n");
   ASSERT_TRUE(old.ok()) << old.status();
@@ -416,10 +416,10 @@ TEST_F(ComposeTest, TheReadmeExample) {
   ASSERT_TRUE(lean.ok()) << lean.status();
   absl::StatusOr<Placement> place = (*lean)->Place(Model(), Ctx({{"keep_last", "2"}}));
   ASSERT_TRUE(place.ok()) << place.status();
-  EXPECT_THAT(Offloaded(*place), ElementsAre("a"));
+  EXPECT_THAT(Offloaded(*place), ElementsAre("c"));
   CheckpointInfo info;
   info.groups = {"a", "b", "c"};
-  info.offloaded = {"a"};
+  info.offloaded = {"c"};
   absl::StatusOr<CheckpointPlan> plan = (*lean)->Checkpoint(info, Ctx({{"keep_last", "2"}}));
   ASSERT_TRUE(plan.ok()) << plan.status();
   EXPECT_TRUE(plan->skip_optimizer);
@@ -427,7 +427,7 @@ TEST_F(ComposeTest, TheReadmeExample) {
   EXPECT_EQ(plan->keep_last, 2);
   EXPECT_FALSE(plan->async);
   EXPECT_THAT(Msg((*lean)->Place(Model(), Ctx({{"fraction", "0.5"}})).status()),
-              HasSubstr("unknown arg \"fraction\" (fraction=0.5); it takes keep_last, numa"));
+              HasSubstr("unknown arg \"fraction\" (fraction=0.5); it takes from, keep_last, numa"));
 }
 
 // Every shipped policy declares its args.

@@ -78,56 +78,54 @@ TEST(OffloadFractionTest, PlacesExactlyTheDocumentedGroups) {
   EXPECT_TRUE(policy->has_hook("checkpoint"));
   const std::vector<GroupInfo> model = Model();
   EXPECT_EQ(OffloadedWith(*policy, model, {{"fraction", "0"}}), Names{});
-  // budget 2500: embed (1000) fits, layer0 would make 3000.
-  EXPECT_EQ(OffloadedWith(*policy, model, {{"fraction", "0.25"}}), Names{"embed"});
-  // budget 5000: embed + layer0 + layer1 = 5000 <= 5000 (the bound is inclusive).
-  EXPECT_EQ(OffloadedWith(*policy, model, {{"fraction", "0.5"}}),
-            (Names{"embed", "layer0", "layer1"}));
+  // By default the walk starts at the end of the parameter order (the head).
+  // budget 2500: head (1000) fits, layer3 would make 3000.
+  EXPECT_EQ(OffloadedWith(*policy, model, {{"fraction", "0.25"}}), Names{"head"});
+  // budget 5000: head + layer3 + layer2 = 5000 <= 5000 (the bound is inclusive).
+  EXPECT_EQ(OffloadedWith(*policy, model, {{"fraction", "0.5"}}), (Names{"layer2", "layer3", "head"}));
+  EXPECT_EQ(OffloadedWith(*policy, model, {{"fraction", "0.5"}, {"from", "end"}}),
+            (Names{"layer2", "layer3", "head"}));
   EXPECT_EQ(OffloadedWith(*policy, model, {{"fraction", "1"}}),
             (Names{"embed", "layer0", "layer1", "layer2", "layer3", "head"}));
-  // The default is 0.5.
-  EXPECT_EQ(OffloadedWith(*policy, model, {}), (Names{"embed", "layer0", "layer1"}));
-  // A prefix: stops at the first group that does not fit (layer1 would make 5000 > 4900) even
-  // though a later, smaller group would.
-  EXPECT_EQ(OffloadedWith(*policy, model, {{"fraction", "0.49"}}), (Names{"embed", "layer0"}));
-  // fraction > 0 offloads at least the first group, even if it exceeds the budget (500).
-  EXPECT_EQ(OffloadedWith(*policy, model, {{"fraction", "0.05"}}), Names{"embed"});
-  // fraction < 1 keeps the tail that does not fit on the GPU (budget 9900).
+  // The default fraction is 0.5.
+  EXPECT_EQ(OffloadedWith(*policy, model, {}), (Names{"layer2", "layer3", "head"}));
+  // A suffix: stops at the first group that does not fit (layer2 would make 5000 > 4900) even
+  // though an earlier, smaller group (embed) would.
+  EXPECT_EQ(OffloadedWith(*policy, model, {{"fraction", "0.49"}}), (Names{"layer3", "head"}));
+  // fraction > 0 offloads at least the walk's first group (the head), even past the budget (500).
+  EXPECT_EQ(OffloadedWith(*policy, model, {{"fraction", "0.05"}}), Names{"head"});
+  // fraction < 1 keeps the walk's tail (the embeddings) on the GPU (budget 9900).
   EXPECT_EQ(OffloadedWith(*policy, model, {{"fraction", "0.99"}}),
-            (Names{"embed", "layer0", "layer1", "layer2", "layer3"}));
+            (Names{"layer0", "layer1", "layer2", "layer3", "head"}));
 }
 
-TEST(OffloadFractionTest, FromTheEndOffloadsASuffixOfTheParameterOrder) {
+TEST(OffloadFractionTest, FromTheStartOffloadsAPrefixOfTheParameterOrder) {
   auto policy = MustLoad("offload_fraction.lua");
   ASSERT_NE(policy, nullptr);
   const std::vector<GroupInfo> model = Model();
-  // budget 5000, walked from the head: head (1000) + layer3 + layer2 = 5000 <= 5000.
-  EXPECT_EQ(OffloadedWith(*policy, model, {{"fraction", "0.5"}, {"from", "end"}}),
-            (Names{"layer2", "layer3", "head"}));
-  // budget 4900: layer2 would make 5000 > 4900, so the suffix stops at layer3.
-  EXPECT_EQ(OffloadedWith(*policy, model, {{"fraction", "0.49"}, {"from", "end"}}),
-            (Names{"layer3", "head"}));
-  // fraction > 0 offloads at least the walk's first group (the head), even past the budget (500).
-  EXPECT_EQ(OffloadedWith(*policy, model, {{"fraction", "0.05"}, {"from", "end"}}), Names{"head"});
-  // fraction < 1 keeps the walk's tail (the embeddings) on the GPU (budget 9900).
-  EXPECT_EQ(OffloadedWith(*policy, model, {{"fraction", "0.99"}, {"from", "end"}}),
-            (Names{"layer0", "layer1", "layer2", "layer3", "head"}));
-  EXPECT_EQ(OffloadedWith(*policy, model, {{"fraction", "1"}, {"from", "end"}}),
-            (Names{"embed", "layer0", "layer1", "layer2", "layer3", "head"}));
-  EXPECT_EQ(OffloadedWith(*policy, model, {{"fraction", "0"}, {"from", "end"}}), Names{});
-  // All groups empty: the walk's last group (the first in parameter order) goes back to the GPU.
+  auto start = [&](const char* fraction) {
+    return OffloadedWith(*policy, model, {{"fraction", fraction}, {"from", "start"}});
+  };
+  // budget 2500: embed (1000) fits, layer0 would make 3000.
+  EXPECT_EQ(start("0.25"), Names{"embed"});
+  // budget 5000: embed + layer0 + layer1 = 5000 <= 5000.
+  EXPECT_EQ(start("0.5"), (Names{"embed", "layer0", "layer1"}));
+  // budget 4900: layer1 would make 5000 > 4900, even though the smaller head would fit.
+  EXPECT_EQ(start("0.49"), (Names{"embed", "layer0"}));
+  EXPECT_EQ(start("0.05"), Names{"embed"});
+  EXPECT_EQ(start("0.99"), (Names{"embed", "layer0", "layer1", "layer2", "layer3"}));
+  EXPECT_EQ(start("1").size(), 6u);
+  EXPECT_EQ(start("0"), Names{});
+  // All groups empty: the walk's last group goes back to the GPU.
   const std::vector<GroupInfo> empty = {Group("a", 0), Group("b", 0), Group("c", 0)};
-  EXPECT_EQ(OffloadedWith(*policy, empty, {{"fraction", "0.5"}, {"from", "end"}}), (Names{"b", "c"}));
-  // "start" is the default, spelled out.
-  EXPECT_EQ(OffloadedWith(*policy, model, {{"fraction", "0.5"}, {"from", "start"}}),
-            (Names{"embed", "layer0", "layer1"}));
+  EXPECT_EQ(OffloadedWith(*policy, empty, {{"fraction", "0.5"}, {"from", "start"}}), (Names{"a", "b"}));
   for (const char* bad : {"END", "last", "", "1"}) {
     SCOPED_TRACE(bad);
     absl::StatusOr<Placement> p = policy->Place(model, Args({{"fraction", "0.5"}, {"from", bad}}));
     ASSERT_FALSE(p.ok());
     EXPECT_EQ(p.status().code(), absl::StatusCode::kInvalidArgument);
     EXPECT_THAT(std::string(p.status().message()),
-                HasSubstr("offload_fraction.lua: place(): args.from must be \"start\" or \"end\", got \"" +
+                HasSubstr("offload_fraction.lua: place(): args.from must be \"end\" or \"start\", got \"" +
                           std::string(bad) + "\""));
   }
 }
@@ -138,9 +136,10 @@ TEST(OffloadFractionTest, EdgeCases) {
   const std::vector<GroupInfo> one = {Group("only", 100)};
   EXPECT_EQ(OffloadedWith(*policy, one, {{"fraction", "0.5"}}), Names{"only"});
   EXPECT_EQ(OffloadedWith(*policy, one, {{"fraction", "0"}}), Names{});
-  // All groups empty: every prefix fits, and fraction < 1 gives the last group back to the GPU.
+  // All groups empty: every suffix fits, and fraction < 1 gives the walk's last group (the first in
+  // parameter order) back to the GPU.
   const std::vector<GroupInfo> empty = {Group("a", 0), Group("b", 0), Group("c", 0)};
-  EXPECT_EQ(OffloadedWith(*policy, empty, {{"fraction", "0.5"}}), (Names{"a", "b"}));
+  EXPECT_EQ(OffloadedWith(*policy, empty, {{"fraction", "0.5"}}), (Names{"b", "c"}));
   EXPECT_EQ(OffloadedWith(*policy, {}, {{"fraction", "0.5"}}), Names{});
   // numa is passed through (and validated by the engine).
   absl::StatusOr<Placement> p =
@@ -217,7 +216,7 @@ TEST(OffloadFractionTest, MatchesTheRuleOnRandomModels) {
     const Names expected = ReferenceOffload(groups, fraction, from_end);
     sizes_seen.insert(expected.size());
     std::map<std::string, std::string> args = {{"fraction", text}};
-    if (from_end || trial % 4 == 2) args["from"] = from_end ? "end" : "start";
+    if (!from_end || trial % 4 == 3) args["from"] = from_end ? "end" : "start";  // "end": the default
     ASSERT_EQ(OffloadedWith(*policy, groups, args), expected)
         << "fraction " << text << ", " << n << " groups, from " << (from_end ? "end" : "start");
   }
@@ -587,8 +586,9 @@ TEST(SharedPlacementTest, NewPoliciesPlaceExactlyLikeOffloadFraction) {
     SCOPED_TRACE(file);
     auto policy = MustLoad(file);
     ASSERT_NE(policy, nullptr);
-    EXPECT_EQ(OffloadedWith(*policy, Model(), {}), (Names{"embed", "layer0", "layer1"}));
-    EXPECT_EQ(OffloadedWith(*policy, Model(), {{"fraction", "0.25"}}), Names{"embed"});
+    EXPECT_EQ(OffloadedWith(*policy, Model(), {}), (Names{"layer2", "layer3", "head"}));
+    EXPECT_EQ(OffloadedWith(*policy, Model(), {{"fraction", "0.25"}}), Names{"head"});
+    EXPECT_EQ(OffloadedWith(*policy, Model(), {{"fraction", "0.25"}, {"from", "start"}}), Names{"embed"});
     EXPECT_EQ(OffloadedWith(*policy, Model(), {{"fraction", "1"}}).size(), 6u);
     EXPECT_EQ(OffloadedWith(*policy, Model(), {{"fraction", "0"}}), Names{});
     for (int trial = 0; trial < 100; ++trial) {
@@ -600,7 +600,7 @@ TEST(SharedPlacementTest, NewPoliciesPlaceExactlyLikeOffloadFraction) {
           std::to_string(m / 1000) + "." + std::to_string(1000 + m % 1000).substr(1);
       const bool from_end = trial % 2 == 1;
       std::map<std::string, std::string> args = {{"fraction", text}};
-      if (from_end) args["from"] = "end";
+      if (!from_end) args["from"] = "start";
       ASSERT_EQ(OffloadedWith(*policy, groups, args),
                 ReferenceOffload(groups, std::strtod(text.c_str(), nullptr), from_end))
           << text << (from_end ? ", from end" : "");

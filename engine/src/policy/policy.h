@@ -108,7 +108,7 @@ class Policy final {
   // nullopt when it declares none (then any args are accepted).
   const std::optional<std::map<std::string, std::string>>& declared_args() const;
   // InvalidArgument naming the first arg of `args` the policy does not declare, and the ones it
-  // does ("<path>: unknown arg \"fracton\" (fracton=0.25); it takes fraction, numa"). OK when all
+  // does ("<path>: unknown arg \"fracton\" (fracton=0.25); it takes fraction, from, numa"). OK when all
   // are declared or the policy declares none. Every hook below checks ctx.args this way first.
   absl::Status CheckArgs(const std::map<std::string, std::string>& args) const;
 
