@@ -13,6 +13,8 @@ of the same model and loop in the same run (Ferry's `all_gpu` row and torch's Ad
                                  order (the head and the last blocks, whose grads come first in a
                                  backward: the policy's default), or from its start (the embeddings
                                  and the first blocks, which the next forward needs first)
+    ferry memory_budget half (largest) + overlap  memory_budget with GPU room for half the state: its
+                                 default order (from the end) or order=largest (the largest groups first)
 
 Beside each offloaded row, its bound: the offloaded step measured alone (the GPU idle, the grads
 ready: CPU Adam and the copies). When that bound exceeds forward + backward (also measured alone),
@@ -262,7 +264,11 @@ def make_optimizer(row, model, loop, args):
         fused = {"fused": True} if "fused" in inspect.signature(torch.optim.AdamW).parameters and \
             args.device == "cuda" else {}
         return torch.optim.AdamW(groups, **kw, **fused), None
-    extra = {"policy": row["policy"], "policy_args": row.get("policy_args"), "trace_path": trace_path(args.trace, row)}
+    policy_args = row.get("policy_args")
+    if policy_args and policy_args.get("budget") == "HALF":  # room on the GPU for half the model's 12 B/param state
+        numel = sum(p.numel() for p in model.parameters())
+        policy_args = dict(policy_args, budget=str(12 * numel // 2))
+    extra = {"policy": row["policy"], "policy_args": policy_args, "trace_path": trace_path(args.trace, row)}
     if args.cpu_threads:
         extra["cpu_threads"] = args.cpu_threads
     if args.chunk_bytes:
@@ -428,6 +434,15 @@ def rows_for(args):
         {"name": "ferry offload 50% start + overlap", "kind": "ferry", "policy": "offload_fraction",
          "policy_args": {"fraction": "0.5", "from": "start"}, "offloaded": True, "overlap": True,
          "exact": True},
+        # memory_budget given room on the GPU for half the state: its default walks from the end of the
+        # parameter order (and gives back what it overshot); order=largest, the rule before, offloads the
+        # largest groups first (the embeddings and the head, then the first blocks).
+        {"name": "ferry memory_budget half + overlap", "kind": "ferry", "policy": "memory_budget",
+         "policy_args": {"budget": "HALF", "reserve": "0"}, "offloaded": True, "overlap": True, "exact": True,
+         "share": True},
+        {"name": "ferry memory_budget half largest + overlap", "kind": "ferry", "policy": "memory_budget",
+         "policy_args": {"budget": "HALF", "reserve": "0", "order": "largest"}, "offloaded": True,
+         "overlap": True, "exact": True, "share": True},
     ]
     if args.rows:
         wanted = [int(i) for i in args.rows.split(",")]
@@ -505,6 +520,9 @@ def bench_size(name, args):
             line += "   [offloaded %.0f%% of the params: %d of %d param groups%s]" % (
                 100 * share, off, n, "; placement is by group" if abs(share - float(row["policy_args"]["fraction"])) > 0.1
                 else "")
+        elif row.get("share") and row.get("placed"):
+            share, off, n = row["placed"]
+            line += "   [offloaded %.0f%% of the params: %d of %d param groups]" % (100 * share, off, n)
         line += cpu_text(row.get("cpu"))
         clip_text, clip_ok = row["clip"]
         if clip_text:

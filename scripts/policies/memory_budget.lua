@@ -1,4 +1,4 @@
--- memory_budget.lua: keep as much optimizer state on the GPU as fits, offloading the largest groups.
+-- memory_budget.lua: keep as much optimizer state on the GPU as fits, offloading the last groups.
 --
 -- A group kept on the GPU holds its fp32 master copy and both Adam moments in GPU memory: 12 bytes
 -- per parameter (f32 master, exp_avg, exp_avg_sq). An offloaded group holds them in pinned host
@@ -10,16 +10,27 @@
 --   reserve  free GPU memory to leave alone for activations and workspace; default "1GiB".
 --   budget   GPU memory available before the reserve is taken off; default ctx.gpu_free_bytes.
 --   numa     optional NUMA mode for the pinned arena: "interleave", "bind", "preferred" or "local".
+--   order    "end" (default) or "largest": which groups go first. "end" walks from the end of the
+--            parameter order (with groups in forward order: the head and the last blocks, whose grads
+--            a backward finishes first and whose params the next forward needs last, so that their CPU
+--            update hides behind the rest of the backward and the next forward's first blocks; the
+--            same reason as offload_fraction's from=end). "largest" takes the largest groups first
+--            (the rule before 2026-11-27: with per-block groups it offloads the embeddings and the
+--            first blocks, which the next forward waits for).
 --   host_budget  pinned host memory for the offloaded state and the early steps' spare state;
 --            default ctx.pinned_budget_bytes (the engine's process pinned budget, this rank's share
 --            of the host) when it is > 0, else none (no bound on the spare state).
 --
--- place(), the exact rule. available = budget - reserve; need = 12 * (numel of the groups on the GPU).
+-- place(), the exact rule. available = max(budget - reserve, 0); need = 12 * (numel of the groups on
+-- the GPU).
 --   1. Start with every group on the GPU.
---   2. While need > available, offload the largest group still on the GPU (largest numel; among
---      equal ones the earliest in parameter order).
---   So available <= 0 offloads every group with numel > 0 (an empty group needs no room and stays),
---   and a model whose state fits offloads nothing.
+--   2. order = "end": walk the groups from the last in parameter order to the first, offloading each
+--      while need > available. Then give back what the walk overshot: the offloaded groups, the last
+--      one offloaded first, each return to the GPU when need + 12 * its numel <= available.
+--      order = "largest": while need > available, offload the largest group still on the GPU (largest
+--      numel; among equal ones the earliest in parameter order).
+--   So available = 0 offloads every group with numel > 0 (an empty group needs no room and stays on
+--   the GPU), and a model whose state fits offloads nothing.
 -- The spare state (the result's "spare_state" key), when there is a host_budget. state = 12 * (numel
 -- of the offloaded groups): their fp32 master and moments in pinned host memory; overlap (early
 -- steps) may take as much again as spare state, and "spare_state" bounds that to a fraction of state:
@@ -41,6 +52,7 @@ M.args = {
   reserve = "free GPU memory to leave alone, a byte size (default 1GiB)",
   budget = "GPU memory available before the reserve is taken off, a byte size (default gpu_free_bytes)",
   numa = "NUMA mode of the pinned arena: interleave, bind, preferred or local (default: the engine's)",
+  order = "which groups go first: end (the last in parameter order, the default) or largest",
   host_budget = "pinned host memory for the offloaded state and its spare state, a byte size "
       .. "(default pinned_budget_bytes when > 0, else no bound)",
 }
@@ -67,8 +79,15 @@ local function parse_bytes(args, name, default)
   return math.floor(n * scale)
 end
 
+local function parse_order(args)
+  local text = args.order
+  if text == nil or text == "end" then return "end" end
+  if text == "largest" then return "largest" end
+  error(string.format("args.order must be \"end\" or \"largest\", got %q", tostring(text)), 0)
+end
+
 -- The placement by the rule above: group name -> "cpu" or "gpu".
-local function placement_for(groups, available)
+local function placement_for(groups, available, order_name)
   local room = math.max(available, 0)
   local need = 0
   local placement = {}
@@ -76,17 +95,34 @@ local function placement_for(groups, available)
     need = need + STATE_BYTES_PER_PARAM * g.numel
     placement[g.name] = "gpu"
   end
-  -- Positions by size, largest first; ties keep parameter order.
   local order = {}
-  for i = 1, #groups do order[i] = i end
-  table.sort(order, function(a, b)
-    if groups[a].numel ~= groups[b].numel then return groups[a].numel > groups[b].numel end
-    return a < b
-  end)
+  if order_name == "end" then
+    for i = #groups, 1, -1 do order[#order + 1] = i end
+  else
+    -- Positions by size, largest first; ties keep parameter order.
+    for i = 1, #groups do order[i] = i end
+    table.sort(order, function(a, b)
+      if groups[a].numel ~= groups[b].numel then return groups[a].numel > groups[b].numel end
+      return a < b
+    end)
+  end
+  local offloaded = {}
   for _, i in ipairs(order) do
     if need <= room then break end
     placement[groups[i].name] = "cpu"
     need = need - STATE_BYTES_PER_PARAM * groups[i].numel
+    offloaded[#offloaded + 1] = i
+  end
+  if order_name == "end" then
+    -- Give back the walk's overshoot, the last offloaded first (the nearest the front of the order).
+    for k = #offloaded, 1, -1 do
+      local g = groups[offloaded[k]]
+      local bytes = STATE_BYTES_PER_PARAM * g.numel
+      if need + bytes <= room then
+        placement[g.name] = "gpu"
+        need = need + bytes
+      end
+    end
   end
   return placement
 end
@@ -107,7 +143,7 @@ function M.place(groups, ctx)
   -- Checked before anything is decided, so that a bad host_budget is reported whatever the placement.
   local default_host = ctx.pinned_budget_bytes > 0 and ctx.pinned_budget_bytes or nil
   local host_budget = parse_bytes(ctx.args, "host_budget", default_host)
-  local placement = placement_for(groups, budget - parse_bytes(ctx.args, "reserve", 2^30))
+  local placement = placement_for(groups, budget - parse_bytes(ctx.args, "reserve", 2^30), parse_order(ctx.args))
   -- A group named "spare_state" keeps its placement under that key (the bound is then left out).
   local spare = spare_state_for(groups, placement, host_budget)
   if spare ~= nil and placement.spare_state == nil then placement.spare_state = spare end

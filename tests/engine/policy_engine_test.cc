@@ -277,17 +277,22 @@ end }
 
 // ---- shipped policies through the engine ----------------------------------------------------------
 
-TEST_F(PolicyEngineTest, MemoryBudgetOffloadsTheLargestGroups) {
+TEST_F(PolicyEngineTest, MemoryBudgetOffloadsTheLastGroupsUntilTheStateFits) {
   Model m(device_.get(), kSizes, 9);
-  // 12 B per element: 16164 B in all; 9000 B available: g2 (1000 elements) goes, then 4164 fits.
+  // 12 B per element: 16164 B in all; 9000 B available: walked from the end, g3 (7 elements) and g2
+  // (1000) go, leaving 4080; g3's 84 B fit back.
   auto e = MakeEngine(Policies() + "memory_budget.lua", {{"budget", "9000"}, {"reserve", "0"}});
   ASSERT_NE(e, nullptr);
   ASSERT_OK(m.Register(*e));
   ASSERT_OK(e->Finalize());
   EXPECT_EQ(Offloaded(*e), (std::vector<bool>{false, false, true, false}));
   EXPECT_GE(e->Stats().gpu_state_bytes, (300 + 40 + 7) * 12u);
-  // A tighter budget, hot-reloaded: g2, then g0 (300).
+  // A tighter budget, hot-reloaded: g3, g2, then g1 (40) leave 3600; g3 fits back (3684).
   ASSERT_OK(e->ReloadPolicy(Policies() + "memory_budget.lua", {{"budget", "4000"}, {"reserve", "0"}}));
+  EXPECT_EQ(Offloaded(*e), (std::vector<bool>{false, true, true, false}));
+  // order=largest, the rule before: g2, then g0 (300).
+  ASSERT_OK(e->ReloadPolicy(Policies() + "memory_budget.lua",
+                            {{"budget", "4000"}, {"reserve", "0"}, {"order", "largest"}}));
   EXPECT_EQ(Offloaded(*e), (std::vector<bool>{true, false, true, false}));
   absl::Status bad = e->ReloadPolicy(Policies() + "memory_budget.lua", {{"budget", "lots"}});
   ASSERT_FALSE(bad.ok());

@@ -321,19 +321,32 @@ TEST(ShippedPoliciesTest, OffloadBf16Moments) {
 
 // The documented rule, written again in C++: offload the largest GPU groups (earliest first among
 // equals) while 12 * numel of the GPU groups exceeds max(available, 0).
-Names ReferenceBudget(const std::vector<GroupInfo>& groups, double available) {
+Names ReferenceBudget(const std::vector<GroupInfo>& groups, double available, bool largest = false) {
   const double room = std::max(available, 0.0);
   double need = 0;
   for (const GroupInfo& g : groups) need += 12.0 * static_cast<double>(g.numel);
   std::vector<size_t> order(groups.size());
-  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
-  std::stable_sort(order.begin(), order.end(),
-                   [&](size_t a, size_t b) { return groups[a].numel > groups[b].numel; });
+  for (size_t i = 0; i < order.size(); ++i) order[i] = largest ? i : order.size() - 1 - i;
+  if (largest) {
+    std::stable_sort(order.begin(), order.end(),
+                     [&](size_t a, size_t b) { return groups[a].numel > groups[b].numel; });
+  }
   std::vector<bool> off(groups.size(), false);
+  std::vector<size_t> walked;
   for (size_t i : order) {
     if (need <= room) break;
     off[i] = true;
     need -= 12.0 * static_cast<double>(groups[i].numel);
+    walked.push_back(i);
+  }
+  if (!largest) {  // the overshoot back to the GPU, the last offloaded first
+    for (auto it = walked.rbegin(); it != walked.rend(); ++it) {
+      const double bytes = 12.0 * static_cast<double>(groups[*it].numel);
+      if (need + bytes <= room) {
+        off[*it] = false;
+        need += bytes;
+      }
+    }
   }
   Names out;
   for (size_t i = 0; i < groups.size(); ++i) {
@@ -352,12 +365,46 @@ std::vector<std::string> BudgetOffloaded(Policy& policy, const std::vector<Group
   return p.ok() ? Offloaded(*p, groups) : std::vector<std::string>{"<error>"};
 }
 
-TEST(MemoryBudgetTest, OffloadsTheLargestGroupsUntilTheStateFits) {
+TEST(MemoryBudgetTest, OffloadsTheLastGroupsUntilTheStateFitsAndGivesBackTheOvershoot) {
   auto policy = MustLoad("memory_budget.lua");
   ASSERT_NE(policy, nullptr);
   const std::vector<GroupInfo> model = Model();  // 10000 elements: 120000 bytes of state
   auto with = [&](const char* budget, const char* reserve) {
     return BudgetOffloaded(*policy, model, {{"budget", budget}, {"reserve", reserve}});
+  };
+  EXPECT_EQ(with("120000", "0"), Names{});
+  // One byte short: the last group goes (head).
+  EXPECT_EQ(with("119999", "0"), Names{"head"});
+  EXPECT_EQ(BudgetOffloaded(*policy, model, {{"budget", "119999"}, {"reserve", "0"}, {"order", "end"}}),
+            Names{"head"});
+  // 96000: head, then layer3 make it fit (84000); head's 12000 fit back (96000, the bound inclusive).
+  EXPECT_EQ(with("96000", "0"), Names{"layer3"});
+  // One byte less and head cannot come back.
+  EXPECT_EQ(with("95999", "0"), (Names{"layer3", "head"}));
+  // available = 100000 - 50000: head, layer3, layer2, layer1 leave 36000; head fits back (48000).
+  EXPECT_EQ(with("100000", "50000"), (Names{"layer1", "layer2", "layer3"}));
+  // 12000: everything but embed, which fits exactly; 11999: everything.
+  EXPECT_EQ(with("12000", "0"), (Names{"layer0", "layer1", "layer2", "layer3", "head"}));
+  EXPECT_EQ(with("11999", "0"), (Names{"embed", "layer0", "layer1", "layer2", "layer3", "head"}));
+  // A reserve larger than the budget offloads everything.
+  EXPECT_EQ(with("1000", "5000"), (Names{"embed", "layer0", "layer1", "layer2", "layer3", "head"}));
+  for (const char* bad : {"END", "first", "", "smallest"}) {
+    SCOPED_TRACE(bad);
+    absl::StatusOr<Placement> p = policy->Place(model, Args({{"budget", "0"}, {"order", bad}}));
+    ASSERT_FALSE(p.ok());
+    EXPECT_EQ(p.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(std::string(p.status().message()),
+                HasSubstr("memory_budget.lua: place(): args.order must be \"end\" or \"largest\", got \"" +
+                          std::string(bad) + "\""));
+  }
+}
+
+TEST(MemoryBudgetTest, OrderLargestOffloadsTheLargestGroupsUntilTheStateFits) {
+  auto policy = MustLoad("memory_budget.lua");
+  ASSERT_NE(policy, nullptr);
+  const std::vector<GroupInfo> model = Model();  // 10000 elements: 120000 bytes of state
+  auto with = [&](const char* budget, const char* reserve) {
+    return BudgetOffloaded(*policy, model, {{"budget", budget}, {"reserve", reserve}, {"order", "largest"}});
   };
   EXPECT_EQ(with("120000", "0"), Names{});
   // One byte short: the largest group goes (layer0, the first of four equal ones).
@@ -382,17 +429,16 @@ TEST(MemoryBudgetTest, DefaultsAndUnits) {
   const int64_t gib = int64_t{1} << 30;
   // Defaults: budget = ctx.gpu_free_bytes, reserve = 1 GiB.
   EXPECT_EQ(BudgetOffloaded(*policy, model, {}, gib + 120000), Names{});
-  EXPECT_EQ(BudgetOffloaded(*policy, model, {}, gib + 60000),
-            (Names{"layer0", "layer1", "layer2"}));
-  EXPECT_EQ(BudgetOffloaded(*policy, model, {{"reserve", "0"}}, 96000), Names{"layer0"});
-  // The same 120000 bytes in every unit: nothing offloaded; one byte (or unit) less: layer0.
+  EXPECT_EQ(BudgetOffloaded(*policy, model, {}, gib + 60000), (Names{"layer2", "layer3", "head"}));
+  EXPECT_EQ(BudgetOffloaded(*policy, model, {{"reserve", "0"}}, 96000), Names{"layer3"});
+  // The same 120000 bytes in every unit: nothing offloaded; one byte (or unit) less: head.
   for (const char* fits : {"120000", "120K", "120KB", "0.12M", "1.2e5", "117.1875KiB", " 120000 B "}) {
     EXPECT_EQ(BudgetOffloaded(*policy, model, {{"budget", fits}, {"reserve", "0"}}), Names{})
         << fits;
   }
   for (const char* short_by_one : {"119999", "119.999K", "1.19999e5"}) {
     EXPECT_EQ(BudgetOffloaded(*policy, model, {{"budget", short_by_one}, {"reserve", "0"}}),
-              Names{"layer0"})
+              Names{"head"})
         << short_by_one;
   }
   // Binary units: 1 MiB of budget less 0.5 MiB of reserve = 524288 bytes: everything fits.
@@ -453,13 +499,15 @@ TEST(MemoryBudgetTest, MatchesTheRuleOnRandomModels) {
     const int64_t budget =
         std::uniform_int_distribution<int64_t>(0, static_cast<int64_t>(total) + 1)(rng);
     const int64_t reserve = std::uniform_int_distribution<int64_t>(0, budget / 2 + 1)(rng);
-    const Names expected = ReferenceBudget(groups, static_cast<double>(budget - reserve));
+    const bool largest = (trial / 2) % 2 == 1;
+    const Names expected = ReferenceBudget(groups, static_cast<double>(budget - reserve), largest);
     sizes_seen.insert(expected.size());
-    ASSERT_EQ(BudgetOffloaded(*policy, groups,
-                              {{"budget", std::to_string(budget)},
-                               {"reserve", std::to_string(reserve)}}),
-              expected)
-        << "budget " << budget << ", reserve " << reserve << ", " << n << " groups";
+    std::map<std::string, std::string> args = {{"budget", std::to_string(budget)},
+                                               {"reserve", std::to_string(reserve)}};
+    if (largest || trial % 8 == 4) args["order"] = largest ? "largest" : "end";
+    ASSERT_EQ(BudgetOffloaded(*policy, groups, args), expected)
+        << "budget " << budget << ", reserve " << reserve << ", " << n << " groups, order "
+        << (largest ? "largest" : "end");
   }
   EXPECT_GT(sizes_seen.size(), 3u);
 }
@@ -517,7 +565,7 @@ TEST(MemoryBudgetTest, HostBudgetBoundsTheSpareState) {
   EXPECT_EQ(BudgetSpare(*policy, model, {{"budget", "1G"}, {"reserve", "0"}, {"host_budget", "0"}}), 1.0);
   // The placement does not depend on the host budget.
   EXPECT_EQ(BudgetOffloaded(*policy, model, {{"budget", "96000"}, {"reserve", "0"}, {"host_budget", "1"}}),
-            Names{"layer0"});
+            Names{"layer3"});
   // A group named "spare_state" keeps its placement under that key; the bound is then left out.
   std::vector<GroupInfo> named = model;
   named.push_back(Group("spare_state", 10));
