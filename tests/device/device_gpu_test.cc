@@ -13,6 +13,7 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -601,5 +602,47 @@ TEST_F(CudaDeviceTest, LaunchAdamWithEqualsHostAtAnyAlignment) {
     same(&Arrays::param, DTypeSize(t.pt) * n, "param");
   }
 }
+// A rank that drives GPU r > 0 holds no context on GPU 0, whichever of its threads call Ferry: a
+// thread that never used CUDA (one of Ferry's own) reports device 0, and switching it back to 0 after
+// a call would create GPU 0's primary context in the process. The last GPU is driven from fresh
+// threads; afterwards the process holds that GPU's context alone. Needs two GPUs and a process of its
+// own (ctest runs each test alone).
+TEST(CudaContextTest, CallsFromFreshThreadsCreateNoOtherDevicesContext) {
+  if (!BuiltWithCuda()) GTEST_SKIP() << "this build has no CUDA backend";
+  const size_t devices = CudaNumaNodes().size();  // one entry per CUDA device
+  if (devices < 2) GTEST_SKIP() << "needs 2 CUDA devices, found " << devices;
+  if (!CudaPrimaryContexts().empty()) GTEST_SKIP() << "this process holds a context already (run alone, as ctest does)";
+  const int last = static_cast<int>(devices) - 1;
+  std::unique_ptr<Device> cuda;
+  std::thread([&] {
+    absl::StatusOr<std::unique_ptr<Device>> d = CreateDevice({.backend = "cuda", .ordinal = last});
+    ASSERT_TRUE(d.ok()) << d.status();
+    cuda = *std::move(d);
+  }).join();
+  ASSERT_NE(cuda, nullptr);
+  constexpr size_t kBytes = 1 << 20;
+  const std::vector<uint8_t> src = RandomBytes(kBytes, 5);
+  std::vector<uint8_t> out(kBytes, 0);
+  for (int round = 0; round < 3; ++round) {
+    std::thread([&] {
+      absl::StatusOr<std::unique_ptr<Stream>> stream = cuda->CreateStream();
+      ASSERT_TRUE(stream.ok()) << stream.status();
+      absl::StatusOr<std::unique_ptr<Event>> done = cuda->CreateEvent();
+      ASSERT_TRUE(done.ok()) << done.status();
+      absl::StatusOr<DeviceBuffer> buffer = cuda->Allocate(kBytes);
+      ASSERT_TRUE(buffer.ok()) << buffer.status();
+      FERRY_TEST_ASSERT_OK(cuda->CopyAsync(buffer->data(), src.data(), kBytes, CopyKind::kHostToDevice, **stream));
+      FERRY_TEST_ASSERT_OK(cuda->CopyAsync(out.data(), buffer->data(), kBytes, CopyKind::kDeviceToHost, **stream));
+      FERRY_TEST_ASSERT_OK((*stream)->Record(**done));
+      absl::StatusOr<bool> ready = (*done)->Query();
+      ASSERT_TRUE(ready.ok()) << ready.status();
+      FERRY_TEST_ASSERT_OK((*done)->Synchronize());
+    }).join();
+    ASSERT_FALSE(HasFailure());
+    EXPECT_EQ(out, src);
+  }
+  EXPECT_EQ(CudaPrimaryContexts(), std::vector<int>{last});
+}
+
 }  // namespace
 }  // namespace ferry

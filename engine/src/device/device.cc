@@ -200,6 +200,14 @@ std::vector<int> CudaNumaNodes() {
 #endif
 }
 
+std::vector<int> CudaPrimaryContexts() {
+#if defined(FERRY_HAVE_CUDA)
+  return CudaDevicePrimaryContexts();
+#else
+  return {};
+#endif
+}
+
 bool BuiltWithCuda() {
 #if defined(FERRY_HAVE_CUDA)
   return true;

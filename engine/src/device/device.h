@@ -290,6 +290,10 @@ bool BuiltWithCuda();
 // the CUDA backend or a device. For splitting a host among ranks that each drive one GPU.
 std::vector<int> CudaNumaNodes();
 
+// The ordinals of the CUDA devices whose primary context this process holds; empty without the CUDA
+// backend or a device. A rank that drives GPU r holds r's alone, however its threads call Ferry.
+std::vector<int> CudaPrimaryContexts();
+
 }  // namespace ferry
 
 #endif  // FERRY_DEVICE_DEVICE_H_

@@ -1,6 +1,6 @@
 #include "device/cuda/cuda_device.h"
 
-#include <cuda.h>  // driver types for cuMemGetAddressRange (called through the runtime)
+#include <cuda.h>  // driver types for cuMemGetAddressRange and cuCtxGetCurrent (called through the runtime)
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -30,8 +30,37 @@ namespace {
 // This Abseil build's absl::string_view is not std::string_view, and StrCat takes only the former.
 absl::string_view ToAbsl(std::string_view s) { return absl::string_view(s.data(), s.size()); }
 
+// A driver API function reached through the runtime's driver entry point (so that the build needs no
+// libcuda and runs where there is none), or nullptr when the driver does not have it.
+template <typename Fn>
+Fn DriverFunction(const char* symbol) {
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+  if (cudaGetDriverEntryPointByVersion(symbol, &fn, 12000, cudaEnableDefault, &found) != cudaSuccess ||
+      found != cudaDriverEntryPointSuccess) {
+    (void)cudaGetLastError();
+    return nullptr;
+  }
+  return reinterpret_cast<Fn>(fn);
+}
+
+// Whether the calling thread has a current CUDA context (cuCtxGetCurrent); true when that cannot be
+// told (the guard then behaves as it always did).
+bool ThreadHasContext() {
+  using GetCurrent = CUresult (*)(CUcontext*);
+  static const GetCurrent get_current = DriverFunction<GetCurrent>("cuCtxGetCurrent");
+  if (get_current == nullptr) return true;
+  CUcontext context = nullptr;
+  return get_current(&context) != CUDA_SUCCESS || context != nullptr;
+}
+
 // Makes `ordinal` the calling thread's current device for the guard's lifetime, then restores the
-// previous one (the trainer's threads keep their own current device). One thread.
+// previous one where the thread had one (the trainer's threads keep their own current device). A
+// thread without a current context (Ferry's own, or a trainer thread that never used CUDA) keeps
+// `ordinal`: cudaGetDevice says 0 there, and switching such a thread to device 0 would create device
+// 0's primary context in this process (cudaSetDevice initializes it since CUDA 12), so that on a host
+// of several GPUs every rank but the one on GPU 0 would hold a context, and its memory, on GPU 0.
+// One thread.
 class ScopedCudaDevice {
  public:
   explicit ScopedCudaDevice(int ordinal) {
@@ -41,12 +70,13 @@ class ScopedCudaDevice {
       return;
     }
     if (previous_ == ordinal) return;
+    const bool had_context = ThreadHasContext();
     err = cudaSetDevice(ordinal);
     if (err != cudaSuccess) {
       status_ = CudaError(absl::StrCat("cudaSetDevice(", ordinal, ")"), err);
       return;
     }
-    restore_ = true;
+    restore_ = had_context;
   }
   ~ScopedCudaDevice() {
     if (restore_) {
@@ -194,21 +224,11 @@ cudaMemcpyKind ToCuda(CopyKind kind) {
   return cudaMemcpyDefault;
 }
 
-// The start of the device allocation holding `p` (cuMemGetAddressRange, reached through the runtime's
-// driver entry point so the build needs no libcuda), or 0 when `p` is not device memory.
+// The start of the device allocation holding `p` (cuMemGetAddressRange), or 0 when `p` is not device
+// memory.
 uintptr_t AllocationStart(const void* p) {
   using GetAddressRange = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
-  static const GetAddressRange get_range = [] {
-    void* fn = nullptr;
-    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
-    if (cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &fn, 12000, cudaEnableDefault, &found) !=
-            cudaSuccess ||
-        found != cudaDriverEntryPointSuccess) {
-      (void)cudaGetLastError();
-      return static_cast<GetAddressRange>(nullptr);
-    }
-    return reinterpret_cast<GetAddressRange>(fn);
-  }();
+  static const GetAddressRange get_range = DriverFunction<GetAddressRange>("cuMemGetAddressRange");
   if (get_range == nullptr || p == nullptr) return 0;
   CUdeviceptr base = 0;
   size_t size = 0;
@@ -561,6 +581,26 @@ std::vector<int> CudaDeviceNumaNodes() {
   std::vector<int> nodes;
   for (int i = 0; count.ok() && i < *count; ++i) nodes.push_back(CudaDeviceNumaNode(i));
   return nodes;
+}
+
+std::vector<int> CudaDevicePrimaryContexts() {
+  using DeviceGet = CUresult (*)(CUdevice*, int);
+  using PrimaryState = CUresult (*)(CUdevice, unsigned int*, int*);
+  static const DeviceGet device_get = DriverFunction<DeviceGet>("cuDeviceGet");
+  static const PrimaryState primary_state = DriverFunction<PrimaryState>("cuDevicePrimaryCtxGetState");
+  absl::StatusOr<int> count = CudaDeviceCount();
+  std::vector<int> active;
+  if (device_get == nullptr || primary_state == nullptr) return active;
+  for (int i = 0; count.ok() && i < *count; ++i) {
+    CUdevice device = 0;
+    unsigned int flags = 0;
+    int is_active = 0;
+    if (device_get(&device, i) == CUDA_SUCCESS && primary_state(device, &flags, &is_active) == CUDA_SUCCESS &&
+        is_active != 0) {
+      active.push_back(i);
+    }
+  }
+  return active;
 }
 
 absl::StatusOr<std::unique_ptr<Device>> CreateCudaDevice(int ordinal) {

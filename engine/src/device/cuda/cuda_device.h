@@ -21,11 +21,16 @@ int CudaDeviceNumaNode(int ordinal);
 // CudaDeviceNumaNode of every device; empty when there is none.
 std::vector<int> CudaDeviceNumaNodes();
 
+// The ordinals of the devices whose primary context this process holds (cuDevicePrimaryCtxGetState);
+// empty when there is none or the driver cannot say.
+std::vector<int> CudaDevicePrimaryContexts();
+
 // A Device over CUDA device `ordinal`:
 //   - streams are created with cudaStreamNonBlocking, events with cudaEventDisableTiming; WrapStream
 //     does not own the native stream (nullptr is the legacy default stream);
 //   - every call makes `ordinal` the calling thread's current device for its duration and restores
-//     the previous one;
+//     the previous one where the thread had a current context (a thread without one keeps `ordinal`,
+//     so that no call creates another device's context);
 //   - Free is cudaFree, which synchronizes the whole device: never on a hot path;
 //   - LaunchAdam passes the tensor descriptors as kernel parameters (captured at launch), one launch
 //     per up to 320 tensors and 16 scalar sets (see kernels.h).
