@@ -265,9 +265,9 @@ def make_optimizer(row, model, loop, args):
             args.device == "cuda" else {}
         return torch.optim.AdamW(groups, **kw, **fused), None
     policy_args = row.get("policy_args")
-    if policy_args and policy_args.get("budget") == "HALF":  # room on the GPU for half the model's 12 B/param state
+    if row.get("gpu_room"):  # memory_budget's budget: that share of the model's fp32 state (12 B per param)
         numel = sum(p.numel() for p in model.parameters())
-        policy_args = dict(policy_args, budget=str(12 * numel // 2))
+        policy_args = dict(policy_args, budget=str(int(12 * numel * row["gpu_room"])))
     extra = {"policy": row["policy"], "policy_args": policy_args, "trace_path": trace_path(args.trace, row)}
     if args.cpu_threads:
         extra["cpu_threads"] = args.cpu_threads
@@ -438,11 +438,10 @@ def rows_for(args):
         # parameter order (and gives back what it overshot); order=largest, the rule before, offloads the
         # largest groups first (the embeddings and the head, then the first blocks).
         {"name": "ferry memory_budget half + overlap", "kind": "ferry", "policy": "memory_budget",
-         "policy_args": {"budget": "HALF", "reserve": "0"}, "offloaded": True, "overlap": True, "exact": True,
-         "share": True},
+         "policy_args": {"reserve": "0"}, "gpu_room": 0.5, "offloaded": True, "overlap": True, "exact": True},
         {"name": "ferry memory_budget half largest + overlap", "kind": "ferry", "policy": "memory_budget",
-         "policy_args": {"budget": "HALF", "reserve": "0", "order": "largest"}, "offloaded": True,
-         "overlap": True, "exact": True, "share": True},
+         "policy_args": {"reserve": "0", "order": "largest"}, "gpu_room": 0.5, "offloaded": True,
+         "overlap": True, "exact": True},
     ]
     if args.rows:
         wanted = [int(i) for i in args.rows.split(",")]
@@ -515,14 +514,12 @@ def bench_size(name, args):
             line += "   bound: step alone %.1f ms (%s)" % (alone * 1e3, bound)
         if row.get("deferred"):
             line += "   [%d of %d steps deferred]" % (row["deferred"], args.warmup + args.steps)
-        if row.get("policy_args", {}).get("fraction") is not None and row.get("placed"):
+        fraction = row.get("policy_args", {}).get("fraction")
+        if row.get("placed") and (fraction is not None or row.get("gpu_room")):
             share, off, n = row["placed"]
             line += "   [offloaded %.0f%% of the params: %d of %d param groups%s]" % (
-                100 * share, off, n, "; placement is by group" if abs(share - float(row["policy_args"]["fraction"])) > 0.1
-                else "")
-        elif row.get("share") and row.get("placed"):
-            share, off, n = row["placed"]
-            line += "   [offloaded %.0f%% of the params: %d of %d param groups]" % (100 * share, off, n)
+                100 * share, off, n,
+                "; placement is by group" if fraction is not None and abs(share - float(fraction)) > 0.1 else "")
         line += cpu_text(row.get("cpu"))
         clip_text, clip_ok = row["clip"]
         if clip_text:

@@ -70,6 +70,15 @@ std::vector<std::string> OffloadedWith(Policy& policy, const std::vector<GroupIn
 
 using Names = std::vector<std::string>;
 
+// Place() with `args` is refused as InvalidArgument, its message holding `message`.
+void ExpectRefused(Policy& policy, const std::vector<GroupInfo>& groups, std::map<std::string, std::string> args,
+                   const std::string& message) {
+  absl::StatusOr<Placement> p = policy.Place(groups, Args(std::move(args)));
+  ASSERT_FALSE(p.ok());
+  EXPECT_EQ(p.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(p.status().message()), HasSubstr(message));
+}
+
 TEST(OffloadFractionTest, PlacesExactlyTheDocumentedGroups) {
   auto policy = MustLoad("offload_fraction.lua");
   ASSERT_NE(policy, nullptr);
@@ -121,12 +130,8 @@ TEST(OffloadFractionTest, FromTheStartOffloadsAPrefixOfTheParameterOrder) {
   EXPECT_EQ(OffloadedWith(*policy, empty, {{"fraction", "0.5"}, {"from", "start"}}), (Names{"a", "b"}));
   for (const char* bad : {"END", "last", "", "1"}) {
     SCOPED_TRACE(bad);
-    absl::StatusOr<Placement> p = policy->Place(model, Args({{"fraction", "0.5"}, {"from", bad}}));
-    ASSERT_FALSE(p.ok());
-    EXPECT_EQ(p.status().code(), absl::StatusCode::kInvalidArgument);
-    EXPECT_THAT(std::string(p.status().message()),
-                HasSubstr("offload_fraction.lua: place(): args.from must be \"end\" or \"start\", got \"" +
-                          std::string(bad) + "\""));
+    ExpectRefused(*policy, model, {{"fraction", "0.5"}, {"from", bad}},
+                  "offload_fraction.lua: place(): args.from must be \"end\" or \"start\", got \"" + std::string(bad) + "\"");
   }
 }
 
@@ -157,13 +162,9 @@ TEST(OffloadFractionTest, RejectsBadFraction) {
   ASSERT_NE(policy, nullptr);
   for (const char* bad : {"abc", "1.5", "-0.1", "", "0.5x"}) {
     SCOPED_TRACE(bad);
-    absl::StatusOr<Placement> p = policy->Place(Model(), Args({{"fraction", bad}}));
-    ASSERT_FALSE(p.ok());
-    EXPECT_EQ(p.status().code(), absl::StatusCode::kInvalidArgument);
-    const std::string message(p.status().message());
-    EXPECT_THAT(message, HasSubstr("offload_fraction.lua: place(): args.fraction must be a number "
-                                   "in [0, 1], got \"" +
-                                   std::string(bad) + "\""));
+    ExpectRefused(*policy, Model(), {{"fraction", bad}},
+                  "offload_fraction.lua: place(): args.fraction must be a number in [0, 1], got \"" +
+                      std::string(bad) + "\"");
   }
 }
 
@@ -390,12 +391,8 @@ TEST(MemoryBudgetTest, OffloadsTheLastGroupsUntilTheStateFitsAndGivesBackTheOver
   EXPECT_EQ(with("1000", "5000"), (Names{"embed", "layer0", "layer1", "layer2", "layer3", "head"}));
   for (const char* bad : {"END", "first", "", "smallest"}) {
     SCOPED_TRACE(bad);
-    absl::StatusOr<Placement> p = policy->Place(model, Args({{"budget", "0"}, {"order", bad}}));
-    ASSERT_FALSE(p.ok());
-    EXPECT_EQ(p.status().code(), absl::StatusCode::kInvalidArgument);
-    EXPECT_THAT(std::string(p.status().message()),
-                HasSubstr("memory_budget.lua: place(): args.order must be \"end\" or \"largest\", got \"" +
-                          std::string(bad) + "\""));
+    ExpectRefused(*policy, model, {{"budget", "0"}, {"order", bad}},
+                  "memory_budget.lua: place(): args.order must be \"end\" or \"largest\", got \"" + std::string(bad) + "\"");
   }
 }
 
@@ -470,13 +467,9 @@ TEST(MemoryBudgetTest, RejectsBadSizes) {
            {"budget", "abc"}, {"budget", "-1"}, {"reserve", "12XB"}, {"reserve", ""},
            {"budget", "1e400"}, {"reserve", "5 G B"}, {"host_budget", "lots"}, {"host_budget", "-5"}}) {
     SCOPED_TRACE(arg + "=" + value);
-    absl::StatusOr<Placement> p = policy->Place(Model(), Args({{arg, value}}));
-    ASSERT_FALSE(p.ok());
-    EXPECT_EQ(p.status().code(), absl::StatusCode::kInvalidArgument);
-    EXPECT_THAT(std::string(p.status().message()),
-                HasSubstr("memory_budget.lua: place(): args." + arg +
-                          " must be a byte size such as \"512MiB\", \"2G\" or \"1e9\", got \"" +
-                          value + "\""));
+    ExpectRefused(*policy, Model(), {{arg, value}},
+                  "memory_budget.lua: place(): args." + arg +
+                      " must be a byte size such as \"512MiB\", \"2G\" or \"1e9\", got \"" + value + "\"");
   }
 }
 
