@@ -155,6 +155,12 @@ TEST(TraceEngineTest, StepsSaveAndLoadAreTracedWithBytesAndNesting) {
     ASSERT_NE(named, trace->threads.end()) << "an unnamed thread (tid " << ran->tid << ") ran CPU Adam";
     EXPECT_TRUE(named->second == "trainer" || named->second == "cpu adam worker")
         << "CPU Adam ran on a thread named '" << named->second << "'";
+    // The thread's CPU time within its span: there, non-negative, and no more than the span (a
+    // thread runs no longer than the wall clock; 0.1 ms for the two clocks' reads).
+    const auto cpu = ran->args.find("cpu_us");
+    ASSERT_NE(cpu, ran->args.end()) << "a cpu_adam.thread span without its CPU time";
+    EXPECT_GE(cpu->second, 0.0);
+    EXPECT_LE(cpu->second, ran->dur_us + 100.0);
   }
   // Each step's span agrees with the wall time of its call measured here: the span lies inside the
   // call, so it is at most the measured time, and misses only the call's entry and exit (tolerance:

@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <chrono>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -248,12 +249,47 @@ TEST(TraceFileTest, SummaryWallTimeIsTheUnionAndMalformedInputIsRefused) {
   EXPECT_DOUBLE_EQ(s[0].total_ms, 0.25);
   EXPECT_DOUBLE_EQ(s[0].wall_ms, 0.2);  // [0,150) and [300,350)
   EXPECT_DOUBLE_EQ(s[0].gbps, 2000.0 / 200e3);
+  EXPECT_DOUBLE_EQ(s[0].cpu_span_ms, 0.0);  // no event carries its CPU time
+  EXPECT_EQ(FormatSummary(s).find("ran on a CPU"), std::string::npos);
   EXPECT_FALSE(ParseTrace("{").ok());
   EXPECT_FALSE(ParseTrace(R"({"traceEvents":[{"ph":"X","name":"a","ts":1}]})").ok());
   absl::StatusOr<std::pair<double, double>> w = EventWindow(*t, "cpu_adam.thread", 2);
   ASSERT_TRUE(w.ok());
   EXPECT_DOUBLE_EQ(w->first, 300.0);
   EXPECT_FALSE(EventWindow(*t, "step", 0).ok());
+}
+
+TEST(TraceFileTest, SummaryAddsTheThreadsCpuTimeOfTheEventsThatCarryIt) {
+  // Two spans carry their thread's CPU time (60 of 100 us, 90 of 200 us), one does not (left out of
+  // both sums): the threads ran 150 of their 300 us.
+  const std::string json = R"({"traceEvents":[
+    {"ph":"X","name":"cpu_adam.thread","pid":0,"tid":1,"ts":0,"dur":100,"args":{"bytes":10,"cpu_us":60}},
+    {"ph":"X","name":"cpu_adam.thread","pid":1,"tid":1,"ts":0,"dur":200,"args":{"cpu_us":90}},
+    {"ph":"X","name":"cpu_adam.thread","pid":0,"tid":2,"ts":0,"dur":400},
+    {"ph":"X","name":"step","pid":0,"tid":1,"ts":0,"dur":500}]})";
+  absl::StatusOr<TraceFile> t = ParseTrace(json);
+  ASSERT_TRUE(t.ok()) << t.status();
+  std::vector<StageSummary> s = Summarize(*t, {});
+  ASSERT_EQ(s.size(), 2u);
+  EXPECT_DOUBLE_EQ(s[0].cpu_ms, 0.15);
+  EXPECT_DOUBLE_EQ(s[0].cpu_span_ms, 0.3);
+  EXPECT_DOUBLE_EQ(s[1].cpu_span_ms, 0.0);
+  const std::string table = FormatSummary(s);
+  EXPECT_NE(table.find("cpu_adam.thread: its threads ran on a CPU 50.0% of their spans (0.150 of 0.300 ms"),
+            std::string::npos)
+      << table;
+  EXPECT_EQ(table.find("step: its threads"), std::string::npos) << table;
+}
+
+TEST(TracerTest, ThreadCpuTimeCountsRunningNotSleeping) {
+  const int64_t cpu0 = ThreadCpuNs(), wall0 = SteadyNs();
+  Spin(20'000);  // 20 ms of running
+  const int64_t spun_cpu = ThreadCpuNs() - cpu0, spun_wall = SteadyNs() - wall0;
+  EXPECT_GT(spun_cpu, 0);
+  EXPECT_LE(spun_cpu, spun_wall + 1'000'000);  // a thread runs no longer than the wall clock (1 ms of clock skew)
+  const int64_t cpu1 = ThreadCpuNs();
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  EXPECT_LT(ThreadCpuNs() - cpu1, 25'000'000);  // 50 ms asleep are not 25 ms of CPU
 }
 
 TEST(TracerTest, RankPaths) {

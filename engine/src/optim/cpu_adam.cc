@@ -246,6 +246,8 @@ struct CpuAdamRound {
     int64_t start_ns = 0;
     int64_t end_ns = 0;
     int64_t elements = 0;
+    int64_t cpu_start_ns = 0;  // the thread's CPU time (ThreadCpuNs) at start_ns and at end_ns
+    int64_t cpu_end_ns = 0;
   };
   Tracer* tracer = nullptr;
   uint64_t id = 0;
@@ -274,6 +276,7 @@ void CpuAdamRound::TracedTask(size_t task) {
       tracer->NameThread("cpu adam worker", /*if_unnamed=*/true);
       slots[my_slot].tid = tracer->ThreadId();
       slots[my_slot].start_ns = start_ns;
+      slots[my_slot].cpu_start_ns = ThreadCpuNs();
     }
   }
   Task(task);
@@ -281,6 +284,7 @@ void CpuAdamRound::TracedTask(size_t task) {
   const int64_t hi = total * (static_cast<int64_t>(task) + 1) / num_tasks;
   if (my_slot < slots.size()) {
     slots[my_slot].end_ns = tracer->NowNs();
+    slots[my_slot].cpu_end_ns = ThreadCpuNs();
     slots[my_slot].elements += hi - lo;
   }
 }
@@ -293,7 +297,8 @@ void CpuAdamRound::Finish() {
     const Slot& slot = slots[s];
     tracer->Complete("cpu_adam.thread", "optim", slot.start_ns, slot.end_ns,
                      {{"elements", static_cast<double>(slot.elements)},
-                      {"bytes", static_cast<double>(slot.elements) * bytes_per_element}},
+                      {"bytes", static_cast<double>(slot.elements) * bytes_per_element},
+                      {"cpu_us", static_cast<double>(slot.cpu_end_ns - slot.cpu_start_ns) / 1e3}},
                      {}, slot.tid);
   }
   tracer = nullptr;

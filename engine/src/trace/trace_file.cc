@@ -137,6 +137,11 @@ std::vector<StageSummary> Summarize(const TraceFile& trace, const std::map<std::
     s.total_ms += e.dur_us / 1e3;
     auto b = e.args.find("bytes");
     if (b != e.args.end()) s.bytes += b->second;
+    auto cpu = e.args.find("cpu_us");
+    if (cpu != e.args.end()) {
+      s.cpu_ms += cpu->second / 1e3;
+      s.cpu_span_ms += e.dur_us / 1e3;
+    }
     // Ranks are separate timelines: offset each rank far apart so their intervals never merge.
     const double offset = static_cast<double>(e.pid) * 1e15;
     intervals[e.name].push_back({offset + e.ts_us, offset + e.ts_us + e.dur_us});
@@ -177,6 +182,13 @@ std::string FormatSummary(const std::vector<StageSummary>& stages) {
     }
     absl::StrAppendFormat(&out, "%-22s %7d %11.3f %11.3f %11s %9s %15s\n", s.name, s.count, s.total_ms, s.wall_ms, bytes,
                           gbps, ratio);
+  }
+  for (const StageSummary& s : stages) {
+    if (s.cpu_span_ms <= 0.0) continue;
+    absl::StrAppendFormat(&out,
+                          "%s: its threads ran on a CPU %.1f%% of their spans (%.3f of %.3f ms; the rest they "
+                          "waited for a CPU or were blocked)\n",
+                          s.name, 100.0 * s.cpu_ms / s.cpu_span_ms, s.cpu_ms, s.cpu_span_ms);
   }
   return out;
 }

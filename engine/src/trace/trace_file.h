@@ -43,6 +43,11 @@ struct StageSummary {
   double gbps = 0.0;        // bytes / wall time (0 without bytes)
   std::string ceiling_key;  // "d2h", "h2d", "mem", "disk" or empty
   std::optional<double> ceiling_gbps;
+  // Of the events that carry a "cpu_us" arg (the thread's CPU time within the span: cpu_adam.thread):
+  // their CPU time and their durations. cpu_ms / cpu_span_ms is the share of its spans a thread ran;
+  // the rest it waited for a CPU (or was blocked).
+  double cpu_ms = 0.0;
+  double cpu_span_ms = 0.0;
 };
 
 // The ceiling a stage is compared with: d2h.chunk -> "d2h", h2d.chunk -> "h2d", cpu_adam.* -> "mem"
@@ -52,7 +57,8 @@ std::string CeilingKeyOf(const std::string& stage);
 // Every stage of `trace`, ordered by first appearance; `ceilings` (key -> GB/s) fills ceiling_gbps.
 std::vector<StageSummary> Summarize(const TraceFile& trace, const std::map<std::string, double>& ceilings);
 
-// The summary as a table (one line per stage, with the ratio to the ceiling where there is one).
+// The summary as a table (one line per stage, with the ratio to the ceiling where there is one), then
+// a line per stage whose events carry their threads' CPU time: the share of the spans they ran.
 std::string FormatSummary(const std::vector<StageSummary>& stages);
 
 struct SvgOptions {

@@ -36,6 +36,10 @@ namespace ferry {
 // The steady clock's time in nanoseconds: the clock every Tracer's NowNs counts from.
 int64_t SteadyNs();
 
+// The calling thread's CPU time in nanoseconds (CLOCK_THREAD_CPUTIME_ID): beside a span's wall time,
+// how much of it the thread ran (the rest it was preempted, or blocked). 0 where the clock is missing.
+int64_t ThreadCpuNs();
+
 // One numeric argument of an event. `key` must be a string literal (it is not copied).
 struct TraceArg {
   const char* key = nullptr;
