@@ -14,7 +14,9 @@ slowest rank's iteration time and its ratio to the all-GPU DDP row of the same r
                                      each layer's forward waits for its own units' gathers
     DDP offload + overlap            unsharded (every rank the whole state offloaded), attach_ddp, and
                                      attach(model) as bench_train.py's overlap rows (deferred steps)
-    FSDP2 offload                    fully_shard per block and the root (DTensor params), offloaded
+    FSDP2 offload                    fully_shard per block and the root (DTensor params; --fsdp-units
+                                     split: the embeddings and the norm with the head as units too),
+                                     offloaded
     FSDP2 offload + overlap          the same with overlap=True (groups announced once FSDP2's
                                      reduce-scatter has landed: its post-accumulate-grad hooks) and
                                      attach(model): the step returns before its update, and each
@@ -40,6 +42,7 @@ import argparse
 import gc
 import inspect
 import os
+import re
 import statistics
 import sys
 import time
@@ -88,8 +91,12 @@ def build(row, args, device, world, local_rank):
     if row["wrap"] == "fsdp2":
         fully_shard, init_device_mesh = fsdp2()
         mesh = init_device_mesh(device.type, (world,))
+        if args.fsdp_units == "split":  # torchtitan's units: the embeddings, each block, the norm and head
+            fully_shard(model.embed, mesh=mesh)
         for block in model.blocks:
             fully_shard(block, mesh=mesh)
+        if args.fsdp_units == "split":
+            fully_shard([model.ln, model.head], mesh=mesh)
         fully_shard(model, mesh=mesh)
         outer = model
     else:
@@ -153,6 +160,35 @@ class Phases:
         return {name: (m, x) for name, m, x in zip(self.NAMES, mine.tolist(), slowest.tolist())}
 
 
+def profile_steps(prof, where, row, rank, device):
+    """Starts torch.profiler (CPU and CUDA activity) when `prof` is None, else stops it and writes its
+    Chrome trace to WHERE/<row>.rank-R.json: the GPU's streams (kernels, copies, NCCL) of the steps
+    between, beside the trace of Ferry's own threads that --trace writes. It profiles two steps after
+    the timed ones, which its cost leaves alone."""
+    from torch.profiler import ProfilerActivity, profile
+    if prof is None:
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        prof = profile(activities=activities)
+        prof.__enter__()
+        return prof
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    prof.__exit__(None, None, None)
+    os.makedirs(where, exist_ok=True)
+    name = re.sub(r"[^A-Za-z0-9]+", "_", row["name"]).strip("_")
+    prof.export_chrome_trace(os.path.join(where, "%s.rank-%d.json" % (name, rank)))
+    return None
+
+
+def timed_end(opt, row, sync, t0, steps):
+    """(this rank's mean iteration in s since t0, once the last step's params are in place; the
+    optimizer's stats then, for a ferry row)."""
+    if row["kind"] == "ferry":
+        opt.wait_params()
+    sync()
+    return (time.perf_counter() - t0) / steps, opt.stats() if row["kind"] == "ferry" else None
+
+
 def run_row(row, args, device, rank, world, local_rank, data):
     """(slowest rank's iteration time in s, this rank's losses, bench_train.cpu_update's dict of this
     rank's timed steps or None)."""
@@ -162,13 +198,19 @@ def run_row(row, args, device, rank, world, local_rank, data):
     phases = Phases(device) if args.phases else None
     dist.barrier()
     t0, before = time.perf_counter(), None
-    for it in range(args.warmup + args.steps):
+    prof, end = None, args.warmup + args.steps
+    profiled = args.profile and row["kind"] == "ferry"  # two more steps after the timed ones, profiled
+    for it in range(end + (4 if profiled else 0)):
+        if it == end:
+            mine, after = timed_end(opt, row, sync, t0, args.steps)
+        if profiled and it in (end + 1, end + 3):
+            prof = profile_steps(prof, args.profile, row, rank, device)
         if it == args.warmup:
             sync()
             dist.barrier()
             t0 = time.perf_counter()
             before = opt.stats() if row["kind"] == "ferry" else None
-        timed = phases is not None and it >= args.warmup
+        timed = phases is not None and args.warmup <= it < end
         if timed:
             phases.mark("start")
         loss = outer(data[it % len(data)])
@@ -181,14 +223,13 @@ def run_row(row, args, device, rank, world, local_rank, data):
         opt.zero_grad(set_to_none=row["kind"] == "torch")
         if timed:
             phases.mark("step")
-        losses.append(loss.detach())
-    if row["kind"] == "ferry":
-        opt.wait_params()
-    sync()
-    mine = (time.perf_counter() - t0) / args.steps
+        if it < end:
+            losses.append(loss.detach())
+    if not profiled:
+        mine, after = timed_end(opt, row, sync, t0, args.steps)
     slowest = torch.tensor([mine], dtype=torch.float64, device=device if dist.get_backend() == "nccl" else "cpu")
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    stats = bench_train.cpu_update(before, opt.stats(), args.steps) if row["kind"] == "ferry" else None
+    stats = bench_train.cpu_update(before, after, args.steps) if row["kind"] == "ferry" else None
     if phases is not None:
         row["phases"] = phases.summary()
     del outer, opt
@@ -264,6 +305,11 @@ def main():
                     help="the params' dtype (float32 for gloo on torch 1.13, which has no bf16 collectives)")
     ap.add_argument("--rows", default="", help="comma-separated row indices (default: all)")
     ap.add_argument("--groups", default="split", choices=["split", "joined"], help="as bench_train.py's")
+    ap.add_argument("--fsdp-units", default="root", choices=["root", "split"],
+                    help="FSDP2's units: root, fully_shard per block and the root (the embeddings, the final norm "
+                         "and the head in the root's unit, as torch's FSDP2 example writes it); split, the "
+                         "embeddings and the final norm with the head in units of their own (as torchtitan "
+                         "wraps a transformer)")
     ap.add_argument("--cpu-threads", type=int, default=0, help="ferry's CPU Adam threads per rank (0: its default)")
     ap.add_argument("--timeout", type=float, default=300.0, help="the optimizer's collective timeout, seconds")
     ap.add_argument("--trace", default="", help="ferry trace of each ferry row and rank: PATH with the row's name before "
@@ -271,6 +317,9 @@ def main():
     ap.add_argument("--solo-mb", type=float, default=None,
                     help="ZeRO-1: MiB from which an evenly split param is a gather unit of its own, gathered in place "
                     "under NCCL (ferry._zero.SOLO_BYTES, default 1; a huge value: every unit through copies)")
+    ap.add_argument("--profile", default="", metavar="DIR",
+                    help="torch.profiler's Chrome trace of two steps after the timed ones, of each ferry row and "
+                         "rank, into DIR (the GPU's kernels, copies and NCCL)")
     ap.add_argument("--phases", action="store_true",
                     help="CUDA: each row's GPU time per iteration in forward, backward and step (CUDA events on "
                          "the compute stream; rank 0's and the slowest rank's mean)")
