@@ -130,7 +130,8 @@ std::string TraceUsage() {
       "Ceilings come from --ceiling (e.g. the figures of `ferry bench transfer` and `ferry bench adam`)\n"
       "or are measured on the spot (--measure); the report says which. With --svg, the timeline\n"
       "of one step (or, with --all, the whole trace) as an SVG picture: a row per thread and lane,\n"
-      "a box per span (hover for its duration and arguments), a time axis.\n"
+      "a box per span (hover for its duration and arguments), a time axis. Where the trace has\n"
+      "several steps, each iteration (step end to step end) with the time CPU Adam ran in it.\n"
       "\n"
       "flags:\n",
       FlagsHelp(TraceFlags()));
@@ -202,6 +203,15 @@ int TraceCommand(const std::vector<std::string>& args, std::FILE* out, std::FILE
     if (s.name == "step" && s.count > 0) {
       absl::FPrintF(out, "\nstep: %d steps, %.3f ms each on average\n", s.count, s.total_ms / static_cast<double>(s.count));
     }
+  }
+  const std::vector<IterationSummary> iterations = Iterations(*trace);
+  if (!iterations.empty()) {
+    absl::FPrintF(out,
+                  "\niterations (from the end of one step to the end of the next, per rank): CPU Adam is the\n"
+                  "time its rounds ran, idle the rest (where the loop is bound by the CPU update, the idle is\n"
+                  "what overlap did not hide); wait.grads, the early pass waiting for grads; wait.upload, the\n"
+                  "trainer waiting for new params\n%s",
+                  FormatIterations(iterations));
   }
   const std::string svg_path = absl::GetFlag(FLAGS_ferry_trace_svg);
   if (!svg_path.empty()) {

@@ -659,6 +659,10 @@ TEST(TraceCommandTest, SummaryPerStageBesideGivenCeilingsAndTheSvgOfOneStep) {
                                                         "0.50", "(mem", "56.0)"));
   EXPECT_THAT(r.out, HasSubstr("  d2h      40.00  given"));
   EXPECT_THAT(r.out, HasSubstr("step: 2 steps, 2.500 ms each on average"));
+  // One iteration, from the end of step 0 (3 ms) to the end of step 1 (8 ms); the only round ran
+  // before it, so CPU Adam ran none of it.
+  EXPECT_THAT(r.out, HasSubstr("iterations (from the end of one step to the end of the next, per rank)"));
+  EXPECT_THAT(r.out, HasSubstr("0           1       5.0 ms       0.0 ms       5.0 ms       0.0 ms       0.0 ms"));
   std::ifstream in(svg);
   std::stringstream text;
   text << in.rdbuf();

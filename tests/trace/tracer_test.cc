@@ -281,6 +281,60 @@ TEST(TraceFileTest, SummaryAddsTheThreadsCpuTimeOfTheEventsThatCarryIt) {
   EXPECT_EQ(table.find("step: its threads"), std::string::npos) << table;
 }
 
+TEST(TraceFileTest, IterationsRunFromStepEndToStepEndPerRank) {
+  // Times in ms (the file's us / 1000). Rank 0: steps ending at 100, 300 and 600: two iterations,
+  // [100, 300) and [300, 600). Rounds [50, 150) and [120, 200) (union within the first: 100),
+  // [250, 400) (split: 50 in the first, 100 in the second) and [450, 500); a wait for grads
+  // [200, 260), the trainer's waits for params [310, 330) and [320, 340); CPU Adam threads starting
+  // in each (their CPU time: 30 of 40, and 10 of 40 plus one without it). Rank 1: one step, so no
+  // iteration.
+  const std::string json = R"({"traceEvents":[
+    {"ph":"X","name":"step","pid":0,"tid":1,"ts":0,"dur":100000},
+    {"ph":"X","name":"step","pid":0,"tid":1,"ts":250000,"dur":50000},
+    {"ph":"X","name":"step","pid":0,"tid":1,"ts":580000,"dur":20000},
+    {"ph":"X","name":"cpu_adam.round","pid":0,"tid":2,"ts":50000,"dur":100000},
+    {"ph":"X","name":"cpu_adam.round","pid":0,"tid":2,"ts":120000,"dur":80000},
+    {"ph":"X","name":"cpu_adam.round","pid":0,"tid":2,"ts":250000,"dur":150000},
+    {"ph":"X","name":"cpu_adam.round","pid":0,"tid":2,"ts":450000,"dur":50000},
+    {"ph":"X","name":"wait.grads","pid":0,"tid":2,"ts":200000,"dur":60000},
+    {"ph":"X","name":"wait.upload","pid":0,"tid":1,"ts":310000,"dur":20000},
+    {"ph":"X","name":"wait.upload","pid":0,"tid":1,"ts":320000,"dur":20000},
+    {"ph":"X","name":"cpu_adam.thread","pid":0,"tid":3,"ts":130000,"dur":40000,"args":{"cpu_us":30000}},
+    {"ph":"X","name":"cpu_adam.thread","pid":0,"tid":3,"ts":450000,"dur":40000,"args":{"cpu_us":10000}},
+    {"ph":"X","name":"cpu_adam.thread","pid":0,"tid":4,"ts":450000,"dur":40000},
+    {"ph":"X","name":"step","pid":1,"tid":1,"ts":0,"dur":100000},
+    {"ph":"X","name":"cpu_adam.round","pid":1,"tid":2,"ts":0,"dur":100000}]})";
+  absl::StatusOr<TraceFile> t = ParseTrace(json);
+  ASSERT_TRUE(t.ok()) << t.status();
+  const std::vector<IterationSummary> its = Iterations(*t);
+  ASSERT_EQ(its.size(), 2u);
+  EXPECT_EQ(its[0].pid, 0);
+  EXPECT_EQ(its[0].step, 1u);
+  EXPECT_DOUBLE_EQ(its[0].iteration_ms, 200.0);
+  EXPECT_DOUBLE_EQ(its[0].cpu_adam_ms, 150.0);  // [100, 200) and [250, 300)
+  EXPECT_DOUBLE_EQ(its[0].idle_ms, 50.0);
+  EXPECT_DOUBLE_EQ(its[0].wait_grads_ms, 60.0);
+  EXPECT_DOUBLE_EQ(its[0].wait_upload_ms, 0.0);
+  EXPECT_DOUBLE_EQ(its[0].on_cpu, 0.75);
+  EXPECT_EQ(its[1].step, 2u);
+  EXPECT_DOUBLE_EQ(its[1].iteration_ms, 300.0);
+  EXPECT_DOUBLE_EQ(its[1].cpu_adam_ms, 150.0);  // [300, 400) and [450, 500)
+  EXPECT_DOUBLE_EQ(its[1].idle_ms, 150.0);
+  EXPECT_DOUBLE_EQ(its[1].wait_upload_ms, 30.0);  // [310, 340)
+  EXPECT_DOUBLE_EQ(its[1].on_cpu, 0.25);  // the thread without its CPU time is left out
+  const std::string table = FormatIterations(its);
+  EXPECT_NE(table.find("mean"), std::string::npos) << table;
+  // Rank 0's means.
+  EXPECT_NE(table.find("0        mean     250.0 ms     150.0 ms     100.0 ms      30.0 ms      15.0 ms"
+                       "            50.0%"),
+            std::string::npos)
+      << table;
+  EXPECT_EQ(FormatIterations({}), "");
+  // More iterations than rows: the table says how many it left out, the mean covers them all.
+  const std::string cut = FormatIterations(its, 1);
+  EXPECT_NE(cut.find("(1 more)"), std::string::npos) << cut;
+}
+
 TEST(TracerTest, ThreadCpuTimeCountsRunningNotSleeping) {
   const int64_t cpu0 = ThreadCpuNs(), wall0 = SteadyNs();
   Spin(20'000);  // 20 ms of running

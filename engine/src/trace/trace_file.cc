@@ -122,6 +122,37 @@ std::string CeilingKeyOf(const std::string& stage) {
   return "";
 }
 
+namespace {
+
+// The length of the union of the intervals [first, second).
+double UnionLength(std::vector<std::pair<double, double>> iv) {
+  std::sort(iv.begin(), iv.end());
+  double total = 0.0, cur_begin = 0.0, cur_end = -1.0;
+  for (const auto& [b, e] : iv) {
+    if (b > cur_end) {
+      if (cur_end > cur_begin) total += cur_end - cur_begin;
+      cur_begin = b;
+      cur_end = e;
+    } else {
+      cur_end = std::max(cur_end, e);
+    }
+  }
+  if (cur_end > cur_begin) total += cur_end - cur_begin;
+  return total;
+}
+
+// The length (us) of the union of the intervals of `events` clipped to [from, to).
+double UnionWithin(const std::vector<const TraceFileEvent*>& events, double from, double to) {
+  std::vector<std::pair<double, double>> iv;
+  for (const TraceFileEvent* e : events) {
+    const double b = std::max(from, e->ts_us), en = std::min(to, e->ts_us + e->dur_us);
+    if (en > b) iv.push_back({b, en});
+  }
+  return UnionLength(std::move(iv));
+}
+
+}  // namespace
+
 std::vector<StageSummary> Summarize(const TraceFile& trace, const std::map<std::string, double>& ceilings) {
   std::vector<StageSummary> stages;
   std::map<std::string, size_t> index;
@@ -147,19 +178,7 @@ std::vector<StageSummary> Summarize(const TraceFile& trace, const std::map<std::
     intervals[e.name].push_back({offset + e.ts_us, offset + e.ts_us + e.dur_us});
   }
   for (StageSummary& s : stages) {
-    std::vector<std::pair<double, double>>& iv = intervals[s.name];
-    std::sort(iv.begin(), iv.end());
-    double wall = 0.0, cur_begin = 0.0, cur_end = -1.0;
-    for (const auto& [b, e] : iv) {
-      if (b > cur_end) {
-        if (cur_end > cur_begin) wall += cur_end - cur_begin;
-        cur_begin = b;
-        cur_end = e;
-      } else {
-        cur_end = std::max(cur_end, e);
-      }
-    }
-    if (cur_end > cur_begin) wall += cur_end - cur_begin;
+    const double wall = UnionLength(std::move(intervals[s.name]));
     s.wall_ms = wall / 1e3;
     if (s.bytes > 0 && wall > 0) s.gbps = s.bytes / (wall * 1e3);  // bytes per ns
     auto c = ceilings.find(s.ceiling_key);
@@ -189,6 +208,92 @@ std::string FormatSummary(const std::vector<StageSummary>& stages) {
                           "%s: its threads ran on a CPU %.1f%% of their spans (%.3f of %.3f ms; the rest they "
                           "waited for a CPU or were blocked)\n",
                           s.name, 100.0 * s.cpu_ms / s.cpu_span_ms, s.cpu_ms, s.cpu_span_ms);
+  }
+  return out;
+}
+
+std::vector<IterationSummary> Iterations(const TraceFile& trace) {
+  // Per rank: its step spans, and the spans each column unites.
+  struct Rank {
+    std::vector<const TraceFileEvent*> steps, rounds, grads, uploads, threads;
+  };
+  std::map<int, Rank> ranks;
+  for (const TraceFileEvent& e : trace.events) {
+    Rank& r = ranks[e.pid];
+    if (e.name == "step") r.steps.push_back(&e);
+    if (e.name == "cpu_adam.round") r.rounds.push_back(&e);
+    if (e.name == "wait.grads") r.grads.push_back(&e);
+    if (e.name == "wait.upload") r.uploads.push_back(&e);
+    if (e.name == "cpu_adam.thread") r.threads.push_back(&e);
+  }
+  std::vector<IterationSummary> out;
+  for (auto& [pid, r] : ranks) {
+    std::sort(r.steps.begin(), r.steps.end(), [](const TraceFileEvent* a, const TraceFileEvent* b) {
+      return a->ts_us + a->dur_us < b->ts_us + b->dur_us;
+    });
+    for (size_t i = 1; i < r.steps.size(); ++i) {
+      const double from = r.steps[i - 1]->ts_us + r.steps[i - 1]->dur_us;
+      const double to = r.steps[i]->ts_us + r.steps[i]->dur_us;
+      IterationSummary it{.pid = pid, .step = i};
+      it.iteration_ms = (to - from) / 1e3;
+      it.cpu_adam_ms = UnionWithin(r.rounds, from, to) / 1e3;
+      it.idle_ms = it.iteration_ms - it.cpu_adam_ms;
+      it.wait_grads_ms = UnionWithin(r.grads, from, to) / 1e3;
+      it.wait_upload_ms = UnionWithin(r.uploads, from, to) / 1e3;
+      double cpu = 0.0, span = 0.0;
+      for (const TraceFileEvent* t : r.threads) {
+        auto c = t->args.find("cpu_us");
+        if (t->ts_us < from || t->ts_us >= to || c == t->args.end()) continue;
+        cpu += c->second;
+        span += t->dur_us;
+      }
+      if (span > 0.0) it.on_cpu = cpu / span;
+      out.push_back(it);
+    }
+  }
+  return out;
+}
+
+std::string FormatIterations(const std::vector<IterationSummary>& iterations, size_t max_rows) {
+  if (iterations.empty()) return "";
+  std::string out = absl::StrFormat("%-6s %6s %12s %12s %12s %12s %12s %16s\n", "rank", "step", "iteration",
+                                    "CPU Adam", "idle", "wait.grads", "wait.upload", "workers on CPU");
+  auto row = [&](const std::string& rank, const std::string& step, const IterationSummary& it) {
+    absl::StrAppendFormat(&out, "%-6s %6s %9.1f ms %9.1f ms %9.1f ms %9.1f ms %9.1f ms %16s\n", rank, step,
+                          it.iteration_ms, it.cpu_adam_ms, it.idle_ms, it.wait_grads_ms, it.wait_upload_ms,
+                          it.on_cpu < 0 ? std::string("-") : absl::StrFormat("%.1f%%", 100.0 * it.on_cpu));
+  };
+  size_t begin = 0;
+  while (begin < iterations.size()) {
+    size_t end = begin;
+    while (end < iterations.size() && iterations[end].pid == iterations[begin].pid) ++end;
+    IterationSummary mean{.pid = iterations[begin].pid};
+    double cpu_n = 0.0;
+    for (size_t i = begin; i < end; ++i) {
+      const IterationSummary& it = iterations[i];
+      if (i - begin < max_rows) row(absl::StrCat(it.pid), absl::StrCat(it.step), it);
+      mean.iteration_ms += it.iteration_ms;
+      mean.cpu_adam_ms += it.cpu_adam_ms;
+      mean.idle_ms += it.idle_ms;
+      mean.wait_grads_ms += it.wait_grads_ms;
+      mean.wait_upload_ms += it.wait_upload_ms;
+      if (it.on_cpu >= 0) {
+        mean.on_cpu = (mean.on_cpu < 0 ? 0.0 : mean.on_cpu) + it.on_cpu;
+        cpu_n += 1.0;
+      }
+    }
+    const double n = static_cast<double>(end - begin);
+    if (end - begin > max_rows) {
+      absl::StrAppendFormat(&out, "%-6d %6s (%d more)\n", mean.pid, "...", end - begin - max_rows);
+    }
+    mean.iteration_ms /= n;
+    mean.cpu_adam_ms /= n;
+    mean.idle_ms /= n;
+    mean.wait_grads_ms /= n;
+    mean.wait_upload_ms /= n;
+    if (cpu_n > 0) mean.on_cpu /= cpu_n;
+    row(absl::StrCat(mean.pid), "mean", mean);
+    begin = end;
   }
   return out;
 }

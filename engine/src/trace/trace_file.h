@@ -61,6 +61,27 @@ std::vector<StageSummary> Summarize(const TraceFile& trace, const std::map<std::
 // a line per stage whose events carry their threads' CPU time: the share of the spans they ran.
 std::string FormatSummary(const std::vector<StageSummary>& stages);
 
+// One iteration of a rank's loop as its trace shows it: from the end of one `step` span to the end of
+// the next (the trainer's host time), and how the offloaded update spent it.
+struct IterationSummary {
+  int pid = 0;          // the rank
+  size_t step = 0;      // the index (0-based, per rank) of the step that ends it
+  double iteration_ms = 0.0;
+  double cpu_adam_ms = 0.0;     // the union of the cpu_adam.round spans within it (CPU Adam running)
+  double idle_ms = 0.0;         // iteration_ms - cpu_adam_ms: the CPU update not running
+  double wait_grads_ms = 0.0;   // the union of wait.grads within it (the early pass waiting for grads)
+  double wait_upload_ms = 0.0;  // the union of wait.upload within it (the trainer waiting for new params)
+  // Of the cpu_adam.thread spans that start within it and carry their CPU time: the share of their
+  // time the threads ran on a CPU; negative when none does.
+  double on_cpu = -1.0;
+};
+
+// Every iteration of `trace`, rank by rank in order (a rank with fewer than two steps has none).
+std::vector<IterationSummary> Iterations(const TraceFile& trace);
+
+// The iterations as a table, one line each (the first `max_rows` of each rank, then its mean).
+std::string FormatIterations(const std::vector<IterationSummary>& iterations, size_t max_rows = 30);
+
 struct SvgOptions {
   // The time window drawn, microseconds; both unset: the whole trace.
   std::optional<double> from_us;
