@@ -10,7 +10,9 @@ upload when it would all-gather. The real FSDP2 runs in test_dist_fsdp2.py (torc
 Checked: Ferry's hooks run before FSDP2's; each FSDP2 module's hook waits for the buckets of its own
 params and of the modules it prefetches, and no others; a state of either torch layout works; a
 state of several modules (fully_shard([a, b])) waits at whichever of them runs first; the training
-is bit-identical to the same optimizer unattached.
+is bit-identical to the same optimizer unattached; attach() warns when the root's unit holds the
+head (a tenth or more of the offloaded params), and not when the head has its own unit or is not
+offloaded.
 """
 import pytest
 import torch
@@ -202,3 +204,74 @@ def test_attached_bit_identical_to_unattached(monkeypatch):
     for i, (x, y) in enumerate(zip(a["params"], b["params"])):
         assert torch.equal(x.view(torch.int32), y.view(torch.int32)), "param %d differs" % i
     assert not torch.equal(a["params"][0], Net(True, []).l1.weight.detach()), "the training moved the params"
+
+
+class HeadNet(torch.nn.Module):
+    """l1 a unit of its own; the head in the root's unit (`own_unit=False`, fully_shard(model) after
+    the blocks only, as torch's FSDP2 example writes it) or in a unit of its own (torchtitan's)."""
+
+    def __init__(self, own_unit):
+        super().__init__()
+        torch.manual_seed(0)
+        self.l1, self.head = torch.nn.Linear(6, 4), torch.nn.Linear(4, 30)  # the head: 150 of 178 params
+        units = [("l1", self.l1, list(self.l1.parameters()))]
+        if own_unit:
+            units.append(("head", self.head, list(self.head.parameters())))
+        units.append(("root", self, [] if own_unit else list(self.head.parameters())))
+        for _, module, params in units:
+            module._get_fsdp_state = (lambda s: (lambda: s))(_State(params, True))
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.l1(x)))
+
+
+def attach_warnings(monkeypatch, net, policy):
+    opt = ferry.torch.Optimizer([{"params": list(net.l1.parameters())}, {"params": list(net.head.parameters())}],
+                                lr=1e-2, policy=policy, overlap=True)
+    with monkeypatch.context() as m, _Recorder() as seen:
+        m.setattr(_zero, "is_dtensor", lambda t: True)
+        if not _HAS_PREPEND:
+            m.setattr(torch.nn.Module, "register_forward_pre_hook", _register_pre_hook)
+        opt.attach(net)
+    return [str(w.message) for w in seen if "root unit" in str(w.message)]
+
+
+class _Recorder:
+    """warnings.catch_warnings(record=True) that records every warning, each time."""
+
+    def __enter__(self):
+        import warnings
+        self._cm = warnings.catch_warnings(record=True)
+        seen = self._cm.__enter__()
+        warnings.simplefilter("always")
+        return seen
+
+    def __exit__(self, *exc):
+        return self._cm.__exit__(*exc)
+
+
+def test_a_root_unit_holding_the_head_is_warned_about(monkeypatch):
+    got = attach_warnings(monkeypatch, HeadNet(own_unit=False), "offload_all")
+    assert len(got) == 1, got
+    # The head's 150 params (weight 120, bias 30) of the 178 offloaded: 84%, the largest named first.
+    assert "fully_shard(HeadNet)" in got[0] and "holds 84% of the offloaded params (head.weight, head.bias)" in got[0]
+    assert "fully_shard([model.norm, model.head])" in got[0]
+
+
+def test_no_warning_when_the_head_has_its_own_unit_or_nothing_is_offloaded(monkeypatch):
+    assert attach_warnings(monkeypatch, HeadNet(own_unit=True), "offload_all") == []
+    assert attach_warnings(monkeypatch, HeadNet(own_unit=False), "all_gpu") == []
+    # Only the offloaded params count: the head's group on the GPU, l1's offloaded (offload_fraction
+    # 0.5 from the start offloads the first group), so the root holds none of what is offloaded.
+    net = HeadNet(own_unit=False)
+    with pytest.warns(UserWarning, match="a param group is placed whole"):  # 16% offloaded of 0.5 asked
+        opt = ferry.torch.Optimizer([{"params": list(net.l1.parameters())}, {"params": list(net.head.parameters())}],
+                                    lr=1e-2, policy="offload_fraction",
+                                    policy_args={"fraction": "0.5", "from": "start"}, overlap=True)
+    assert [d["offloaded"] for d in opt.placement()] == [True, False]
+    with monkeypatch.context() as m, _Recorder() as seen:
+        m.setattr(_zero, "is_dtensor", lambda t: True)
+        if not _HAS_PREPEND:
+            m.setattr(torch.nn.Module, "register_forward_pre_hook", _register_pre_hook)
+        opt.attach(net)
+    assert not [w for w in seen if "root unit" in str(w.message)]

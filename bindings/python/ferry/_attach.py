@@ -22,6 +22,9 @@ After a deferred step the engine may still read a bucket's grads until that wait
 zeroes such a bucket's grads at the wait (Optimizer._wait_units). A grad hook on every param makes
 sure of it before a backward accumulates into a grad whose bucket nothing waited for yet (a param
 used outside the forward of the modules owning it).
+
+Under FSDP2, attach() warns when the root's unit holds a tenth or more of the offloaded params
+(_warn_if_root_unit_large: that unit is reduced last and gathered first).
 """
 import weakref
 
@@ -115,6 +118,46 @@ class Fsdp2Waits(_Waits):
             raise ValueError("attach: %s has DTensor params but no module of it is an FSDP2 module (fully_shard)"
                              % type(model).__name__)
         self._add_grad_hooks(optimizer, me, index)
+        _warn_if_root_unit_large(optimizer, model, index)
+
+
+# The share of the offloaded params from which FSDP2's root unit draws a warning at attach().
+ROOT_UNIT_SHARE = 0.1
+
+
+def _warn_if_root_unit_large(optimizer, model, index):
+    """FSDP2 reduce-scatters a unit's grads once the backward of all its modules has run, and
+    all-gathers it before the first of them runs forward. The root's unit (what fully_shard(model)
+    holds beyond the units made before it: written as torch's FSDP2 example writes it, the embeddings,
+    the final norm and the head) is therefore the last to be reduced and the first to be gathered:
+    its offloaded update can start only once the backward ends, and the next forward waits for all of
+    it. Warns when it holds ROOT_UNIT_SHARE or more of the offloaded params."""
+    state = _fsdp_state(model)
+    if state is None:
+        return
+    try:
+        root = [index[id(p)] for p in _fsdp_params(state) if id(p) in index]
+    except AttributeError:  # a torch whose FSDP2 state Ferry does not know: __init__ has said so
+        return
+    offloaded = {d["param_group"] for d in optimizer.placement() if d["offloaded"]}
+    params = optimizer._params
+    total = sum(params[k].numel() for k in range(len(params)) if optimizer._group_of[k] in offloaded)
+    mine = [k for k in root if optimizer._group_of[k] in offloaded]
+    share = sum(params[k].numel() for k in mine) / total if total else 0.0
+    if share < ROOT_UNIT_SHARE:
+        return
+    names = {id(p): n for n, p in model.named_parameters()}
+    held = sorted(mine, key=lambda k: -params[k].numel())
+    listed = ", ".join(names.get(id(params[k]), optimizer._where[k]) for k in held[:3])
+    optimizer._warn_once(
+        "fsdp2_root_unit",
+        "FSDP2's root unit (fully_shard(%s)) holds %.0f%% of the offloaded params (%s%s): FSDP2 reduce-scatters "
+        "it after the whole backward and all-gathers it before the first forward of its modules, so its CPU "
+        "update runs between the backward and the next forward while the GPU waits. Give its large modules "
+        "units of their own before fully_shard(model), as torchtitan does (fully_shard(model.embed), each block, "
+        "fully_shard([model.norm, model.head])): the head's grads are then reduced first and updated during the "
+        "backward (bindings/python/README.md, FSDP2, 'Which units')"
+        % (type(model).__name__, 100 * share, listed, ", ..." if len(held) > 3 else ""))
 
 
 def _fsdp_pre_hook(me, state, own, index):
