@@ -3,24 +3,20 @@
 #include <sys/sysinfo.h>
 
 #include <cerrno>
-#include <condition_variable>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <deque>
 #include <fstream>
 #include <iterator>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <string>
-#include <thread>
 #include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
-#include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/string_view.h"
@@ -29,6 +25,7 @@
 #include "base/adam_math.h"
 #include "base/errors.h"
 #include "base/logging.h"
+#include "device/host/host_streams.h"
 #include "ferry/dtype.h"
 #include "ferry/status.h"
 
@@ -40,20 +37,15 @@ constexpr size_t kAlignment = 256;
 // New allocations are filled with this byte: 0xFFFF... is a NaN in f32, bf16 and f16.
 constexpr uint8_t kUninitialisedByte = 0xFF;
 
-// Synchronization uses std::mutex and std::condition_variable rather than absl::Mutex: the
-// distributions' Abseil is not built with ThreadSanitizer, whose runtime therefore cannot see
-// absl::Mutex's synchronization and would report races on everything it guards. This backend is what
-// the other layers' concurrency tests run on, so it must stay checkable with -DFERRY_TSAN=ON.
-
-// True on the worker thread of a HostQueueStream (Free must not wait for streams there: it could be
-// waiting for itself).
-thread_local bool tls_on_stream_worker = false;
+// Synchronization: see host_streams.h (std::mutex, so that ThreadSanitizer sees it).
 
 // This Abseil build's absl::string_view is not std::string_view, and StrCat takes only the former.
 absl::string_view ToAbsl(std::string_view s) { return absl::string_view(s.data(), s.size()); }
 
-// One unit of stream work. Its Status becomes the stream's error if it is the first failure.
-using Op = std::function<absl::Status()>;
+using host_backend::AsHostStream;
+using host_backend::HostStreamBase;
+using host_backend::Op;
+using host_backend::StreamRegistry;
 
 // The live allocations of one device. Safe for concurrent use.
 class AllocationTable {
@@ -109,285 +101,6 @@ class AllocationTable {
   mutable std::mutex mu_;
   std::map<uintptr_t, size_t> live_ ABSL_GUARDED_BY(mu_);  // start -> requested bytes
 };
-
-// What a completed Record leaves behind. Generations: each Record takes the next number; a Synchronize
-// or WaitFor waits for the generation that was latest when it was called. Safe for concurrent use.
-class EventState {
- public:
-  // Starts a record; returns its generation.
-  uint64_t BeginRecord() {
-    std::lock_guard<std::mutex> lock(mu_);
-    ++latest_;
-    pending_.insert(latest_);
-    return latest_;
-  }
-  // Marks generation `gen` complete; `stream_error` is the recording stream's error so far.
-  void Complete(uint64_t gen, const absl::Status& stream_error) {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      pending_.erase(gen);
-      if (!stream_error.ok() && error_.ok()) error_ = stream_error;
-    }
-    completed_.notify_all();
-  }
-  uint64_t latest() const {
-    std::lock_guard<std::mutex> lock(mu_);
-    return latest_;
-  }
-  bool IsComplete(uint64_t gen) const {
-    std::lock_guard<std::mutex> lock(mu_);
-    return !pending_.contains(gen);
-  }
-  // Blocks until generation `gen` is complete; returns the error its stream had, if any.
-  absl::Status Wait(uint64_t gen) const {
-    std::unique_lock<std::mutex> lock(mu_);
-    completed_.wait(
-        lock, [this, gen]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !pending_.contains(gen); });
-    return error_;
-  }
-
- private:
-  mutable std::mutex mu_;
-  mutable std::condition_variable completed_;  // signalled by Complete
-  uint64_t latest_ ABSL_GUARDED_BY(mu_) = 0;   // 0: never recorded
-  absl::flat_hash_set<uint64_t> pending_ ABSL_GUARDED_BY(mu_);
-  absl::Status error_ ABSL_GUARDED_BY(mu_);
-};
-
-// Event: safe for concurrent use (the state is shared with the stream work that completes it, so the
-// event may be destroyed while a record is still pending).
-class HostEvent final : public Event {
- public:
-  HostEvent() : state_(std::make_shared<EventState>()) {}
-  absl::Status Synchronize() override { return state_->Wait(state_->latest()); }
-  absl::StatusOr<bool> Query() override { return state_->IsComplete(state_->latest()); }
-  const std::shared_ptr<EventState>& state() const { return state_; }
-
- private:
-  std::shared_ptr<EventState> state_;
-};
-
-absl::StatusOr<HostEvent*> AsHostEvent(Event& event, absl::string_view what) {
-  auto* e = dynamic_cast<HostEvent*>(&event);
-  if (e == nullptr) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(what, ": the event was not created by a host-backend device"));
-  }
-  return e;
-}
-
-// The queue and counters of one worker-thread stream. Safe for concurrent use; shared between the
-// stream, its worker and the device's stream registry (which waits on it in Free).
-class QueueCore {
- public:
-  // Appends `op`; returns its ticket (ops are numbered from 1 in enqueue order).
-  uint64_t Push(Op op) {
-    uint64_t ticket;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      queue_.push_back(std::move(op));
-      ticket = ++enqueued_;
-    }
-    work_.notify_one();
-    return ticket;
-  }
-  // The ticket of the last op enqueued so far.
-  uint64_t last_ticket() const {
-    std::lock_guard<std::mutex> lock(mu_);
-    return enqueued_;
-  }
-  // Blocks until the op with `ticket` (and all before it) has run; returns the first error.
-  absl::Status WaitUntil(uint64_t ticket) const {
-    std::unique_lock<std::mutex> lock(mu_);
-    done_.wait(lock,
-               [this, ticket]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return completed_ >= ticket; });
-    return error_;
-  }
-  absl::Status error() const {
-    std::lock_guard<std::mutex> lock(mu_);
-    return error_;
-  }
-  void Stop() {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      stopping_ = true;
-    }
-    work_.notify_one();
-  }
-  // The worker loop: runs ops in order until stopped and drained.
-  void Run() {
-    tls_on_stream_worker = true;
-    while (true) {
-      Op op;
-      {
-        std::unique_lock<std::mutex> lock(mu_);
-        work_.wait(lock,
-                   [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stopping_ || !queue_.empty(); });
-        if (queue_.empty()) return;  // stopping and drained
-        op = std::move(queue_.front());
-        queue_.pop_front();
-      }
-      absl::Status status = op();
-      op = nullptr;  // destroy the closure (and what it captured) before the op counts as complete
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        if (!status.ok() && error_.ok()) error_ = std::move(status);
-        ++completed_;
-      }
-      done_.notify_all();
-    }
-  }
-
- private:
-  mutable std::mutex mu_;
-  std::condition_variable work_;          // signalled by Push and Stop (one waiter: the worker)
-  mutable std::condition_variable done_;  // signalled when an op completes
-  std::deque<Op> queue_ ABSL_GUARDED_BY(mu_);
-  uint64_t enqueued_ ABSL_GUARDED_BY(mu_) = 0;
-  uint64_t completed_ ABSL_GUARDED_BY(mu_) = 0;
-  absl::Status error_ ABSL_GUARDED_BY(mu_);
-  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
-};
-
-// The worker-thread streams of one device, so Free can wait for all of them. Safe for concurrent use.
-class StreamRegistry {
- public:
-  void Add(std::shared_ptr<QueueCore> core) {
-    std::lock_guard<std::mutex> lock(mu_);
-    cores_.insert(std::move(core));
-  }
-  void Remove(const std::shared_ptr<QueueCore>& core) {
-    std::lock_guard<std::mutex> lock(mu_);
-    cores_.erase(core);
-  }
-  // Waits for the work enqueued so far on every registered stream.
-  void WaitForAll() const {
-    std::vector<std::pair<std::shared_ptr<QueueCore>, uint64_t>> targets;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      targets.reserve(cores_.size());
-      for (const auto& core : cores_) targets.emplace_back(core, core->last_ticket());
-    }
-    for (const auto& [core, ticket] : targets) core->WaitUntil(ticket).IgnoreError();
-  }
-
- private:
-  mutable std::mutex mu_;
-  absl::flat_hash_set<std::shared_ptr<QueueCore>> cores_ ABSL_GUARDED_BY(mu_);
-};
-
-// What the device's operations need from a host stream. Safe for concurrent use.
-class HostStreamBase : public Stream {
- public:
-  // Runs `op` in stream order (now, or on the worker). The returned Status is an enqueue error; the
-  // op's own failure becomes the stream's (sticky) error.
-  virtual absl::Status Submit(Op op) = 0;
-  void* native() const override { return nullptr; }
-};
-
-// A stream with its own worker thread.
-class HostQueueStream final : public HostStreamBase {
- public:
-  explicit HostQueueStream(std::shared_ptr<StreamRegistry> registry)
-      : registry_(std::move(registry)), core_(std::make_shared<QueueCore>()) {
-    registry_->Add(core_);
-    worker_ = std::thread([core = core_] { core->Run(); });
-  }
-  // Finishes the queued work, then joins the worker.
-  ~HostQueueStream() override {
-    core_->Stop();
-    worker_.join();
-    registry_->Remove(core_);
-  }
-
-  absl::Status Submit(Op op) override {
-    core_->Push(std::move(op));
-    return absl::OkStatus();
-  }
-  absl::Status Record(Event& event) override {
-    FERRY_ASSIGN_OR_RETURN(HostEvent * e, AsHostEvent(event, "Stream::Record"));
-    std::shared_ptr<EventState> state = e->state();
-    const uint64_t gen = state->BeginRecord();
-    // The record runs on the worker after everything before it; it passes on the stream's error.
-    core_->Push([state, gen, core = core_.get()] {
-      state->Complete(gen, core->error());
-      return absl::OkStatus();
-    });
-    return absl::OkStatus();
-  }
-  absl::Status WaitFor(Event& event) override {
-    FERRY_ASSIGN_OR_RETURN(HostEvent * e, AsHostEvent(event, "Stream::WaitFor"));
-    std::shared_ptr<EventState> state = e->state();
-    const uint64_t gen = state->latest();
-    if (gen == 0 || state->IsComplete(gen)) return absl::OkStatus();
-    core_->Push([state, gen] {
-      state->Wait(gen).IgnoreError();  // the other stream's error is that stream's to report
-      return absl::OkStatus();
-    });
-    return absl::OkStatus();
-  }
-  absl::Status Synchronize() override { return core_->WaitUntil(core_->last_ticket()); }
-  absl::Status EnqueueHost(std::function<void()> fn) override {
-    if (!fn) return absl::InvalidArgumentError("Stream::EnqueueHost: empty function");
-    core_->Push([fn = std::move(fn)] {
-      fn();
-      return absl::OkStatus();
-    });
-    return absl::OkStatus();
-  }
-
- private:
-  std::shared_ptr<StreamRegistry> registry_;
-  std::shared_ptr<QueueCore> core_;
-  std::thread worker_;
-};
-
-// WrapStream(nullptr): the calling thread is the stream; work runs before the enqueueing call returns.
-class HostInlineStream final : public HostStreamBase {
- public:
-  absl::Status Submit(Op op) override {
-    absl::Status status = op();
-    if (!status.ok()) {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (error_.ok()) error_ = std::move(status);
-    }
-    return absl::OkStatus();
-  }
-  absl::Status Record(Event& event) override {
-    FERRY_ASSIGN_OR_RETURN(HostEvent * e, AsHostEvent(event, "Stream::Record"));
-    const uint64_t gen = e->state()->BeginRecord();
-    e->state()->Complete(gen, error());
-    return absl::OkStatus();
-  }
-  absl::Status WaitFor(Event& event) override {
-    FERRY_ASSIGN_OR_RETURN(HostEvent * e, AsHostEvent(event, "Stream::WaitFor"));
-    e->state()->Wait(e->state()->latest()).IgnoreError();
-    return absl::OkStatus();
-  }
-  absl::Status Synchronize() override { return error(); }
-  absl::Status EnqueueHost(std::function<void()> fn) override {
-    if (!fn) return absl::InvalidArgumentError("Stream::EnqueueHost: empty function");
-    fn();
-    return absl::OkStatus();
-  }
-
- private:
-  absl::Status error() const {
-    std::lock_guard<std::mutex> lock(mu_);
-    return error_;
-  }
-  mutable std::mutex mu_;
-  absl::Status error_ ABSL_GUARDED_BY(mu_);
-};
-
-absl::StatusOr<HostStreamBase*> AsHostStream(Stream& stream, absl::string_view what) {
-  auto* s = dynamic_cast<HostStreamBase*>(&stream);
-  if (s == nullptr) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(what, ": the stream was not created by a host-backend device"));
-  }
-  return s;
-}
 
 bool IsDeviceSide(CopyKind kind, bool dst) {
   switch (kind) {
@@ -466,7 +179,7 @@ class HostDevice final : public Device {
       FERRY_LOG(ERROR) << "Device::Free(" << data << "): not a live allocation of this device; ignored";
       return;
     }
-    if (!tls_on_stream_worker) registry_->WaitForAll();
+    if (!host_backend::OnStreamWorker()) registry_->WaitForAll();
     if (!allocations_->Remove(data)) {  // freed by another thread meanwhile
       FERRY_LOG(ERROR) << "Device::Free(" << data << "): freed twice concurrently; ignored";
       return;
@@ -475,10 +188,10 @@ class HostDevice final : public Device {
   }
 
   absl::StatusOr<std::unique_ptr<Stream>> CreateStream() override {
-    return std::unique_ptr<Stream>(std::make_unique<HostQueueStream>(registry_));
+    return host_backend::NewQueueStream(registry_);
   }
   absl::StatusOr<std::unique_ptr<Event>> CreateEvent() override {
-    return std::unique_ptr<Event>(std::make_unique<HostEvent>());
+    return host_backend::NewEvent();
   }
   absl::StatusOr<std::unique_ptr<Stream>> WrapStream(void* native) override {
     if (native != nullptr) {
@@ -486,7 +199,7 @@ class HostDevice final : public Device {
           "WrapStream(%p): the host backend has no native streams; pass nullptr for the calling thread",
           native));
     }
-    return std::unique_ptr<Stream>(std::make_unique<HostInlineStream>());
+    return host_backend::NewInlineStream();
   }
 
   absl::Status CopyAsync(void* dst, const void* src, size_t bytes, CopyKind kind,
