@@ -120,7 +120,7 @@ absl::Status MeasurePinned(Device& device, double* d2h, double* h2d) {
 
 std::string TraceUsage() {
   return absl::StrCat(
-      "usage: ferry trace FILE [--svg OUT.svg] [--ceiling KEY=GBPS,...] [flags]\n"
+      "usage: ferry trace FILE... [--svg OUT.svg] [--ceiling KEY=GBPS,...] [flags]\n"
       "\n"
       "Summarizes a trace written by the engine (EngineOptions::trace_path, FERRY_TRACE=FILE,\n"
       "`ferry run --trace FILE`, `ferry bench NAME --trace FILE`): per stage (span name) the count,\n"
@@ -132,6 +132,8 @@ std::string TraceUsage() {
       "of one step (or, with --all, the whole trace) as an SVG picture: a row per thread and lane,\n"
       "a box per span (hover for its duration and arguments), a time axis. Where the trace has\n"
       "several steps, each iteration (step end to step end) with the time CPU Adam ran in it.\n"
+      "Several FILEs (one per rank, as a multi-rank run writes them) are read as one: the stages\n"
+      "of all ranks, each rank's iterations, every rank's threads in the picture.\n"
       "\n"
       "flags:\n",
       FlagsHelp(TraceFlags()));
@@ -148,20 +150,30 @@ int TraceCommand(const std::vector<std::string>& args, std::FILE* out, std::FILE
   };
   absl::StatusOr<std::vector<std::string>> positional = ParseVerbFlags("trace", args, TraceFlags());
   if (!positional.ok()) return usage_error(positional.status().message());
-  if (positional->size() != 1) {
-    return usage_error(absl::StrCat("ferry trace: expected one FILE, got ", positional->size(), " arguments"));
-  }
+  if (positional->empty()) return usage_error("ferry trace: expected a FILE (or one per rank)");
   absl::StatusOr<std::map<std::string, double>> ceilings = ParseCeilings(absl::GetFlag(FLAGS_ferry_trace_ceiling));
   if (!ceilings.ok()) return usage_error(ceilings.status().message());
   const std::string measure = absl::GetFlag(FLAGS_ferry_trace_measure);
   if (measure != "auto" && measure != "on" && measure != "off") {
     return usage_error(absl::StrCat("ferry trace: --measure must be auto, on or off, got \"", measure, "\""));
   }
-  absl::StatusOr<TraceFile> trace = ReadTraceFile((*positional)[0]);
+  std::vector<std::pair<std::string, TraceFile>> read;
+  for (const std::string& path : *positional) {
+    absl::StatusOr<TraceFile> one = ReadTraceFile(path);
+    if (!one.ok()) {
+      absl::FPrintF(err, "ferry trace: %s\n", one.status().message());
+      return 1;
+    }
+    read.emplace_back(path, *std::move(one));
+  }
+  absl::StatusOr<TraceFile> trace = MergeTraces(read);
   if (!trace.ok()) {
     absl::FPrintF(err, "ferry trace: %s\n", trace.status().message());
-    return 1;
+    return 2;
   }
+  const std::string what = positional->size() == 1 ? (*positional)[0]
+                                                    : absl::StrCat((*positional)[0], " and ", positional->size() - 1,
+                                                                   " more (one rank each)");
   std::map<std::string, std::string> source;  // key -> where its ceiling came from
   for (const auto& [k, v] : *ceilings) source[k] = "given";
   if (measure != "off") {
@@ -185,7 +197,7 @@ int TraceCommand(const std::vector<std::string>& args, std::FILE* out, std::FILE
     }
   }
   const std::vector<StageSummary> stages = Summarize(*trace, *ceilings);
-  absl::FPrintF(out, "trace %s: %d spans\n\n%s", (*positional)[0], trace->events.size(), FormatSummary(stages));
+  absl::FPrintF(out, "trace %s: %d spans\n\n%s", what, trace->events.size(), FormatSummary(stages));
   absl::FPrintF(out, "\nceilings (GB/s):");
   if (ceilings->empty()) absl::FPrintF(out, " none (give --ceiling, or --measure on)");
   absl::FPrintF(out, "\n");
@@ -216,14 +228,16 @@ int TraceCommand(const std::vector<std::string>& args, std::FILE* out, std::FILE
   const std::string svg_path = absl::GetFlag(FLAGS_ferry_trace_svg);
   if (!svg_path.empty()) {
     SvgOptions svg;
-    svg.title = absl::StrCat("ferry trace ", (*positional)[0]);
+    svg.title = absl::StrCat("ferry trace ", what);
     if (!absl::GetFlag(FLAGS_ferry_trace_all)) {
       const int step = absl::GetFlag(FLAGS_ferry_trace_step);
+      // The window of a step of the first file's trace (with several ranks, their clocks agree).
+      const TraceFile& first = read.front().second;
       size_t count = 0;
-      for (const TraceFileEvent& e : trace->events) count += e.name == "step" ? 1 : 0;
+      for (const TraceFileEvent& e : first.events) count += e.name == "step" ? 1 : 0;
       if (count > 0) {
         const size_t index = step < 0 ? count - 1 : static_cast<size_t>(step);
-        absl::StatusOr<std::pair<double, double>> window = EventWindow(*trace, "step", index);
+        absl::StatusOr<std::pair<double, double>> window = EventWindow(first, "step", index);
         if (!window.ok()) {
           absl::FPrintF(err, "ferry trace: --step: %s\n", window.status().message());
           return 2;
@@ -232,7 +246,7 @@ int TraceCommand(const std::vector<std::string>& args, std::FILE* out, std::FILE
         const double margin = 0.02 * (window->second - window->first);
         svg.from_us = window->first - margin;
         svg.to_us = window->second + margin;
-        svg.title = absl::StrCat("ferry: step ", index, " of ", (*positional)[0]);
+        svg.title = absl::StrCat("ferry: step ", index, " of ", what);
       }
     }
     std::ofstream f(svg_path, std::ios::binary | std::ios::trunc);

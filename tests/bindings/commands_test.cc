@@ -680,6 +680,28 @@ TEST(TraceCommandTest, SummaryPerStageBesideGivenCeilingsAndTheSvgOfOneStep) {
   EXPECT_EQ(boxes, 3u);  // step 0, its round, its chunk
 }
 
+TEST(TraceCommandTest, SeveralFilesAreOneRankEach) {
+  TempDir tmp;
+  // kTrace as rank 0, and a rank 1 whose iteration is 6 ms, CPU Adam running 4 of them.
+  const std::string rank1 = R"json({"traceEvents":[
+{"ph":"X","name":"step","cat":"engine","pid":1,"tid":1,"ts":1000,"dur":1000,"args":{}},
+{"ph":"X","name":"cpu_adam.round","cat":"optim","pid":1,"tid":1,"ts":3000,"dur":4000,"args":{"bytes":1000}},
+{"ph":"X","name":"step","cat":"engine","pid":1,"tid":1,"ts":7000,"dur":1000,"args":{}}
+]})json";
+  const std::string a = tmp.Write("t.rank-0.json", kTrace), b = tmp.Write("t.rank-1.json", rank1);
+  Result r = Trace({a, b, "--measure=off"});
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_THAT(r.out, HasSubstr("and 1 more (one rank each)"));
+  EXPECT_THAT(Row(r.out, "step "), ElementsAre("step", "4", "7.000", "7.000", "-", "-", "-"));
+  EXPECT_THAT(r.out, HasSubstr("0           1       5.0 ms       0.0 ms       5.0 ms"));
+  EXPECT_THAT(r.out, HasSubstr("1           1       6.0 ms       4.0 ms       2.0 ms"));
+  // The same rank twice is refused, naming both files.
+  Result twice = Trace({a, tmp.Write("u.json", kTrace), "--measure=off"});
+  EXPECT_EQ(twice.status, 2);
+  EXPECT_THAT(twice.err, HasSubstr("both hold spans of rank 0"));
+  EXPECT_THAT(twice.err, HasSubstr("u.json"));
+}
+
 TEST(TraceCommandTest, ErrorsAndHelp) {
   TempDir tmp;
   EXPECT_EQ(Trace({"--help"}).status, 0);

@@ -335,6 +335,34 @@ TEST(TraceFileTest, IterationsRunFromStepEndToStepEndPerRank) {
   EXPECT_NE(cut.find("(1 more)"), std::string::npos) << cut;
 }
 
+TEST(TraceFileTest, MergeTracesKeepsEachRanksTimelineAndRefusesARankTwice) {
+  absl::StatusOr<TraceFile> r0 = ParseTrace(R"({"traceEvents":[
+    {"ph":"M","name":"thread_name","pid":0,"tid":1,"args":{"name":"trainer"}},
+    {"ph":"X","name":"step","pid":0,"tid":1,"ts":0,"dur":10}]})");
+  absl::StatusOr<TraceFile> r1 = ParseTrace(R"({"traceEvents":[
+    {"ph":"M","name":"thread_name","pid":1,"tid":1,"args":{"name":"trainer"}},
+    {"ph":"X","name":"step","pid":1,"tid":1,"ts":5,"dur":10},
+    {"ph":"X","name":"step","pid":1,"tid":1,"ts":20,"dur":10}]})");
+  ASSERT_TRUE(r0.ok() && r1.ok());
+  absl::StatusOr<TraceFile> both = MergeTraces({{"a.rank-0.json", *r0}, {"a.rank-1.json", *r1}});
+  ASSERT_TRUE(both.ok()) << both.status();
+  EXPECT_EQ(both->events.size(), 3u);
+  EXPECT_EQ(both->threads.size(), 2u);
+  EXPECT_EQ(both->threads.at({1, 1}), "trainer");
+  // The step stage's wall time is the union per rank: 10 us of rank 0 and 20 of rank 1, not the
+  // union of the overlapping spans of different ranks.
+  const std::vector<StageSummary> stages = Summarize(*both, {});
+  ASSERT_EQ(stages.size(), 1u);
+  EXPECT_DOUBLE_EQ(stages[0].wall_ms, 0.03);
+  EXPECT_EQ(Iterations(*both).size(), 1u);  // rank 1's one iteration; rank 0 has one step
+  absl::StatusOr<TraceFile> twice = MergeTraces({{"a.rank-1.json", *r1}, {"b.rank-1.json", *r1}});
+  ASSERT_FALSE(twice.ok());
+  EXPECT_EQ(twice.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(std::string(twice.status().message()).find("a.rank-1.json and b.rank-1.json both hold spans of rank 1"),
+            std::string::npos)
+      << twice.status();
+}
+
 TEST(TracerTest, ThreadCpuTimeCountsRunningNotSleeping) {
   const int64_t cpu0 = ThreadCpuNs(), wall0 = SteadyNs();
   Spin(20'000);  // 20 ms of running

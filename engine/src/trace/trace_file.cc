@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <fstream>
+#include <set>
 #include <sstream>
 #include <utility>
 
@@ -112,6 +113,25 @@ absl::StatusOr<TraceFile> ReadTraceFile(const std::string& path) {
   std::stringstream buffer;
   buffer << in.rdbuf();
   return ParseTrace(buffer.str(), path);
+}
+
+absl::StatusOr<TraceFile> MergeTraces(const std::vector<std::pair<std::string, TraceFile>>& named) {
+  TraceFile out;
+  std::map<int, std::string> file_of;  // pid -> the file holding its spans
+  for (const auto& [name, trace] : named) {
+    std::set<int> pids;
+    for (const TraceFileEvent& e : trace.events) pids.insert(e.pid);
+    for (int pid : pids) {
+      auto [it, fresh] = file_of.emplace(pid, name);
+      if (!fresh) {
+        return absl::InvalidArgumentError(absl::StrCat(it->second, " and ", name, " both hold spans of rank ", pid,
+                                                       " (pid ", pid, "): give one file per rank"));
+      }
+    }
+    out.events.insert(out.events.end(), trace.events.begin(), trace.events.end());
+    out.threads.insert(trace.threads.begin(), trace.threads.end());
+  }
+  return out;
 }
 
 std::string CeilingKeyOf(const std::string& stage) {

@@ -33,6 +33,11 @@ struct TraceFile {
 absl::StatusOr<TraceFile> ParseTrace(const std::string& json, const std::string& what = "trace");
 absl::StatusOr<TraceFile> ReadTraceFile(const std::string& path);
 
+// The traces of several ranks (one file each, as RankTracePath names them) as one: their events and
+// threads together, each rank its own timeline (pid). InvalidArgument, naming both files, when two
+// hold spans of the same rank.
+absl::StatusOr<TraceFile> MergeTraces(const std::vector<std::pair<std::string, TraceFile>>& named);
+
 // One stage of the summary: the events of one name.
 struct StageSummary {
   std::string name;
