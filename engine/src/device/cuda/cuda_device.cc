@@ -1,13 +1,11 @@
 #include "device/cuda/cuda_device.h"
 
-#include <cuda.h>  // driver types for cuMemGetAddressRange and cuCtxGetCurrent (called through the runtime)
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <fstream>
-#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -17,7 +15,9 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/string_view.h"
 #include "base/logging.h"
+#include "device/cuda/cuda_context.h"
 #include "device/cuda/cuda_error.h"
+#include "device/cuda/cuda_streams.h"
 #include "device/cuda/kernels.h"
 #include "ferry/status.h"
 
@@ -27,192 +27,15 @@ static_assert(sizeof(ferry::cuda_kernels::GradStatsPartial) == ferry::kGradStats
 namespace ferry {
 namespace {
 
+using cuda_backend::AllocationStart;
+using cuda_backend::AsCudaStream;
+using cuda_backend::CheckNoPendingError;
+using cuda_backend::CudaEvent;
+using cuda_backend::CudaStream;
+using cuda_backend::ScopedCudaDevice;
+
 // This Abseil build's absl::string_view is not std::string_view, and StrCat takes only the former.
 absl::string_view ToAbsl(std::string_view s) { return absl::string_view(s.data(), s.size()); }
-
-// A driver API function reached through the runtime's driver entry point (so that the build needs no
-// libcuda and runs where there is none), or nullptr when the driver does not have it.
-template <typename Fn>
-Fn DriverFunction(const char* symbol) {
-  void* fn = nullptr;
-  cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
-  if (cudaGetDriverEntryPointByVersion(symbol, &fn, 12000, cudaEnableDefault, &found) != cudaSuccess ||
-      found != cudaDriverEntryPointSuccess) {
-    (void)cudaGetLastError();
-    return nullptr;
-  }
-  return reinterpret_cast<Fn>(fn);
-}
-
-// Whether the calling thread has a current CUDA context (cuCtxGetCurrent); true when that cannot be
-// told (the guard then behaves as it always did).
-bool ThreadHasContext() {
-  using GetCurrent = CUresult (*)(CUcontext*);
-  static const GetCurrent get_current = DriverFunction<GetCurrent>("cuCtxGetCurrent");
-  if (get_current == nullptr) return true;
-  CUcontext context = nullptr;
-  return get_current(&context) != CUDA_SUCCESS || context != nullptr;
-}
-
-// Makes `ordinal` the calling thread's current device for the guard's lifetime, then restores the
-// previous one where the thread had one (the trainer's threads keep their own current device). A
-// thread without a current context (Ferry's own, or a trainer thread that never used CUDA) keeps
-// `ordinal`: cudaGetDevice says 0 there, and switching such a thread to device 0 would create device
-// 0's primary context in this process (cudaSetDevice initializes it since CUDA 12), so that on a host
-// of several GPUs every rank but the one on GPU 0 would hold a context, and its memory, on GPU 0.
-// One thread.
-class ScopedCudaDevice {
- public:
-  explicit ScopedCudaDevice(int ordinal) {
-    cudaError_t err = cudaGetDevice(&previous_);
-    if (err != cudaSuccess) {
-      status_ = CudaError(absl::StrCat("cudaGetDevice (switching to cuda:", ordinal, ")"), err);
-      return;
-    }
-    if (previous_ == ordinal) return;
-    const bool had_context = ThreadHasContext();
-    err = cudaSetDevice(ordinal);
-    if (err != cudaSuccess) {
-      status_ = CudaError(absl::StrCat("cudaSetDevice(", ordinal, ")"), err);
-      return;
-    }
-    restore_ = had_context;
-  }
-  ~ScopedCudaDevice() {
-    if (restore_) {
-      const cudaError_t err = cudaSetDevice(previous_);
-      if (err != cudaSuccess) {
-        FERRY_LOG(ERROR) << CudaError(absl::StrCat("cudaSetDevice(", previous_, ") restoring"), err);
-      }
-    }
-  }
-  ScopedCudaDevice(const ScopedCudaDevice&) = delete;
-  ScopedCudaDevice& operator=(const ScopedCudaDevice&) = delete;
-  const absl::Status& status() const { return status_; }
-
- private:
-  int previous_ = 0;
-  bool restore_ = false;
-  absl::Status status_;
-};
-
-#define FERRY_CUDA_ENTER_DEVICE(ordinal)         \
-  ScopedCudaDevice ferry_device_guard_(ordinal); \
-  FERRY_RETURN_IF_ERROR(ferry_device_guard_.status())
-
-// Kernel launches report their failure through cudaGetLastError, so an error left behind by an earlier
-// CUDA call of this thread (outside Ferry: Ferry's own calls clear theirs in CudaError) would be taken
-// for the launch's. Report such an error as what it is instead.
-absl::Status CheckNoPendingError(absl::string_view before) {
-  const cudaError_t pending = cudaPeekAtLastError();
-  if (pending == cudaSuccess) return absl::OkStatus();
-  return CudaError(absl::StrCat("an earlier CUDA call of this thread had failed before ", before),
-                   pending);
-}
-
-// Event: cudaEvent_t with cudaEventDisableTiming, owned. Safe for concurrent use (CUDA's are).
-class CudaEvent final : public Event {
- public:
-  CudaEvent(int ordinal, cudaEvent_t event) : ordinal_(ordinal), event_(event) {}
-  ~CudaEvent() override {
-    ScopedCudaDevice guard(ordinal_);
-    const cudaError_t err = cudaEventDestroy(event_);
-    if (err != cudaSuccess) FERRY_LOG(ERROR) << CudaError("cudaEventDestroy", err);
-  }
-  absl::Status Synchronize() override {
-    FERRY_CUDA_ENTER_DEVICE(ordinal_);
-    FERRY_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(event_), "Event::Synchronize");
-    return absl::OkStatus();
-  }
-  absl::StatusOr<bool> Query() override {
-    FERRY_CUDA_ENTER_DEVICE(ordinal_);
-    const cudaError_t err = cudaEventQuery(event_);
-    if (err == cudaSuccess) return true;
-    if (err == cudaErrorNotReady) {
-      (void)cudaGetLastError();  // "not ready" is an answer, not an error: do not leave it behind
-      return false;
-    }
-    return CudaError("cudaEventQuery in Event::Query", err);
-  }
-  cudaEvent_t native() const { return event_; }
-
- private:
-  const int ordinal_;
-  const cudaEvent_t event_;
-};
-
-void CUDART_CB RunHostFunction(void* arg) {
-  std::unique_ptr<std::function<void()>> fn(static_cast<std::function<void()>*>(arg));
-  (*fn)();
-}
-
-// Stream: a cudaStream_t, owned (cudaStreamNonBlocking, from CreateStream) or borrowed (WrapStream).
-// Safe for concurrent use (CUDA's streams are).
-class CudaStream final : public Stream {
- public:
-  CudaStream(int ordinal, cudaStream_t stream, bool owned)
-      : ordinal_(ordinal), stream_(stream), owned_(owned) {}
-  ~CudaStream() override {
-    if (!owned_) return;
-    ScopedCudaDevice guard(ordinal_);
-    // Work still queued completes; the stream's resources are released afterwards.
-    const cudaError_t err = cudaStreamDestroy(stream_);
-    if (err != cudaSuccess) FERRY_LOG(ERROR) << CudaError("cudaStreamDestroy", err);
-  }
-
-  absl::Status Record(Event& event) override {
-    FERRY_ASSIGN_OR_RETURN(CudaEvent * e, AsCudaEvent(event, "Stream::Record"));
-    FERRY_CUDA_ENTER_DEVICE(ordinal_);
-    FERRY_CUDA_RETURN_IF_ERROR(cudaEventRecord(e->native(), stream_), "Stream::Record");
-    return absl::OkStatus();
-  }
-  absl::Status WaitFor(Event& event) override {
-    FERRY_ASSIGN_OR_RETURN(CudaEvent * e, AsCudaEvent(event, "Stream::WaitFor"));
-    FERRY_CUDA_ENTER_DEVICE(ordinal_);
-    FERRY_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(stream_, e->native(), 0), "Stream::WaitFor");
-    return absl::OkStatus();
-  }
-  absl::Status Synchronize() override {
-    FERRY_CUDA_ENTER_DEVICE(ordinal_);
-    FERRY_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_), "Stream::Synchronize");
-    return absl::OkStatus();
-  }
-  absl::Status EnqueueHost(std::function<void()> fn) override {
-    if (!fn) return absl::InvalidArgumentError("Stream::EnqueueHost: empty function");
-    FERRY_CUDA_ENTER_DEVICE(ordinal_);
-    // The closure lives on the heap until the callback has run it; freed here if the launch fails.
-    auto closure = std::make_unique<std::function<void()>>(std::move(fn));
-    FERRY_CUDA_RETURN_IF_ERROR(cudaLaunchHostFunc(stream_, &RunHostFunction, closure.get()),
-                               "Stream::EnqueueHost");
-    closure.release();  // now owned by the callback
-    return absl::OkStatus();
-  }
-  void* native() const override { return stream_; }
-  cudaStream_t stream() const { return stream_; }
-
- private:
-  static absl::StatusOr<CudaEvent*> AsCudaEvent(Event& event, absl::string_view what) {
-    auto* e = dynamic_cast<CudaEvent*>(&event);
-    if (e == nullptr) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(what, ": the event was not created by a CUDA-backend device"));
-    }
-    return e;
-  }
-
-  const int ordinal_;
-  const cudaStream_t stream_;
-  const bool owned_;
-};
-
-absl::StatusOr<CudaStream*> AsCudaStream(Stream& stream, absl::string_view what) {
-  auto* s = dynamic_cast<CudaStream*>(&stream);
-  if (s == nullptr) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(what, ": the stream was not created by a CUDA-backend device"));
-  }
-  return s;
-}
 
 cudaMemcpyKind ToCuda(CopyKind kind) {
   switch (kind) {
@@ -222,18 +45,6 @@ cudaMemcpyKind ToCuda(CopyKind kind) {
     case CopyKind::kHostToHost: return cudaMemcpyHostToHost;
   }
   return cudaMemcpyDefault;
-}
-
-// The start of the device allocation holding `p` (cuMemGetAddressRange), or 0 when `p` is not device
-// memory.
-uintptr_t AllocationStart(const void* p) {
-  using GetAddressRange = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
-  static const GetAddressRange get_range = DriverFunction<GetAddressRange>("cuMemGetAddressRange");
-  if (get_range == nullptr || p == nullptr) return 0;
-  CUdeviceptr base = 0;
-  size_t size = 0;
-  if (get_range(&base, &size, reinterpret_cast<CUdeviceptr>(p)) != CUDA_SUCCESS) return 0;
-  return static_cast<uintptr_t>(base);
 }
 
 // Thread-safety: safe for concurrent use (immutable after creation; the counter is atomic).
@@ -581,26 +392,6 @@ std::vector<int> CudaDeviceNumaNodes() {
   std::vector<int> nodes;
   for (int i = 0; count.ok() && i < *count; ++i) nodes.push_back(CudaDeviceNumaNode(i));
   return nodes;
-}
-
-std::vector<int> CudaDevicePrimaryContexts() {
-  using DeviceGet = CUresult (*)(CUdevice*, int);
-  using PrimaryState = CUresult (*)(CUdevice, unsigned int*, int*);
-  static const DeviceGet device_get = DriverFunction<DeviceGet>("cuDeviceGet");
-  static const PrimaryState primary_state = DriverFunction<PrimaryState>("cuDevicePrimaryCtxGetState");
-  absl::StatusOr<int> count = CudaDeviceCount();
-  std::vector<int> active;
-  if (device_get == nullptr || primary_state == nullptr) return active;
-  for (int i = 0; count.ok() && i < *count; ++i) {
-    CUdevice device = 0;
-    unsigned int flags = 0;
-    int is_active = 0;
-    if (device_get(&device, i) == CUDA_SUCCESS && primary_state(device, &flags, &is_active) == CUDA_SUCCESS &&
-        is_active != 0) {
-      active.push_back(i);
-    }
-  }
-  return active;
 }
 
 absl::StatusOr<std::unique_ptr<Device>> CreateCudaDevice(int ordinal) {
