@@ -427,3 +427,54 @@ def test_fsdp2_overlap_and_attach_bit_identical_to_no_overlap():
             assert run["losses"] == off["losses"], "rank %d, %s: %s vs %s" % (rank, name, run["losses"], off["losses"])
             for i, (a, b) in enumerate(zip(run["rows"], off["rows"])):
                 assert_same_bits(a, b, "rank %d, %s, param %d" % (rank, name, i))
+
+
+class HeadMlp(torch.nn.Module):
+    """A body and a head of 1,240 params (of 1,630), as a language model's head outweighs its blocks."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(5)
+        self.body = torch.nn.Linear(12, 30)
+        self.head = torch.nn.Linear(30, 40)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.body(x)))
+
+
+def root_unit_warnings(rank, world):
+    """attach() under the real fully_shard, the head left in the root's unit (torch's FSDP2 example) and
+    in a unit of its own (torchtitan's): the root-unit warnings each gives, and the loss of a step after."""
+    import warnings
+    import ferry.torch
+    fully_shard, _, _, init_device_mesh = fsdp2()
+    mesh = init_device_mesh("cpu", (world,))
+    out = {}
+    for own_unit in (False, True):
+        model = HeadMlp()
+        fully_shard(model.body, mesh=mesh)
+        if own_unit:
+            fully_shard(model.head, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        opt = ferry.torch.Optimizer(model.parameters(), lr=1e-2, policy="offload_all", overlap=True,
+                                    collective_timeout=60)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            opt.attach(model)
+        gen = torch.Generator().manual_seed(100 + rank)
+        x, y = torch.randn(8, 12, generator=gen), torch.randn(8, 40, generator=gen)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        opt.wait_params()
+        out[own_unit] = [str(w.message) for w in seen if "root unit" in str(w.message)]
+    return out
+
+
+def test_attach_warns_of_a_root_unit_holding_the_head_under_real_fsdp2():
+    for rank, r in enumerate(dist_util.ok(dist_util.run_ranks(2, root_unit_warnings, timeout=180))):
+        assert len(r[False]) == 1, "rank %d: %s" % (rank, r[False])
+        # The head's 1,240 params of the 1,630 offloaded: 76%, the largest named first.
+        assert "fully_shard(HeadMlp)" in r[False][0] and "76% of the offloaded params (head.weight, head.bias)" \
+            in r[False][0], r[False][0]
+        assert r[True] == [], "rank %d: the head in its own unit still warned: %s" % (rank, r[True])
