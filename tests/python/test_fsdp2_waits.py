@@ -256,6 +256,11 @@ def test_a_root_unit_holding_the_head_is_warned_about(monkeypatch):
     # The head's 150 params (weight 120, bias 30) of the 178 offloaded: 84%, the largest named first.
     assert "fully_shard(HeadNet)" in got[0] and "holds 84% of the offloaded params (head.weight, head.bias)" in got[0]
     assert "fully_shard([model.norm, model.head])" in got[0]
+    # fully_shard swaps the model's class for FSDP<its class> (torch 2.4+): the warning names the user's.
+    net = HeadNet(own_unit=False)
+    net.__class__ = type("FSDPHeadNet", (HeadNet,), {})
+    got = attach_warnings(monkeypatch, net, "offload_all")
+    assert len(got) == 1 and "fully_shard(HeadNet)" in got[0], got
 
 
 def test_no_warning_when_the_head_has_its_own_unit_or_nothing_is_offloaded(monkeypatch):

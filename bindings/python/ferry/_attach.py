@@ -149,6 +149,9 @@ def _warn_if_root_unit_large(optimizer, model, index):
     names = {id(p): n for n, p in model.named_parameters()}
     held = sorted(mine, key=lambda k: -params[k].numel())
     listed = ", ".join(names.get(id(params[k]), optimizer._where[k]) for k in held[:3])
+    # fully_shard swaps the model's class for a subclass named FSDP<its class>: name the user's class.
+    cls = type(model)
+    name = next((c.__name__ for c in cls.__mro__[1:] if "FSDP" + c.__name__ == cls.__name__), cls.__name__)
     optimizer._warn_once(
         "fsdp2_root_unit",
         "FSDP2's root unit (fully_shard(%s)) holds %.0f%% of the offloaded params (%s%s): FSDP2 reduce-scatters "
@@ -157,7 +160,7 @@ def _warn_if_root_unit_large(optimizer, model, index):
         "units of their own before fully_shard(model), as torchtitan does (fully_shard(model.embed), each block, "
         "fully_shard([model.norm, model.head])): the head's grads are then reduced first and updated during the "
         "backward (bindings/python/README.md, FSDP2, 'Which units')"
-        % (type(model).__name__, 100 * share, listed, ", ..." if len(held) > 3 else ""))
+        % (name, 100 * share, listed, ", ..." if len(held) > 3 else ""))
 
 
 def _fsdp_pre_hook(me, state, own, index):
