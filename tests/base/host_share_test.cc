@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "base/thread_pool.h"
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
 namespace ferry {
@@ -53,6 +54,13 @@ TEST(HostShareTest, OneRankTakesEveryCpuOneCoreFirst) {
   EXPECT_EQ(s.Workers(0, 0), 15u);
   EXPECT_EQ(s.Workers(0, 6), 6u);
   EXPECT_EQ(s.Workers(40, 6), 40u) << "an explicit cpu_threads is taken as it is";
+  EXPECT_THAT(s.reason, ::testing::HasSubstr("1 CPU of it left to the trainer's threads"));
+  // A torch loop keeps two threads of its own busy (Python's and autograd's device thread).
+  const HostShare torch_loop = SplitHost(t, LocalRanks{}, {}, 2);
+  EXPECT_EQ(torch_loop.trainer_cpus, 2u);
+  EXPECT_EQ(torch_loop.Workers(0, 0), 14u);
+  EXPECT_THAT(torch_loop.reason, ::testing::HasSubstr("2 CPUs of it left to the trainer's threads"));
+  EXPECT_EQ(SplitHost(t, LocalRanks{}, {}, 0).Workers(0, 0), 16u);
   // Larger shares keep an eighth of their CPUs as headroom.
   const HostShare big = SplitHost(MakeHost(1, 64, 1), LocalRanks{}, {}, 1);
   EXPECT_EQ(big.Workers(0, 0), 63u - 8u);

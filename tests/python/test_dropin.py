@@ -5,6 +5,7 @@ name the argument, param or state entry (shared memory, a state_dict of another 
 pickling the optimizer, bad cpu_threads / betas), or warned about once (a step skipped for NaN/Inf)."""
 import copy
 import io
+import os
 import warnings
 
 import pytest
@@ -182,6 +183,10 @@ def test_bad_arguments_name_the_argument(device):
     params = make_params(device)
     with pytest.raises(ValueError, match=r"cpu_threads must be an int >= 0 .*got -1"):
         ferry.torch.Optimizer(params, cpu_threads=-1)
+    with pytest.raises(ValueError, match=r"trainer_threads must be an int >= 0 .*got -2"):
+        ferry.torch.Optimizer(params, trainer_threads=-2)
+    with pytest.raises(ValueError, match=r"trainer_threads must be an int >= 0 .*got 1.5"):
+        ferry.torch.Optimizer(params, trainer_threads=1.5)
     with pytest.raises(ValueError, match=r"transfer_chunk_bytes must be an int >= 0"):
         ferry.torch.Optimizer(params, transfer_chunk_bytes=1.5)
     with pytest.raises(ValueError, match=r"betas must be a pair of numbers \(beta1, beta2\), got \(0.9,\)"):
@@ -241,3 +246,20 @@ def test_a_fraction_the_groups_cannot_give_warns_naming_the_share(device):
         opt = ferry.torch.Optimizer([{"params": list(m.parameters())} for m in layers], policy="offload_fraction",
                                     policy_args={"fraction": 0.5})
     assert [g["offloaded"] for g in opt.placement()] == [False, False, True, True]  # the last groups
+
+
+def test_trainer_threads_leave_cpus_to_the_trainer(device):
+    """The share's CPUs left to the trainer: 2 for CUDA params (Python's thread and autograd's device
+    thread), 1 for CPU params, or as given; stats()["host_share"] says how many."""
+    params = make_params(device)
+    default = 2 if device == "cuda" else 1
+    # One rank: the share is the process's CPUs, of which all but one at most are left to the trainer.
+    cpus = len(os.sched_getaffinity(0))
+    for given, left in ((None, default), (0, 0), (1, 1)):
+        opt = ferry.torch.Optimizer(params, policy="offload_all", trainer_threads=given)
+        share = opt.stats()["host_share"]
+        expect = min(left, cpus - 1)
+        if expect == 0:
+            assert "left to the trainer" not in share, share
+        else:
+            assert "%d CPU%s of it left to the trainer's threads" % (expect, "" if expect == 1 else "s") in share, share

@@ -46,6 +46,7 @@ What differs from torch.optim.AdamW, on purpose:
     (stats()['skipped_steps'] counts them).
   * The optimizer cannot be copied or pickled (copy.deepcopy, torch.save(opt)): save its state_dict().
 """
+import numbers
 import os
 import sys
 import threading
@@ -106,6 +107,9 @@ class Optimizer(StateMixin, _buckets.BucketMixin, _attach.AttachMixin, _zero.Sha
         None: every group on the device) and its ctx.args (values given as text).
       loss_scale, max_grad_norm, check_finite: the defaults of step()'s options of the same names.
       transfer_chunk_bytes, cpu_threads, numa, trace_path: EngineOptions (0 / "": Ferry's defaults).
+      trainer_threads: CPUs of this rank's share that CPU Adam's workers leave to the trainer when cpu_threads
+        is 0. None: 2 for CUDA params (the Python thread, and autograd's device thread that runs the backward
+        and its hooks while the Python thread waits in backward()), 1 for CPU params (one thread runs both).
       overlap: announce buckets of params during the last backward of a step. None (the default): on once
         a step has shown that it is safe and useful: the policy offloads a group, and a step had one
         backward outside accumulate() and nothing changed its grads before step() (clip_grad_norm_,
@@ -136,7 +140,7 @@ class Optimizer(StateMixin, _buckets.BucketMixin, _attach.AttachMixin, _zero.Sha
                  policy_args=None, loss_scale=1.0, max_grad_norm=0.0, check_finite=True, transfer_chunk_bytes=0,
                  cpu_threads=0, numa="", trace_path="", overlap=None, process_group=None, shard=False,
                  collective_timeout=300.0, checkpoint_timeout=3600.0, local_rank=None, local_world_size=None,
-                 bucket_mb=BUCKET_MB, spare_state=1.0):
+                 bucket_mb=BUCKET_MB, spare_state=1.0, trainer_threads=None):
         _checks.check_arguments(lr, betas, eps, weight_decay, cpu_threads, transfer_chunk_bytes, overlap, numa,
                                 trace_path)
         if not (isinstance(bucket_mb, (int, float)) and not isinstance(bucket_mb, bool) and bucket_mb > 0):
@@ -163,6 +167,11 @@ class Optimizer(StateMixin, _buckets.BucketMixin, _attach.AttachMixin, _zero.Sha
                 group_of.append(gi)
         device = _checks.check_params(self._params, self._where)
         self._cuda = device.type == "cuda"
+        if trainer_threads is None:
+            trainer_threads = 2 if self._cuda else 1
+        if not isinstance(trainer_threads, numbers.Integral) or isinstance(trainer_threads, bool) or trainer_threads < 0:
+            raise ValueError("trainer_threads must be an int >= 0 (CPUs left to the trainer's threads) or None, "
+                             "got %r" % (trainer_threads,))
         self._device = device
         # ---- several ranks (ferry._zero): the engine's comm and each param's range ----
         self._zero = None
@@ -182,7 +191,8 @@ class Optimizer(StateMixin, _buckets.BucketMixin, _attach.AttachMixin, _zero.Sha
                               cpu_threads=int(cpu_threads), numa=numa, trace_path=trace_path,
                               local_rank=-1 if local_rank is None else int(local_rank),
                               local_world_size=-1 if local_world_size is None else int(local_world_size),
-                              spare_state_fraction=float(spare_state), **dist_args)
+                              spare_state_fraction=float(spare_state), trainer_threads=int(trainer_threads),
+                              **dist_args)
         try:
             self._register(engine, group_of)
         except BaseException as e:

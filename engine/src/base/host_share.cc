@@ -244,6 +244,10 @@ HostShare SplitHost(const HostTopology& topo, const LocalRanks& local, const std
     if (!any) break;
   }
   share.trainer_cpus = share.cpus.empty() ? 0 : std::min(trainer_threads, share.cpus.size() - 1);
+  if (share.trainer_cpus > 0) {
+    absl::StrAppend(&share.reason, "; ", share.trainer_cpus, " CPU", share.trainer_cpus == 1 ? "" : "s",
+                    " of it left to the trainer's threads");
+  }
   std::set<int> share_nodes;
   for (const auto& cpus : mine) {
     for (const HostCpu* c : cpus) share_nodes.insert(c->node);
