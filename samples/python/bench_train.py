@@ -271,6 +271,8 @@ def make_optimizer(row, model, loop, args):
     extra = {"policy": row["policy"], "policy_args": policy_args, "trace_path": trace_path(args.trace, row)}
     if args.cpu_threads:
         extra["cpu_threads"] = args.cpu_threads
+    if args.trainer_threads >= 0 and has_option("trainer_threads"):
+        extra["trainer_threads"] = args.trainer_threads
     if args.chunk_bytes:
         extra["transfer_chunk_bytes"] = args.chunk_bytes
     if args.spare is not None and row.get("overlap") and has_option("spare_state"):
@@ -555,6 +557,8 @@ def main():
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--rows", default="", help="comma-separated row indices (default: all)")
     ap.add_argument("--cpu-threads", type=int, default=0, help="ferry's CPU Adam threads (0: its default)")
+    ap.add_argument("--trainer-threads", type=int, default=-1,
+                    help="CPUs left to the trainer's threads (-1: ferry.torch's default)")
     ap.add_argument("--chunk-bytes", type=int, default=0,
                     help="ferry's transfer_chunk_bytes: grads per pipeline chunk (0: its default, 8 MiB)")
     ap.add_argument("--spare", type=float, default=None,
