@@ -383,7 +383,7 @@ def cpu_update(before, after, steps):
             "huge": after["pinned_huge_bytes"] / pinned if pinned and "pinned_huge_bytes" in after else None,
             "kept": after["early_groups_kept"] - before["early_groups_kept"],
             "recomputed": after["early_groups_recomputed"] - before["early_groups_recomputed"],
-            "skipped": after["skipped_steps"] - before["skipped_steps"]}
+            "skipped": after["skipped_steps"] - before["skipped_steps"], "workers": after.get("cpu_threads")}
 
 
 def cpu_text(cpu, whose=""):
@@ -392,6 +392,8 @@ def cpu_text(cpu, whose=""):
     if cpu is None:
         return ""
     text = "   [CPU Adam %.1f ms/step at %.1f GB/s" % (cpu["ms"], cpu["gbs"])
+    if cpu.get("workers"):
+        text += " on %d worker%s" % (cpu["workers"], "" if cpu["workers"] == 1 else "s")
     if cpu["huge"] is not None:
         text += ", pinned memory %.0f%% huge pages" % (100 * cpu["huge"])
     if cpu["kept"] or cpu["recomputed"]:
