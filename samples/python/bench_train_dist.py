@@ -51,7 +51,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_train  # noqa: E402  (the model, its sizes and param groups)
+import bench_model  # noqa: E402  (the model, its sizes and param groups)
+import bench_train  # noqa: E402  (the rows' options and CPU notes)
 import dist_launch  # noqa: E402
 from fsdp2_sample import fsdp2  # noqa: E402
 
@@ -84,9 +85,9 @@ def skip_reason(row, args, world):
 def build(row, args, device, world, local_rank):
     """(model to call, optimizer) of a row: a fresh model with the same weights on every rank."""
     import ferry.torch
-    dim, blocks, heads, _, _ = bench_train.SIZES[args.size]
+    dim, blocks, heads, _, _ = bench_model.SIZES[args.size]
     torch.manual_seed(0)
-    model = bench_train.Model(dim, blocks, heads, exact=args.check_exact)
+    model = bench_model.Model(dim, blocks, heads, exact=args.check_exact)
     model = model.to(device=device, dtype=getattr(torch, args.dtype))
     if row["wrap"] == "fsdp2":
         fully_shard, init_device_mesh = fsdp2()
@@ -249,10 +250,10 @@ def worker(rank, world, local_rank, args):
     if args.check_exact:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
-    dim, blocks, heads, batch, seq = bench_train.SIZES[args.size]
+    dim, blocks, heads, batch, seq = bench_model.SIZES[args.size]
     batch = args.batch or batch
     gen = torch.Generator().manual_seed(1 + rank)  # each rank its own batches
-    data = [torch.randint(0, bench_train.VOCAB, (batch, seq + 1), generator=gen).to(device) for _ in range(4)]
+    data = [torch.randint(0, bench_model.VOCAB, (batch, seq + 1), generator=gen).to(device) for _ in range(4)]
     if rank == 0:
         print("torch %s, %d ranks (%s, %s); %s: dim %d, %d blocks, %s params, batch %d x %d tokens per rank, %d "
               "timed steps after %d" % (torch.__version__, world, dist.get_backend(),
@@ -298,7 +299,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--world", type=int, default=2, help="processes to spawn when not under torchrun (default 2)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
-    ap.add_argument("--size", default="medium", choices=list(bench_train.SIZES))
+    ap.add_argument("--size", default="medium", choices=list(bench_model.SIZES))
     ap.add_argument("--batch", type=int, default=0, help="override the size's batch (per rank)")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
