@@ -49,6 +49,9 @@ ABSL_FLAG(int32_t, ferry_check_world_size, 1, "ctx.world_size");
 ABSL_FLAG(int32_t, ferry_check_numa_nodes, 1, "ctx.numa_nodes");
 ABSL_FLAG(int32_t, ferry_check_local_world_size, 0,
           "ranks sharing this host, for the host section (0: the launcher's environment, else 1)");
+ABSL_FLAG(int32_t, ferry_check_trainer_threads, 1,
+          "CPUs of each rank's share left to the trainer's threads, for the host section "
+          "(EngineOptions::trainer_threads; ferry.torch leaves 2 for CUDA params)");
 ABSL_FLAG(int64_t, ferry_check_step, 1000, "info.step of the checkpoint() call");
 ABSL_FLAG(int32_t, ferry_check_steps, 3,
           "on_step() calls to simulate, each applying the moves it asks for");
@@ -67,6 +70,7 @@ const std::vector<VerbFlag>& CheckFlags() {
       {"world_size", "ferry_check_world_size", "N"},
       {"numa_nodes", "ferry_check_numa_nodes", "N"},
       {"local_world_size", "ferry_check_local_world_size", "N"},
+      {"trainer_threads", "ferry_check_trainer_threads", "N"},
       {"step", "ferry_check_step", "N"},
       {"steps", "ferry_check_steps", "N"},
       {"step_seconds", "ferry_check_step_seconds", "SECONDS"},
@@ -76,8 +80,9 @@ const std::vector<VerbFlag>& CheckFlags() {
 
 
 // Each local rank's share of this host, as the engines of `local_world_size` ranks (0: the launcher's
-// environment) would take it: their CPU Adam workers' CPUs and their pinned budgets.
-void PrintHostShares(std::FILE* out, int local_world_size) {
+// environment) would take it, each leaving `trainer_threads` CPUs to its trainer: their CPU Adam
+// workers' CPUs and their pinned budgets.
+void PrintHostShares(std::FILE* out, int local_world_size, size_t trainer_threads) {
   const HostTopology topo = ReadHostTopology();
   const LocalRanks detected = DetectLocalRanks(-1, -1);
   const int ranks = local_world_size > 0 ? local_world_size : detected.local_world_size;
@@ -90,7 +95,7 @@ void PrintHostShares(std::FILE* out, int local_world_size) {
   for (int r = 0; r < ranks; ++r) {
     std::vector<int> nodes;
     for (int j = 0; !gpu_nodes.empty() && j < ranks; ++j) nodes.push_back(gpu_nodes[static_cast<size_t>(j) % gpu_nodes.size()]);
-    const HostShare share = SplitHost(topo, LocalRanks{r, ranks, "check"}, nodes, /*trainer_threads=*/1);
+    const HostShare share = SplitHost(topo, LocalRanks{r, ranks, "check"}, nodes, trainer_threads);
     const size_t workers = share.Workers(0, CpuThreadsCap(0));
     const int pin = PinCpuThreads(-1);
     const std::vector<int> cpus = share.RestrictedTo(pin);
@@ -311,6 +316,10 @@ int CheckCommand(const std::vector<std::string>& args, std::FILE* out, std::FILE
       return usage_error(absl::StrCat("ferry check: --arg ", kv.substr(0, eq), " given twice"));
     }
   }
+  if (absl::GetFlag(FLAGS_ferry_check_trainer_threads) < 0) {
+    return usage_error(absl::StrCat("ferry check: --trainer_threads must be >= 0; got ",
+                                    absl::GetFlag(FLAGS_ferry_check_trainer_threads)));
+  }
   const int64_t ckpt_step = absl::GetFlag(FLAGS_ferry_check_step);
   const int steps = absl::GetFlag(FLAGS_ferry_check_steps);
   const double step_seconds = absl::GetFlag(FLAGS_ferry_check_step_seconds);
@@ -363,7 +372,8 @@ int CheckCommand(const std::vector<std::string>& args, std::FILE* out, std::FILE
                 ctx.rank, ctx.world_size, ctx.gpu_free_bytes, HumanBytes(ctx.gpu_free_bytes),
                 ctx.pinned_budget_bytes, ctx.numa_nodes, absl::StrJoin(arg_text, ", "));
 
-  PrintHostShares(out, absl::GetFlag(FLAGS_ferry_check_local_world_size));
+  PrintHostShares(out, absl::GetFlag(FLAGS_ferry_check_local_world_size),
+                  static_cast<size_t>(absl::GetFlag(FLAGS_ferry_check_trainer_threads)));
 
   // place()
   absl::FPrintF(out, "\nplace():\n");

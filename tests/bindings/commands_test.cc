@@ -238,6 +238,20 @@ TEST(CheckCommandTest, ShowsEachLocalRanksShareOfTheHost) {
   EXPECT_THAT(r.out, HasSubstr("pinned budget " + HumanBytes(static_cast<int64_t>(PinnedBudget::DefaultProcessLimit() / 2))));
   Result one = Check({kPolicies + "offload_all.lua", "--model", "a:1000", "--local_world_size", "1"});
   EXPECT_THAT(one.out, HasSubstr("one rank on this host: every CPU of the process"));
+  // --trainer_threads: the CPUs each share leaves to its trainer (ferry.torch leaves 2 for CUDA params).
+  const size_t cpus = topo.cpus.size();
+  Result torch_loop = Check({kPolicies + "offload_all.lua", "--model", "a:1000", "--local_world_size", "1",
+                             "--trainer_threads", "2"});
+  EXPECT_EQ(torch_loop.status, 0) << torch_loop.err;
+  const size_t left = std::min<size_t>(2, cpus - 1);
+  EXPECT_THAT(torch_loop.out, HasSubstr(absl::StrCat(", ", left, " CPU", left == 1 ? "" : "s", " left to the trainer; ")));
+  EXPECT_THAT(torch_loop.out,
+              HasSubstr(absl::StrCat("  local rank 0: up to ", SplitHost(topo, LocalRanks{0, 1, "test"}, {}, 2)
+                                                                     .Workers(0, CpuThreadsCap(0)),
+                                     " CPU Adam workers")));
+  Result bad = Check({kPolicies + "offload_all.lua", "--trainer_threads", "-1"});
+  EXPECT_EQ(bad.status, 2);
+  EXPECT_THAT(bad.err, HasSubstr("--trainer_threads must be >= 0; got -1"));
   // More than two local ranks: each rank's workers are held to its slice by default.
   Result four = Check({kPolicies + "offload_all.lua", "--model", "a:1000", "--local_world_size", "4"});
   EXPECT_EQ(four.status, 0) << four.err;
