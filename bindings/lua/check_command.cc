@@ -113,9 +113,13 @@ void PrintHostShares(std::FILE* out, int local_world_size, size_t trainer_thread
     const std::string where = cpus.empty() ? absl::StrCat("on any CPU of the process (not restricted", pinned, ")")
                                            : absl::StrCat("on CPUs ", FormatCpuList(cpus), " (restricted to them", freed,
                                                           ")");
-    absl::FPrintF(out, "  local rank %d: up to %d CPU Adam workers%s %s; share: CPUs %s, %d CPU%s left to the trainer; "
+    const std::string held =
+        share.HoldsTrainer(PinTrainerThreads(-1))
+            ? " (its other threads held to them; FERRY_PIN_TRAINER_THREADS=0: free)"
+            : (share.split ? " (its other threads free; FERRY_PIN_TRAINER_THREADS=1: held to them)" : "");
+    absl::FPrintF(out, "  local rank %d: up to %d CPU Adam workers%s %s; share: CPUs %s%s, %d CPU%s left to the trainer; "
                   "pinned budget %s\n",
-                  r, workers, measured, where, FormatCpuList(share.cpus),
+                  r, workers, measured, where, FormatCpuList(share.cpus), held,
                   share.trainer_cpus, share.trainer_cpus == 1 ? "" : "s",
                   HumanBytes(static_cast<int64_t>(PinnedBudget::DefaultProcessLimit() / static_cast<size_t>(ranks))));
     if (r == 0) absl::FPrintF(out, "    (%s)\n", share.reason);

@@ -218,6 +218,46 @@ TEST(HostShareTest, PinCpuThreadsTakesTheOptionThenTheEnvironment) {
   }
 }
 
+TEST(HostShareTest, TheThreadsOfRanksHeldToTheirSlicesAreHeldTooByDefault) {
+  const HostTopology one = MakeHost(1, 64, 1);
+  for (int ranks : {3, 4, 16}) {
+    const HostShare s = SplitHost(one, LocalRanks{1, ranks, "test"}, {}, 2);
+    EXPECT_TRUE(s.HoldsTrainer(-1)) << ranks << " ranks";
+    EXPECT_FALSE(s.HoldsTrainer(0));
+  }
+  // Two ranks keep their workers free, and their other threads too, unless asked.
+  const HostShare two = SplitHost(one, LocalRanks{0, 2, "test"}, {}, 2);
+  EXPECT_FALSE(two.HoldsTrainer(-1));
+  EXPECT_TRUE(two.HoldsTrainer(1));
+  // Slices of fewer than kMinHeldShareCpus CPUs (4 ranks on a 2-core machine, or 32 on 64) stay free.
+  EXPECT_FALSE(SplitHost(MakeHost(1, 2, 1), LocalRanks{1, 4, "test"}, {}, 1).HoldsTrainer(-1));
+  EXPECT_FALSE(SplitHost(one, LocalRanks{1, 32, "test"}, {}, 1).HoldsTrainer(-1));
+  EXPECT_TRUE(SplitHost(one, LocalRanks{1, 32, "test"}, {}, 1).HoldsTrainer(1));
+  // One rank, or a process the launcher bound: never (nothing was split).
+  EXPECT_FALSE(SplitHost(one, LocalRanks{0, 1, "test"}, {}, 2).HoldsTrainer(1));
+  HostTopology bound = MakeHost(1, 16, 1);
+  bound.cpus.resize(4);
+  EXPECT_FALSE(SplitHost(bound, LocalRanks{2, 4, "test"}, {}, 1).HoldsTrainer(1));
+}
+
+TEST(HostShareTest, PinTrainerThreadsTakesTheOptionThenTheEnvironment) {
+  const char* saved = std::getenv("FERRY_PIN_TRAINER_THREADS");
+  const std::string keep = saved != nullptr ? saved : "";
+  unsetenv("FERRY_PIN_TRAINER_THREADS");
+  EXPECT_EQ(PinTrainerThreads(-1), -1);
+  EXPECT_EQ(PinTrainerThreads(0), 0);
+  setenv("FERRY_PIN_TRAINER_THREADS", "0", 1);
+  EXPECT_EQ(PinTrainerThreads(-1), 0);
+  EXPECT_EQ(PinTrainerThreads(1), 1) << "the option wins";
+  setenv("FERRY_PIN_TRAINER_THREADS", "2", 1);
+  EXPECT_EQ(PinTrainerThreads(-1), -1) << "only 0 or 1";
+  if (saved != nullptr) {
+    setenv("FERRY_PIN_TRAINER_THREADS", keep.c_str(), 1);
+  } else {
+    unsetenv("FERRY_PIN_TRAINER_THREADS");
+  }
+}
+
 TEST(HostShareTest, LauncherBoundProcessKeepsItsCpus) {
   HostTopology t = MakeHost(1, 16, 1);
   t.cpus.resize(4);  // taskset -c 0-3 on a 16-CPU host

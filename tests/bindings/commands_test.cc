@@ -233,6 +233,9 @@ TEST(CheckCommandTest, ShowsEachLocalRanksShareOfTheHost) {
                                               "FERRY_PIN_CPU_THREADS=1: CPUs ", FormatCpuList(share.WorkerSet()),
                                               "); share: CPUs ", FormatCpuList(share.cpus))));
     lists.push_back(FormatCpuList(share.cpus));
+    // Two ranks keep their other threads free by default (pin_trainer_threads).
+    EXPECT_THAT(r.out, HasSubstr(absl::StrCat("share: CPUs ", FormatCpuList(share.cpus),
+                                              " (its other threads free; FERRY_PIN_TRAINER_THREADS=1: held to them)")));
   }
   EXPECT_NE(lists[0], lists[1]) << "the two shares are disjoint";
   EXPECT_THAT(r.out, HasSubstr("pinned budget " + HumanBytes(static_cast<int64_t>(PinnedBudget::DefaultProcessLimit() / 2))));

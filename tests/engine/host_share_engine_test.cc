@@ -6,12 +6,14 @@
 #include <functional>
 #include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "base/host_share.h"
+#include "base/thread_affinity.h"
 #include "engine/engine_test_util.h"
 #include "ferry/engine.h"
 #include "ferry/status.h"
@@ -47,13 +49,14 @@ std::string WhyNotSplittable(const HostTopology& topo) {
 // The engine of local rank `r` of `ranks` on the host backend, its workers pinned as `pin` says,
 // after one offloaded step of `param`.
 absl::StatusOr<std::unique_ptr<Engine>> RankEngine(int r, int ranks, int pin, std::vector<float>& param,
-                                                   std::vector<float>& grad) {
+                                                   std::vector<float>& grad, int pin_trainer = -1) {
   EngineOptions o;
   o.device = "host";  // no GPU node: the host is split flat, whatever its nodes
   o.policy_path = engine_test::Policies() + "offload_all.lua";
   o.local_rank = r;
   o.local_world_size = ranks;
   o.pin_cpu_threads = pin;
+  o.pin_trainer_threads = pin_trainer;
   FERRY_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine, Engine::Create(o));
   FERRY_RETURN_IF_ERROR(engine->AddParam({.name = "w", .shape = {static_cast<int64_t>(param.size())},
                                           .dtype = DType::kF32, .param = param.data(), .grad = grad.data()}));
@@ -127,6 +130,41 @@ TEST(HostShareEngineTest, ByDefaultTheWorkersOfMoreThanTwoRanksAreHeldToTheirSli
   ForEachDefaultRank(topo, 3, [](const EngineStats& s, const HostShare& share) {
     EXPECT_EQ(s.cpu_list, FormatCpuList(share.WorkerSet())) << "held to its slice: " << s.host_share;
   });
+}
+
+// pin_trainer_threads = 1: the first rank's engine holds the process's threads (this one included,
+// and those started later) to its share; a second engine of the process leaves them there and says so.
+// The default holds nothing for 2 ranks. Every thread is given back its CPUs at the end.
+TEST(HostShareEngineTest, TheProcessThreadsAreHeldToTheFirstShareWhenAsked) {
+  const HostTopology topo = ReadHostTopology();
+  if (const std::string why = WhyNotSplittable(topo); !why.empty()) GTEST_SKIP() << why;
+  const std::vector<int> all = ThreadCpus(CurrentThreadId());
+  std::vector<float> param(64, 0.5f), grad(64, 0.25f);
+  {
+    auto free = RankEngine(0, 2, /*pin=*/1, param, grad);
+    ASSERT_TRUE(free.ok()) << free.status();
+    EXPECT_EQ((*free)->Stats().host_share.find("held to CPUs"), std::string::npos) << (*free)->Stats().host_share;
+    EXPECT_EQ(ThreadCpus(CurrentThreadId()), all) << "2 ranks: the trainer's threads stay free by default";
+  }
+  const HostShare first = SplitHost(topo, LocalRanks{0, 2, "test"}, {}, EngineOptions{}.trainer_threads);
+  auto a = RankEngine(0, 2, /*pin=*/1, param, grad, /*pin_trainer=*/1);
+  ASSERT_TRUE(a.ok()) << a.status();
+  const std::string reason = (*a)->Stats().host_share;
+  EXPECT_NE(reason.find("held to CPUs " + FormatCpuList(first.cpus) + " (pin_trainer_threads)"), std::string::npos)
+      << reason;
+  EXPECT_EQ(ThreadCpus(CurrentThreadId()), first.cpus);
+  std::vector<int> started;
+  std::thread([&] { started = ThreadCpus(CurrentThreadId()); }).join();
+  EXPECT_EQ(started, first.cpus) << "a thread the trainer starts later inherits the share";
+  auto b = RankEngine(1, 2, /*pin=*/1, param, grad, /*pin_trainer=*/1);
+  ASSERT_TRUE(b.ok()) << b.status();
+  EXPECT_NE((*b)->Stats().host_share.find("stay held to CPUs " + FormatCpuList(first.cpus)), std::string::npos)
+      << (*b)->Stats().host_share;
+  EXPECT_EQ(ThreadCpus(CurrentThreadId()), first.cpus);
+  a->reset();
+  b->reset();
+  ASSERT_TRUE(HoldProcessThreads(all).ok());
+  PinnedBudget::Process().set_limit(PinnedBudget::DefaultProcessLimit());
 }
 
 }  // namespace

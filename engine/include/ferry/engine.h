@@ -143,6 +143,15 @@ struct EngineOptions {
   // to (one CPU per worker measured no better); left free on a one-node host, the offloaded loop of 2
   // ranks ran 2-13% faster.
   int pin_cpu_threads = -1;
+  // Hold this process's other threads (the trainer's, autograd's, NCCL's, the pipeline's: every thread
+  // but CPU Adam's workers, and the threads they start later) to the rank's share of the host: 1
+  // wherever the local ranks divided the CPUs, 0 never, -1 (or as the FERRY_PIN_TRAINER_THREADS
+  // environment variable says, 0 or 1) where the workers are held to their share by default (more than
+  // 2 local ranks dividing slices of 4 CPUs or more). Free, they run on any CPU of the host, among
+  // other ranks' workers: 4 FSDP2 ranks on a 64-CPU host waited for the one whose backward launched
+  // late. Once per process, at the first Create that holds; a process the launcher bound keeps its
+  // binding. Threads the trainer starts later (data loaders) inherit the share.
+  int pin_trainer_threads = -1;
   std::string numa;                               // "", "interleave", "bind", "preferred", "local"
   // Trace of every step, save and load as Chrome/Perfetto trace-event JSON (`ferry trace FILE`
   // summarizes it), written at destruction (tmp + rename). Empty: the FERRY_TRACE environment

@@ -17,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "base/thread_affinity.h"
 
 namespace ferry {
 namespace {
@@ -96,8 +97,8 @@ HostTopology ReadHostTopology() {
   topo.online_cpus = CountOnlineCpus();
   cpu_set_t set;
   CPU_ZERO(&set);
-  std::vector<int> mine;
-  if (sched_getaffinity(0, sizeof(set), &set) == 0) {
+  std::vector<int> mine = ProcessCpusBeforeHold();  // Ferry's own hold is no launcher's binding
+  if (mine.empty() && sched_getaffinity(0, sizeof(set), &set) == 0) {
     for (int c = 0; c < CPU_SETSIZE; ++c) {
       if (CPU_ISSET(c, &set)) mine.push_back(c);
     }
@@ -279,6 +280,13 @@ size_t CpuThreadsCap(size_t option) {
 int PinCpuThreads(int option) {
   if (option == 0 || option == 1) return option;
   const char* env = std::getenv("FERRY_PIN_CPU_THREADS");
+  if (env != nullptr && (std::string_view(env) == "0" || std::string_view(env) == "1")) return *env - '0';
+  return -1;
+}
+
+int PinTrainerThreads(int option) {
+  if (option == 0 || option == 1) return option;
+  const char* env = std::getenv("FERRY_PIN_TRAINER_THREADS");
   if (env != nullptr && (std::string_view(env) == "0" || std::string_view(env) == "1")) return *env - '0';
   return -1;
 }

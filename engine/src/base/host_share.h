@@ -59,6 +59,8 @@ inline constexpr size_t kSmallShareCpus = 16;
 // By default (HostShare::RestrictedTo), each rank's workers are held to its own slice where more local
 // ranks than this divide the CPUs.
 inline constexpr size_t kFreeWorkersMaxRanks = 2;
+// The smallest slice whose process is held to it by default (HostShare::HoldsTrainer).
+inline constexpr size_t kMinHeldShareCpus = 4;
 
 struct HostShare {
   std::vector<int> cpus;         // the rank's CPUs, one per physical core first, then their siblings
@@ -91,6 +93,15 @@ struct HostShare {
     if (pin > 0 || (pin < 0 && split && split_among > kFreeWorkersMaxRanks)) return WorkerSet();
     if (pin < 0) return node_cpus;
     return {};
+  }
+  // Whether the process's other threads are held to `cpus` (EngineOptions::pin_trainer_threads,
+  // resolved by PinTrainerThreads as `pin`): 1, wherever the local ranks divided the CPUs; 0, never;
+  // -1, where more than kFreeWorkersMaxRanks local ranks divided them into slices of at least
+  // kMinHeldShareCpus CPUs (the rule that holds the workers to their slice; smaller slices, as on a
+  // 2-CPU machine running 4 ranks, keep their threads free).
+  bool HoldsTrainer(int pin) const {
+    if (!split || cpus.empty() || pin == 0) return false;
+    return pin > 0 || (split_among > kFreeWorkersMaxRanks && cpus.size() >= kMinHeldShareCpus);
   }
   // CPU Adam's workers in this share: `cpu_threads` when > 0 (EngineOptions::cpu_threads), else
   // worker_cpus(), less 1/8 of the share's CPUs on shares of more than kSmallShareCpus, at most half
@@ -130,6 +141,10 @@ HostShare SplitHost(const HostTopology& topo, const LocalRanks& local, const std
 // Whether to restrict CPU Adam's workers (HostShare::RestrictedTo): `option` when 0 or 1, else the
 // FERRY_PIN_CPU_THREADS environment variable when 0 or 1, else -1 (the default rule).
 int PinCpuThreads(int option);
+
+// Whether to hold the process's other threads to the share (HostShare::HoldsTrainer): `option` when 0
+// or 1, else the FERRY_PIN_TRAINER_THREADS environment variable when 0 or 1, else -1 (the default rule).
+int PinTrainerThreads(int option);
 
 // "0-15,32-47": CPU numbers as ranges, in ascending order.
 std::string FormatCpuList(std::vector<int> cpus);

@@ -8,6 +8,8 @@
 #include <cstdlib>
 #include <utility>
 
+#include "base/thread_affinity.h"
+
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #endif
@@ -103,6 +105,16 @@ bool ThreadPool::RunOne(Job& job) {
 }
 
 void ThreadPool::WorkerLoop() {
+  // A worker held to the share's CPUs is left alone by HoldProcessThreads (registered before it holds
+  // itself, so that a hold running meanwhile cannot undo its own).
+  const pid_t held = cpus_.empty() ? 0 : CurrentThreadId();
+  struct Unregister {
+    pid_t tid;
+    ~Unregister() {
+      if (tid != 0) UnregisterHeldThread(tid);
+    }
+  } unregister{held};
+  if (held != 0) RegisterHeldThread(held);
   if (!cpus_.empty()) {
     cpu_set_t set;
     CPU_ZERO(&set);

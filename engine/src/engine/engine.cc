@@ -204,6 +204,7 @@ absl::Status EngineImpl::Finalize() {
     }
     return absl::OkStatus();
   }();
+  if (local.ok()) HoldThreads(placement);
   FERRY_RETURN_IF_ERROR(TuneSharedWorkers(local, placement));  // collective: every rank, even after a local error
   if (local.ok()) {
     local = [&]() -> absl::Status {

@@ -66,6 +66,11 @@ struct WorkerPlan {
   std::string knee;       // what TuneWorkers measured; empty: not measured
 };
 WorkerPlan PlanWorkers(const EngineOptions& options, const Device& device);
+// Holds the process's other threads to the plan's share where EngineOptions::pin_trainer_threads says
+// (HostShare::HoldsTrainer; base/thread_affinity.h), once per process: a later plan with another
+// share leaves the first hold as it is. The share's reason says what was done; returns whether it
+// changed.
+bool HoldTrainerThreads(const EngineOptions& options, WorkerPlan& plan);
 
 inline std::string StateTensorName(const std::string& param, const char* kind) { return absl::StrCat(param, ":", kind); }
 
@@ -249,6 +254,9 @@ class EngineImpl final : public Engine {
   // (optim/worker_knee.h, MeasureSharedKnee) and take it instead of half their share. An error only
   // when a collective fails. REQUIRES: no optimizer yet, the pool unused.
   absl::Status TuneSharedWorkers(const absl::Status& local, const ferry::Placement& placement);
+  // At the first Finalize that offloads a group: HoldTrainerThreads (the process's other threads held
+  // to the share where pin_trainer_threads says), before the workers are measured.
+  void HoldThreads(const ferry::Placement& placement);
   // The spare state's fraction for an optimizer of `placement`: EngineOptions::spare_state_fraction,
   // or the policy's Placement::spare_state when that is smaller (an option outside [0, 1] is passed
   // on as it is, for the optimizer to refuse).
@@ -304,6 +312,7 @@ class EngineImpl final : public Engine {
   std::unique_ptr<Device> device_;
   std::unique_ptr<Policy> policy_;
   WorkerPlan workers_;
+  bool threads_held_ = false;  // HoldThreads ran (at the first Finalize that offloads)
   // CPU Adam's workers; replaced once, by TuneWorkers, before any optimizer uses it.
   std::unique_ptr<ThreadPool> pool_;
   std::shared_ptr<Comm> comm_;           // never null (single process by default)

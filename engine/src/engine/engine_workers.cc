@@ -1,9 +1,13 @@
 // The rank's share of its host: CPU Adam's workers planned at Create (PlanWorkers: the local rank, the
 // share's CPUs, the rule without a measurement) and measured at the first Finalize that offloads
 // (TuneWorkers: one process's bandwidth knee; TuneSharedWorkers: the knee of the local ranks that
-// share a host, measured together). See engine_impl.h.
+// share a host, measured together), the process's other threads held to the share there too
+// (HoldThreads). See engine_impl.h.
 #include "engine/engine_impl.h"
 
+#include <mutex>
+
+#include "base/thread_affinity.h"
 #include "optim/worker_knee.h"
 
 namespace ferry {
@@ -26,6 +30,45 @@ WorkerPlan PlanWorkers(const EngineOptions& options, const Device& device) {
   plan.threads = plan.share.Workers(options.cpu_threads, CpuThreadsCap(options.cpu_threads_max));
   plan.cpus = plan.share.RestrictedTo(PinCpuThreads(options.pin_cpu_threads));
   return plan;
+}
+
+bool HoldTrainerThreads(const EngineOptions& options, WorkerPlan& plan) {
+  if (!plan.share.HoldsTrainer(PinTrainerThreads(options.pin_trainer_threads))) return false;
+  static std::mutex mu;
+  static std::vector<int>* held = nullptr;  // the CPUs the process was held to; null: not yet
+  std::lock_guard<std::mutex> lock(mu);
+  const std::string cpus = FormatCpuList(plan.share.cpus);
+  if (held != nullptr) {
+    if (*held != plan.share.cpus) {
+      absl::StrAppend(&plan.share.reason, "; the process's other threads stay held to CPUs ", FormatCpuList(*held),
+                      " (an engine before this one held them there)");
+      return true;
+    }
+    return false;
+  }
+  absl::StatusOr<size_t> n = HoldProcessThreads(plan.share.cpus);
+  if (!n.ok()) {
+    FERRY_LOG(WARNING) << "the trainer's threads were left free: " << n.status().message();
+    absl::StrAppend(&plan.share.reason, "; the process's other threads left free (", n.status().message(), ")");
+    return true;
+  }
+  held = new std::vector<int>(plan.share.cpus);
+  absl::StrAppend(&plan.share.reason, "; the process's other threads (", *n, " now, and those they start) held to CPUs ",
+                  cpus, " (pin_trainer_threads)");
+  return true;
+}
+
+void EngineImpl::HoldThreads(const ferry::Placement& placement) {
+  if (optimizer_ != nullptr || threads_held_) return;
+  bool offloads = false;
+  for (const auto& [name, kind] : placement.groups) offloads = offloads || kind == PlaceKind::kCpu;
+  if (!offloads) return;
+  threads_held_ = true;
+  if (!HoldTrainerThreads(options_, workers_) || tracer_ == nullptr) return;
+  const int64_t now = tracer_->NowNs();
+  tracer_->Complete("host_share", "engine", now, now, {{"cpu_threads", static_cast<double>(pool_->num_threads())}},
+                    absl::StrCat("workers on CPUs ", pool_->cpus().empty() ? "(any)" : FormatCpuList(pool_->cpus()),
+                                 "; ", workers_.share.reason));
 }
 
 void EngineImpl::TuneWorkers() {
