@@ -200,22 +200,38 @@ TEST(HostShareTest, TheWorkersOfMoreThanTwoRanksAreHeldToTheirSlicesByDefault) {
   EXPECT_EQ(last.node_cpus.size(), 16u);
 }
 
-TEST(HostShareTest, PinCpuThreadsTakesTheOptionThenTheEnvironment) {
-  const char* saved = std::getenv("FERRY_PIN_CPU_THREADS");
+// `resolve` (PinCpuThreads, PinTrainerThreads) takes its option when 0 or 1, else the environment
+// variable `name` when "0" or "1", else -1; `name` is as it was afterwards.
+void ExpectOptionThenEnvironment(const char* name, int (*resolve)(int)) {
+  const char* saved = std::getenv(name);
   const std::string keep = saved != nullptr ? saved : "";
-  unsetenv("FERRY_PIN_CPU_THREADS");
-  EXPECT_EQ(PinCpuThreads(-1), -1);
-  EXPECT_EQ(PinCpuThreads(1), 1);
-  setenv("FERRY_PIN_CPU_THREADS", "1", 1);
-  EXPECT_EQ(PinCpuThreads(-1), 1);
-  EXPECT_EQ(PinCpuThreads(0), 0) << "the option wins";
-  setenv("FERRY_PIN_CPU_THREADS", "yes", 1);
-  EXPECT_EQ(PinCpuThreads(-1), -1) << "only 0 or 1";
-  if (saved != nullptr) {
-    setenv("FERRY_PIN_CPU_THREADS", keep.c_str(), 1);
-  } else {
-    unsetenv("FERRY_PIN_CPU_THREADS");
+  unsetenv(name);
+  EXPECT_EQ(resolve(-1), -1) << name;
+  EXPECT_EQ(resolve(1), 1) << name;
+  EXPECT_EQ(resolve(0), 0) << name;
+  setenv(name, "1", 1);
+  EXPECT_EQ(resolve(-1), 1) << name;
+  EXPECT_EQ(resolve(0), 0) << name << ": the option wins";
+  setenv(name, "0", 1);
+  EXPECT_EQ(resolve(-1), 0) << name;
+  EXPECT_EQ(resolve(1), 1) << name << ": the option wins";
+  for (const char* bad : {"yes", "2", ""}) {
+    setenv(name, bad, 1);
+    EXPECT_EQ(resolve(-1), -1) << name << "=" << bad << ": only 0 or 1";
   }
+  if (saved != nullptr) {
+    setenv(name, keep.c_str(), 1);
+  } else {
+    unsetenv(name);
+  }
+}
+
+TEST(HostShareTest, PinCpuThreadsTakesTheOptionThenTheEnvironment) {
+  ExpectOptionThenEnvironment("FERRY_PIN_CPU_THREADS", PinCpuThreads);
+}
+
+TEST(HostShareTest, PinTrainerThreadsTakesTheOptionThenTheEnvironment) {
+  ExpectOptionThenEnvironment("FERRY_PIN_TRAINER_THREADS", PinTrainerThreads);
 }
 
 TEST(HostShareTest, TheThreadsOfRanksHeldToTheirSlicesAreHeldTooByDefault) {
@@ -238,24 +254,6 @@ TEST(HostShareTest, TheThreadsOfRanksHeldToTheirSlicesAreHeldTooByDefault) {
   HostTopology bound = MakeHost(1, 16, 1);
   bound.cpus.resize(4);
   EXPECT_FALSE(SplitHost(bound, LocalRanks{2, 4, "test"}, {}, 1).HoldsTrainer(1));
-}
-
-TEST(HostShareTest, PinTrainerThreadsTakesTheOptionThenTheEnvironment) {
-  const char* saved = std::getenv("FERRY_PIN_TRAINER_THREADS");
-  const std::string keep = saved != nullptr ? saved : "";
-  unsetenv("FERRY_PIN_TRAINER_THREADS");
-  EXPECT_EQ(PinTrainerThreads(-1), -1);
-  EXPECT_EQ(PinTrainerThreads(0), 0);
-  setenv("FERRY_PIN_TRAINER_THREADS", "0", 1);
-  EXPECT_EQ(PinTrainerThreads(-1), 0);
-  EXPECT_EQ(PinTrainerThreads(1), 1) << "the option wins";
-  setenv("FERRY_PIN_TRAINER_THREADS", "2", 1);
-  EXPECT_EQ(PinTrainerThreads(-1), -1) << "only 0 or 1";
-  if (saved != nullptr) {
-    setenv("FERRY_PIN_TRAINER_THREADS", keep.c_str(), 1);
-  } else {
-    unsetenv("FERRY_PIN_TRAINER_THREADS");
-  }
 }
 
 TEST(HostShareTest, LauncherBoundProcessKeepsItsCpus) {

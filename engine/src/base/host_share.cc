@@ -277,19 +277,21 @@ size_t CpuThreadsCap(size_t option) {
   return env != nullptr && absl::SimpleAtoi(env, &v) ? v : 0;
 }
 
-int PinCpuThreads(int option) {
+namespace {
+
+// `option` when 0 or 1, else the environment variable `name` when "0" or "1", else -1.
+int OptionOrEnvironment(int option, const char* name) {
   if (option == 0 || option == 1) return option;
-  const char* env = std::getenv("FERRY_PIN_CPU_THREADS");
+  const char* env = std::getenv(name);
   if (env != nullptr && (std::string_view(env) == "0" || std::string_view(env) == "1")) return *env - '0';
   return -1;
 }
 
-int PinTrainerThreads(int option) {
-  if (option == 0 || option == 1) return option;
-  const char* env = std::getenv("FERRY_PIN_TRAINER_THREADS");
-  if (env != nullptr && (std::string_view(env) == "0" || std::string_view(env) == "1")) return *env - '0';
-  return -1;
-}
+}  // namespace
+
+int PinCpuThreads(int option) { return OptionOrEnvironment(option, "FERRY_PIN_CPU_THREADS"); }
+
+int PinTrainerThreads(int option) { return OptionOrEnvironment(option, "FERRY_PIN_TRAINER_THREADS"); }
 
 std::string FormatCpuList(std::vector<int> cpus) {
   std::sort(cpus.begin(), cpus.end());
