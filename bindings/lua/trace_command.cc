@@ -7,6 +7,7 @@
 #include <fstream>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -133,7 +134,8 @@ std::string TraceUsage() {
       "a box per span (hover for its duration and arguments), a time axis. Where the trace has\n"
       "several steps, each iteration (step end to step end) with the time CPU Adam ran in it.\n"
       "Several FILEs (one per rank, as a multi-rank run writes them) are read as one: the stages\n"
-      "of all ranks, each rank's iterations, every rank's threads in the picture.\n"
+      "of all ranks, each rank's iterations, every rank's threads in the picture; the ranks of\n"
+      "one host on one clock, so that their spans line up.\n"
       "\n"
       "flags:\n",
       FlagsHelp(TraceFlags()));
@@ -197,7 +199,16 @@ int TraceCommand(const std::vector<std::string>& args, std::FILE* out, std::FILE
     }
   }
   const std::vector<StageSummary> stages = Summarize(*trace, *ceilings);
-  absl::FPrintF(out, "trace %s: %d spans\n\n%s", what, trace->events.size(), FormatSummary(stages));
+  absl::FPrintF(out, "trace %s: %d spans\n", what, trace->events.size());
+  if (read.size() > 1) {
+    absl::FPrintF(out, "%s\n",
+                  trace->steady_epoch_us >= 0
+                      ? absl::StrCat("the files' spans on one clock (host ", trace->host.empty() ? "?" : trace->host,
+                                     "'s steady clock, from the first to start)")
+                      : "the files' spans each on its own clock (other hosts, or files that do not say where their "
+                        "time 0 lies): their ranks do not line up");
+  }
+  absl::FPrintF(out, "\n%s", FormatSummary(stages));
   absl::FPrintF(out, "\nceilings (GB/s):");
   if (ceilings->empty()) absl::FPrintF(out, " none (give --ceiling, or --measure on)");
   absl::FPrintF(out, "\n");
@@ -231,8 +242,13 @@ int TraceCommand(const std::vector<std::string>& args, std::FILE* out, std::FILE
     svg.title = absl::StrCat("ferry trace ", what);
     if (!absl::GetFlag(FLAGS_ferry_trace_all)) {
       const int step = absl::GetFlag(FLAGS_ferry_trace_step);
-      // The window of a step of the first file's trace (with several ranks, their clocks agree).
-      const TraceFile& first = read.front().second;
+      // The window of a step of the first file's rank, on the merged trace's clock.
+      TraceFile first;
+      std::set<int> first_pids;
+      for (const TraceFileEvent& e : read.front().second.events) first_pids.insert(e.pid);
+      for (const TraceFileEvent& e : trace->events) {
+        if (first_pids.count(e.pid) != 0) first.events.push_back(e);
+      }
       size_t count = 0;
       for (const TraceFileEvent& e : first.events) count += e.name == "step" ? 1 : 0;
       if (count > 0) {

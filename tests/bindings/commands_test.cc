@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <set>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -717,6 +718,42 @@ TEST(TraceCommandTest, SeveralFilesAreOneRankEach) {
   EXPECT_EQ(twice.status, 2);
   EXPECT_THAT(twice.err, HasSubstr("both hold spans of rank 0"));
   EXPECT_THAT(twice.err, HasSubstr("u.json"));
+}
+
+// Files of one host that say where their time 0 lies are put on one clock: rank 0 started 2 ms after
+// rank 1, so its steps move 2 ms later, and --step's window is its step on that clock.
+TEST(TraceCommandTest, OneHostsRanksAreOnOneClock) {
+  TempDir tmp;
+  std::string rank0 = kTrace;
+  rank0.replace(rank0.find("{\"traceEvents\""), 1, R"({"otherData":{"steady_epoch_us":12000,"host":"h"},)");
+  const std::string rank1 = R"json({"otherData":{"steady_epoch_us":10000,"host":"h"},"traceEvents":[
+{"ph":"X","name":"step","cat":"engine","pid":1,"tid":1,"ts":3000,"dur":1000,"args":{}},
+{"ph":"X","name":"step","cat":"engine","pid":1,"tid":1,"ts":9000,"dur":1000,"args":{}}
+]})json";
+  const std::string a = tmp.Write("t.rank-0.json", rank0), b = tmp.Write("t.rank-1.json", rank1);
+  const std::string svg = tmp.path() + "/step.svg";
+  Result r = Trace({a, b, "--measure=off", "--svg", svg, "--step", "0"});
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_THAT(r.out, HasSubstr("the files' spans on one clock (host h's steady clock, from the first to start)"));
+  std::ifstream in(svg);
+  std::stringstream text;
+  text << in.rdbuf();
+  // Rank 0's step 0 ran from 1 to 3 ms of its own clock: 3 to 5 ms on rank 1's (the window, less its
+  // 2% margin), where rank 1's first step (3 to 4 ms) starts with it and its second (9 ms) is not drawn.
+  const std::string picture = text.str();
+  EXPECT_THAT(picture, HasSubstr("window 2.08 ms, from 2.96 ms"));
+  size_t steps = 0;
+  std::set<std::string> starts;
+  for (size_t at = picture.find("<title>step: "); at != std::string::npos; at = picture.find("<title>step: ", at + 1)) {
+    ++steps;
+    const size_t x = picture.rfind("<rect x=\"", at);
+    starts.insert(picture.substr(x, picture.find('"', x + 9) - x));
+  }
+  EXPECT_EQ(steps, 2u) << picture;
+  EXPECT_EQ(starts.size(), 1u) << "both ranks' steps start at the same x: " << picture;
+  Result apart = Trace({tmp.Write("u.rank-0.json", kTrace), b, "--measure=off"});
+  ASSERT_EQ(apart.status, 0) << apart.err;
+  EXPECT_THAT(apart.out, HasSubstr("each on its own clock"));
 }
 
 TEST(TraceCommandTest, ErrorsAndHelp) {

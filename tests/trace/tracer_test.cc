@@ -13,6 +13,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "trace/trace_file.h"
@@ -361,6 +362,61 @@ TEST(TraceFileTest, MergeTracesKeepsEachRanksTimelineAndRefusesARankTwice) {
   EXPECT_NE(std::string(twice.status().message()).find("a.rank-1.json and b.rank-1.json both hold spans of rank 1"),
             std::string::npos)
       << twice.status();
+}
+
+// Files of one host are put on one clock (the earliest file's origin); another host's, or a file that
+// does not say where its ts 0 lies, keep their own.
+TEST(TraceFileTest, MergeTracesPutsOneHostsFilesOnOneClock) {
+  auto rank = [](int pid, const char* other) {
+    absl::StatusOr<TraceFile> t = ParseTrace(absl::StrCat(R"({"otherData":)", other, R"(,"traceEvents":[
+      {"ph":"X","name":"step","pid":)", pid, R"(,"tid":1,"ts":100,"dur":10}]})"));
+    EXPECT_TRUE(t.ok()) << t.status();
+    return *t;
+  };
+  const TraceFile r0 = rank(0, R"({"steady_epoch_us":5000.5,"host":"a"})");
+  const TraceFile r1 = rank(1, R"({"steady_epoch_us":4000.25,"host":"a"})");
+  const TraceFile r2 = rank(2, R"({"steady_epoch_us":10,"host":"b"})");
+  const TraceFile r3 = rank(3, R"({"producer":"ferry"})");
+  EXPECT_DOUBLE_EQ(r0.steady_epoch_us, 5000.5);
+  EXPECT_EQ(r0.host, "a");
+  EXPECT_LT(r3.steady_epoch_us, 0);
+  absl::StatusOr<TraceFile> one = MergeTraces({{"t.rank-0.json", r0}, {"t.rank-1.json", r1}});
+  ASSERT_TRUE(one.ok()) << one.status();
+  std::map<int, double> ts;
+  for (const TraceFileEvent& e : one->events) ts[e.pid] = e.ts_us;
+  EXPECT_DOUBLE_EQ(ts[1], 100.0) << "the earliest file's clock";
+  EXPECT_DOUBLE_EQ(ts[0], 100.0 + 1000.25) << "rank 0 started 1000.25 us later";
+  EXPECT_DOUBLE_EQ(one->steady_epoch_us, 4000.25);
+  absl::StatusOr<TraceFile> mixed =
+      MergeTraces({{"t.rank-0.json", r0}, {"t.rank-1.json", r1}, {"t.rank-2.json", r2}, {"t.rank-3.json", r3}});
+  ASSERT_TRUE(mixed.ok()) << mixed.status();
+  ts.clear();
+  for (const TraceFileEvent& e : mixed->events) ts[e.pid] = e.ts_us;
+  EXPECT_DOUBLE_EQ(ts[0], 1100.25);
+  EXPECT_DOUBLE_EQ(ts[2], 100.0) << "another host's clock is its own";
+  EXPECT_DOUBLE_EQ(ts[3], 100.0) << "a file without its origin is left as it is";
+  EXPECT_LT(mixed->steady_epoch_us, 0) << "not every file is on one clock";
+}
+
+// Two tracers started apart (two ranks' engines) mark one moment: merged, the two spans line up.
+TEST(TraceFileTest, TwoTracersLineUpOnTheHostsClock) {
+  Tracer first(TracerOptions{.path = "", .pid = 0, .process_name = "rank 0"});
+  std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  Tracer second(TracerOptions{.path = "", .pid = 1, .process_name = "rank 1"});
+  const int64_t moment = SteadyNs();
+  first.Complete("mark", "test", first.FromSteadyNs(moment), first.FromSteadyNs(moment) + 1000);
+  second.Complete("mark", "test", second.FromSteadyNs(moment), second.FromSteadyNs(moment) + 1000);
+  absl::StatusOr<TraceFile> a = ParseTrace(first.ToJson()), b = ParseTrace(second.ToJson());
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_GE(a->steady_epoch_us, 0);
+  EXPECT_EQ(a->host, b->host);
+  ASSERT_EQ(a->events.size(), 1u);
+  ASSERT_EQ(b->events.size(), 1u);
+  EXPECT_GT(a->events[0].ts_us - b->events[0].ts_us, 4000.0) << "each file counts from its own start";
+  absl::StatusOr<TraceFile> both = MergeTraces({{"t.rank-0.json", *a}, {"t.rank-1.json", *b}});
+  ASSERT_TRUE(both.ok()) << both.status();
+  ASSERT_EQ(both->events.size(), 2u);
+  EXPECT_NEAR(both->events[0].ts_us, both->events[1].ts_us, 0.01) << "one moment, one time";
 }
 
 TEST(TracerTest, ThreadCpuTimeCountsRunningNotSleeping) {

@@ -59,6 +59,17 @@ absl::StatusOr<TraceFile> ParseTrace(const std::string& text, const std::string&
   }
   if (!events->is_array()) return absl::InvalidArgumentError(absl::StrCat(what, ": \"traceEvents\" is not an array"));
   TraceFile out;
+  if (doc.is_object()) {
+    auto other = doc.find("otherData");
+    if (other != doc.end() && other->is_object()) {
+      auto epoch = other->find("steady_epoch_us");
+      if (epoch != other->end() && epoch->is_number() && epoch->get<double>() >= 0) {
+        out.steady_epoch_us = epoch->get<double>();
+      }
+      auto host = other->find("host");
+      if (host != other->end() && host->is_string()) out.host = host->get<std::string>();
+    }
+  }
   size_t index = 0;
   for (const Json& e : *events) {
     const std::string at = absl::StrCat(what, ": event ", index++);
@@ -117,6 +128,19 @@ absl::StatusOr<TraceFile> ReadTraceFile(const std::string& path) {
 
 absl::StatusOr<TraceFile> MergeTraces(const std::vector<std::pair<std::string, TraceFile>>& named) {
   TraceFile out;
+  // Each host's earliest clock origin, from the files that give theirs.
+  std::map<std::string, double> first;
+  bool all_on_one = !named.empty();
+  for (const auto& [name, trace] : named) {
+    all_on_one = all_on_one && trace.steady_epoch_us >= 0 && trace.host == named.front().second.host;
+    if (trace.steady_epoch_us < 0) continue;
+    auto [it, fresh] = first.emplace(trace.host, trace.steady_epoch_us);
+    if (!fresh) it->second = std::min(it->second, trace.steady_epoch_us);
+  }
+  if (all_on_one) {
+    out.steady_epoch_us = first.begin()->second;
+    out.host = named.front().second.host;
+  }
   std::map<int, std::string> file_of;  // pid -> the file holding its spans
   for (const auto& [name, trace] : named) {
     std::set<int> pids;
@@ -128,7 +152,11 @@ absl::StatusOr<TraceFile> MergeTraces(const std::vector<std::pair<std::string, T
                                                        " (pid ", pid, "): give one file per rank"));
       }
     }
-    out.events.insert(out.events.end(), trace.events.begin(), trace.events.end());
+    const double shift = trace.steady_epoch_us >= 0 ? trace.steady_epoch_us - first[trace.host] : 0.0;
+    for (TraceFileEvent e : trace.events) {
+      e.ts_us += shift;
+      out.events.push_back(std::move(e));
+    }
     out.threads.insert(trace.threads.begin(), trace.threads.end());
   }
   return out;

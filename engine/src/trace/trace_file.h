@@ -26,6 +26,10 @@ struct TraceFileEvent {
 struct TraceFile {
   std::vector<TraceFileEvent> events;                  // "X" events, in file order
   std::map<std::pair<int, int>, std::string> threads;  // (pid, tid) -> thread_name
+  // otherData's steady_epoch_us (where ts 0 lies on the writing host's steady clock; < 0: not given)
+  // and host (empty: not given).
+  double steady_epoch_us = -1.0;
+  std::string host;
 };
 
 // Parses trace-event JSON (an object with "traceEvents", or a bare array). Errors: NotFound for an
@@ -34,8 +38,11 @@ absl::StatusOr<TraceFile> ParseTrace(const std::string& json, const std::string&
 absl::StatusOr<TraceFile> ReadTraceFile(const std::string& path);
 
 // The traces of several ranks (one file each, as RankTracePath names them) as one: their events and
-// threads together, each rank its own timeline (pid). InvalidArgument, naming both files, when two
-// hold spans of the same rank.
+// threads together, each rank its own timeline (pid). Files of one host that say where their ts 0
+// lies on its steady clock are put on one clock, that of the file that started first (a rank's spans
+// then line up with the others'); files of other hosts, or without it, keep their own. The result's
+// steady_epoch_us is that clock's where every file is on it, else -1. InvalidArgument, naming both
+// files, when two hold spans of the same rank.
 absl::StatusOr<TraceFile> MergeTraces(const std::vector<std::pair<std::string, TraceFile>>& named);
 
 // One stage of the summary: the events of one name.

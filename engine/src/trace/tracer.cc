@@ -235,7 +235,14 @@ std::string Tracer::ToJson() const {
   std::string out;
   out.reserve(events.size() * 160 + 4096);
   out += "{\"displayTimeUnit\":\"ms\",\"otherData\":{\"producer\":\"ferry\",\"dropped_events\":";
-  absl::StrAppend(&out, dropped(), "},\n\"traceEvents\":[\n");
+  // Where ts 0 lies on the host's steady clock, and the host: `ferry trace` puts the files of one host
+  // on one clock (MergeTraces).
+  char host[256] = {0};
+  if (gethostname(host, sizeof(host) - 1) != 0) host[0] = '\0';
+  absl::StrAppend(&out, dropped(), ",\"steady_epoch_us\":", absl::StrFormat("%.3f", static_cast<double>(epoch_ns_) / 1e3),
+                  ",\"host\":");
+  AppendJsonString(out, host);
+  out += "},\n\"traceEvents\":[\n";
   absl::StrAppend(&out, "{\"ph\":\"M\",\"name\":\"process_name\",\"pid\":", options_.pid, ",\"tid\":0,\"args\":{\"name\":");
   AppendJsonString(out, options_.process_name);
   out += "}}";
