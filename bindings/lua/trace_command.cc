@@ -236,6 +236,9 @@ int TraceCommand(const std::vector<std::string>& args, std::FILE* out, std::FILE
                   "trainer waiting for new params\n%s",
                   FormatIterations(iterations));
   }
+  if (const std::string arrivals = FormatRankArrivals(*trace); !arrivals.empty()) {
+    absl::FPrintF(out, "\n%s", arrivals);
+  }
   const std::string svg_path = absl::GetFlag(FLAGS_ferry_trace_svg);
   if (!svg_path.empty()) {
     SvgOptions svg;

@@ -735,6 +735,9 @@ TEST(TraceCommandTest, OneHostsRanksAreOnOneClock) {
   Result r = Trace({a, b, "--measure=off", "--svg", svg, "--step", "0"});
   ASSERT_EQ(r.status, 0) << r.err;
   EXPECT_THAT(r.out, HasSubstr("the files' spans on one clock (host h's steady clock, from the first to start)"));
+  // Step 0: both at 3 ms; step 1: rank 0 at 7 ms, rank 1 at 9 ms.
+  EXPECT_THAT(r.out, HasSubstr("ranks reaching their step (one clock): the last 2.0 ms after the first at the median "
+                               "of 2 steps, 2.0 ms at most (step 1, rank 1 last); last: rank 0 1 time, rank 1 1 time\n"));
   std::ifstream in(svg);
   std::stringstream text;
   text << in.rdbuf();
@@ -754,6 +757,7 @@ TEST(TraceCommandTest, OneHostsRanksAreOnOneClock) {
   Result apart = Trace({tmp.Write("u.rank-0.json", kTrace), b, "--measure=off"});
   ASSERT_EQ(apart.status, 0) << apart.err;
   EXPECT_THAT(apart.out, HasSubstr("each on its own clock"));
+  EXPECT_THAT(apart.out, Not(HasSubstr("ranks reaching their step"))) << "clocks apart: no arrivals";
 }
 
 TEST(TraceCommandTest, ErrorsAndHelp) {

@@ -398,6 +398,30 @@ TEST(TraceFileTest, MergeTracesPutsOneHostsFilesOnOneClock) {
   EXPECT_LT(mixed->steady_epoch_us, 0) << "not every file is on one clock";
 }
 
+// Per step index every rank has: the spread of the ranks' step starts and the rank that came last.
+TEST(TraceFileTest, RankArrivalsNameTheLastRankOfEachStep) {
+  TraceFile t;
+  auto step = [&](int pid, double ts) { t.events.push_back(TraceFileEvent{.name = "step", .pid = pid, .ts_us = ts}); };
+  step(0, 1000), step(1, 1500), step(2, 1200);  // step 0: rank 1 last, 0.5 ms
+  step(0, 9000), step(1, 5000), step(2, 6000);  // step 1: rank 0 last, 4 ms (given out of order)
+  step(2, 20000);                               // rank 2's third: no other rank has one
+  const std::vector<RankArrival> a = RankArrivals(t);
+  ASSERT_EQ(a.size(), 2u);
+  EXPECT_EQ(a[0].last, 1);
+  EXPECT_DOUBLE_EQ(a[0].spread_ms, 0.5);
+  EXPECT_EQ(a[1].last, 0);
+  EXPECT_DOUBLE_EQ(a[1].spread_ms, 4.0);
+  EXPECT_EQ(FormatRankArrivals(t), "") << "not on one clock";
+  t.steady_epoch_us = 0;
+  EXPECT_EQ(FormatRankArrivals(t),
+            "ranks reaching their step (one clock): the last 4.0 ms after the first at the median of 2 steps, 4.0 ms at "
+            "most (step 1, rank 0 last); last: rank 0 1 time, rank 1 1 time\n");
+  TraceFile one;
+  one.steady_epoch_us = 0;
+  one.events.push_back(TraceFileEvent{.name = "step", .pid = 0, .ts_us = 0});
+  EXPECT_TRUE(RankArrivals(one).empty()) << "one rank";
+}
+
 // Two tracers started apart (two ranks' engines) mark one moment: merged, the two spans line up.
 TEST(TraceFileTest, TwoTracersLineUpOnTheHostsClock) {
   Tracer first(TracerOptions{.path = "", .pid = 0, .process_name = "rank 0"});

@@ -94,6 +94,21 @@ std::vector<IterationSummary> Iterations(const TraceFile& trace);
 // The iterations as a table, one line each (the first `max_rows` of each rank, then its mean).
 std::string FormatIterations(const std::vector<IterationSummary>& iterations, size_t max_rows = 30);
 
+// When each rank's trainer reached its step, for traces of several ranks on one clock (MergeTraces):
+// per step index that every rank has, the ranks' `step` span starts, latest less earliest, and the
+// rank that came last. A rank that reaches its step late has launched its backward late, and every
+// collective of the next step waits for it.
+struct RankArrival {
+  size_t step = 0;
+  double spread_ms = 0.0;  // the last rank's step start less the first's
+  int last = 0;            // the rank that came last
+};
+std::vector<RankArrival> RankArrivals(const TraceFile& trace);
+
+// The arrivals in a few lines: the median and largest spread, and how often each rank came last;
+// empty for one rank, or files not on one clock.
+std::string FormatRankArrivals(const TraceFile& trace);
+
 struct SvgOptions {
   // The time window drawn, microseconds; both unset: the whole trace.
   std::optional<double> from_us;
