@@ -149,8 +149,8 @@ struct EngineOptions {
   // environment variable says, 0 or 1) where the workers are held to their share by default (more than
   // 2 local ranks dividing slices of 4 CPUs or more). Free, they run on any CPU of the host, among
   // other ranks' workers: 4 FSDP2 ranks on a 64-CPU host waited for the one whose backward launched
-  // late. Once per process, at the first Create that holds; a process the launcher bound keeps its
-  // binding. Threads the trainer starts later (data loaders) inherit the share.
+  // late. Once per process, at the first Finalize that offloads a group; a process the launcher bound
+  // keeps its binding. Threads and processes the trainer starts later (data loaders) inherit the share.
   int pin_trainer_threads = -1;
   std::string numa;                               // "", "interleave", "bind", "preferred", "local"
   // Trace of every step, save and load as Chrome/Perfetto trace-event JSON (`ferry trace FILE`

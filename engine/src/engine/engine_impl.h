@@ -67,9 +67,9 @@ struct WorkerPlan {
 };
 WorkerPlan PlanWorkers(const EngineOptions& options, const Device& device);
 // Holds the process's other threads to the plan's share where EngineOptions::pin_trainer_threads says
-// (HostShare::HoldsTrainer; base/thread_affinity.h), once per process: a later plan with another
-// share leaves the first hold as it is. The share's reason says what was done; returns whether it
-// changed.
+// (HostShare::HoldsTrainer; base/thread_affinity.h), once per process: a later plan leaves the first
+// hold as it is. Returns whether the share's reason changed (it then says
+// what was done).
 bool HoldTrainerThreads(const EngineOptions& options, WorkerPlan& plan);
 
 inline std::string StateTensorName(const std::string& param, const char* kind) { return absl::StrCat(param, ":", kind); }

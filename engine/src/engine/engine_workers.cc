@@ -39,12 +39,9 @@ bool HoldTrainerThreads(const EngineOptions& options, WorkerPlan& plan) {
   std::lock_guard<std::mutex> lock(mu);
   const std::string cpus = FormatCpuList(plan.share.cpus);
   if (held != nullptr) {
-    if (*held != plan.share.cpus) {
-      absl::StrAppend(&plan.share.reason, "; the process's other threads stay held to CPUs ", FormatCpuList(*held),
-                      " (an engine before this one held them there)");
-      return true;
-    }
-    return false;
+    absl::StrAppend(&plan.share.reason, "; the process's other threads stay held to CPUs ", FormatCpuList(*held),
+                    " (an engine before this one held them there)");
+    return true;
   }
   absl::StatusOr<size_t> n = HoldProcessThreads(plan.share.cpus);
   if (!n.ok()) {
