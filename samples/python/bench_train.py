@@ -101,13 +101,17 @@ class Announcer:
             h.remove()
 
 
+def row_slug(row):
+    """A row's name in file names: 'offload_overlap' for 'ferry offload + overlap'."""
+    return "_".join(w for w in re.split(r"[^a-z0-9]+", row["name"].lower()) if w and w != "ferry")
+
+
 def trace_path(path, row):
     """Each ferry row's own trace: 'run.json' -> 'run.offload_overlap.json' for 'ferry offload + overlap'."""
     if not path:
         return ""
-    slug = "_".join(w for w in re.split(r"[^a-z0-9]+", row["name"].lower()) if w and w != "ferry")
     root, ext = os.path.splitext(path)
-    return "%s.%s%s" % (root, slug, ext or ".json")
+    return "%s.%s%s" % (root, row_slug(row), ext or ".json")
 
 
 def make_optimizer(row, model, loop, args):

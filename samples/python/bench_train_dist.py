@@ -42,7 +42,6 @@ import argparse
 import gc
 import inspect
 import os
-import re
 import statistics
 import sys
 import time
@@ -165,8 +164,9 @@ class Phases:
 
 def profile_steps(prof, where, row, rank, device):
     """Starts torch.profiler (CPU and CUDA activity) when `prof` is None, else stops it and writes its
-    Chrome trace to WHERE/<row>.rank-R.json: the GPU's streams (kernels, copies, NCCL) of the steps
-    between, beside the trace of Ferry's own threads that --trace writes. It profiles two steps after
+    Chrome trace to WHERE/<row>.rank-R.json (<row> as --trace names it: fsdp2_offload_overlap): the
+    GPU's streams (kernels, copies, NCCL) of the steps between, beside the trace of Ferry's own threads
+    that --trace writes. It profiles two steps after
     the timed ones, which its cost leaves alone."""
     from torch.profiler import ProfilerActivity, profile
     if prof is None:
@@ -178,8 +178,7 @@ def profile_steps(prof, where, row, rank, device):
         torch.cuda.synchronize(device)
     prof.__exit__(None, None, None)
     os.makedirs(where, exist_ok=True)
-    name = re.sub(r"[^A-Za-z0-9]+", "_", row["name"]).strip("_")
-    prof.export_chrome_trace(os.path.join(where, "%s.rank-%d.json" % (name, rank)))
+    prof.export_chrome_trace(os.path.join(where, "%s.rank-%d.json" % (bench_train.row_slug(row), rank)))
     return None
 
 

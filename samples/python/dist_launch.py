@@ -48,8 +48,10 @@ def cuda_device(local_rank):
 
 def _spawned(rank, world, store, worker, args):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    # Every spawned rank is on this host: say so as torchrun would (Ferry splits the host by it).
+    # Every spawned rank is on this host: say so as torchrun would (Ferry splits the host by it, and an
+    # engine without a comm, a DDP rank's, names its trace file by RANK).
     os.environ["LOCAL_RANK"], os.environ["LOCAL_WORLD_SIZE"] = str(rank), str(world)
+    os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     backend, _ = backend_for(args.device, world)
     if backend == "nccl":

@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <thread>
+#include <tuple>
 #include <map>
 #include <mutex>
 #include <set>
@@ -282,6 +283,25 @@ TEST(HostShareTest, FewerCoresThanRanks) {
   ASSERT_EQ(s.cpus.size(), 1u);
   EXPECT_EQ(s.cpus[0], 1);
   EXPECT_NE(s.reason.find("shared"), std::string::npos) << s.reason;
+}
+
+TEST(HostShareTest, DetectsTheLaunchersRankAmongAllItsProcesses) {
+  using Env = std::map<std::string, std::string>;
+  auto detect = [](const Env& env) {
+    const LauncherRank r = DetectLauncherRank(&env);
+    return std::make_tuple(r.rank, r.world_size, r.source);
+  };
+  EXPECT_EQ(detect({{"RANK", "5"}, {"WORLD_SIZE", "8"}, {"OMPI_COMM_WORLD_RANK", "1"}, {"OMPI_COMM_WORLD_SIZE", "2"}}),
+            std::make_tuple(5, 8, std::string("torchrun")));
+  EXPECT_EQ(detect({{"OMPI_COMM_WORLD_RANK", "1"}, {"OMPI_COMM_WORLD_SIZE", "2"}}),
+            std::make_tuple(1, 2, std::string("Open MPI")));
+  EXPECT_EQ(detect({{"PMI_RANK", "3"}, {"PMI_SIZE", "4"}}), std::make_tuple(3, 4, std::string("MPICH")));
+  EXPECT_EQ(detect({{"SLURM_PROCID", "9"}, {"SLURM_NTASKS", "16"}}), std::make_tuple(9, 16, std::string("Slurm")));
+  EXPECT_EQ(detect({{"RANK", "8"}, {"WORLD_SIZE", "8"}, {"PMI_RANK", "2"}, {"PMI_SIZE", "4"}}),
+            std::make_tuple(2, 4, std::string("MPICH")))
+      << "a rank not below the size is ignored";
+  EXPECT_EQ(detect({{"RANK", "x"}, {"WORLD_SIZE", "2"}}), std::make_tuple(0, 1, std::string("none")));
+  EXPECT_EQ(detect({}), std::make_tuple(0, 1, std::string("none")));
 }
 
 TEST(HostShareTest, DetectsEachLauncher) {

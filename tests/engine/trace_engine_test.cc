@@ -2,9 +2,11 @@
 // backend in CI, on CUDA where a GPU is present (the device layer picks it).
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <filesystem>
 #include <map>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -55,6 +57,46 @@ const TraceFileEvent* Parent(const TraceFile& trace, const TraceFileEvent& child
     }
   }
   return nullptr;
+}
+
+// An engine without a comm in a process the launcher started as rank 1 of 2 (each DDP rank an engine
+// of its own): its trace is that rank's file, with that rank's pid, so that the ranks' files neither
+// overwrite each other nor read as one rank (ferry trace refuses a rank twice).
+TEST(TraceEngineTest, AnEngineWithoutACommNamesItsTraceByTheLaunchersRank) {
+  TempDir tmp("ferry-trace-rank");
+  struct Restore {
+    std::map<std::string, std::optional<std::string>> saved;
+    ~Restore() {
+      for (const auto& [k, v] : saved) v.has_value() ? setenv(k.c_str(), v->c_str(), 1) : unsetenv(k.c_str());
+    }
+  } restore;
+  for (const char* k : {"RANK", "WORLD_SIZE"}) {
+    const char* v = std::getenv(k);
+    restore.saved[k] = v != nullptr ? std::optional<std::string>(v) : std::nullopt;
+  }
+  setenv("RANK", "1", 1);
+  setenv("WORLD_SIZE", "2", 1);
+  absl::StatusOr<std::unique_ptr<Device>> device = CreateDevice();
+  ASSERT_TRUE(device.ok()) << device.status();
+  Model model(device->get(), {1000}, 3);
+  {
+    EngineOptions o;
+    o.policy_path = Policies() + "offload_all.lua";
+    o.device = std::string(BackendName((*device)->backend()));
+    o.cpu_threads = 1;
+    o.trace_path = tmp.path() + "/t.json";
+    absl::StatusOr<std::unique_ptr<Engine>> e = Engine::Create(o);
+    ASSERT_TRUE(e.ok()) << e.status();
+    ASSERT_OK(model.Register(**e));
+    ASSERT_OK((*e)->Finalize());
+    model.SetGrads(1);
+    ASSERT_OK((*e)->Step());
+  }
+  EXPECT_FALSE(std::filesystem::exists(tmp.path() + "/t.json"));
+  absl::StatusOr<TraceFile> trace = ReadTraceFile(tmp.path() + "/t.rank-1.json");
+  ASSERT_TRUE(trace.ok()) << trace.status();
+  ASSERT_FALSE(trace->events.empty());
+  for (const TraceFileEvent& e : trace->events) EXPECT_EQ(e.pid, 1) << e.name;
 }
 
 TEST(TraceEngineTest, StepsSaveAndLoadAreTracedWithBytesAndNesting) {

@@ -159,6 +159,24 @@ LocalRanks DetectLocalRanks(int rank, int size, const std::map<std::string, std:
   return out;
 }
 
+LauncherRank DetectLauncherRank(const std::map<std::string, std::string>* env) {
+  LauncherRank out;
+  constexpr std::pair<const char*, const char*> kPairs[] = {
+      {"RANK", "WORLD_SIZE"}, {"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"}, {"PMI_RANK", "PMI_SIZE"},
+      {"SLURM_PROCID", "SLURM_NTASKS"}};
+  constexpr const char* kSources[] = {"torchrun", "Open MPI", "MPICH", "Slurm"};
+  for (size_t i = 0; i < std::size(kPairs); ++i) {
+    int r = 0, s = 0;
+    if (ReadPair(env, kPairs[i].first, kPairs[i].second, &r, &s) && s >= 1 && r >= 0 && r < s) {
+      out.rank = r;
+      out.world_size = s;
+      out.source = kSources[i];
+      return out;
+    }
+  }
+  return out;
+}
+
 HostShare SplitHost(const HostTopology& topo, const LocalRanks& local, const std::vector<int>& gpu_nodes,
                     size_t trainer_threads) {
   HostShare share;

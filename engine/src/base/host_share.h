@@ -51,6 +51,17 @@ struct LocalRanks {
 // are ignored. None found: rank 0 of 1.
 LocalRanks DetectLocalRanks(int rank, int size, const std::map<std::string, std::string>* env = nullptr);
 
+// The process's rank among all the launcher's processes, and their count, from `env` (the process's
+// when null): torchrun's RANK and WORLD_SIZE, Open MPI's OMPI_COMM_WORLD_RANK and _SIZE, MPICH's
+// PMI_RANK and PMI_SIZE, Slurm's SLURM_PROCID and SLURM_NTASKS; out-of-range values are ignored. None
+// found: rank 0 of 1 (source "none"). For what an engine without a comm names by rank (its trace).
+struct LauncherRank {
+  int rank = 0;
+  int world_size = 1;
+  std::string source = "none";  // "torchrun", "Open MPI", "MPICH", "Slurm" or "none"
+};
+LauncherRank DetectLauncherRank(const std::map<std::string, std::string>* env = nullptr);
+
 // What SplitHost gives a rank.
 // Shares of at most this many CPUs give CPU Adam every CPU but the trainer's (measured on 16-CPU
 // hosts: every one helped); larger ones keep headroom (HostShare::Workers) and stop at the host's

@@ -163,10 +163,18 @@ class EngineImpl final : public Engine {
       if (env != nullptr) trace_path = env;
     }
     if (!trace_path.empty()) {
+      // A rank's file, by its comm's rank; an engine without one (each DDP rank an engine of its own)
+      // by the launcher's, so that the ranks' files do not overwrite each other.
+      int rank = comm_->rank(), world = comm_->world_size();
+      if (world == 1) {
+        const LauncherRank launcher = DetectLauncherRank();
+        rank = launcher.rank;
+        world = launcher.world_size;
+      }
       tracer_ = std::make_unique<Tracer>(TracerOptions{
-          .path = RankTracePath(trace_path, comm_->rank(), comm_->world_size()),
-          .pid = comm_->rank(),
-          .process_name = absl::StrCat("ferry rank ", comm_->rank(), " (", device_->name(), ")")});
+          .path = RankTracePath(trace_path, rank, world),
+          .pid = rank,
+          .process_name = absl::StrCat("ferry rank ", rank, " (", device_->name(), ")")});
       tracer_->NameThread("trainer");
       // This rank's share of its host, once: `ferry trace` prints it.
       const int64_t now = tracer_->NowNs();
