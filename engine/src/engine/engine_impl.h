@@ -176,14 +176,7 @@ class EngineImpl final : public Engine {
           .pid = rank,
           .process_name = absl::StrCat("ferry rank ", rank, " (", device_->name(), ")")});
       tracer_->NameThread("trainer");
-      // This rank's share of its host, once: `ferry trace` prints it.
-      const int64_t now = tracer_->NowNs();
-      tracer_->Complete("host_share", "engine", now, now,
-                        {{"local_rank", static_cast<double>(workers_.local.local_rank)},
-                         {"local_world_size", static_cast<double>(workers_.local.local_world_size)},
-                         {"cpu_threads", static_cast<double>(pool_->num_threads())}},
-                        absl::StrCat("workers on CPUs ", pool_->cpus().empty() ? "(any)" : FormatCpuList(pool_->cpus()),
-                                     "; ", workers_.share.reason));
+      TraceHostShare();
     }
   }
 
@@ -265,6 +258,9 @@ class EngineImpl final : public Engine {
   // At the first Finalize that offloads a group: HoldTrainerThreads (the process's other threads held
   // to the share where pin_trainer_threads says), before the workers are measured.
   void HoldThreads(const ferry::Placement& placement);
+  // This rank's share of its host as a span of the trace (`ferry trace` prints it): at creation, and
+  // again where HoldThreads changed it.
+  void TraceHostShare();
   // The spare state's fraction for an optimizer of `placement`: EngineOptions::spare_state_fraction,
   // or the policy's Placement::spare_state when that is smaller (an option outside [0, 1] is passed
   // on as it is, for the optimizer to refuse).

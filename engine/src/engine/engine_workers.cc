@@ -37,7 +37,6 @@ bool HoldTrainerThreads(const EngineOptions& options, WorkerPlan& plan) {
   static std::mutex mu;
   static std::vector<int>* held = nullptr;  // the CPUs the process was held to; null: not yet
   std::lock_guard<std::mutex> lock(mu);
-  const std::string cpus = FormatCpuList(plan.share.cpus);
   if (held != nullptr) {
     absl::StrAppend(&plan.share.reason, "; the process's other threads stay held to CPUs ", FormatCpuList(*held),
                     " (an engine before this one held them there)");
@@ -51,7 +50,7 @@ bool HoldTrainerThreads(const EngineOptions& options, WorkerPlan& plan) {
   }
   held = new std::vector<int>(plan.share.cpus);
   absl::StrAppend(&plan.share.reason, "; the process's other threads (", *n, " now, and those they start) held to CPUs ",
-                  cpus, " (pin_trainer_threads)");
+                  FormatCpuList(plan.share.cpus), " (pin_trainer_threads)");
   return true;
 }
 
@@ -61,9 +60,16 @@ void EngineImpl::HoldThreads(const ferry::Placement& placement) {
   for (const auto& [name, kind] : placement.groups) offloads = offloads || kind == PlaceKind::kCpu;
   if (!offloads) return;
   threads_held_ = true;
-  if (!HoldTrainerThreads(options_, workers_) || tracer_ == nullptr) return;
+  if (HoldTrainerThreads(options_, workers_)) TraceHostShare();
+}
+
+void EngineImpl::TraceHostShare() {
+  if (tracer_ == nullptr) return;
   const int64_t now = tracer_->NowNs();
-  tracer_->Complete("host_share", "engine", now, now, {{"cpu_threads", static_cast<double>(pool_->num_threads())}},
+  tracer_->Complete("host_share", "engine", now, now,
+                    {{"local_rank", static_cast<double>(workers_.local.local_rank)},
+                     {"local_world_size", static_cast<double>(workers_.local.local_world_size)},
+                     {"cpu_threads", static_cast<double>(pool_->num_threads())}},
                     absl::StrCat("workers on CPUs ", pool_->cpus().empty() ? "(any)" : FormatCpuList(pool_->cpus()),
                                  "; ", workers_.share.reason));
 }
