@@ -23,6 +23,7 @@
 #include "lua/commands.h"
 #include "lua/verb_flags.h"
 #include "memory/pinned_arena.h"
+#include "trace/rank_profiles.h"
 #include "trace/trace_file.h"
 
 ABSL_FLAG(std::string, ferry_trace_svg, "", "write the timeline as an SVG picture to this file");
@@ -137,6 +138,11 @@ std::string TraceUsage() {
       "of all ranks, each rank's iterations, every rank's threads in the picture; the ranks of\n"
       "one host on one clock, so that their spans line up.\n"
       "\n"
+      "torch.profiler's traces of the ranks of one job (one file each, e.g. from\n"
+      "`bench_train_dist.py --profile DIR`) are read instead for which rank each collective waited\n"
+      "for: per kind, how far apart the ranks started its NCCL kernels, which rank came last and\n"
+      "whether its host launched it late, and each rank's compute stream's idle time by cause.\n"
+      "\n"
       "flags:\n",
       FlagsHelp(TraceFlags()));
 }
@@ -167,6 +173,21 @@ int TraceCommand(const std::vector<std::string>& args, std::FILE* out, std::FILE
       return 1;
     }
     read.emplace_back(path, *std::move(one));
+  }
+  size_t profiles = 0;
+  for (const auto& [path, one] : read) profiles += IsProfilerTrace(one) ? 1 : 0;
+  if (profiles > 0) {
+    // torch.profiler's traces: the ranks' collectives and compute streams (trace/rank_profiles.h).
+    if (!absl::GetFlag(FLAGS_ferry_trace_svg).empty()) {
+      return usage_error("ferry trace: --svg draws Ferry's traces; torch.profiler's open in Perfetto or chrome://tracing");
+    }
+    absl::StatusOr<RankProfiles> analysis = AnalyzeRankProfiles(read);
+    if (!analysis.ok()) {
+      absl::FPrintF(err, "ferry trace: %s\n", analysis.status().message());
+      return 2;
+    }
+    absl::FPrintF(out, "%s", FormatRankProfiles(*analysis));
+    return 0;
   }
   absl::StatusOr<TraceFile> trace = MergeTraces(read);
   if (!trace.ok()) {

@@ -760,6 +760,40 @@ TEST(TraceCommandTest, OneHostsRanksAreOnOneClock) {
   EXPECT_THAT(apart.out, Not(HasSubstr("ranks reaching their step"))) << "clocks apart: no arrivals";
 }
 
+// torch.profiler's traces of two ranks: rank 1 starts the all-gather 3 ms after rank 0, its kernel
+// launched 5 us before it started (its host late); its compute stream idles 1 ms waiting for the host.
+TEST(TraceCommandTest, TorchProfilerTracesOfTheRanksSayWhichRankEachCollectiveWaitedFor) {
+  TempDir tmp;
+  auto profile = [](int rank, double ag_start, double ag_launch_end) {
+    return absl::StrCat(R"json({"schemaVersion":1,"distributedInfo":{"rank":)json", rank, R"json(,"world_size":2},
+"traceEvents":[
+{"ph":"X","cat":"kernel","name":"ncclDevKernel_AllGather_RING_LL(x)","pid":0,"tid":24,"ts":)json", ag_start,
+                        R"json(,"dur":100,"args":{"correlation":1}},
+{"ph":"X","cat":"cuda_runtime","name":"cudaLaunchKernel","pid":9,"tid":9,"ts":)json", ag_launch_end - 4,
+                        R"json(,"dur":4,"args":{"correlation":1}},
+{"ph":"X","cat":"kernel","name":"gemm","pid":0,"tid":7,"ts":1000,"dur":500,"args":{"correlation":2}},
+{"ph":"X","cat":"kernel","name":"gemm","pid":0,"tid":7,"ts":2500,"dur":500,"args":{"correlation":3}},
+{"ph":"X","cat":"cuda_runtime","name":"cudaLaunchKernel","pid":9,"tid":9,"ts":2496,"dur":4,"args":{"correlation":3}}
+]})json");
+  };
+  const std::string a = tmp.Write("p.rank-0.json", profile(0, 10000, 2000));
+  const std::string b = tmp.Write("p.rank-1.json", profile(1, 13000, 12995));
+  Result r = Trace({b, a});
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_THAT(r.out, HasSubstr("torch.profiler traces of 2 ranks (0, 1 of 2)"));
+  EXPECT_THAT(Row(r.out, "AllGather "), ElementsAre("AllGather", "1", "3.00", "ms", "3.00", "ms", "3.00", "ms", "3.0",
+                                                    "ms", "1:", "1", "1", "of", "1"));
+  EXPECT_THAT(r.out, HasSubstr("the longest waits: AllGather #0 3.0 ms (rank 1, its host late)"));
+  // Stream 7 of each rank: 1 ms of idle between its two gemms, all of it waiting for the host.
+  EXPECT_THAT(r.out, HasSubstr("0           7      2.0 ms      1.0 ms        1.0 ms        0.0 ms      1\n"));
+  Result mixed = Trace({a, tmp.Write("t.json", kTrace)});
+  EXPECT_EQ(mixed.status, 2);
+  EXPECT_THAT(mixed.err, HasSubstr("t.json: not a torch.profiler trace"));
+  Result svg = Trace({a, b, "--svg", tmp.path() + "/x.svg"});
+  EXPECT_EQ(svg.status, 2);
+  EXPECT_THAT(svg.err, HasSubstr("--svg draws Ferry's traces"));
+}
+
 TEST(TraceCommandTest, ErrorsAndHelp) {
   TempDir tmp;
   EXPECT_EQ(Trace({"--help"}).status, 0);

@@ -41,6 +41,13 @@ std::string ColourOf(const std::string& name) {
   return kPalette[h % (sizeof(kPalette) / sizeof(kPalette[0]))];
 }
 
+// A pid or tid as an int: torch.profiler writes some thread ids past int's range (a pthread id's low
+// bits); those wrap, so that distinct ids stay distinct within a file as far as 32 bits tell.
+int IdOf(double v) {
+  if (!std::isfinite(v) || std::fabs(v) >= 9.2e18) return 0;
+  return static_cast<int>(static_cast<uint32_t>(static_cast<int64_t>(v)));
+}
+
 std::string FormatMicros(double us) {
   if (us >= 1e6) return absl::StrFormat("%.3g s", us / 1e6);
   if (us >= 1e3) return absl::StrFormat("%.3g ms", us / 1e3);
@@ -70,6 +77,14 @@ absl::StatusOr<TraceFile> ParseTrace(const std::string& text, const std::string&
       auto host = other->find("host");
       if (host != other->end() && host->is_string()) out.host = host->get<std::string>();
     }
+    out.torch_profiler = doc.contains("schemaVersion");
+    auto dist = doc.find("distributedInfo");
+    if (dist != doc.end() && dist->is_object()) {
+      auto rank = dist->find("rank");
+      auto world = dist->find("world_size");
+      if (rank != dist->end() && rank->is_number_integer()) out.rank = rank->get<int>();
+      if (world != dist->end() && world->is_number_integer()) out.world_size = world->get<int>();
+    }
   }
   size_t index = 0;
   for (const Json& e : *events) {
@@ -93,7 +108,7 @@ absl::StatusOr<TraceFile> ParseTrace(const std::string& text, const std::string&
       auto args = e.find("args");
       if (name == "thread_name" && args != e.end() && args->is_object() && args->contains("name") &&
           (*args)["name"].is_string()) {
-        out.threads[{static_cast<int>(pid), static_cast<int>(tid)}] = (*args)["name"].get<std::string>();
+        out.threads[{IdOf(pid), IdOf(tid)}] = (*args)["name"].get<std::string>();
       }
       continue;
     }
@@ -103,8 +118,8 @@ absl::StatusOr<TraceFile> ParseTrace(const std::string& text, const std::string&
     if (ev.name.empty()) return absl::InvalidArgumentError(absl::StrCat(at, " has no name"));
     auto cat = e.find("cat");
     if (cat != e.end() && cat->is_string()) ev.cat = cat->get<std::string>();
-    ev.pid = static_cast<int>(pid);
-    ev.tid = static_cast<int>(tid);
+    ev.pid = IdOf(pid);
+    ev.tid = IdOf(tid);
     if (!num("ts", &ev.ts_us) || !num("dur", &ev.dur_us) || ev.dur_us < 0) {
       return absl::InvalidArgumentError(absl::StrCat(at, " ('", ev.name, "') needs numeric ts and dur >= 0"));
     }

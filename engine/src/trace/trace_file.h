@@ -30,6 +30,11 @@ struct TraceFile {
   // and host (empty: not given).
   double steady_epoch_us = -1.0;
   std::string host;
+  // Written by torch.profiler (its schemaVersion), and its distributedInfo's rank and world_size
+  // (-1 and 0: not said). Read by trace/rank_profiles.h.
+  bool torch_profiler = false;
+  int rank = -1;
+  int world_size = 0;
 };
 
 // Parses trace-event JSON (an object with "traceEvents", or a bare array). Errors: NotFound for an

@@ -1,0 +1,261 @@
+#include "trace/rank_profiles.h"
+
+#include <algorithm>
+#include <cctype>
+#include <cstdint>
+#include <map>
+#include <set>
+#include <unordered_map>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+
+namespace ferry {
+namespace {
+
+bool IsDeviceOp(const TraceFileEvent& e) { return e.cat == "kernel" || e.cat == "gpu_memcpy" || e.cat == "gpu_memset"; }
+bool IsLaunch(const TraceFileEvent& e) { return e.cat == "cuda_runtime" || e.cat == "cuda_driver"; }
+
+// The number after "rank-" (or "rank") in a path's file name; -1 when there is none.
+int RankInName(const std::string& path) {
+  const size_t slash = path.find_last_of('/');
+  const std::string base = slash == std::string::npos ? path : path.substr(slash + 1);
+  const size_t at = base.rfind("rank");
+  if (at == std::string::npos) return -1;
+  size_t i = at + 4;
+  if (i < base.size() && (base[i] == '-' || base[i] == '_' || base[i] == '.')) ++i;
+  if (i >= base.size() || !std::isdigit(static_cast<unsigned char>(base[i]))) return -1;
+  int rank = 0;
+  for (; i < base.size() && std::isdigit(static_cast<unsigned char>(base[i])) && rank < 1000000; ++i) rank = rank * 10 + (base[i] - '0');
+  return rank;
+}
+
+double Quantile(std::vector<double> v, double q) {
+  if (v.empty()) return 0.0;
+  std::sort(v.begin(), v.end());
+  const size_t i = std::min(v.size() - 1, static_cast<size_t>(q * static_cast<double>(v.size() - 1) + 0.5));
+  return v[i];
+}
+
+// One rank's trace, indexed: its NCCL kernels by kind in start order, and the end of each launch by
+// correlation id.
+struct RankTrace {
+  int rank = 0;
+  std::string path;
+  const TraceFile* trace = nullptr;
+  std::map<std::string, std::vector<const TraceFileEvent*>> nccl;
+  std::unordered_map<int64_t, double> launch_end_us;
+
+  double LaunchEnd(const TraceFileEvent& kernel) const {
+    auto c = kernel.args.find("correlation");
+    if (c == kernel.args.end()) return -1.0;
+    auto it = launch_end_us.find(static_cast<int64_t>(c->second));
+    return it == launch_end_us.end() ? -1.0 : it->second;
+  }
+};
+
+StreamIdle IdleOf(const RankTrace& r) {
+  StreamIdle out;
+  out.rank = r.rank;
+  // The compute stream: the one with the most kernel time outside NCCL's kernels.
+  std::map<int, double> kernel_us;
+  for (const TraceFileEvent& e : r.trace->events) {
+    if (e.cat == "kernel" && NcclKind(e.name).empty()) kernel_us[e.tid] += e.dur_us;
+  }
+  if (kernel_us.empty()) return out;
+  out.stream = std::max_element(kernel_us.begin(), kernel_us.end(),
+                                [](const auto& a, const auto& b) { return a.second < b.second; })->first;
+  std::vector<const TraceFileEvent*> ops;
+  for (const TraceFileEvent& e : r.trace->events) {
+    if (IsDeviceOp(e) && e.tid == out.stream) ops.push_back(&e);
+  }
+  std::sort(ops.begin(), ops.end(), [](const TraceFileEvent* a, const TraceFileEvent* b) { return a->ts_us < b->ts_us; });
+  double busy_start = ops.front()->ts_us, busy_end = ops.front()->ts_us + ops.front()->dur_us;
+  for (size_t i = 1; i < ops.size(); ++i) {
+    const TraceFileEvent& e = *ops[i];
+    if (e.ts_us > busy_end + kMinGapUs) {
+      const double gap = e.ts_us - busy_end;
+      // Waiting for the host while its launch of this op had not returned; the rest, queued.
+      const double launched = r.LaunchEnd(e);
+      const double host = launched < 0 ? 0.0 : std::clamp(launched - busy_end, 0.0, gap);
+      out.host_ms += host / 1e3;
+      out.other_ms += (gap - host) / 1e3;
+      ++out.gaps;
+    }
+    if (e.ts_us > busy_end) {
+      out.busy_ms += (busy_end - busy_start) / 1e3;
+      busy_start = e.ts_us;
+    }
+    busy_end = std::max(busy_end, e.ts_us + e.dur_us);
+  }
+  out.busy_ms += (busy_end - busy_start) / 1e3;
+  out.window_ms = (busy_end - ops.front()->ts_us) / 1e3;
+  return out;
+}
+
+}  // namespace
+
+std::string NcclKind(const std::string& kernel_name) {
+  if (kernel_name.rfind("nccl", 0) != 0) return "";
+  static const char* kKinds[] = {"AllGather", "ReduceScatter", "AllReduce", "Broadcast", "SendRecv", "AllToAll", "Reduce"};
+  const std::string head = kernel_name.substr(0, kernel_name.find('('));
+  for (const char* kind : kKinds) {
+    const std::string k(kind);
+    for (size_t at = head.find(k); at != std::string::npos; at = head.find(k, at + 1)) {
+      // A whole word between underscores: "Reduce" is not the start of "ReduceScatter".
+      const size_t end = at + k.size();
+      const bool left = at > 0 && head[at - 1] == '_';
+      const bool right = end == head.size() || head[end] == '_';
+      if (left && right) return k;
+    }
+  }
+  return "NCCL";
+}
+
+absl::StatusOr<RankProfiles> AnalyzeRankProfiles(const std::vector<std::pair<std::string, TraceFile>>& named) {
+  RankProfiles out;
+  std::vector<RankTrace> ranks;
+  std::map<int, std::string> seen;
+  for (size_t i = 0; i < named.size(); ++i) {
+    const auto& [path, trace] = named[i];
+    if (!trace.torch_profiler) {
+      return absl::InvalidArgumentError(absl::StrCat(path, ": not a torch.profiler trace (no schemaVersion); ferry trace "
+                                                     "reads either Ferry's traces or torch.profiler's, not both at once"));
+    }
+    RankTrace r;
+    r.path = path;
+    r.trace = &trace;
+    r.rank = trace.rank >= 0 ? trace.rank : RankInName(path);
+    if (r.rank < 0) r.rank = static_cast<int>(i);
+    auto [it, fresh] = seen.emplace(r.rank, path);
+    if (!fresh) {
+      return absl::InvalidArgumentError(absl::StrCat(it->second, " and ", path, " are both the trace of rank ", r.rank));
+    }
+    out.world_size = std::max(out.world_size, trace.world_size);
+    for (const TraceFileEvent& e : trace.events) {
+      if (IsLaunch(e)) {
+        auto c = e.args.find("correlation");
+        if (c != e.args.end()) r.launch_end_us[static_cast<int64_t>(c->second)] = e.ts_us + e.dur_us;
+      } else if (e.cat == "kernel") {
+        std::string kind = NcclKind(e.name);
+        if (!kind.empty()) r.nccl[kind].push_back(&e);
+      }
+    }
+    for (auto& [kind, kernels] : r.nccl) {
+      std::sort(kernels.begin(), kernels.end(), [](const TraceFileEvent* a, const TraceFileEvent* b) { return a->ts_us < b->ts_us; });
+    }
+    ranks.push_back(std::move(r));
+  }
+  std::sort(ranks.begin(), ranks.end(), [](const RankTrace& a, const RankTrace& b) { return a.rank < b.rank; });
+  for (const RankTrace& r : ranks) out.ranks.push_back(r.rank);
+  for (const RankTrace& r : ranks) out.idle.push_back(IdleOf(r));
+  if (ranks.size() < 2) return out;
+  std::set<std::string> kinds;
+  for (const RankTrace& r : ranks) {
+    for (const auto& [kind, kernels] : r.nccl) kinds.insert(kind);
+  }
+  for (const std::string& kind : kinds) {
+    size_t n = SIZE_MAX, most = 0;
+    for (const RankTrace& r : ranks) {
+      auto it = r.nccl.find(kind);
+      const size_t count = it == r.nccl.end() ? 0 : it->second.size();
+      n = std::min(n, count);
+      most = std::max(most, count);
+    }
+    if (n != most) {
+      std::vector<std::string> counts;
+      for (const RankTrace& r : ranks) {
+        auto it = r.nccl.find(kind);
+        counts.push_back(absl::StrCat("rank ", r.rank, ": ", it == r.nccl.end() ? 0 : it->second.size()));
+      }
+      out.notes.push_back(absl::StrCat(kind, ": the ranks' traces hold different counts (", absl::StrJoin(counts, ", "),
+                                       "); the first ", n, " of each are matched in order"));
+    }
+    for (size_t i = 0; i < n; ++i) {
+      CollectiveStart c;
+      c.kind = kind;
+      c.index = i;
+      double first = 0, latest = 0;
+      const RankTrace* last = nullptr;
+      for (const RankTrace& r : ranks) {
+        const double start = r.nccl.at(kind)[i]->ts_us;
+        if (last == nullptr || start < first) first = start;
+        if (last == nullptr || start > latest) latest = start, last = &r;
+      }
+      c.spread_ms = (latest - first) / 1e3;
+      c.last = last->rank;
+      const double launched = last->LaunchEnd(*last->nccl.at(kind)[i]);
+      c.launch_to_start_ms = launched < 0 ? -1.0 : std::max(0.0, latest - launched) / 1e3;
+      out.collectives.push_back(c);
+    }
+  }
+  return out;
+}
+
+std::string FormatRankProfiles(const RankProfiles& p) {
+  std::string out = absl::StrFormat("torch.profiler traces of %d rank%s (%s%s)\n", p.ranks.size(), p.ranks.size() == 1 ? "" : "s",
+                                    absl::StrJoin(p.ranks, ", "), p.world_size > 0 ? absl::StrCat(" of ", p.world_size) : "");
+  if (p.ranks.size() > 1) {
+    absl::StrAppend(&out,
+                    "\ncollectives: each kind's NCCL kernels matched in order across the ranks; \"apart\" is how much\n"
+                    "later the last rank started one than the first (the others wait in it that long); \"host late\"\n"
+                    "counts those whose last rank's kernel started within ", kLaunchedLateUs, " us of its launch (its host\n"
+                    "launched it late; else the kernel waited behind its own stream)\n");
+    absl::StrAppend(&out, absl::StrFormat("%-14s %6s %10s %10s %10s %10s  %-28s %s\n", "kind", "count", "apart p50",
+                                          "p90", "max", "sum", "last rank (times)", "host late"));
+    std::map<std::string, std::vector<const CollectiveStart*>> by_kind;
+    for (const CollectiveStart& c : p.collectives) by_kind[c.kind].push_back(&c);
+    for (const auto& [kind, cs] : by_kind) {
+      std::vector<double> spread;
+      std::map<int, int> last;
+      int late = 0, known = 0;
+      double sum = 0;
+      for (const CollectiveStart* c : cs) {
+        spread.push_back(c->spread_ms);
+        sum += c->spread_ms;
+        ++last[c->last];
+        if (c->launch_to_start_ms >= 0) {
+          ++known;
+          late += c->launch_to_start_ms * 1e3 < kLaunchedLateUs ? 1 : 0;
+        }
+      }
+      std::vector<std::string> lasts;
+      for (const auto& [rank, times] : last) lasts.push_back(absl::StrCat(rank, ": ", times));
+      absl::StrAppend(&out, absl::StrFormat("%-14s %6d %7.2f ms %7.2f ms %7.2f ms %7.1f ms  %-28s %s\n", kind, cs.size(),
+                                            Quantile(spread, 0.5), Quantile(spread, 0.9), Quantile(spread, 1.0), sum,
+                                            absl::StrJoin(lasts, ", "),
+                                            known > 0 ? absl::StrCat(late, " of ", known) : std::string("-")));
+    }
+    // The collectives the others waited longest in.
+    std::vector<const CollectiveStart*> worst;
+    for (const CollectiveStart& c : p.collectives) worst.push_back(&c);
+    std::sort(worst.begin(), worst.end(), [](const CollectiveStart* a, const CollectiveStart* b) { return a->spread_ms > b->spread_ms; });
+    if (!worst.empty()) {
+      absl::StrAppend(&out, "the longest waits:");
+      for (size_t i = 0; i < std::min<size_t>(5, worst.size()); ++i) {
+        const CollectiveStart& c = *worst[i];
+        absl::StrAppend(&out, absl::StrFormat(" %s #%d %.1f ms (rank %d%s)%s", c.kind, c.index, c.spread_ms, c.last,
+                                              c.launch_to_start_ms < 0 ? ""
+                                              : c.launch_to_start_ms * 1e3 < kLaunchedLateUs ? ", its host late"
+                                                                                              : ", queued behind its stream",
+                                              i + 1 < std::min<size_t>(5, worst.size()) ? ";" : ""));
+      }
+      absl::StrAppend(&out, "\n");
+    }
+  }
+  absl::StrAppend(&out,
+                  "\neach rank's compute stream (its stream with the most kernel time outside NCCL): idle gaps over ",
+                  kMinGapUs, " us, split into\nwaiting for the host's launch of the next op and waiting with it queued "
+                  "(on another stream or an event:\ncopies, collectives, uploads)\n");
+  absl::StrAppend(&out, absl::StrFormat("%-5s %7s %11s %11s %13s %13s %6s\n", "rank", "stream", "window", "busy",
+                                        "idle: host", "queued", "gaps"));
+  for (const StreamIdle& s : p.idle) {
+    absl::StrAppend(&out, absl::StrFormat("%-5d %7d %8.1f ms %8.1f ms %10.1f ms %10.1f ms %6d\n", s.rank, s.stream,
+                                          s.window_ms, s.busy_ms, s.host_ms, s.other_ms, s.gaps));
+  }
+  for (const std::string& note : p.notes) absl::StrAppend(&out, "note: ", note, "\n");
+  return out;
+}
+
+}  // namespace ferry

@@ -1,0 +1,221 @@
+#include "trace/rank_profiles.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <map>
+#include <random>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
+#include "trace/trace_file.h"
+
+namespace ferry {
+namespace {
+
+using Json = nlohmann::json;
+
+// A torch.profiler-shaped trace of one rank: its kernels (on a stream) with the runtime calls that
+// launched them, tied by correlation ids, as Kineto writes them.
+struct ProfileBuilder {
+  int rank = -1;  // < 0: no distributedInfo
+  int world = 0;
+  Json events = Json::array();
+  int64_t correlation = 1;
+
+  // A kernel on `stream` running [start, start + dur), launched by a runtime call ending at launch_end.
+  void Kernel(const std::string& name, int stream, double start, double dur, double launch_end) {
+    const int64_t c = correlation++;
+    events.push_back({{"ph", "X"}, {"cat", "kernel"}, {"name", name}, {"pid", 0}, {"tid", stream},
+                      {"ts", start}, {"dur", dur}, {"args", {{"correlation", c}, {"stream", stream}}}});
+    events.push_back({{"ph", "X"}, {"cat", "cuda_runtime"}, {"name", "cudaLaunchKernel"}, {"pid", 4242},
+                      {"tid", 3000000000.0}, {"ts", launch_end - 3.0}, {"dur", 3.0}, {"args", {{"correlation", c}}}});
+  }
+  TraceFile Parse(const std::string& what) const {
+    Json doc = {{"schemaVersion", 1}, {"traceEvents", events}};
+    if (rank >= 0) doc["distributedInfo"] = {{"backend", "nccl"}, {"rank", rank}, {"world_size", world}};
+    absl::StatusOr<TraceFile> t = ParseTrace(doc.dump(), what);
+    EXPECT_TRUE(t.ok()) << t.status();
+    return *t;
+  }
+};
+
+TEST(RankProfilesTest, NcclKindReadsTheCollectiveFromTheKernelName) {
+  EXPECT_EQ(NcclKind("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)"), "AllGather");
+  EXPECT_EQ(NcclKind("ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)"), "ReduceScatter");
+  EXPECT_EQ(NcclKind("ncclDevKernel_AllReduce_Sum_f64_RING_LL(ncclDevKernelArgsStorage<4096ul>)"), "AllReduce");
+  EXPECT_EQ(NcclKind("ncclKernel_AllReduce_RING_LL_Sum_float(ncclWorkElem)"), "AllReduce");
+  EXPECT_EQ(NcclKind("ncclDevKernel_Reduce_Sum_f32_RING_LL(x)"), "Reduce");
+  EXPECT_EQ(NcclKind("ncclDevKernel_SendRecv(x)"), "SendRecv");
+  EXPECT_EQ(NcclKind("ncclDevKernel_Generic_4(x)"), "NCCL");
+  EXPECT_EQ(NcclKind("void at::native::vectorized_elementwise_kernel<4>(int)"), "");
+  EXPECT_EQ(NcclKind("my_ncclDevKernel_AllGather"), "");
+}
+
+TEST(RankProfilesTest, EachCollectiveNamesTheRankThatStartedLastAndWhetherItsHostLaunchedItLate) {
+  std::mt19937_64 rng(std::random_device{}());
+  std::uniform_real_distribution<double> offset(0.0, 5000.0), dur(50.0, 400.0);
+  std::uniform_int_distribution<int> coin(0, 1);
+  const int world = 3 + static_cast<int>(rng() % 3);
+  const char* kKernels[] = {"ncclDevKernel_AllGather_RING_LL(a)", "ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL(b)"};
+  const int per_kind = 7;
+  std::vector<ProfileBuilder> builders(world);
+  // The reference, from the numbers generated: per kind and index, each rank's start.
+  std::map<std::string, std::vector<std::vector<double>>> starts;
+  std::map<std::string, std::vector<bool>> host_late;
+  for (int k = 0; k < 2; ++k) {
+    const std::string kind = k == 0 ? "AllGather" : "ReduceScatter";
+    for (int i = 0; i < per_kind; ++i) {
+      const double base = 1.0e12 + 20000.0 * (2 * i + k);
+      std::vector<double> s(world);
+      for (int r = 0; r < world; ++r) s[r] = base + offset(rng);
+      const bool late = coin(rng) == 1;
+      const int last = static_cast<int>(std::max_element(s.begin(), s.end()) - s.begin());
+      for (int r = 0; r < world; ++r) {
+        // The last rank's launch returns 10 us before its kernel starts (its host late) or 3 ms
+        // before (queued); the other ranks' launches long before.
+        const double launch_end = r == last ? s[r] - (late ? 10.0 : 3000.0) : s[r] - 4000.0;
+        builders[r].Kernel(kKernels[k], 24 + k, s[r], dur(rng), launch_end);
+      }
+      starts[kind].push_back(s);
+      host_late[kind].push_back(late);
+    }
+  }
+  std::vector<std::pair<std::string, TraceFile>> named;
+  // Ranks from distributedInfo, the files given out of order.
+  for (int r = world - 1; r >= 0; --r) {
+    builders[r].rank = r;
+    builders[r].world = world;
+    named.emplace_back(absl::StrCat("prof/step.", r, ".json"), builders[r].Parse(absl::StrCat("rank ", r)));
+  }
+  absl::StatusOr<RankProfiles> p = AnalyzeRankProfiles(named);
+  ASSERT_TRUE(p.ok()) << p.status();
+  ASSERT_EQ(p->ranks.size(), static_cast<size_t>(world));
+  for (int r = 0; r < world; ++r) EXPECT_EQ(p->ranks[r], r);
+  EXPECT_EQ(p->world_size, world);
+  ASSERT_EQ(p->collectives.size(), static_cast<size_t>(2 * per_kind));
+  for (const CollectiveStart& c : p->collectives) {
+    const std::vector<double>& s = starts.at(c.kind).at(c.index);
+    const double spread = *std::max_element(s.begin(), s.end()) - *std::min_element(s.begin(), s.end());
+    EXPECT_NEAR(c.spread_ms, spread / 1e3, 1e-6) << c.kind << " #" << c.index;
+    EXPECT_EQ(c.last, static_cast<int>(std::max_element(s.begin(), s.end()) - s.begin())) << c.kind << " #" << c.index;
+    EXPECT_NEAR(c.launch_to_start_ms, host_late.at(c.kind).at(c.index) ? 0.010 : 3.0, 1e-6);
+  }
+  EXPECT_TRUE(p->notes.empty());
+  const std::string text = FormatRankProfiles(*p);
+  EXPECT_NE(text.find("AllGather"), std::string::npos) << text;
+  EXPECT_NE(text.find("ReduceScatter"), std::string::npos) << text;
+  EXPECT_NE(text.find("the longest waits"), std::string::npos) << text;
+}
+
+TEST(RankProfilesTest, TheComputeStreamsIdleIsSplitIntoWaitingForTheHostAndQueued) {
+  std::mt19937_64 rng(std::random_device{}());
+  std::uniform_real_distribution<double> gap(100.0, 3000.0), frac(0.05, 0.95), len(30.0, 900.0);
+  ProfileBuilder b;
+  double t = 5.0e11, host = 0, queued = 0, busy = 0;
+  size_t gaps = 0;
+  const double first = t;
+  for (int i = 0; i < 40; ++i) {
+    const double d = len(rng);
+    double launch_end;
+    if (i == 0) {
+      launch_end = t - 5.0;
+    } else if (i % 5 == 0) {
+      // A gap too short to count: launched before, starts 10 us after the last op ended.
+      t += 10.0;
+      launch_end = t - 500.0;
+    } else {
+      const double g = gap(rng);
+      if (i % 2 == 0) {  // the host's launch returned part-way through the gap
+        const double h = g * frac(rng);
+        launch_end = t + h;
+        host += h;
+        queued += g - h;
+      } else {  // launched before the gap began: all of it queued
+        launch_end = t - 100.0;
+        queued += g;
+      }
+      t += g;
+      ++gaps;
+    }
+    b.Kernel("void gemm_kernel()", 7, t, d, launch_end);
+    t += d;
+  }
+  busy = 0;  // the union of the ops: every op but the 10 us-apart ones starts a segment
+  // Recomputed from the events, independently of the analysis: the union of intervals.
+  std::vector<std::pair<double, double>> iv;
+  for (const Json& e : b.events) {
+    if (e["cat"] == "kernel") iv.emplace_back(e["ts"].get<double>(), e["ts"].get<double>() + e["dur"].get<double>());
+  }
+  std::sort(iv.begin(), iv.end());
+  double cs = iv[0].first, ce = iv[0].second;
+  for (size_t i = 1; i < iv.size(); ++i) {
+    if (iv[i].first > ce) {
+      busy += ce - cs;
+      cs = iv[i].first;
+    }
+    ce = std::max(ce, iv[i].second);
+  }
+  busy += ce - cs;
+  // An NCCL kernel on another stream, longer than any: not the compute stream.
+  b.Kernel("ncclDevKernel_AllGather_RING_LL(x)", 24, first, 1.0e6, first - 1.0);
+  absl::StatusOr<RankProfiles> p = AnalyzeRankProfiles({{"one.rank-5.json", b.Parse("one")}});
+  ASSERT_TRUE(p.ok()) << p.status();
+  ASSERT_EQ(p->ranks, std::vector<int>{5});  // from the file's name
+  ASSERT_EQ(p->idle.size(), 1u);
+  const StreamIdle& s = p->idle[0];
+  EXPECT_EQ(s.stream, 7);
+  EXPECT_EQ(s.gaps, gaps);
+  EXPECT_NEAR(s.host_ms, host / 1e3, 1e-6);
+  EXPECT_NEAR(s.other_ms, queued / 1e3, 1e-6);
+  EXPECT_NEAR(s.busy_ms, busy / 1e3, 1e-6);
+  EXPECT_NEAR(s.window_ms, (t - first) / 1e3, 1e-6);
+  EXPECT_TRUE(p->collectives.empty());  // one rank: nothing to match
+}
+
+TEST(RankProfilesTest, RefusesFerrysTracesTwoFilesOfOneRankAndNotesCountsThatDiffer) {
+  ProfileBuilder a, b;
+  a.rank = 0;
+  b.rank = 0;
+  a.Kernel("ncclDevKernel_AllGather_RING_LL(x)", 24, 1000, 10, 990);
+  b.Kernel("ncclDevKernel_AllGather_RING_LL(x)", 24, 1200, 10, 1190);
+  absl::StatusOr<RankProfiles> same = AnalyzeRankProfiles({{"a.json", a.Parse("a")}, {"b.json", b.Parse("b")}});
+  ASSERT_FALSE(same.ok());
+  EXPECT_NE(same.status().message().find("a.json and b.json are both the trace of rank 0"), std::string::npos)
+      << same.status();
+
+  absl::StatusOr<TraceFile> ferrys = ParseTrace(R"({"traceEvents":[{"ph":"X","name":"step","ts":0,"dur":5}]})", "f");
+  ASSERT_TRUE(ferrys.ok());
+  EXPECT_FALSE(IsProfilerTrace(*ferrys));
+  absl::StatusOr<RankProfiles> mixed = AnalyzeRankProfiles({{"a.json", a.Parse("a")}, {"ferry.json", *ferrys}});
+  ASSERT_FALSE(mixed.ok());
+  EXPECT_NE(mixed.status().message().find("ferry.json: not a torch.profiler trace"), std::string::npos) << mixed.status();
+
+  b.rank = 1;
+  b.Kernel("ncclDevKernel_AllGather_RING_LL(x)", 24, 2200, 10, 2190);  // one more than rank 0
+  absl::StatusOr<RankProfiles> p = AnalyzeRankProfiles({{"a.json", a.Parse("a")}, {"b.json", b.Parse("b")}});
+  ASSERT_TRUE(p.ok()) << p.status();
+  ASSERT_EQ(p->collectives.size(), 1u);
+  EXPECT_EQ(p->collectives[0].last, 1);
+  EXPECT_NEAR(p->collectives[0].spread_ms, 0.2, 1e-9);
+  ASSERT_EQ(p->notes.size(), 1u);
+  EXPECT_NE(p->notes[0].find("rank 0: 1, rank 1: 2"), std::string::npos) << p->notes[0];
+  EXPECT_NE(FormatRankProfiles(*p).find("note: AllGather"), std::string::npos);
+}
+
+TEST(RankProfilesTest, ThreadIdsPastIntsRangeAreReadWithoutOverflow) {
+  ProfileBuilder b;  // its launches carry tid 3e9
+  b.Kernel("void k()", 7, 100, 10, 95);
+  const TraceFile t = b.Parse("big tids");
+  ASSERT_EQ(t.events.size(), 2u);
+  EXPECT_TRUE(t.torch_profiler);
+  EXPECT_NE(t.events[1].tid, t.events[0].tid);
+  EXPECT_EQ(t.events[1].tid, static_cast<int>(static_cast<uint32_t>(int64_t{3000000000})));
+}
+
+}  // namespace
+}  // namespace ferry
