@@ -291,15 +291,14 @@ class Optimizer(StateMixin, _buckets.BucketMixin, _attach.AttachMixin, _zero.Sha
                                    "with %d" % (gi, len(ps), self._group_sizes[gi]))
             for p in ps:
                 sig = self._signature[k]
-                if p is self._params[k] and _zero.is_dtensor(p) and _zero.local(p).data_ptr() != sig[0]:
+                ptr = _zero.local(p).data_ptr()
+                if p is self._params[k] and ptr != sig[0] and _zero.is_dtensor(p):
                     raise RuntimeError(_zero.moved_shard_message(self._where[k]))
-                if p is not self._params[k] or _zero.local(p).data_ptr() != sig[0] or p.shape != sig[1] or \
-                        p.dtype != sig[2]:
+                if p is not self._params[k] or ptr != sig[0] or p.shape != sig[1] or p.dtype != sig[2]:
                     raise RuntimeError(
                         "%s changed after the optimizer was constructed (now %s %s at 0x%x; registered %s %s at "
                         "0x%x): Ferry registered its memory; build a new optimizer after replacing, moving or "
-                        "resizing params" % (self._where[k], tuple(p.shape), p.dtype, _zero.local(p).data_ptr(), sig[1], sig[2],
-                                             sig[0]))
+                        "resizing params" % (self._where[k], tuple(p.shape), p.dtype, ptr, sig[1], sig[2], sig[0]))
                 k += 1
             for key in FIXED:
                 if group[key] != self._fixed[gi][key]:
@@ -351,7 +350,7 @@ class Optimizer(StateMixin, _buckets.BucketMixin, _attach.AttachMixin, _zero.Sha
         p, buf = self._params[k], self._grads[k]
         g = p.grad
         if self._zero is not None and _zero.is_dtensor(p):  # FSDP2's grad: its local rows; p.grad stays
-            g = g.to_local()
+            g = _zero.local(g)
             if g.data_ptr() != buf.data_ptr():
                 buf.copy_(g)
             self._tracker.got[k] = True
