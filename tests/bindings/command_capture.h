@@ -1,4 +1,5 @@
-// Runs a `ferry` verb (lua/commands.h) as a function, its output and errors captured in memory.
+// Runs a `ferry` verb (lua/commands.h) as a function, its output and errors captured in memory; the
+// helpers the verbs' tests share (a temporary directory, a table row's words).
 #ifndef FERRY_TESTS_BINDINGS_COMMAND_CAPTURE_H_
 #define FERRY_TESTS_BINDINGS_COMMAND_CAPTURE_H_
 
@@ -7,6 +8,10 @@
 #include <cstdio>
 #include <string>
 #include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_split.h"
+#include "temp_dir.h"
 
 namespace ferry::cli {
 
@@ -31,6 +36,19 @@ Result RunVerb(Verb verb, const std::vector<std::string>& args) {
   free(out_buf);
   free(err_buf);
   return r;
+}
+
+// A directory of its own under the system's temporary one, removed with everything in it.
+using testing_util::TempDir;
+
+// The whitespace-separated words of the first line of `text` that starts with `prefix`.
+inline std::vector<std::string> Row(const std::string& text, const std::string& prefix) {
+  for (absl::string_view line : absl::StrSplit(text, '\n')) {
+    if (absl::StartsWith(line, prefix)) {
+      return absl::StrSplit(line, ' ', absl::SkipEmpty());
+    }
+  }
+  return {"<no line starting with '" + prefix + "'>"};
 }
 
 }  // namespace ferry::cli

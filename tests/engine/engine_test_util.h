@@ -23,6 +23,7 @@
 #include "ferry/dtype.h"
 #include "ferry/engine.h"
 #include "gtest/gtest.h"
+#include "temp_dir.h"
 
 #define ASSERT_OK(expr)                          \
   do {                                           \
@@ -36,26 +37,7 @@ namespace ferry::engine_test {
 inline std::string Policies() { return std::string(FERRY_SOURCE_DIR) + "/scripts/policies/"; }
 
 // A fresh directory under the system's temporary directory, removed with everything in it.
-class TempDir {
- public:
-  explicit TempDir(const std::string& prefix = "ferry-engine") {
-    std::string tmpl = (std::filesystem::temp_directory_path() / (prefix + "-XXXXXX")).string();
-    path_ = mkdtemp(tmpl.data());
-  }
-  ~TempDir() { std::filesystem::remove_all(path_); }
-  TempDir(const TempDir&) = delete;
-  TempDir& operator=(const TempDir&) = delete;
-  const std::string& path() const { return path_; }
-  // Writes `text` to <path>/<name> and returns that path.
-  std::string Write(const std::string& name, const std::string& text) const {
-    const std::string p = path_ + "/" + name;
-    std::ofstream(p, std::ios::binary) << text;
-    return p;
-  }
-
- private:
-  std::string path_;
-};
+using testing_util::TempDir;
 
 // Every tensor of a checkpoint, by name.
 inline std::map<std::string, std::string> ReadAll(const std::string& path) {
