@@ -280,6 +280,9 @@ def worker(rank, world, local_rank, args):
                 "%s %.1f / %.1f ms" % (name, m, x) for name, (m, x) in row["phases"].items())
         elif args.phases and rank == 0 and device.type != "cuda":
             line += "   (--phases: CUDA only)"
+        if args.profile and row["kind"] == "ferry" and world > 1:
+            line += "\n      which rank each collective waited for: ferry trace %s" % os.path.join(
+                args.profile, "%s.rank-*.json" % bench_train.row_slug(row))
         if rank == 0:
             print(line, flush=True)
         if args.check_exact and row.get("same_as") in results:
@@ -323,7 +326,8 @@ def main():
                     "under NCCL (ferry._zero.SOLO_BYTES, default 1; a huge value: every unit through copies)")
     ap.add_argument("--profile", default="", metavar="DIR",
                     help="torch.profiler's Chrome trace of two steps after the timed ones, of each ferry row and "
-                         "rank, into DIR (the GPU's kernels, copies and NCCL)")
+                         "rank, into DIR (the GPU's kernels, copies and NCCL; `ferry trace DIR/ROW.rank-*.json` says "
+                         "which rank each collective waited for)")
     ap.add_argument("--phases", action="store_true",
                     help="CUDA: each row's GPU time per iteration in forward, backward and step (CUDA events on "
                          "the compute stream; rank 0's and the slowest rank's mean)")

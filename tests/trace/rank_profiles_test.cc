@@ -207,6 +207,26 @@ TEST(RankProfilesTest, RefusesFerrysTracesTwoFilesOfOneRankAndNotesCountsThatDif
   EXPECT_NE(FormatRankProfiles(*p).find("note: AllGather"), std::string::npos);
 }
 
+// torch.profiler's older exporter (no Kineto: a bare array, CPU ops under pid "CPU functions"), as a
+// CPU-only run writes it: read as torch.profiler's, with nothing on a GPU to analyze.
+TEST(RankProfilesTest, TheOlderExportersCpuTracesSayThereIsNothingToMatch) {
+  std::vector<std::pair<std::string, TraceFile>> named;
+  for (int r = 0; r < 2; ++r) {
+    absl::StatusOr<TraceFile> t = ParseTrace(
+        R"([{"name": "aten::zeros", "ph": "X", "ts": 99, "dur": 16, "tid": 1, "pid": "CPU functions", "args": {}}])",
+        "legacy");
+    ASSERT_TRUE(t.ok()) << t.status();
+    EXPECT_TRUE(IsProfilerTrace(*t));
+    named.emplace_back(absl::StrCat("run.rank-", r, ".json"), *t);
+  }
+  absl::StatusOr<RankProfiles> p = AnalyzeRankProfiles(named);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->ranks, (std::vector<int>{0, 1}));
+  const std::string text = FormatRankProfiles(*p);
+  EXPECT_NE(text.find("no NCCL kernel in these traces"), std::string::npos) << text;
+  EXPECT_NE(text.find("no GPU kernel in these traces"), std::string::npos) << text;
+}
+
 TEST(RankProfilesTest, ThreadIdsPastIntsRangeAreReadWithoutOverflow) {
   ProfileBuilder b;  // its launches carry tid 3e9
   b.Kernel("void k()", 7, 100, 10, 95);

@@ -196,7 +196,9 @@ absl::StatusOr<RankProfiles> AnalyzeRankProfiles(const std::vector<std::pair<std
 std::string FormatRankProfiles(const RankProfiles& p) {
   std::string out = absl::StrFormat("torch.profiler traces of %d rank%s (%s%s)\n", p.ranks.size(), p.ranks.size() == 1 ? "" : "s",
                                     absl::StrJoin(p.ranks, ", "), p.world_size > 0 ? absl::StrCat(" of ", p.world_size) : "");
-  if (p.ranks.size() > 1) {
+  if (p.ranks.size() > 1 && p.collectives.empty()) {
+    absl::StrAppend(&out, "\nno NCCL kernel in these traces: no collective to match across the ranks\n");
+  } else if (p.ranks.size() > 1) {
     absl::StrAppend(&out,
                     "\ncollectives: each kind's NCCL kernels matched in order across the ranks; \"apart\" is how much\n"
                     "later the last rank started one than the first (the others wait in it that long); \"host late\"\n"
@@ -244,6 +246,14 @@ std::string FormatRankProfiles(const RankProfiles& p) {
       absl::StrAppend(&out, "\n");
     }
   }
+  bool kernels = false;
+  for (const StreamIdle& s : p.idle) kernels = kernels || s.window_ms > 0;
+  if (!kernels) {
+    absl::StrAppend(&out, "no GPU kernel in these traces (profiled without CUDA activity, or on the CPU): no compute "
+                          "stream to follow\n");
+    for (const std::string& note : p.notes) absl::StrAppend(&out, "note: ", note, "\n");
+    return out;
+  }
   absl::StrAppend(&out,
                   "\neach rank's compute stream (its stream with the most kernel time outside NCCL): idle gaps over ",
                   kMinGapUs, " us, split into\nwaiting for the host's launch of the next op and waiting with it queued "
@@ -251,6 +261,10 @@ std::string FormatRankProfiles(const RankProfiles& p) {
   absl::StrAppend(&out, absl::StrFormat("%-5s %7s %11s %11s %13s %13s %6s\n", "rank", "stream", "window", "busy",
                                         "idle: host", "queued", "gaps"));
   for (const StreamIdle& s : p.idle) {
+    if (s.window_ms <= 0) {
+      absl::StrAppend(&out, absl::StrFormat("%-5d  no GPU kernel in its trace\n", s.rank));
+      continue;
+    }
     absl::StrAppend(&out, absl::StrFormat("%-5d %7d %8.1f ms %8.1f ms %10.1f ms %10.1f ms %6d\n", s.rank, s.stream,
                                           s.window_ms, s.busy_ms, s.host_ms, s.other_ms, s.gaps));
   }

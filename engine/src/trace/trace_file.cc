@@ -113,6 +113,9 @@ absl::StatusOr<TraceFile> ParseTrace(const std::string& text, const std::string&
       continue;
     }
     if (phase != "X") continue;  // other phases are not produced by ferry; ignored
+    // torch.profiler's older exporter writes a bare array, its CPU ops under pid "CPU functions".
+    auto pid_it = e.find("pid");
+    if (pid_it != e.end() && pid_it->is_string() && pid_it->get<std::string>() == "CPU functions") out.torch_profiler = true;
     TraceFileEvent ev;
     ev.name = name;
     if (ev.name.empty()) return absl::InvalidArgumentError(absl::StrCat(at, " has no name"));

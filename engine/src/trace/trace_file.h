@@ -30,8 +30,8 @@ struct TraceFile {
   // and host (empty: not given).
   double steady_epoch_us = -1.0;
   std::string host;
-  // Written by torch.profiler (its schemaVersion), and its distributedInfo's rank and world_size
-  // (-1 and 0: not said). Read by trace/rank_profiles.h.
+  // Written by torch.profiler (its schemaVersion; the older exporter's "CPU functions" pid), and its
+  // distributedInfo's rank and world_size (-1 and 0: not said). Read by trace/rank_profiles.h.
   bool torch_profiler = false;
   int rank = -1;
   int world_size = 0;
