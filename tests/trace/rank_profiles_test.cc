@@ -75,11 +75,13 @@ TEST(RankProfilesTest, EachCollectiveNamesTheRankThatStartedLastAndWhetherItsHos
       for (int r = 0; r < world; ++r) s[r] = base + offset(rng);
       const bool late = coin(rng) == 1;
       const int last = static_cast<int>(std::max_element(s.begin(), s.end()) - s.begin());
+      // Every rank's kernel ends when the exchange does, a while after the last one started.
+      const double end = s[last] + dur(rng);
       for (int r = 0; r < world; ++r) {
         // The last rank's launch returns 10 us before its kernel starts (its host late) or 3 ms
         // before (queued); the other ranks' launches long before.
         const double launch_end = r == last ? s[r] - (late ? 10.0 : 3000.0) : s[r] - 4000.0;
-        builders[r].Kernel(kKernels[k], 24 + k, s[r], dur(rng), launch_end);
+        builders[r].Kernel(kKernels[k], 24 + k, s[r], end - s[r], launch_end);
       }
       starts[kind].push_back(s);
       host_late[kind].push_back(late);
@@ -177,7 +179,7 @@ TEST(RankProfilesTest, TheComputeStreamsIdleIsSplitIntoWaitingForTheHostAndQueue
   EXPECT_TRUE(p->collectives.empty());  // one rank: nothing to match
 }
 
-TEST(RankProfilesTest, RefusesFerrysTracesTwoFilesOfOneRankAndNotesCountsThatDiffer) {
+TEST(RankProfilesTest, RefusesFerrysTracesTwoFilesOfOneRankAndMatchesKernelsByTheirEnds) {
   ProfileBuilder a, b;
   a.rank = 0;
   b.rank = 0;
@@ -195,16 +197,35 @@ TEST(RankProfilesTest, RefusesFerrysTracesTwoFilesOfOneRankAndNotesCountsThatDif
   ASSERT_FALSE(mixed.ok());
   EXPECT_NE(mixed.status().message().find("ferry.json: not a torch.profiler trace"), std::string::npos) << mixed.status();
 
-  b.rank = 1;
-  b.Kernel("ncclDevKernel_AllGather_RING_LL(x)", 24, 2200, 10, 2190);  // one more than rank 0
-  absl::StatusOr<RankProfiles> p = AnalyzeRankProfiles({{"a.json", a.Parse("a")}, {"b.json", b.Parse("b")}});
+  // Rank 1's window opened while its GPU still ran an earlier all-gather (ending at 600 us): the
+  // collective both traces hold ends at 1300 us on both, rank 0's started at 1000, rank 1's at 1200.
+  ProfileBuilder c, d;
+  c.rank = 0;
+  d.rank = 1;
+  c.Kernel("ncclDevKernel_AllGather_RING_LL(x)", 24, 1000, 300, 990);
+  d.Kernel("ncclDevKernel_AllGather_RING_LL(x)", 24, 500, 100, 490);
+  d.Kernel("ncclDevKernel_AllGather_RING_LL(x)", 24, 1200, 100, 1195);
+  absl::StatusOr<RankProfiles> p = AnalyzeRankProfiles({{"c.json", c.Parse("c")}, {"d.json", d.Parse("d")}});
   ASSERT_TRUE(p.ok()) << p.status();
   ASSERT_EQ(p->collectives.size(), 1u);
   EXPECT_EQ(p->collectives[0].last, 1);
   EXPECT_NEAR(p->collectives[0].spread_ms, 0.2, 1e-9);
+  EXPECT_NEAR(p->collectives[0].launch_to_start_ms, 0.005, 1e-9);
   ASSERT_EQ(p->notes.size(), 1u);
-  EXPECT_NE(p->notes[0].find("rank 0: 1, rank 1: 2"), std::string::npos) << p->notes[0];
+  EXPECT_NE(p->notes[0].find("rank 0: 1 from #0, rank 1: 2 from #1"), std::string::npos) << p->notes[0];
   EXPECT_NE(FormatRankProfiles(*p).find("note: AllGather"), std::string::npos);
+
+  // Kernels that do not end together are not one collective (or the files are not on one clock).
+  ProfileBuilder e, f;
+  e.rank = 0;
+  f.rank = 1;
+  e.Kernel("ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL(x)", 28, 1000, 100, 990);
+  f.Kernel("ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL(x)", 28, 6000, 100, 5990);
+  absl::StatusOr<RankProfiles> apart = AnalyzeRankProfiles({{"e.json", e.Parse("e")}, {"f.json", f.Parse("f")}});
+  ASSERT_TRUE(apart.ok()) << apart.status();
+  ASSERT_EQ(apart->notes.size(), 1u);
+  EXPECT_NE(apart->notes[0].find("ReduceScatter: rank 1's kernels end 5.00 ms from rank 0's at the median"),
+            std::string::npos) << apart->notes[0];
 }
 
 // torch.profiler's older exporter (no Kineto: a bare array, CPU ops under pid "CPU functions"), as a

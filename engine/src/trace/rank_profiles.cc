@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cmath>
 #include <cstdint>
 #include <map>
 #include <set>
@@ -155,22 +156,48 @@ absl::StatusOr<RankProfiles> AnalyzeRankProfiles(const std::vector<std::pair<std
   for (const RankTrace& r : ranks) {
     for (const auto& [kind, kernels] : r.nccl) kinds.insert(kind);
   }
+  for (RankTrace& r : ranks) {
+    for (const std::string& kind : kinds) r.nccl[kind];  // none of a kind: an empty list
+  }
   for (const std::string& kind : kinds) {
     size_t n = SIZE_MAX, most = 0;
     for (const RankTrace& r : ranks) {
-      auto it = r.nccl.find(kind);
-      const size_t count = it == r.nccl.end() ? 0 : it->second.size();
-      n = std::min(n, count);
-      most = std::max(most, count);
+      n = std::min(n, r.nccl.at(kind).size());
+      most = std::max(most, r.nccl.at(kind).size());
+    }
+    if (n == 0) continue;
+    // The kernels of one collective end together on every rank (they finish when the exchange does).
+    // A rank whose trace holds more (its window opened while its GPU still ran earlier ones) is
+    // matched from the offset whose ends lie nearest the rank with the fewest.
+    const RankTrace* ref = nullptr;
+    for (const RankTrace& r : ranks) {
+      if (ref == nullptr || r.nccl.at(kind).size() < ref->nccl.at(kind).size()) ref = &r;
+    }
+    const std::vector<const TraceFileEvent*>& base = ref->nccl.at(kind);
+    auto end_of = [](const TraceFileEvent* e) { return e->ts_us + e->dur_us; };
+    std::map<int, size_t> offset;
+    for (const RankTrace& r : ranks) {
+      const std::vector<const TraceFileEvent*>& mine = r.nccl.at(kind);
+      double best = -1.0;
+      for (size_t d = 0; d + n <= mine.size(); ++d) {
+        std::vector<double> apart;
+        for (size_t i = 0; i < n; ++i) apart.push_back(std::fabs(end_of(mine[i + d]) - end_of(base[i])));
+        const double median = Quantile(std::move(apart), 0.5);
+        if (best < 0 || median < best) best = median, offset[r.rank] = d;
+      }
+      if (best > kMatchedEndsUs) {
+        out.notes.push_back(absl::StrFormat("%s: rank %d's kernels end %.2f ms from rank %d's at the median: not the "
+                                            "same collectives, or not one clock",
+                                            kind, r.rank, best / 1e3, ref->rank));
+      }
     }
     if (n != most) {
       std::vector<std::string> counts;
       for (const RankTrace& r : ranks) {
-        auto it = r.nccl.find(kind);
-        counts.push_back(absl::StrCat("rank ", r.rank, ": ", it == r.nccl.end() ? 0 : it->second.size()));
+        counts.push_back(absl::StrCat("rank ", r.rank, ": ", r.nccl.at(kind).size(), " from #", offset[r.rank]));
       }
       out.notes.push_back(absl::StrCat(kind, ": the ranks' traces hold different counts (", absl::StrJoin(counts, ", "),
-                                       "); the first ", n, " of each are matched in order"));
+                                       "); ", n, " matched by their ends"));
     }
     for (size_t i = 0; i < n; ++i) {
       CollectiveStart c;
@@ -178,14 +205,15 @@ absl::StatusOr<RankProfiles> AnalyzeRankProfiles(const std::vector<std::pair<std
       c.index = i;
       double first = 0, latest = 0;
       const RankTrace* last = nullptr;
+      const TraceFileEvent* last_kernel = nullptr;
       for (const RankTrace& r : ranks) {
-        const double start = r.nccl.at(kind)[i]->ts_us;
-        if (last == nullptr || start < first) first = start;
-        if (last == nullptr || start > latest) latest = start, last = &r;
+        const TraceFileEvent* k = r.nccl.at(kind)[i + offset[r.rank]];
+        if (last == nullptr || k->ts_us < first) first = k->ts_us;
+        if (last == nullptr || k->ts_us > latest) latest = k->ts_us, last = &r, last_kernel = k;
       }
       c.spread_ms = (latest - first) / 1e3;
       c.last = last->rank;
-      const double launched = last->LaunchEnd(*last->nccl.at(kind)[i]);
+      const double launched = last->LaunchEnd(*last_kernel);
       c.launch_to_start_ms = launched < 0 ? -1.0 : std::max(0.0, latest - launched) / 1e3;
       out.collectives.push_back(c);
     }

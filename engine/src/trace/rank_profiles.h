@@ -69,9 +69,15 @@ struct RankProfiles {
 inline constexpr double kLaunchedLateUs = 50.0;
 // Gaps of a stream shorter than this are not counted as idle.
 inline constexpr double kMinGapUs = 20.0;
+// Matched kernels whose ends lie further apart than this at the median draw a note: one collective's
+// kernels end together on every rank.
+inline constexpr double kMatchedEndsUs = 1000.0;
 
 // Reads the traces (path, parsed) of several ranks, or of one. Each file's rank is its
-// distributedInfo's, else the number after "rank-" or "rank" in its name, else its position.
+// distributedInfo's, else the number after "rank-" or "rank" in its name, else its position. Each
+// kind's kernels are matched in order; where a rank's trace holds more of them (its window opened
+// while its GPU still ran earlier ones), from the offset whose kernels end nearest those of the rank
+// with the fewest, and a note says so.
 // InvalidArgument when a file is not torch.profiler's, or two files are the same rank (naming both).
 // Files on one host share torch.profiler's clock, so their kernels' starts compare directly.
 absl::StatusOr<RankProfiles> AnalyzeRankProfiles(const std::vector<std::pair<std::string, TraceFile>>& named);
