@@ -141,6 +141,8 @@ TEST(TraceCommandTest, TorchProfilerTracesOfTheRanksSayWhichRankEachCollectiveWa
                         R"json(,"dur":100,"args":{"correlation":1}},
 {"ph":"X","cat":"cuda_runtime","name":"cudaLaunchKernel","pid":9,"tid":9,"ts":)json", ag_launch_end - 4,
                         R"json(,"dur":4,"args":{"correlation":1}},
+{"ph":"X","cat":"user_annotation","name":"FSDP::pre_forward (blocks.0)","pid":9,"tid":9,"ts":)json",
+                        ag_launch_end - 50, R"json(,"dur":100,"args":{}},
 {"ph":"X","cat":"kernel","name":"gemm","pid":0,"tid":7,"ts":1000,"dur":500,"args":{"correlation":2}},
 {"ph":"X","cat":"kernel","name":"gemm","pid":0,"tid":7,"ts":2500,"dur":500,"args":{"correlation":3}},
 {"ph":"X","cat":"cuda_runtime","name":"cudaLaunchKernel","pid":9,"tid":9,"ts":2496,"dur":4,"args":{"correlation":3}}
@@ -153,7 +155,8 @@ TEST(TraceCommandTest, TorchProfilerTracesOfTheRanksSayWhichRankEachCollectiveWa
   EXPECT_THAT(r.out, HasSubstr("torch.profiler traces of 2 ranks (0, 1 of 2)"));
   EXPECT_THAT(Row(r.out, "AllGather "), ElementsAre("AllGather", "1", "3.00", "ms", "3.00", "ms", "3.00", "ms", "3.0",
                                                     "ms", "1:", "1", "1", "of", "1"));
-  EXPECT_THAT(r.out, HasSubstr("the longest waits: AllGather #0 3.0 ms (rank 1, its host late)"));
+  EXPECT_THAT(r.out, HasSubstr("the longest waits:\n  AllGather #0, 3.0 ms: rank 1 last, its host late, launched in "
+                               "FSDP::pre_forward (blocks.0)\n"));
   // Stream 7 of each rank: 1 ms of idle between its two gemms, all of it waiting for the host.
   EXPECT_THAT(r.out, HasSubstr("0           7      2.0 ms      1.0 ms        1.0 ms        0.0 ms      1\n"));
   Result mixed = Trace({a, tmp.Write("t.json", kTrace)});

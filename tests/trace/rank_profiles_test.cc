@@ -27,6 +27,11 @@ struct ProfileBuilder {
   Json events = Json::array();
   int64_t correlation = 1;
 
+  // A record_function range on the launching thread: [start, start + dur).
+  void Annotation(const std::string& name, double start, double dur) {
+    events.push_back({{"ph", "X"}, {"cat", "user_annotation"}, {"name", name}, {"pid", 4242},
+                      {"tid", 3000000000.0}, {"ts", start}, {"dur", dur}, {"args", Json::object()}});
+  }
   // A kernel on `stream` running [start, start + dur), launched by a runtime call ending at launch_end.
   void Kernel(const std::string& name, int stream, double start, double dur, double launch_end) {
     const int64_t c = correlation++;
@@ -82,6 +87,10 @@ TEST(RankProfilesTest, EachCollectiveNamesTheRankThatStartedLastAndWhetherItsHos
         // before (queued); the other ranks' launches long before.
         const double launch_end = r == last ? s[r] - (late ? 10.0 : 3000.0) : s[r] - 4000.0;
         builders[r].Kernel(kKernels[k], 24 + k, s[r], end - s[r], launch_end);
+        // The launch inside a module's range, itself inside a wider one, and NCCL's own (left out).
+        builders[r].Annotation("FSDP::pre_forward (outer)", launch_end - 900.0, 1000.0);
+        builders[r].Annotation(absl::StrCat("FSDP::all_gather (blocks.", i, ")"), launch_end - 100.0, 150.0);
+        builders[r].Annotation("nccl:_all_gather_base", launch_end - 20.0, 30.0);
       }
       starts[kind].push_back(s);
       host_late[kind].push_back(late);
@@ -106,6 +115,7 @@ TEST(RankProfilesTest, EachCollectiveNamesTheRankThatStartedLastAndWhetherItsHos
     EXPECT_NEAR(c.spread_ms, spread / 1e3, 1e-6) << c.kind << " #" << c.index;
     EXPECT_EQ(c.last, static_cast<int>(std::max_element(s.begin(), s.end()) - s.begin())) << c.kind << " #" << c.index;
     EXPECT_NEAR(c.launch_to_start_ms, host_late.at(c.kind).at(c.index) ? 0.010 : 3.0, 1e-6);
+    EXPECT_EQ(c.where, absl::StrCat("FSDP::all_gather (blocks.", c.index, ")"));
   }
   EXPECT_TRUE(p->notes.empty());
   const std::string text = FormatRankProfiles(*p);

@@ -46,13 +46,33 @@ struct RankTrace {
   std::string path;
   const TraceFile* trace = nullptr;
   std::map<std::string, std::vector<const TraceFileEvent*>> nccl;
-  std::unordered_map<int64_t, double> launch_end_us;
+  std::unordered_map<int64_t, const TraceFileEvent*> launches;  // by correlation id
+  std::map<int, std::vector<const TraceFileEvent*>> annotations;  // user annotations by thread, by start
 
-  double LaunchEnd(const TraceFileEvent& kernel) const {
+  const TraceFileEvent* LaunchOf(const TraceFileEvent& kernel) const {
     auto c = kernel.args.find("correlation");
-    if (c == kernel.args.end()) return -1.0;
-    auto it = launch_end_us.find(static_cast<int64_t>(c->second));
-    return it == launch_end_us.end() ? -1.0 : it->second;
+    if (c == kernel.args.end()) return nullptr;
+    auto it = launches.find(static_cast<int64_t>(c->second));
+    return it == launches.end() ? nullptr : it->second;
+  }
+  double LaunchEnd(const TraceFileEvent& kernel) const {
+    const TraceFileEvent* launch = LaunchOf(kernel);
+    return launch == nullptr ? -1.0 : launch->ts_us + launch->dur_us;
+  }
+  // The innermost user annotation (FSDP::pre_forward (blocks.3), Optimizer.step, ...; not NCCL's own)
+  // around the host call that launched `kernel`; empty when none.
+  std::string WhereLaunched(const TraceFileEvent& kernel) const {
+    const TraceFileEvent* launch = LaunchOf(kernel);
+    if (launch == nullptr) return "";
+    auto it = annotations.find(launch->tid);
+    if (it == annotations.end()) return "";
+    const TraceFileEvent* best = nullptr;
+    for (const TraceFileEvent* a : it->second) {
+      if (a->ts_us > launch->ts_us) break;
+      if (a->ts_us + a->dur_us < launch->ts_us || a->name.rfind("nccl:", 0) == 0) continue;
+      if (best == nullptr || a->dur_us <= best->dur_us) best = a;
+    }
+    return best == nullptr ? "" : best->name;
   }
 };
 
@@ -137,15 +157,17 @@ absl::StatusOr<RankProfiles> AnalyzeRankProfiles(const std::vector<std::pair<std
     for (const TraceFileEvent& e : trace.events) {
       if (IsLaunch(e)) {
         auto c = e.args.find("correlation");
-        if (c != e.args.end()) r.launch_end_us[static_cast<int64_t>(c->second)] = e.ts_us + e.dur_us;
+        if (c != e.args.end()) r.launches[static_cast<int64_t>(c->second)] = &e;
+      } else if (e.cat == "user_annotation") {
+        r.annotations[e.tid].push_back(&e);
       } else if (e.cat == "kernel") {
         std::string kind = NcclKind(e.name);
         if (!kind.empty()) r.nccl[kind].push_back(&e);
       }
     }
-    for (auto& [kind, kernels] : r.nccl) {
-      std::sort(kernels.begin(), kernels.end(), [](const TraceFileEvent* a, const TraceFileEvent* b) { return a->ts_us < b->ts_us; });
-    }
+    auto by_start = [](const TraceFileEvent* a, const TraceFileEvent* b) { return a->ts_us < b->ts_us; };
+    for (auto& [kind, kernels] : r.nccl) std::sort(kernels.begin(), kernels.end(), by_start);
+    for (auto& [tid, list] : r.annotations) std::sort(list.begin(), list.end(), by_start);
     ranks.push_back(std::move(r));
   }
   std::sort(ranks.begin(), ranks.end(), [](const RankTrace& a, const RankTrace& b) { return a.rank < b.rank; });
@@ -215,6 +237,7 @@ absl::StatusOr<RankProfiles> AnalyzeRankProfiles(const std::vector<std::pair<std
       c.last = last->rank;
       const double launched = last->LaunchEnd(*last_kernel);
       c.launch_to_start_ms = launched < 0 ? -1.0 : std::max(0.0, latest - launched) / 1e3;
+      c.where = last->WhereLaunched(*last_kernel);
       out.collectives.push_back(c);
     }
   }
@@ -265,11 +288,11 @@ std::string FormatRankProfiles(const RankProfiles& p) {
       absl::StrAppend(&out, "the longest waits:");
       for (size_t i = 0; i < std::min<size_t>(5, worst.size()); ++i) {
         const CollectiveStart& c = *worst[i];
-        absl::StrAppend(&out, absl::StrFormat(" %s #%d %.1f ms (rank %d%s)%s", c.kind, c.index, c.spread_ms, c.last,
+        absl::StrAppend(&out, absl::StrFormat("\n  %s #%d, %.1f ms: rank %d last%s%s", c.kind, c.index, c.spread_ms, c.last,
                                               c.launch_to_start_ms < 0 ? ""
                                               : c.launch_to_start_ms * 1e3 < kLaunchedLateUs ? ", its host late"
                                                                                               : ", queued behind its stream",
-                                              i + 1 < std::min<size_t>(5, worst.size()) ? ";" : ""));
+                                              c.where.empty() ? "" : absl::StrCat(", launched in ", c.where)));
       }
       absl::StrAppend(&out, "\n");
     }

@@ -42,6 +42,9 @@ struct CollectiveStart {
   // (negative when no launch of its correlation id is in the trace). Under a small threshold
   // (kLaunchedLateUs) the kernel started as soon as its host launched it: the host was late.
   double launch_to_start_ms = -1.0;
+  // The innermost user annotation around the last rank's launch of it (torch.profiler's record_function
+  // ranges: "FSDP::pre_forward (blocks.3)", "Optimizer.step"; NCCL's own left out); empty when none.
+  std::string where;
 };
 
 // Where the compute stream of one rank sat idle: each gap between its work (over kMinGapUs) is split
@@ -84,7 +87,8 @@ absl::StatusOr<RankProfiles> AnalyzeRankProfiles(const std::vector<std::pair<std
 
 // The analysis as text: per kind of collective how far apart the ranks started it (median, 90th
 // percentile, largest), which rank came last how often, and how often that rank's host launched it
-// late; then each rank's compute stream's idle time by cause.
+// late; the five longest waits, each with where its last rank launched it; then each rank's compute
+// stream's idle time by cause.
 std::string FormatRankProfiles(const RankProfiles& profiles);
 
 }  // namespace ferry
