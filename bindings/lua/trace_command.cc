@@ -25,6 +25,7 @@
 #include "memory/pinned_arena.h"
 #include "trace/rank_profiles.h"
 #include "trace/trace_file.h"
+#include "trace/trace_report.h"
 
 ABSL_FLAG(std::string, ferry_trace_svg, "", "write the timeline as an SVG picture to this file");
 ABSL_FLAG(std::string, ferry_trace_ceiling, "",
@@ -174,92 +175,46 @@ int TraceCommand(const std::vector<std::string>& args, std::FILE* out, std::FILE
     }
     read.emplace_back(path, *std::move(one));
   }
-  size_t profiles = 0;
-  for (const auto& [path, one] : read) profiles += IsProfilerTrace(one) ? 1 : 0;
-  if (profiles > 0) {
-    // torch.profiler's traces: the ranks' collectives and compute streams (trace/rank_profiles.h).
-    if (!absl::GetFlag(FLAGS_ferry_trace_svg).empty()) {
-      return usage_error("ferry trace: --svg draws Ferry's traces; torch.profiler's open in Perfetto or chrome://tracing");
-    }
-    absl::StatusOr<RankProfiles> analysis = AnalyzeRankProfiles(read);
-    if (!analysis.ok()) {
-      absl::FPrintF(err, "ferry trace: %s\n", analysis.status().message());
-      return 2;
-    }
-    absl::FPrintF(out, "%s", FormatRankProfiles(*analysis));
-    return 0;
+  bool profiles = false;
+  for (const auto& [path, one] : read) profiles = profiles || IsProfilerTrace(one);
+  if (profiles && !absl::GetFlag(FLAGS_ferry_trace_svg).empty()) {
+    return usage_error("ferry trace: --svg draws Ferry's traces; torch.profiler's open in Perfetto or chrome://tracing");
   }
-  absl::StatusOr<TraceFile> trace = MergeTraces(read);
-  if (!trace.ok()) {
-    absl::FPrintF(err, "ferry trace: %s\n", trace.status().message());
-    return 2;
-  }
-  const std::string what = positional->size() == 1 ? (*positional)[0]
-                                                    : absl::StrCat((*positional)[0], " and ", positional->size() - 1,
-                                                                   " more (one rank each)");
-  std::map<std::string, std::string> source;  // key -> where its ceiling came from
-  for (const auto& [k, v] : *ceilings) source[k] = "given";
-  if (measure != "off") {
-    if (!ceilings->contains("mem")) {
-      (*ceilings)["mem"] = MeasureHostMemory();
-      source["mem"] = absl::StrCat("measured here: memcpy of 1 GiB on ", ThreadPool::DefaultThreads(), " threads");
+  TraceCeilings limits;
+  limits.gbps = *ceilings;
+  for (const auto& [k, v] : *ceilings) limits.source[k] = "given";
+  if (!profiles && measure != "off") {
+    if (!limits.gbps.contains("mem")) {
+      limits.gbps["mem"] = MeasureHostMemory();
+      limits.source["mem"] = absl::StrCat("measured here: memcpy of 1 GiB on ", ThreadPool::DefaultThreads(), " threads");
     }
-    if (!ceilings->contains("d2h") || !ceilings->contains("h2d")) {
+    if (!limits.gbps.contains("d2h") || !limits.gbps.contains("h2d")) {
       absl::StatusOr<std::unique_ptr<Device>> device = CreateDevice();
       if (device.ok() && ((*device)->backend() == Backend::kCuda || measure == "on")) {
         double d2h = 0, h2d = 0;
         absl::Status st = MeasurePinned(**device, &d2h, &h2d);
         if (st.ok()) {
           const std::string where = absl::StrCat("measured here: 256 MiB pinned copy on ", (*device)->name());
-          if (!ceilings->contains("d2h")) (*ceilings)["d2h"] = d2h, source["d2h"] = where;
-          if (!ceilings->contains("h2d")) (*ceilings)["h2d"] = h2d, source["h2d"] = where;
+          if (!limits.gbps.contains("d2h")) limits.gbps["d2h"] = d2h, limits.source["d2h"] = where;
+          if (!limits.gbps.contains("h2d")) limits.gbps["h2d"] = h2d, limits.source["h2d"] = where;
         } else {
           absl::FPrintF(err, "ferry trace: measuring the pinned copy rate: %s\n", st.message());
         }
       }
     }
   }
-  const std::vector<StageSummary> stages = Summarize(*trace, *ceilings);
-  absl::FPrintF(out, "trace %s: %d spans\n", what, trace->events.size());
-  if (read.size() > 1) {
-    absl::FPrintF(out, "%s\n",
-                  trace->steady_epoch_us >= 0
-                      ? absl::StrCat("the files' spans on one clock (host ", trace->host.empty() ? "?" : trace->host,
-                                     "'s steady clock, from the first to start)")
-                      : "the files' spans each on its own clock (other hosts, or files that do not say where their "
-                        "time 0 lies): their ranks do not line up");
+  TraceFile merged;
+  absl::StatusOr<std::string> report = TraceReport(read, limits, &merged);
+  if (!report.ok()) {
+    absl::FPrintF(err, "ferry trace: %s\n", report.status().message());
+    return 2;
   }
-  absl::FPrintF(out, "\n%s", FormatSummary(stages));
-  absl::FPrintF(out, "\nceilings (GB/s):");
-  if (ceilings->empty()) absl::FPrintF(out, " none (give --ceiling, or --measure on)");
-  absl::FPrintF(out, "\n");
-  for (const auto& [k, v] : *ceilings) absl::FPrintF(out, "  %-5s %8.2f  %s\n", k, v, source[k]);
-  bool observed = false;
-  for (const StageSummary& s : stages) observed = observed || s.name == "d2h.chunk" || s.name == "h2d.chunk";
-  if (observed) {
-    absl::FPrintF(out,
-                  "\nd2h.chunk and h2d.chunk are observed by the host: from when the stream could start a chunk\n"
-                  "to when the pipeline saw its event complete, so their times are upper bounds and their\n"
-                  "rates lower bounds while the pipeline is busy with CPU Adam (`ferry bench transfer` times\n"
-                  "the copies alone).\n");
-  }
-  for (const StageSummary& s : stages) {
-    if (s.name == "step" && s.count > 0) {
-      absl::FPrintF(out, "\nstep: %d steps, %.3f ms each on average\n", s.count, s.total_ms / static_cast<double>(s.count));
-    }
-  }
-  const std::vector<IterationSummary> iterations = Iterations(*trace);
-  if (!iterations.empty()) {
-    absl::FPrintF(out,
-                  "\niterations (from the end of one step to the end of the next, per rank): CPU Adam is the\n"
-                  "time its rounds ran, idle the rest (where the loop is bound by the CPU update, the idle is\n"
-                  "what overlap did not hide); wait.grads, the early pass waiting for grads; wait.upload, the\n"
-                  "trainer waiting for new params\n%s",
-                  FormatIterations(iterations));
-  }
-  if (const std::string arrivals = FormatRankArrivals(*trace); !arrivals.empty()) {
-    absl::FPrintF(out, "\n%s", arrivals);
-  }
+  absl::FPrintF(out, "%s", *report);
+  if (profiles) return 0;
+  const TraceFile* trace = &merged;
+  const std::string what = positional->size() == 1 ? (*positional)[0]
+                                                    : absl::StrCat((*positional)[0], " and ", positional->size() - 1,
+                                                                   " more (one rank each)");
   const std::string svg_path = absl::GetFlag(FLAGS_ferry_trace_svg);
   if (!svg_path.empty()) {
     SvgOptions svg;

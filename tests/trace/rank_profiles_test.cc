@@ -22,6 +22,7 @@ using Json = nlohmann::json;
 // A torch.profiler-shaped trace of one rank: its kernels (on a stream) with the runtime calls that
 // launched them, tied by correlation ids, as Kineto writes them.
 struct ProfileBuilder {
+  explicit ProfileBuilder(int r = -1) : rank(r) {}
   int rank = -1;  // < 0: no distributedInfo
   int world = 0;
   Json events = Json::array();
@@ -48,6 +49,13 @@ struct ProfileBuilder {
     return *t;
   }
 };
+
+// The analysis of the builders' traces, each under its name.
+absl::StatusOr<RankProfiles> Analyze(const std::vector<std::pair<std::string, const ProfileBuilder*>>& files) {
+  std::vector<std::pair<std::string, TraceFile>> named;
+  for (const auto& [name, b] : files) named.emplace_back(name, b->Parse(name));
+  return AnalyzeRankProfiles(named);
+}
 
 TEST(RankProfilesTest, NcclKindReadsTheCollectiveFromTheKernelName) {
   EXPECT_EQ(NcclKind("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)"), "AllGather");
@@ -190,12 +198,10 @@ TEST(RankProfilesTest, TheComputeStreamsIdleIsSplitIntoWaitingForTheHostAndQueue
 }
 
 TEST(RankProfilesTest, RefusesFerrysTracesTwoFilesOfOneRankAndMatchesKernelsByTheirEnds) {
-  ProfileBuilder a, b;
-  a.rank = 0;
-  b.rank = 0;
+  ProfileBuilder a(0), b(0);
   a.Kernel("ncclDevKernel_AllGather_RING_LL(x)", 24, 1000, 10, 990);
   b.Kernel("ncclDevKernel_AllGather_RING_LL(x)", 24, 1200, 10, 1190);
-  absl::StatusOr<RankProfiles> same = AnalyzeRankProfiles({{"a.json", a.Parse("a")}, {"b.json", b.Parse("b")}});
+  absl::StatusOr<RankProfiles> same = Analyze({{"a.json", &a}, {"b.json", &b}});
   ASSERT_FALSE(same.ok());
   EXPECT_NE(same.status().message().find("a.json and b.json are both the trace of rank 0"), std::string::npos)
       << same.status();
@@ -209,13 +215,11 @@ TEST(RankProfilesTest, RefusesFerrysTracesTwoFilesOfOneRankAndMatchesKernelsByTh
 
   // Rank 1's window opened while its GPU still ran an earlier all-gather (ending at 600 us): the
   // collective both traces hold ends at 1300 us on both, rank 0's started at 1000, rank 1's at 1200.
-  ProfileBuilder c, d;
-  c.rank = 0;
-  d.rank = 1;
+  ProfileBuilder c(0), d(1);
   c.Kernel("ncclDevKernel_AllGather_RING_LL(x)", 24, 1000, 300, 990);
   d.Kernel("ncclDevKernel_AllGather_RING_LL(x)", 24, 500, 100, 490);
   d.Kernel("ncclDevKernel_AllGather_RING_LL(x)", 24, 1200, 100, 1195);
-  absl::StatusOr<RankProfiles> p = AnalyzeRankProfiles({{"c.json", c.Parse("c")}, {"d.json", d.Parse("d")}});
+  absl::StatusOr<RankProfiles> p = Analyze({{"c.json", &c}, {"d.json", &d}});
   ASSERT_TRUE(p.ok()) << p.status();
   ASSERT_EQ(p->collectives.size(), 1u);
   EXPECT_EQ(p->collectives[0].last, 1);
@@ -226,12 +230,10 @@ TEST(RankProfilesTest, RefusesFerrysTracesTwoFilesOfOneRankAndMatchesKernelsByTh
   EXPECT_NE(FormatRankProfiles(*p).find("note: AllGather"), std::string::npos);
 
   // Kernels that do not end together are not one collective (or the files are not on one clock).
-  ProfileBuilder e, f;
-  e.rank = 0;
-  f.rank = 1;
+  ProfileBuilder e(0), f(1);
   e.Kernel("ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL(x)", 28, 1000, 100, 990);
   f.Kernel("ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL(x)", 28, 6000, 100, 5990);
-  absl::StatusOr<RankProfiles> apart = AnalyzeRankProfiles({{"e.json", e.Parse("e")}, {"f.json", f.Parse("f")}});
+  absl::StatusOr<RankProfiles> apart = Analyze({{"e.json", &e}, {"f.json", &f}});
   ASSERT_TRUE(apart.ok()) << apart.status();
   ASSERT_EQ(apart->notes.size(), 1u);
   EXPECT_NE(apart->notes[0].find("ReduceScatter: rank 1's kernels end 5.00 ms from rank 0's at the median"),

@@ -36,6 +36,8 @@
 #include "ferry/engine.h"
 #include "ferry/version.h"
 #include "py_comm.h"
+#include "trace/trace_file.h"
+#include "trace/trace_report.h"
 
 namespace py = pybind11;
 
@@ -407,6 +409,21 @@ PYBIND11_MODULE(_ferry, m) {
       PyErr_SetObject(cls.ptr(), err.ptr());
     }
   });
+
+  m.def(
+      "trace_report",
+      [](const std::vector<std::string>& paths, const std::map<std::string, double>& ceilings) {
+        // What `ferry trace FILE...` prints (without measuring ceilings): trace/trace_report.h.
+        std::vector<std::pair<std::string, ferry::TraceFile>> read;
+        for (const std::string& path : paths) read.emplace_back(path, fp::Check(ferry::ReadTraceFile(path)));
+        ferry::TraceCeilings limits;
+        limits.gbps = ceilings;
+        for (const auto& [k, v] : ceilings) limits.source[k] = "given";
+        return fp::Check(ferry::TraceReport(read, limits));
+      },
+      py::arg("paths"), py::arg("ceilings") = std::map<std::string, double>{},
+      "The report `ferry trace` prints for trace files (one per rank): Ferry's (EngineOptions::trace_path) or "
+      "torch.profiler's.");
 
   py::class_<PyEngine>(m, "Engine")
       .def(py::init<const std::string&, const std::map<std::string, std::string>&, float, float, float, float, float,

@@ -1,0 +1,75 @@
+#include "trace/trace_report.h"
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "trace/rank_profiles.h"
+
+namespace ferry {
+
+std::string FormatTraceReport(const TraceFile& merged, size_t files, const std::string& what,
+                              const TraceCeilings& ceilings) {
+  std::string out = absl::StrFormat("trace %s: %d spans\n", what, merged.events.size());
+  if (files > 1) {
+    absl::StrAppend(&out, merged.steady_epoch_us >= 0
+                              ? absl::StrCat("the files' spans on one clock (host ", merged.host.empty() ? "?" : merged.host,
+                                             "'s steady clock, from the first to start)")
+                              : "the files' spans each on its own clock (other hosts, or files that do not say where "
+                                "their time 0 lies): their ranks do not line up",
+                    "\n");
+  }
+  const std::vector<StageSummary> stages = Summarize(merged, ceilings.gbps);
+  absl::StrAppend(&out, "\n", FormatSummary(stages), "\nceilings (GB/s):");
+  if (ceilings.gbps.empty()) absl::StrAppend(&out, " none (give --ceiling, or --measure on)");
+  absl::StrAppend(&out, "\n");
+  for (const auto& [k, v] : ceilings.gbps) {
+    auto source = ceilings.source.find(k);
+    absl::StrAppend(&out, absl::StrFormat("  %-5s %8.2f  %s\n", k, v, source == ceilings.source.end() ? "" : source->second));
+  }
+  bool observed = false;
+  for (const StageSummary& s : stages) observed = observed || s.name == "d2h.chunk" || s.name == "h2d.chunk";
+  if (observed) {
+    absl::StrAppend(&out,
+                    "\nd2h.chunk and h2d.chunk are observed by the host: from when the stream could start a chunk\n"
+                    "to when the pipeline saw its event complete, so their times are upper bounds and their\n"
+                    "rates lower bounds while the pipeline is busy with CPU Adam (`ferry bench transfer` times\n"
+                    "the copies alone).\n");
+  }
+  for (const StageSummary& s : stages) {
+    if (s.name == "step" && s.count > 0) {
+      absl::StrAppend(&out, absl::StrFormat("\nstep: %d steps, %.3f ms each on average\n", s.count,
+                                            s.total_ms / static_cast<double>(s.count)));
+    }
+  }
+  const std::vector<IterationSummary> iterations = Iterations(merged);
+  if (!iterations.empty()) {
+    absl::StrAppend(&out,
+                    "\niterations (from the end of one step to the end of the next, per rank): CPU Adam is the\n"
+                    "time its rounds ran, idle the rest (where the loop is bound by the CPU update, the idle is\n"
+                    "what overlap did not hide); wait.grads, the early pass waiting for grads; wait.upload, the\n"
+                    "trainer waiting for new params\n",
+                    FormatIterations(iterations));
+  }
+  if (const std::string arrivals = FormatRankArrivals(merged); !arrivals.empty()) absl::StrAppend(&out, "\n", arrivals);
+  return out;
+}
+
+absl::StatusOr<std::string> TraceReport(const std::vector<std::pair<std::string, TraceFile>>& read,
+                                        const TraceCeilings& ceilings, TraceFile* merged) {
+  if (read.empty()) return absl::InvalidArgumentError("no trace file given");
+  bool profiler = false;
+  for (const auto& [path, one] : read) profiler = profiler || IsProfilerTrace(one);
+  if (profiler) {
+    absl::StatusOr<RankProfiles> analysis = AnalyzeRankProfiles(read);
+    if (!analysis.ok()) return analysis.status();
+    return FormatRankProfiles(*analysis);
+  }
+  absl::StatusOr<TraceFile> trace = MergeTraces(read);
+  if (!trace.ok()) return trace.status();
+  const std::string what = read.size() == 1 ? read[0].first
+                                            : absl::StrCat(read[0].first, " and ", read.size() - 1, " more (one rank each)");
+  std::string report = FormatTraceReport(*trace, read.size(), what, ceilings);
+  if (merged != nullptr) *merged = *std::move(trace);
+  return report;
+}
+
+}  // namespace ferry
