@@ -415,7 +415,9 @@ TEST(TraceFileTest, RankArrivalsNameTheLastRankOfEachStep) {
   t.steady_epoch_us = 0;
   EXPECT_EQ(FormatRankArrivals(t),
             "ranks reaching their step (one clock): the last 4.0 ms after the first at the median of 2 steps, 4.0 ms at "
-            "most (step 1, rank 0 last); last: rank 0 1 time, rank 1 1 time\n");
+            "most (step 1, rank 0 last); last: rank 0 1 time, rank 1 1 time\n"
+            "  (the hosts' arrival: a host far ahead of its GPU comes early; which rank each collective waited\n"
+            "  for on the GPUs: ferry trace of the ranks' torch.profiler traces)\n");
   TraceFile one;
   one.steady_epoch_us = 0;
   one.events.push_back(TraceFileEvent{.name = "step", .pid = 0, .ts_us = 0});

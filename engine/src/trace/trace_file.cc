@@ -410,6 +410,9 @@ std::string FormatRankArrivals(const TraceFile& trace) {
       spreads[spreads.size() / 2], arrivals.size(), worst->spread_ms, worst->step, worst->last);
   for (const auto& [rank, n] : last) absl::StrAppendFormat(&out, " rank %d %d time%s,", rank, n, n == 1 ? "" : "s");
   out.back() = '\n';
+  absl::StrAppend(&out,
+                  "  (the hosts' arrival: a host far ahead of its GPU comes early; which rank each collective waited\n"
+                  "  for on the GPUs: ferry trace of the ranks' torch.profiler traces)\n");
   return out;
 }
 
