@@ -155,6 +155,8 @@ TEST(TraceCommandTest, TorchProfilerTracesOfTheRanksSayWhichRankEachCollectiveWa
   EXPECT_THAT(r.out, HasSubstr("torch.profiler traces of 2 ranks (0, 1 of 2)"));
   EXPECT_THAT(Row(r.out, "AllGather "), ElementsAre("AllGather", "1", "3.00", "ms", "3.00", "ms", "3.00", "ms", "3.0",
                                                     "ms", "1:", "1", "1", "of", "1"));
+  EXPECT_THAT(r.out, HasSubstr("waits each rank caused (the sum over the collectives it came last to; its host late "
+                               "in): rank 1 3.0 ms (3.0)\n"));
   EXPECT_THAT(r.out, HasSubstr("the longest waits:\n  AllGather #0, 3.0 ms: rank 1 last, its host late, launched in "
                                "FSDP::pre_forward (blocks.0)\n"));
   // Stream 7 of each rank: 1 ms of idle between its two gemms, all of it waiting for the host.

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "trace/trace_file.h"
@@ -127,6 +128,22 @@ TEST(RankProfilesTest, EachCollectiveNamesTheRankThatStartedLastAndWhetherItsHos
   }
   EXPECT_TRUE(p->notes.empty());
   const std::string text = FormatRankProfiles(*p);
+  // The waits each rank caused, from the generated starts: the spreads of the collectives it came
+  // last to, and of those the ones its host launched late.
+  std::map<int, std::pair<double, double>> caused;
+  for (const auto& [kind, list] : starts) {
+    for (size_t i = 0; i < list.size(); ++i) {
+      const std::vector<double>& s = list[i];
+      const int last = static_cast<int>(std::max_element(s.begin(), s.end()) - s.begin());
+      const double spread = (*std::max_element(s.begin(), s.end()) - *std::min_element(s.begin(), s.end())) / 1e3;
+      caused[last].first += spread;
+      if (host_late.at(kind)[i]) caused[last].second += spread;
+    }
+  }
+  std::string expected = "waits each rank caused (the sum over the collectives it came last to; its host late in):";
+  for (const auto& [rank, ms] : caused) absl::StrAppend(&expected, absl::StrFormat(" rank %d %.1f ms (%.1f),", rank, ms.first, ms.second));
+  expected.back() = '\n';
+  EXPECT_NE(text.find(expected), std::string::npos) << expected << "\n" << text;
   EXPECT_NE(text.find("AllGather"), std::string::npos) << text;
   EXPECT_NE(text.find("ReduceScatter"), std::string::npos) << text;
   EXPECT_NE(text.find("the longest waits"), std::string::npos) << text;

@@ -280,6 +280,18 @@ std::string FormatRankProfiles(const RankProfiles& p) {
                                             absl::StrJoin(lasts, ", "),
                                             known > 0 ? absl::StrCat(late, " of ", known) : std::string("-")));
     }
+    // Per rank, the waits it caused (the spreads of the collectives it came last to), and of them
+    // those where its host launched late.
+    std::map<int, std::pair<double, double>> caused;  // rank -> (all, host late), ms
+    for (const CollectiveStart& c : p.collectives) {
+      caused[c.last].first += c.spread_ms;
+      if (c.launch_to_start_ms >= 0 && c.launch_to_start_ms * 1e3 < kLaunchedLateUs) caused[c.last].second += c.spread_ms;
+    }
+    absl::StrAppend(&out, "waits each rank caused (the sum over the collectives it came last to; its host late in):");
+    for (const auto& [rank, ms] : caused) {
+      absl::StrAppend(&out, absl::StrFormat(" rank %d %.1f ms (%.1f),", rank, ms.first, ms.second));
+    }
+    out.back() = '\n';
     // The collectives the others waited longest in.
     std::vector<const CollectiveStart*> worst;
     for (const CollectiveStart& c : p.collectives) worst.push_back(&c);

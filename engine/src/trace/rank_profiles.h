@@ -87,8 +87,9 @@ absl::StatusOr<RankProfiles> AnalyzeRankProfiles(const std::vector<std::pair<std
 
 // The analysis as text: per kind of collective how far apart the ranks started it (median, 90th
 // percentile, largest), which rank came last how often, and how often that rank's host launched it
-// late; the five longest waits, each with where its last rank launched it; then each rank's compute
-// stream's idle time by cause.
+// late; per rank, the waits it caused (the sum of the spreads of the collectives it came last to, and
+// of those where its host launched late); the five longest waits, each with where its last rank
+// launched it; then each rank's compute stream's idle time by cause.
 std::string FormatRankProfiles(const RankProfiles& profiles);
 
 }  // namespace ferry
