@@ -39,8 +39,8 @@ double Quantile(std::vector<double> v, double q) {
   return v[i];
 }
 
-// One rank's trace, indexed: its NCCL kernels by kind in start order, and the end of each launch by
-// correlation id.
+// One rank's trace, indexed: its NCCL kernels by kind in start order, the host calls that launched
+// kernels by correlation id, and the user annotations (record_function ranges) by thread.
 struct RankTrace {
   int rank = 0;
   std::string path;
