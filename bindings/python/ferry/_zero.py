@@ -124,9 +124,9 @@ def local(t):
     """The tensor whose memory the engine uses: a DTensor's local shard, else the tensor.
 
     A DTensor's own `_local_tensor` (torch 2.0 to 2.11) where it has one: `to_local()` returns a view
-    of it through an autograd function, tens of microseconds of host time each, and the optimizer
-    reads the local tensors of every param at each step (the checks of _check_unchanged, the grads it
-    takes); on a host busy with CPU Adam that was milliseconds per step on the autograd thread."""
+    of it through an autograd function, and the optimizer reads the local tensors of every param at
+    each step (the checks of _check_unchanged, the grads it takes), on the autograd thread of a host
+    busy with CPU Adam."""
     if not is_dtensor(t):
         return t
     loc = getattr(t, "_local_tensor", None)
@@ -297,7 +297,7 @@ class Sharding:
         return full.reshape(-1)[b:e]
 
     def grad_of(self, k, g):
-        """The local tensor of a grad (a DTensor's, local())."""
+        """The local tensor of a grad: local(), a DTensor's local rows."""
         return local(g)
 
     # ---- after the step: every replica gets every rank's update, unit by unit ---------------------
