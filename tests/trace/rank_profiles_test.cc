@@ -277,6 +277,14 @@ TEST(RankProfilesTest, TheOlderExportersCpuTracesSayThereIsNothingToMatch) {
   EXPECT_NE(text.find("no GPU kernel in these traces"), std::string::npos) << text;
 }
 
+TEST(RankProfilesTest, AGzippedTraceIsRefusedSayingSo) {
+  const std::string gz("\x1f\x8b\x08\x00\x00\x00\x00\x00", 8);
+  absl::StatusOr<TraceFile> t = ParseTrace(gz, "rank0.pt.trace.json.gz");
+  ASSERT_FALSE(t.ok());
+  EXPECT_EQ(t.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(t.status().message().find("rank0.pt.trace.json.gz: gzip-compressed"), std::string::npos) << t.status();
+}
+
 TEST(RankProfilesTest, ThreadIdsPastIntsRangeAreReadWithoutOverflow) {
   ProfileBuilder b;  // its launches carry tid 3e9
   b.Kernel("void k()", 7, 100, 10, 95);

@@ -57,6 +57,10 @@ std::string FormatMicros(double us) {
 }  // namespace
 
 absl::StatusOr<TraceFile> ParseTrace(const std::string& text, const std::string& what) {
+  if (text.size() >= 2 && static_cast<uint8_t>(text[0]) == 0x1f && static_cast<uint8_t>(text[1]) == 0x8b) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": gzip-compressed (torch.profiler's use_gzip=True, a "
+                                                   ".json.gz): gunzip it first"));
+  }
   Json doc = Json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (doc.is_discarded()) return absl::InvalidArgumentError(absl::StrCat(what, ": not valid JSON"));
   const Json* events = &doc;
