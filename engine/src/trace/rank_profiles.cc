@@ -151,7 +151,8 @@ absl::StatusOr<RankProfiles> AnalyzeRankProfiles(const std::vector<std::pair<std
     if (r.rank < 0) r.rank = static_cast<int>(i);
     auto [it, fresh] = seen.emplace(r.rank, path);
     if (!fresh) {
-      return absl::InvalidArgumentError(absl::StrCat(it->second, " and ", path, " are both the trace of rank ", r.rank));
+      return absl::InvalidArgumentError(absl::StrCat(it->second, " and ", path, " are both the trace of rank ", r.rank,
+                                                     ": give one file per rank, of the same steps"));
     }
     out.world_size = std::max(out.world_size, trace.world_size);
     for (const TraceFileEvent& e : trace.events) {
