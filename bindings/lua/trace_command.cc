@@ -13,10 +13,8 @@
 
 #include "absl/flags/flag.h"
 #include "absl/status/status.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "absl/strings/str_split.h"
 #include "base/thread_pool.h"
 #include "device/device.h"
 #include "ferry/status.h"
@@ -54,23 +52,6 @@ const std::vector<VerbFlag>& TraceFlags() {
       {"all", "ferry_trace_all"},
   };
   return *flags;
-}
-
-absl::StatusOr<std::map<std::string, double>> ParseCeilings(const std::string& text) {
-  std::map<std::string, double> out;
-  if (text.empty()) return out;
-  for (absl::string_view item : absl::StrSplit(text, ',', absl::SkipEmpty())) {
-    std::vector<std::string> kv = absl::StrSplit(item, absl::MaxSplits('=', 1));
-    double v = 0;
-    if (kv.size() != 2 || (kv[0] != "d2h" && kv[0] != "h2d" && kv[0] != "mem" && kv[0] != "disk") ||
-        !absl::SimpleAtod(kv[1], &v) || !(v > 0)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "ferry trace: --ceiling: expected KEY=GBPS with KEY one of d2h, h2d, mem, disk and GBPS > 0, got \"",
-          item, "\""));
-    }
-    out[kv[0]] = v;
-  }
-  return out;
 }
 
 // The host memory rate with every CPU of this process copying its slice of 1 GiB at once (memcpy:
@@ -160,8 +141,8 @@ int TraceCommand(const std::vector<std::string>& args, std::FILE* out, std::FILE
   absl::StatusOr<std::vector<std::string>> positional = ParseVerbFlags("trace", args, TraceFlags());
   if (!positional.ok()) return usage_error(positional.status().message());
   if (positional->empty()) return usage_error("ferry trace: expected a FILE (or one per rank)");
-  absl::StatusOr<std::map<std::string, double>> ceilings = ParseCeilings(absl::GetFlag(FLAGS_ferry_trace_ceiling));
-  if (!ceilings.ok()) return usage_error(ceilings.status().message());
+  absl::StatusOr<std::map<std::string, double>> ceilings = ParseTraceCeilings(absl::GetFlag(FLAGS_ferry_trace_ceiling));
+  if (!ceilings.ok()) return usage_error(absl::StrCat("ferry trace: ", ceilings.status().message()));
   const std::string measure = absl::GetFlag(FLAGS_ferry_trace_measure);
   if (measure != "auto" && measure != "on" && measure != "off") {
     return usage_error(absl::StrCat("ferry trace: --measure must be auto, on or off, got \"", measure, "\""));
@@ -175,8 +156,7 @@ int TraceCommand(const std::vector<std::string>& args, std::FILE* out, std::FILE
     }
     read.emplace_back(path, *std::move(one));
   }
-  bool profiles = false;
-  for (const auto& [path, one] : read) profiles = profiles || IsProfilerTrace(one);
+  const bool profiles = AnyProfilerTrace(read);
   if (profiles && !absl::GetFlag(FLAGS_ferry_trace_svg).empty()) {
     return usage_error("ferry trace: --svg draws Ferry's traces; torch.profiler's open in Perfetto or chrome://tracing");
   }
@@ -211,10 +191,7 @@ int TraceCommand(const std::vector<std::string>& args, std::FILE* out, std::FILE
   }
   absl::FPrintF(out, "%s", *report);
   if (profiles) return 0;
-  const TraceFile* trace = &merged;
-  const std::string what = positional->size() == 1 ? (*positional)[0]
-                                                    : absl::StrCat((*positional)[0], " and ", positional->size() - 1,
-                                                                   " more (one rank each)");
+  const std::string what = TraceFilesName(read);
   const std::string svg_path = absl::GetFlag(FLAGS_ferry_trace_svg);
   if (!svg_path.empty()) {
     SvgOptions svg;
@@ -225,7 +202,7 @@ int TraceCommand(const std::vector<std::string>& args, std::FILE* out, std::FILE
       TraceFile first;
       std::set<int> first_pids;
       for (const TraceFileEvent& e : read.front().second.events) first_pids.insert(e.pid);
-      for (const TraceFileEvent& e : trace->events) {
+      for (const TraceFileEvent& e : merged.events) {
         if (first_pids.count(e.pid) != 0) first.events.push_back(e);
       }
       size_t count = 0;
@@ -245,7 +222,7 @@ int TraceCommand(const std::vector<std::string>& args, std::FILE* out, std::FILE
       }
     }
     std::ofstream f(svg_path, std::ios::binary | std::ios::trunc);
-    f << RenderSvg(*trace, svg);
+    f << RenderSvg(merged, svg);
     f.close();
     if (!f) {
       absl::FPrintF(err, "ferry trace: cannot write %s\n", svg_path);

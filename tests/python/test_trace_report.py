@@ -37,7 +37,7 @@ def test_a_trace_of_the_optimizer_gets_its_stages_and_iterations(tmp_path, devic
     assert "step: %d steps" % steps in out, out
     assert "  mem     100.00  given" in out, out
     assert "iterations (from the end of one step to the end of the next, per rank)" in out, out
-    assert out == ferry._ferry.trace_report([path], {"mem": 100.0})
+    assert out == ferry._ferry.trace_report([path], "mem=100")
 
 
 def profile(rank, world, starts, launch_ends, end):
@@ -89,7 +89,10 @@ def test_errors_name_the_file_and_the_bad_argument(tmp_path):
     done = run_ferry("trace", missing)
     assert done.returncode == 1 and "cannot read trace file %s" % missing in done.stderr, done.stderr
     done = run_ferry("trace", missing, "--ceiling", "pcie=3")
-    assert done.returncode == 2 and "unknown key 'pcie'" in done.stderr, done.stderr
+    assert done.returncode == 2 and 'KEY one of d2h, h2d, mem, disk and GBPS > 0, got "pcie=3"' in done.stderr, \
+        done.stderr
+    with pytest.raises(ferry.InvalidArgumentError, match="got \"mem=0\""):
+        ferry._ferry.trace_report([missing], "mem=0")
     mine = tmp_path / "ferry.json"
     mine.write_text(json.dumps({"traceEvents": [{"ph": "X", "name": "step", "ts": 0, "dur": 5}]}))
     prof = tmp_path / "prof.json"

@@ -20,17 +20,11 @@ def trace(argv):
     parser.add_argument("--ceiling", default="", metavar="KEY=GBPS,...",
                         help="ceilings in GB/s for Ferry's traces, e.g. d2h=55,h2d=55,mem=120,disk=5")
     args = parser.parse_args(argv)
-    ceilings = {}
-    for item in filter(None, args.ceiling.split(",")):
-        key, _, value = item.partition("=")
-        if key not in ("d2h", "h2d", "mem", "disk"):
-            parser.error("--ceiling: unknown key %r in %r (keys: d2h, h2d, mem, disk)" % (key, item))
-        try:
-            ceilings[key] = float(value)
-        except ValueError:
-            parser.error("--ceiling: %r is not KEY=GBPS" % item)
     try:
-        sys.stdout.write(ferry._ferry.trace_report(args.files, ceilings))
+        sys.stdout.write(ferry._ferry.trace_report(args.files, args.ceiling))
+    except ferry.InvalidArgumentError as e:  # a bad --ceiling, a malformed file, files not read together
+        print("python3 -m ferry trace: %s" % e, file=sys.stderr)
+        sys.exit(2)
     except ferry.FerryError as e:
         sys.exit("python3 -m ferry trace: %s" % e)
 

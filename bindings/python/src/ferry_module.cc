@@ -412,18 +412,18 @@ PYBIND11_MODULE(_ferry, m) {
 
   m.def(
       "trace_report",
-      [](const std::vector<std::string>& paths, const std::map<std::string, double>& ceilings) {
-        // What `ferry trace FILE...` prints (without measuring ceilings): trace/trace_report.h.
+      [](const std::vector<std::string>& paths, const std::string& ceilings) {
+        // What `ferry trace FILE... --ceiling TEXT` prints, without measuring ceilings: trace/trace_report.h.
+        ferry::TraceCeilings limits;
+        limits.gbps = fp::Check(ferry::ParseTraceCeilings(ceilings));
+        for (const auto& [k, v] : limits.gbps) limits.source[k] = "given";
         std::vector<std::pair<std::string, ferry::TraceFile>> read;
         for (const std::string& path : paths) read.emplace_back(path, fp::Check(ferry::ReadTraceFile(path)));
-        ferry::TraceCeilings limits;
-        limits.gbps = ceilings;
-        for (const auto& [k, v] : ceilings) limits.source[k] = "given";
         return fp::Check(ferry::TraceReport(read, limits));
       },
-      py::arg("paths"), py::arg("ceilings") = std::map<std::string, double>{},
+      py::arg("paths"), py::arg("ceilings") = std::string(),
       "The report `ferry trace` prints for trace files (one per rank): Ferry's (EngineOptions::trace_path) or "
-      "torch.profiler's.");
+      "torch.profiler's; `ceilings` as --ceiling takes them (\"d2h=55,mem=120\").");
 
   py::class_<PyEngine>(m, "Engine")
       .def(py::init<const std::string&, const std::map<std::string, std::string>&, float, float, float, float, float,

@@ -1,10 +1,39 @@
 #include "trace/trace_report.h"
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
 #include "trace/rank_profiles.h"
 
 namespace ferry {
+
+absl::StatusOr<std::map<std::string, double>> ParseTraceCeilings(const std::string& text) {
+  std::map<std::string, double> out;
+  for (absl::string_view item : absl::StrSplit(text, ',', absl::SkipEmpty())) {
+    std::vector<std::string> kv = absl::StrSplit(item, absl::MaxSplits('=', 1));
+    double v = 0;
+    if (kv.size() != 2 || (kv[0] != "d2h" && kv[0] != "h2d" && kv[0] != "mem" && kv[0] != "disk") ||
+        !absl::SimpleAtod(kv[1], &v) || !(v > 0)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--ceiling: expected KEY=GBPS with KEY one of d2h, h2d, mem, disk and GBPS > 0, got \"", item, "\""));
+    }
+    out[kv[0]] = v;
+  }
+  return out;
+}
+
+std::string TraceFilesName(const std::vector<std::pair<std::string, TraceFile>>& read) {
+  if (read.empty()) return "";
+  return read.size() == 1 ? read[0].first : absl::StrCat(read[0].first, " and ", read.size() - 1, " more (one rank each)");
+}
+
+bool AnyProfilerTrace(const std::vector<std::pair<std::string, TraceFile>>& read) {
+  for (const auto& [path, one] : read) {
+    if (IsProfilerTrace(one)) return true;
+  }
+  return false;
+}
 
 std::string FormatTraceReport(const TraceFile& merged, size_t files, const std::string& what,
                               const TraceCeilings& ceilings) {
@@ -56,18 +85,14 @@ std::string FormatTraceReport(const TraceFile& merged, size_t files, const std::
 absl::StatusOr<std::string> TraceReport(const std::vector<std::pair<std::string, TraceFile>>& read,
                                         const TraceCeilings& ceilings, TraceFile* merged) {
   if (read.empty()) return absl::InvalidArgumentError("no trace file given");
-  bool profiler = false;
-  for (const auto& [path, one] : read) profiler = profiler || IsProfilerTrace(one);
-  if (profiler) {
+  if (AnyProfilerTrace(read)) {
     absl::StatusOr<RankProfiles> analysis = AnalyzeRankProfiles(read);
     if (!analysis.ok()) return analysis.status();
     return FormatRankProfiles(*analysis);
   }
   absl::StatusOr<TraceFile> trace = MergeTraces(read);
   if (!trace.ok()) return trace.status();
-  const std::string what = read.size() == 1 ? read[0].first
-                                            : absl::StrCat(read[0].first, " and ", read.size() - 1, " more (one rank each)");
-  std::string report = FormatTraceReport(*trace, read.size(), what, ceilings);
+  std::string report = FormatTraceReport(*trace, read.size(), TraceFilesName(read), ceilings);
   if (merged != nullptr) *merged = *std::move(trace);
   return report;
 }

@@ -21,6 +21,16 @@ struct TraceCeilings {
   std::map<std::string, std::string> source;
 };
 
+// `--ceiling`'s text, "d2h=55,mem=120": KEY=GBPS items with KEY one of d2h, h2d, mem, disk and GBPS
+// > 0. InvalidArgument naming the item at fault.
+absl::StatusOr<std::map<std::string, double>> ParseTraceCeilings(const std::string& text);
+
+// How the report names the files: the one path, or "A and N more (one rank each)".
+std::string TraceFilesName(const std::vector<std::pair<std::string, TraceFile>>& read);
+
+// Whether any of the files is torch.profiler's (IsProfilerTrace): the report is rank_profiles' then.
+bool AnyProfilerTrace(const std::vector<std::pair<std::string, TraceFile>>& read);
+
 // The report of Ferry's traces, merged (MergeTraces) from `files` files named `what`.
 std::string FormatTraceReport(const TraceFile& merged, size_t files, const std::string& what,
                               const TraceCeilings& ceilings);
