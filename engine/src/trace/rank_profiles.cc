@@ -43,7 +43,6 @@ double Quantile(std::vector<double> v, double q) {
 // kernels by correlation id, and the user annotations (record_function ranges) by thread.
 struct RankTrace {
   int rank = 0;
-  std::string path;
   const TraceFile* trace = nullptr;
   std::map<std::string, std::vector<const TraceFileEvent*>> nccl;
   std::unordered_map<int64_t, const TraceFileEvent*> launches;  // by correlation id
@@ -145,7 +144,6 @@ absl::StatusOr<RankProfiles> AnalyzeRankProfiles(const std::vector<std::pair<std
                                                      "reads either Ferry's traces or torch.profiler's, not both at once"));
     }
     RankTrace r;
-    r.path = path;
     r.trace = &trace;
     r.rank = trace.rank >= 0 ? trace.rank : RankInName(path);
     if (r.rank < 0) r.rank = static_cast<int>(i);
