@@ -1,5 +1,5 @@
 """ferry.torch.Optimizer.attach_ddp (ferry/_ddp.py): overlap under DistributedDataParallel, 2 gloo
-processes, CPU tensors (the host backend).
+processes, on the tensors of FERRY_TEST_DEVICE (CPU: the host backend; CUDA: both ranks on one GPU).
 
   * exactness: DDP + attach_ddp + overlap=True (and None: on after the first step) ends every step
     with the same bits as DDP without the hook and overlap=False, over 6 steps of fresh random
@@ -11,13 +11,16 @@ processes, CPU tensors (the host backend).
     bucket rebuild copied them into its bucket, gradient_as_bucket_view=True);
   * ordering: what the engine reads at each announcement (the optimizer's grad buffers at the
     GradsReady call) is the all-reduced average of the ranks' grads, computed here by hand, never a
-    rank's own grad; announcements come during the backward (before it returns);
+    rank's own grad; announcements come during the backward (before it returns); on CUDA each is
+    made on the bridge's high-priority side stream, never on the comm hook's pool stream;
   * misuse: a second backward outside no_sync() after the announcements raises naming the param;
     find_unused_parameters=True is refused.
 
 DDP's buckets are made small (dist._DEFAULT_FIRST_BUCKET_BYTES and bucket_cap_mb) so that a backward
 reduces several buckets and the groups are announced one after another.
 """
+import os
+
 import pytest
 import torch
 
@@ -29,13 +32,19 @@ DIMS = (12, 40, 40, 24, 6)  # four Linear layers, one param group each
 GATHER_MB = 2048 / (1 << 20)
 
 
+def device():
+    """The ranks' device: FERRY_TEST_DEVICE (the python.cuda.* variant: cuda; conftest skips it
+    without a GPU)."""
+    return torch.device(os.environ.get("FERRY_TEST_DEVICE", "cpu"))
+
+
 def make_model(seed=0):
     torch.manual_seed(seed)
     layers = [torch.nn.Linear(a, b) for a, b in zip(DIMS[:-1], DIMS[1:])]
     seq = []
     for layer in layers:
         seq += [layer, torch.nn.Tanh()]
-    return torch.nn.Sequential(*seq[:-1])
+    return torch.nn.Sequential(*seq[:-1]).to(device())
 
 
 def groups_of(model):
@@ -50,7 +59,8 @@ def wrap(model, gabv):
 
 def batch(rank, step, micro):
     gen = torch.Generator().manual_seed(1000 * rank + 10 * step + micro)
-    return torch.randn(8, DIMS[0], generator=gen), torch.randn(8, DIMS[-1], generator=gen)
+    x, y = torch.randn(8, DIMS[0], generator=gen), torch.randn(8, DIMS[-1], generator=gen)
+    return x.to(device()), y.to(device())
 
 
 def loss_of(model, rank, step, micro):
@@ -142,9 +152,11 @@ class Recorder:
 
     def __init__(self, opt):
         self.engine, self.opt, self.calls, self.in_backward = opt._engine, opt, [], False
+        self.streams = set()  # the streams the announcements were made on (CUDA)
 
     def grads_ready_params(self, names, **kw):
         opt = self.opt
+        self.streams.add(kw.get("stream"))
         for name in names:
             k = opt._names.index(name)
             b, e = opt._grad_range(k)
@@ -193,6 +205,11 @@ def ordering(rank, world, shard):
             checked += e - b
         opt.step()
         opt.zero_grad()
+    if model[0].weight.is_cuda:
+        side = opt._ddp._side
+        assert side is not None and rec.streams == {side.cuda_stream}, \
+            "announced on streams %s, not the bridge's side stream %s" % (rec.streams, side and side.cuda_stream)
+        assert side.priority < 0, "the side stream has priority %d, not a high one" % side.priority
     # A second backward outside no_sync() after the groups were announced: refused, naming the param.
     loss_of(ddp, rank, 9, 0).backward()
     error = None

@@ -18,11 +18,16 @@ view of the bucket; False: DDP copies the bucket into p.grad, the optimizer's bu
 again).
 
 Streams: on CUDA the callback runs with the current stream set to a stream that waits for the
-all-reduce (torch's Future.then: a pool stream made to wait on the future's events), so the copies
-and the GradsReady's event are ordered after the all-reduce on the GPU; DDP's end of backward waits
-for the future that the callback completes, so the trainer's stream sees the copies too. With gloo
-the callback may run on gloo's thread: the engine is driven one thread at a time through the
-optimizer's _engine_lock.
+all-reduce (torch's Future.then: a pool stream made to wait on the future's events). The copies and
+the GradsReady's event go on a high-priority stream of the bridge's own, made to wait for that one
+(and it for them before the callback returns: DDP's end of backward waits for the future that the
+callback completes, so the trainer's stream sees the copies too). On the callback's pool stream the
+announcements of a 735M model's backward became final out of order and late (traced on an H100:
+nine in a row of the middle blocks only after the backward's last ones), and CPU Adam, having
+nothing final to take, waited 25-30 ms a step; on the high-priority stream they become final in
+order, as the backward makes the grads (FSDP2's reduce-scatter stream, where its announcements
+come from, is a high-priority stream too). With gloo the callback may run on gloo's thread: the
+engine is driven one thread at a time through the optimizer's _engine_lock.
 
 What stays exact: the copies are of the reduced values, the announcement comes only after them, and
 step() keeps early work only where it was exact (the grads read are checked against their version
@@ -87,6 +92,7 @@ class DDPBridge:
         self.handles = [ddp.register_forward_pre_hook(_forward_pre_hook(weakref.ref(self)))]
         self.state = _HookState(self, group, self.world)
         self._lock = threading.Lock()  # count, reduced, queued: the autograd thread and DDP's comm threads
+        self._side = None
 
     # ---- from the comm hook (the autograd thread) -----------------------------------------------
 
@@ -118,8 +124,9 @@ class DDPBridge:
         return fut.then(done)
 
     def _reduced(self, flat, ks, offsets):
-        """The bucket `flat` is reduced (on CUDA: on the current stream). Runs on DDP's comm thread
-        or the autograd thread."""
+        """The bucket `flat` is reduced (on CUDA: on the current stream; the copies and the
+        announcement go on the side stream, see the module's documentation). Runs on DDP's comm
+        thread or the autograd thread."""
         opt = self._opt()
         if opt is None:
             return
@@ -130,20 +137,41 @@ class DDPBridge:
                 self.reduced.update(k for k, _ in mine)
             if not tracker.announcing or tracker.accumulating:
                 return  # overlap off: step() takes p.grad as DDP leaves it
-            with torch.no_grad():
-                for k, off in mine:
-                    b, e = opt._grad_range(k)
-                    if e > b:
-                        opt._grads[k].view(-1)[b:e].copy_(flat[off + b:off + e])
-                    tracker.got[k] = True
             again = [k for k, _ in mine if k in tracker.announced]
             if again:
                 raise RuntimeError(
                     "ferry.torch.Optimizer (rank %d): DDP all-reduced the grad of %s again after it was announced "
                     "in this step: a second backward outside no_sync() before step()? Run every backward but the "
                     "last of a step under ddp_model.no_sync()" % (self.rank, opt._where[again[0]]))
-            # DDP's bucket is the unit of overlap here: its params are announced together.
-            opt._announce_params_from_hook([k for k, _ in mine], take=False)
+            side = self._side_stream(flat)
+            if side is None:
+                self._take(opt, flat, mine)
+                return
+            current = torch.cuda.current_stream(flat.device)
+            side.wait_stream(current)  # after the all-reduce
+            with torch.cuda.stream(side):
+                self._take(opt, flat, mine)
+            current.wait_stream(side)  # DDP's end of backward waits for the copies
+
+    def _take(self, opt, flat, mine):
+        """Copies this rank's range of the reduced bucket's params into the optimizer's buffers and
+        announces them, on the current stream."""
+        with torch.no_grad():
+            for k, off in mine:
+                b, e = opt._grad_range(k)
+                if e > b:
+                    opt._grads[k].view(-1)[b:e].copy_(flat[off + b:off + e])
+                opt._tracker.got[k] = True
+        # DDP's bucket is the unit of overlap here: its params are announced together.
+        opt._announce_params_from_hook([k for k, _ in mine], take=False)
+
+    def _side_stream(self, flat):
+        """The high-priority stream of the copies and announcements on CUDA (made once); None on the host."""
+        if not flat.is_cuda:
+            return None
+        if self._side is None:
+            self._side = torch.cuda.Stream(device=flat.device, priority=-1)
+        return self._side
 
     def _backward_ending(self):
         # Runs among autograd's final callbacks, before DDP's finalize_backward (queued later, by the
