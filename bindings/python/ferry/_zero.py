@@ -225,7 +225,7 @@ class Sharding:
         self.next_unit = len(self.units)
         self._works = []  # NCCL: (unit, work) of the all-gathers no host wait finished yet
         self._arrival = None
-        self._side = None  # NCCL: the side stream of the gathers
+        self._side = None  # NCCL: the side stream of the gathers (high priority, as FSDP2's)
         self._done = None  # NCCL: recorded on the side stream after each run of gathers
         self._all_gather_into = getattr(dist, "all_gather_into_tensor", None) or getattr(dist, "_all_gather_base", None)
         # NCCL: runs of units of about this many bytes gathered as one group (_gather_units_coalesced)
@@ -317,7 +317,7 @@ class Sharding:
         self.last_gather_seconds = 0.0
         if self.nccl:
             if self._side is None:
-                self._side = torch.cuda.Stream(device=self.params[self.unit_first(0)].device)
+                self._side = torch.cuda.Stream(device=self.params[self.unit_first(0)].device, priority=-1)
                 self._done = torch.cuda.Event()
             # The copies into the params wait for the forward and backward that read them.
             self._side.wait_stream(torch.cuda.current_stream(self._side.device))
