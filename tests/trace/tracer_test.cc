@@ -284,11 +284,14 @@ TEST(TraceFileTest, SummaryAddsTheThreadsCpuTimeOfTheEventsThatCarryIt) {
 
 TEST(TraceFileTest, IterationsRunFromStepEndToStepEndPerRank) {
   // Times in ms (the file's us / 1000). Rank 0: steps ending at 100, 300 and 600: two iterations,
-  // [100, 300) and [300, 600). Rounds [50, 150) and [120, 200) (union within the first: 100),
-  // [250, 400) (split: 50 in the first, 100 in the second) and [450, 500); a wait for grads
-  // [200, 260), the trainer's waits for params [310, 330) and [320, 340); CPU Adam threads starting
-  // in each (their CPU time: 30 of 40, and 10 of 40 plus one without it). Rank 1: one step, so no
-  // iteration.
+  // [100, 300) and [300, 600). Its CPU Adam is its workers' spans: [110, 150) (30 ms on a CPU),
+  // [140, 180) (no CPU time), [260, 340) (20 ms on a CPU: 40 in each iteration) and [450, 490) (10
+  // ms), so 70 + 40 = 110 in the first and 40 + 40 = 80 in the second; its rounds ([50, 150),
+  // [120, 200), [250, 400), [450, 500): 150 in each) last until the early thread finishes them and
+  // are not counted where workers' spans exist. A wait for grads [200, 260), for copies [170, 200),
+  // the trainer's waits for params [310, 330) and [320, 340). Rank 1: one step, so no iteration.
+  // Rank 2: steps ending at 100 and 300 and rounds [50, 150) and [200, 250), no worker's span: its
+  // CPU Adam is its rounds', 100 of 200.
   const std::string json = R"({"traceEvents":[
     {"ph":"X","name":"step","pid":0,"tid":1,"ts":0,"dur":100000},
     {"ph":"X","name":"step","pid":0,"tid":1,"ts":250000,"dur":50000},
@@ -298,36 +301,52 @@ TEST(TraceFileTest, IterationsRunFromStepEndToStepEndPerRank) {
     {"ph":"X","name":"cpu_adam.round","pid":0,"tid":2,"ts":250000,"dur":150000},
     {"ph":"X","name":"cpu_adam.round","pid":0,"tid":2,"ts":450000,"dur":50000},
     {"ph":"X","name":"wait.grads","pid":0,"tid":2,"ts":200000,"dur":60000},
+    {"ph":"X","name":"wait.copies","pid":0,"tid":2,"ts":170000,"dur":30000},
     {"ph":"X","name":"wait.upload","pid":0,"tid":1,"ts":310000,"dur":20000},
     {"ph":"X","name":"wait.upload","pid":0,"tid":1,"ts":320000,"dur":20000},
-    {"ph":"X","name":"cpu_adam.thread","pid":0,"tid":3,"ts":130000,"dur":40000,"args":{"cpu_us":30000}},
+    {"ph":"X","name":"cpu_adam.thread","pid":0,"tid":3,"ts":110000,"dur":40000,"args":{"cpu_us":30000}},
+    {"ph":"X","name":"cpu_adam.thread","pid":0,"tid":4,"ts":140000,"dur":40000},
+    {"ph":"X","name":"cpu_adam.thread","pid":0,"tid":3,"ts":260000,"dur":80000,"args":{"cpu_us":20000}},
     {"ph":"X","name":"cpu_adam.thread","pid":0,"tid":3,"ts":450000,"dur":40000,"args":{"cpu_us":10000}},
-    {"ph":"X","name":"cpu_adam.thread","pid":0,"tid":4,"ts":450000,"dur":40000},
     {"ph":"X","name":"step","pid":1,"tid":1,"ts":0,"dur":100000},
-    {"ph":"X","name":"cpu_adam.round","pid":1,"tid":2,"ts":0,"dur":100000}]})";
+    {"ph":"X","name":"cpu_adam.round","pid":1,"tid":2,"ts":0,"dur":100000},
+    {"ph":"X","name":"step","pid":2,"tid":1,"ts":0,"dur":100000},
+    {"ph":"X","name":"step","pid":2,"tid":1,"ts":280000,"dur":20000},
+    {"ph":"X","name":"cpu_adam.round","pid":2,"tid":2,"ts":50000,"dur":100000},
+    {"ph":"X","name":"cpu_adam.round","pid":2,"tid":2,"ts":200000,"dur":50000}]})";
   absl::StatusOr<TraceFile> t = ParseTrace(json);
   ASSERT_TRUE(t.ok()) << t.status();
   const std::vector<IterationSummary> its = Iterations(*t);
-  ASSERT_EQ(its.size(), 2u);
+  ASSERT_EQ(its.size(), 3u);
   EXPECT_EQ(its[0].pid, 0);
   EXPECT_EQ(its[0].step, 1u);
   EXPECT_DOUBLE_EQ(its[0].iteration_ms, 200.0);
-  EXPECT_DOUBLE_EQ(its[0].cpu_adam_ms, 150.0);  // [100, 200) and [250, 300)
-  EXPECT_DOUBLE_EQ(its[0].idle_ms, 50.0);
+  EXPECT_DOUBLE_EQ(its[0].cpu_adam_ms, 110.0);  // the workers' [110, 180) and [260, 300)
+  EXPECT_DOUBLE_EQ(its[0].idle_ms, 90.0);
   EXPECT_DOUBLE_EQ(its[0].wait_grads_ms, 60.0);
+  EXPECT_DOUBLE_EQ(its[0].wait_copies_ms, 30.0);
   EXPECT_DOUBLE_EQ(its[0].wait_upload_ms, 0.0);
-  EXPECT_DOUBLE_EQ(its[0].on_cpu, 0.75);
+  EXPECT_DOUBLE_EQ(its[0].on_cpu, 50.0 / 120.0);  // the span without its CPU time is left out
   EXPECT_EQ(its[1].step, 2u);
   EXPECT_DOUBLE_EQ(its[1].iteration_ms, 300.0);
-  EXPECT_DOUBLE_EQ(its[1].cpu_adam_ms, 150.0);  // [300, 400) and [450, 500)
-  EXPECT_DOUBLE_EQ(its[1].idle_ms, 150.0);
+  EXPECT_DOUBLE_EQ(its[1].cpu_adam_ms, 80.0);  // [300, 340) and [450, 490)
+  EXPECT_DOUBLE_EQ(its[1].idle_ms, 220.0);
+  EXPECT_DOUBLE_EQ(its[1].wait_copies_ms, 0.0);
   EXPECT_DOUBLE_EQ(its[1].wait_upload_ms, 30.0);  // [310, 340)
-  EXPECT_DOUBLE_EQ(its[1].on_cpu, 0.25);  // the thread without its CPU time is left out
+  EXPECT_DOUBLE_EQ(its[1].on_cpu, 0.25);
+  EXPECT_EQ(its[2].pid, 2);
+  EXPECT_DOUBLE_EQ(its[2].iteration_ms, 200.0);
+  EXPECT_DOUBLE_EQ(its[2].cpu_adam_ms, 100.0);  // no worker's span: the rounds' [100, 150) and [200, 250)
+  EXPECT_DOUBLE_EQ(its[2].on_cpu, -1.0);
   const std::string table = FormatIterations(its);
-  EXPECT_NE(table.find("mean"), std::string::npos) << table;
+  EXPECT_NE(table.find("wait.copies"), std::string::npos) << table;
   // Rank 0's means.
-  EXPECT_NE(table.find("0        mean     250.0 ms     150.0 ms     100.0 ms      30.0 ms      15.0 ms"
-                       "            50.0%"),
+  EXPECT_NE(table.find("0        mean     250.0 ms      95.0 ms     155.0 ms      30.0 ms      15.0 ms      15.0 ms"
+                       "            33.3%"),
+            std::string::npos)
+      << table;
+  EXPECT_NE(table.find("2        mean     200.0 ms     100.0 ms     100.0 ms       0.0 ms       0.0 ms       0.0 ms"
+                       "                -"),
             std::string::npos)
       << table;
   EXPECT_EQ(FormatIterations({}), "");

@@ -286,7 +286,7 @@ std::string FormatSummary(const std::vector<StageSummary>& stages) {
 std::vector<IterationSummary> Iterations(const TraceFile& trace) {
   // Per rank: its step spans, and the spans each column unites.
   struct Rank {
-    std::vector<const TraceFileEvent*> steps, rounds, grads, uploads, threads;
+    std::vector<const TraceFileEvent*> steps, rounds, grads, copies, uploads, threads;
   };
   std::map<int, Rank> ranks;
   for (const TraceFileEvent& e : trace.events) {
@@ -294,6 +294,7 @@ std::vector<IterationSummary> Iterations(const TraceFile& trace) {
     if (e.name == "step") r.steps.push_back(&e);
     if (e.name == "cpu_adam.round") r.rounds.push_back(&e);
     if (e.name == "wait.grads") r.grads.push_back(&e);
+    if (e.name == "wait.copies") r.copies.push_back(&e);
     if (e.name == "wait.upload") r.uploads.push_back(&e);
     if (e.name == "cpu_adam.thread") r.threads.push_back(&e);
   }
@@ -307,9 +308,10 @@ std::vector<IterationSummary> Iterations(const TraceFile& trace) {
       const double to = r.steps[i]->ts_us + r.steps[i]->dur_us;
       IterationSummary it{.pid = pid, .step = i};
       it.iteration_ms = (to - from) / 1e3;
-      it.cpu_adam_ms = UnionWithin(r.rounds, from, to) / 1e3;
+      it.cpu_adam_ms = UnionWithin(r.threads.empty() ? r.rounds : r.threads, from, to) / 1e3;
       it.idle_ms = it.iteration_ms - it.cpu_adam_ms;
       it.wait_grads_ms = UnionWithin(r.grads, from, to) / 1e3;
+      it.wait_copies_ms = UnionWithin(r.copies, from, to) / 1e3;
       it.wait_upload_ms = UnionWithin(r.uploads, from, to) / 1e3;
       double cpu = 0.0, span = 0.0;
       for (const TraceFileEvent* t : r.threads) {
@@ -327,11 +329,12 @@ std::vector<IterationSummary> Iterations(const TraceFile& trace) {
 
 std::string FormatIterations(const std::vector<IterationSummary>& iterations, size_t max_rows) {
   if (iterations.empty()) return "";
-  std::string out = absl::StrFormat("%-6s %6s %12s %12s %12s %12s %12s %16s\n", "rank", "step", "iteration",
-                                    "CPU Adam", "idle", "wait.grads", "wait.upload", "workers on CPU");
+  std::string out = absl::StrFormat("%-6s %6s %12s %12s %12s %12s %12s %12s %16s\n", "rank", "step", "iteration",
+                                    "CPU Adam", "idle", "wait.grads", "wait.copies", "wait.upload", "workers on CPU");
   auto row = [&](const std::string& rank, const std::string& step, const IterationSummary& it) {
-    absl::StrAppendFormat(&out, "%-6s %6s %9.1f ms %9.1f ms %9.1f ms %9.1f ms %9.1f ms %16s\n", rank, step,
-                          it.iteration_ms, it.cpu_adam_ms, it.idle_ms, it.wait_grads_ms, it.wait_upload_ms,
+    absl::StrAppendFormat(&out, "%-6s %6s %9.1f ms %9.1f ms %9.1f ms %9.1f ms %9.1f ms %9.1f ms %16s\n", rank,
+                          step, it.iteration_ms, it.cpu_adam_ms, it.idle_ms, it.wait_grads_ms, it.wait_copies_ms,
+                          it.wait_upload_ms,
                           it.on_cpu < 0 ? std::string("-") : absl::StrFormat("%.1f%%", 100.0 * it.on_cpu));
   };
   size_t begin = 0;
@@ -347,6 +350,7 @@ std::string FormatIterations(const std::vector<IterationSummary>& iterations, si
       mean.cpu_adam_ms += it.cpu_adam_ms;
       mean.idle_ms += it.idle_ms;
       mean.wait_grads_ms += it.wait_grads_ms;
+      mean.wait_copies_ms += it.wait_copies_ms;
       mean.wait_upload_ms += it.wait_upload_ms;
       if (it.on_cpu >= 0) {
         mean.on_cpu = (mean.on_cpu < 0 ? 0.0 : mean.on_cpu) + it.on_cpu;
@@ -361,6 +365,7 @@ std::string FormatIterations(const std::vector<IterationSummary>& iterations, si
     mean.cpu_adam_ms /= n;
     mean.idle_ms /= n;
     mean.wait_grads_ms /= n;
+    mean.wait_copies_ms /= n;
     mean.wait_upload_ms /= n;
     if (cpu_n > 0) mean.on_cpu /= cpu_n;
     row(absl::StrCat(mean.pid), "mean", mean);

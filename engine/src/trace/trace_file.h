@@ -84,9 +84,15 @@ struct IterationSummary {
   int pid = 0;          // the rank
   size_t step = 0;      // the index (0-based, per rank) of the step that ends it
   double iteration_ms = 0.0;
-  double cpu_adam_ms = 0.0;     // the union of the cpu_adam.round spans within it (CPU Adam running)
+  // CPU Adam running: the union of the cpu_adam.thread spans within it (a worker on a task), or of
+  // the cpu_adam.round spans where the rank's trace has no thread span. A round lasts until the
+  // early thread finishes it, so it also covers the early thread's waits while its workers idle.
+  double cpu_adam_ms = 0.0;
   double idle_ms = 0.0;         // iteration_ms - cpu_adam_ms: the CPU update not running
   double wait_grads_ms = 0.0;   // the union of wait.grads within it (the early pass waiting for grads)
+  // The union of wait.copies within it: the early pass waiting for grads to land that it took as
+  // final, or for a download queued behind a part not final yet.
+  double wait_copies_ms = 0.0;
   double wait_upload_ms = 0.0;  // the union of wait.upload within it (the trainer waiting for new params)
   // Of the cpu_adam.thread spans that start within it and carry their CPU time: the share of their
   // time the threads ran on a CPU; negative when none does.

@@ -73,9 +73,11 @@ std::string FormatTraceReport(const TraceFile& merged, size_t files, const std::
   if (!iterations.empty()) {
     absl::StrAppend(&out,
                     "\niterations (from the end of one step to the end of the next, per rank): CPU Adam is the\n"
-                    "time its rounds ran, idle the rest (where the loop is bound by the CPU update, the idle is\n"
-                    "what overlap did not hide); wait.grads, the early pass waiting for grads; wait.upload, the\n"
-                    "trainer waiting for new params\n",
+                    "time its workers ran (its rounds' time in a trace without them), idle the rest (where the\n"
+                    "loop is bound by the CPU update, the idle is what overlap did not hide); wait.grads, the\n"
+                    "early pass waiting for grads; wait.copies, for their downloads (a long one: grads taken as\n"
+                    "final that were not, or a download queued behind a part not final yet: an announcement's\n"
+                    "stream running late); wait.upload, the trainer waiting for new params\n",
                     FormatIterations(iterations));
   }
   if (const std::string arrivals = FormatRankArrivals(merged); !arrivals.empty()) absl::StrAppend(&out, "\n", arrivals);
