@@ -24,8 +24,8 @@ the GradsReady's event go on a high-priority stream of the bridge's own, made to
 callback completes, so the trainer's stream sees the copies too). On the callback's pool stream the
 announcements of a 735M model's backward became final out of order and late (traced on an H100:
 nine in a row of the middle blocks only after the backward's last ones), and CPU Adam, having
-nothing final to take, waited 25-30 ms a step; on the high-priority stream they become final in
-order, as the backward makes the grads (FSDP2's reduce-scatter stream, where its announcements
+nothing final to take, idled 13-33 ms a step more than in the same loop without DDP; on the
+high-priority stream they become final in order, as the backward makes the grads (FSDP2's reduce-scatter stream, where its announcements
 come from, is a high-priority stream too). With gloo the callback may run on gloo's thread: the
 engine is driven one thread at a time through the optimizer's _engine_lock.
 
