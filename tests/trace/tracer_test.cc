@@ -289,7 +289,10 @@ TEST(TraceFileTest, IterationsRunFromStepEndToStepEndPerRank) {
   // ms), so 70 + 40 = 110 in the first and 40 + 40 = 80 in the second; its rounds ([50, 150),
   // [120, 200), [250, 400), [450, 500): 150 in each) last until the early thread finishes them and
   // are not counted where workers' spans exist. A wait for grads [200, 260), for copies [170, 200),
-  // the trainer's waits for params [310, 330) and [320, 340). Rank 1: one step, so no iteration.
+  // the trainer's waits for params [310, 330) and [320, 340). Announcements (grads_ready) at 150 (no
+  // wait for params in that iteration: no host forward), 305 (before the second iteration's first
+  // wait for params) and 400: the second iteration's host forward is [310, 400). Rank 1: one step,
+  // so no iteration.
   // Rank 2: steps ending at 100 and 300 and rounds [50, 150) and [200, 250), no worker's span: its
   // CPU Adam is its rounds', 100 of 200.
   const std::string json = R"({"traceEvents":[
@@ -304,6 +307,10 @@ TEST(TraceFileTest, IterationsRunFromStepEndToStepEndPerRank) {
     {"ph":"X","name":"wait.copies","pid":0,"tid":2,"ts":170000,"dur":30000},
     {"ph":"X","name":"wait.upload","pid":0,"tid":1,"ts":310000,"dur":20000},
     {"ph":"X","name":"wait.upload","pid":0,"tid":1,"ts":320000,"dur":20000},
+    {"ph":"X","name":"grads_ready","pid":0,"tid":5,"ts":150000,"dur":100},
+    {"ph":"X","name":"grads_ready","pid":0,"tid":5,"ts":305000,"dur":100},
+    {"ph":"X","name":"grads_ready","pid":0,"tid":5,"ts":400000,"dur":100},
+    {"ph":"X","name":"grads_ready","pid":0,"tid":5,"ts":450000,"dur":100},
     {"ph":"X","name":"cpu_adam.thread","pid":0,"tid":3,"ts":110000,"dur":40000,"args":{"cpu_us":30000}},
     {"ph":"X","name":"cpu_adam.thread","pid":0,"tid":4,"ts":140000,"dur":40000},
     {"ph":"X","name":"cpu_adam.thread","pid":0,"tid":3,"ts":260000,"dur":80000,"args":{"cpu_us":20000}},
@@ -327,6 +334,7 @@ TEST(TraceFileTest, IterationsRunFromStepEndToStepEndPerRank) {
   EXPECT_DOUBLE_EQ(its[0].wait_copies_ms, 30.0);
   EXPECT_DOUBLE_EQ(its[0].wait_upload_ms, 0.0);
   EXPECT_DOUBLE_EQ(its[0].on_cpu, 50.0 / 120.0);  // the span without its CPU time is left out
+  EXPECT_DOUBLE_EQ(its[0].host_forward_ms, -1.0);
   EXPECT_EQ(its[1].step, 2u);
   EXPECT_DOUBLE_EQ(its[1].iteration_ms, 300.0);
   EXPECT_DOUBLE_EQ(its[1].cpu_adam_ms, 80.0);  // [300, 340) and [450, 490)
@@ -334,6 +342,7 @@ TEST(TraceFileTest, IterationsRunFromStepEndToStepEndPerRank) {
   EXPECT_DOUBLE_EQ(its[1].wait_copies_ms, 0.0);
   EXPECT_DOUBLE_EQ(its[1].wait_upload_ms, 30.0);  // [310, 340)
   EXPECT_DOUBLE_EQ(its[1].on_cpu, 0.25);
+  EXPECT_DOUBLE_EQ(its[1].host_forward_ms, 90.0);
   EXPECT_EQ(its[2].pid, 2);
   EXPECT_DOUBLE_EQ(its[2].iteration_ms, 200.0);
   EXPECT_DOUBLE_EQ(its[2].cpu_adam_ms, 100.0);  // no worker's span: the rounds' [100, 150) and [200, 250)
@@ -341,12 +350,13 @@ TEST(TraceFileTest, IterationsRunFromStepEndToStepEndPerRank) {
   const std::string table = FormatIterations(its);
   EXPECT_NE(table.find("wait.copies"), std::string::npos) << table;
   // Rank 0's means.
+  EXPECT_NE(table.find("host forward"), std::string::npos) << table;
   EXPECT_NE(table.find("0        mean     250.0 ms      95.0 ms     155.0 ms      30.0 ms      15.0 ms      15.0 ms"
-                       "            33.3%"),
+                       "       90.0 ms            33.3%"),
             std::string::npos)
       << table;
   EXPECT_NE(table.find("2        mean     200.0 ms     100.0 ms     100.0 ms       0.0 ms       0.0 ms       0.0 ms"
-                       "                -"),
+                       "             -                -"),
             std::string::npos)
       << table;
   EXPECT_EQ(FormatIterations({}), "");

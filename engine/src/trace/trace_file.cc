@@ -283,10 +283,33 @@ std::string FormatSummary(const std::vector<StageSummary>& stages) {
   return out;
 }
 
+namespace {
+
+// The first start within [from, to) of `events`, at or after `after`; negative when none.
+double FirstStart(const std::vector<const TraceFileEvent*>& events, double from, double to, double after) {
+  double first = -1.0;
+  for (const TraceFileEvent* e : events) {
+    if (e->ts_us < from || e->ts_us >= to || e->ts_us < after) continue;
+    if (first < 0.0 || e->ts_us < first) first = e->ts_us;
+  }
+  return first;
+}
+
+// IterationSummary::host_forward_ms.
+double HostForwardMs(const std::vector<const TraceFileEvent*>& uploads,
+                     const std::vector<const TraceFileEvent*>& announced, double from, double to) {
+  const double forward = FirstStart(uploads, from, to, from);
+  if (forward < 0.0) return -1.0;
+  const double backward = FirstStart(announced, from, to, forward);
+  return backward < 0.0 ? -1.0 : (backward - forward) / 1e3;
+}
+
+}  // namespace
+
 std::vector<IterationSummary> Iterations(const TraceFile& trace) {
   // Per rank: its step spans, and the spans each column unites.
   struct Rank {
-    std::vector<const TraceFileEvent*> steps, rounds, grads, copies, uploads, threads;
+    std::vector<const TraceFileEvent*> steps, rounds, grads, copies, uploads, threads, announced;
   };
   std::map<int, Rank> ranks;
   for (const TraceFileEvent& e : trace.events) {
@@ -297,6 +320,7 @@ std::vector<IterationSummary> Iterations(const TraceFile& trace) {
     if (e.name == "wait.copies") r.copies.push_back(&e);
     if (e.name == "wait.upload") r.uploads.push_back(&e);
     if (e.name == "cpu_adam.thread") r.threads.push_back(&e);
+    if (e.name == "grads_ready") r.announced.push_back(&e);
   }
   std::vector<IterationSummary> out;
   for (auto& [pid, r] : ranks) {
@@ -313,6 +337,7 @@ std::vector<IterationSummary> Iterations(const TraceFile& trace) {
       it.wait_grads_ms = UnionWithin(r.grads, from, to) / 1e3;
       it.wait_copies_ms = UnionWithin(r.copies, from, to) / 1e3;
       it.wait_upload_ms = UnionWithin(r.uploads, from, to) / 1e3;
+      it.host_forward_ms = HostForwardMs(r.uploads, r.announced, from, to);
       double cpu = 0.0, span = 0.0;
       for (const TraceFileEvent* t : r.threads) {
         auto c = t->args.find("cpu_us");
@@ -329,12 +354,14 @@ std::vector<IterationSummary> Iterations(const TraceFile& trace) {
 
 std::string FormatIterations(const std::vector<IterationSummary>& iterations, size_t max_rows) {
   if (iterations.empty()) return "";
-  std::string out = absl::StrFormat("%-6s %6s %12s %12s %12s %12s %12s %12s %16s\n", "rank", "step", "iteration",
-                                    "CPU Adam", "idle", "wait.grads", "wait.copies", "wait.upload", "workers on CPU");
+  std::string out = absl::StrFormat("%-6s %6s %12s %12s %12s %12s %12s %12s %13s %16s\n", "rank", "step",
+                                    "iteration", "CPU Adam", "idle", "wait.grads", "wait.copies", "wait.upload",
+                                    "host forward", "workers on CPU");
   auto row = [&](const std::string& rank, const std::string& step, const IterationSummary& it) {
-    absl::StrAppendFormat(&out, "%-6s %6s %9.1f ms %9.1f ms %9.1f ms %9.1f ms %9.1f ms %9.1f ms %16s\n", rank,
+    absl::StrAppendFormat(&out, "%-6s %6s %9.1f ms %9.1f ms %9.1f ms %9.1f ms %9.1f ms %9.1f ms %13s %16s\n", rank,
                           step, it.iteration_ms, it.cpu_adam_ms, it.idle_ms, it.wait_grads_ms, it.wait_copies_ms,
                           it.wait_upload_ms,
+                          it.host_forward_ms < 0 ? std::string("-") : absl::StrFormat("%.1f ms", it.host_forward_ms),
                           it.on_cpu < 0 ? std::string("-") : absl::StrFormat("%.1f%%", 100.0 * it.on_cpu));
   };
   size_t begin = 0;
@@ -342,7 +369,7 @@ std::string FormatIterations(const std::vector<IterationSummary>& iterations, si
     size_t end = begin;
     while (end < iterations.size() && iterations[end].pid == iterations[begin].pid) ++end;
     IterationSummary mean{.pid = iterations[begin].pid};
-    double cpu_n = 0.0;
+    double cpu_n = 0.0, forward_n = 0.0;
     for (size_t i = begin; i < end; ++i) {
       const IterationSummary& it = iterations[i];
       if (i - begin < max_rows) row(absl::StrCat(it.pid), absl::StrCat(it.step), it);
@@ -356,6 +383,10 @@ std::string FormatIterations(const std::vector<IterationSummary>& iterations, si
         mean.on_cpu = (mean.on_cpu < 0 ? 0.0 : mean.on_cpu) + it.on_cpu;
         cpu_n += 1.0;
       }
+      if (it.host_forward_ms >= 0) {
+        mean.host_forward_ms = (mean.host_forward_ms < 0 ? 0.0 : mean.host_forward_ms) + it.host_forward_ms;
+        forward_n += 1.0;
+      }
     }
     const double n = static_cast<double>(end - begin);
     if (end - begin > max_rows) {
@@ -368,6 +399,7 @@ std::string FormatIterations(const std::vector<IterationSummary>& iterations, si
     mean.wait_copies_ms /= n;
     mean.wait_upload_ms /= n;
     if (cpu_n > 0) mean.on_cpu /= cpu_n;
+    if (forward_n > 0) mean.host_forward_ms /= forward_n;
     row(absl::StrCat(mean.pid), "mean", mean);
     begin = end;
   }

@@ -94,6 +94,11 @@ struct IterationSummary {
   // final, or for a download queued behind a part not final yet.
   double wait_copies_ms = 0.0;
   double wait_upload_ms = 0.0;  // the union of wait.upload within it (the trainer waiting for new params)
+  // The trainer issuing the forward: from the iteration's first wait.upload (the forward's first
+  // pre-hook, with attach) to its first grads_ready after it (the backward's first announcement);
+  // negative when the iteration has no such pair. Against the GPU's forward time: a forward paced by
+  // the host's launches, not by the updates (wait.upload small beside it).
+  double host_forward_ms = -1.0;
   // Of the cpu_adam.thread spans that start within it and carry their CPU time: the share of their
   // time the threads ran on a CPU; negative when none does.
   double on_cpu = -1.0;

@@ -77,7 +77,9 @@ std::string FormatTraceReport(const TraceFile& merged, size_t files, const std::
                     "loop is bound by the CPU update, the idle is what overlap did not hide); wait.grads, the\n"
                     "early pass waiting for grads; wait.copies, for their downloads (a long one: grads taken as\n"
                     "final that were not, or a download queued behind a part not final yet: an announcement's\n"
-                    "stream running late); wait.upload, the trainer waiting for new params\n",
+                    "stream running late); wait.upload, the trainer waiting for new params; host forward, the\n"
+                    "trainer from the forward's first wait for params to the backward's first announcement (with\n"
+                    "attach: far above the GPU's forward time and wait.upload small, the host's launches pace it)\n",
                     FormatIterations(iterations));
   }
   if (const std::string arrivals = FormatRankArrivals(merged); !arrivals.empty()) absl::StrAppend(&out, "\n", arrivals);
