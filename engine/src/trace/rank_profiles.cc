@@ -75,6 +75,12 @@ struct RankTrace {
   }
 };
 
+// Whether the last rank's host launched the collective late (its kernel started within
+// kLaunchedLateUs of the launch); false when the launch is not in the trace.
+bool HostLate(const CollectiveStart& c) {
+  return c.launch_to_start_ms >= 0 && c.launch_to_start_ms * 1e3 < kLaunchedLateUs;
+}
+
 StreamIdle IdleOf(const RankTrace& r) {
   StreamIdle out;
   out.rank = r.rank;
@@ -269,7 +275,7 @@ std::string FormatRankProfiles(const RankProfiles& p) {
         ++last[c->last];
         if (c->launch_to_start_ms >= 0) {
           ++known;
-          late += c->launch_to_start_ms * 1e3 < kLaunchedLateUs ? 1 : 0;
+          late += HostLate(*c) ? 1 : 0;
         }
       }
       std::vector<std::string> lasts;
@@ -284,7 +290,7 @@ std::string FormatRankProfiles(const RankProfiles& p) {
     std::map<int, std::pair<double, double>> caused;  // rank -> (all, host late), ms
     for (const CollectiveStart& c : p.collectives) {
       caused[c.last].first += c.spread_ms;
-      if (c.launch_to_start_ms >= 0 && c.launch_to_start_ms * 1e3 < kLaunchedLateUs) caused[c.last].second += c.spread_ms;
+      if (HostLate(c)) caused[c.last].second += c.spread_ms;
     }
     absl::StrAppend(&out, "waits each rank caused (the sum over the collectives it came last to; its host late in):");
     for (const auto& [rank, ms] : caused) {
@@ -301,8 +307,8 @@ std::string FormatRankProfiles(const RankProfiles& p) {
         const CollectiveStart& c = *worst[i];
         absl::StrAppend(&out, absl::StrFormat("\n  %s #%d, %.1f ms: rank %d last%s%s", c.kind, c.index, c.spread_ms, c.last,
                                               c.launch_to_start_ms < 0 ? ""
-                                              : c.launch_to_start_ms * 1e3 < kLaunchedLateUs ? ", its host late"
-                                                                                              : ", queued behind its stream",
+                                              : HostLate(c)            ? ", its host late"
+                                                                       : ", queued behind its stream",
                                               c.where.empty() ? "" : absl::StrCat(", launched in ", c.where)));
       }
       absl::StrAppend(&out, "\n");

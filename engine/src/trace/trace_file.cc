@@ -285,11 +285,11 @@ std::string FormatSummary(const std::vector<StageSummary>& stages) {
 
 namespace {
 
-// The first start within [from, to) of `events`, at or after `after`; negative when none.
-double FirstStart(const std::vector<const TraceFileEvent*>& events, double from, double to, double after) {
+// The first start of `events` within [from, to); negative when none.
+double FirstStart(const std::vector<const TraceFileEvent*>& events, double from, double to) {
   double first = -1.0;
   for (const TraceFileEvent* e : events) {
-    if (e->ts_us < from || e->ts_us >= to || e->ts_us < after) continue;
+    if (e->ts_us < from || e->ts_us >= to) continue;
     if (first < 0.0 || e->ts_us < first) first = e->ts_us;
   }
   return first;
@@ -298,9 +298,9 @@ double FirstStart(const std::vector<const TraceFileEvent*>& events, double from,
 // IterationSummary::host_forward_ms.
 double HostForwardMs(const std::vector<const TraceFileEvent*>& uploads,
                      const std::vector<const TraceFileEvent*>& announced, double from, double to) {
-  const double forward = FirstStart(uploads, from, to, from);
+  const double forward = FirstStart(uploads, from, to);
   if (forward < 0.0) return -1.0;
-  const double backward = FirstStart(announced, from, to, forward);
+  const double backward = FirstStart(announced, forward, to);
   return backward < 0.0 ? -1.0 : (backward - forward) / 1e3;
 }
 
