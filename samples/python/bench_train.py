@@ -67,6 +67,7 @@ import ferry
 import ferry.torch
 
 from bench_model import CLIP_NORMS, SIZES, VOCAB, Loop, Model
+import bench_threads
 
 
 def has_option(name):
@@ -175,6 +176,7 @@ def run_row(row, model, init, data, loop, args):
             sync()
             t0 = time.perf_counter()
             before = opt.stats() if kind == "ferry" else None
+            threads0 = bench_threads.snapshot()
         if isinstance(announcer, Announcer):
             announcer.reset()
         loss = loop.backward(model, data[it % len(data)], opt, kind, scaler, norms)
@@ -186,6 +188,7 @@ def run_row(row, model, init, data, loop, args):
         opt.wait_params()
     sync()
     iteration = (time.perf_counter() - t0) / args.steps
+    row["threads"] = bench_threads.use(threads0, bench_threads.snapshot(), args.steps)
     after = opt.stats() if kind == "ferry" else None
     deferred = after.get("deferred_steps", 0) if after else 0
     row["cpu"] = cpu_update(before, after, args.steps) if after else None
@@ -386,6 +389,8 @@ def bench_size(name, args):
         clip_text, clip_ok = row["clip"]
         if clip_text:
             line += "   [%s]" % clip_text
+        if row.get("threads"):
+            line += "\n      " + bench_threads.text(row["threads"])
         ok = ok and clip_ok
         print(line, flush=True)
     print_table(results, loop)

@@ -51,6 +51,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_model  # noqa: E402  (the model, its sizes and param groups)
+import bench_threads  # noqa: E402  (where the threads spent the timed steps)
 import bench_train  # noqa: E402  (the rows' options and CPU notes)
 import dist_launch  # noqa: E402
 from fsdp2_sample import fsdp2  # noqa: E402
@@ -191,6 +192,15 @@ def timed_end(opt, row, sync, t0, steps):
     return (time.perf_counter() - t0) / steps, opt.stats() if row["kind"] == "ferry" else None
 
 
+def threads_by_rank(threads, device):
+    """(this rank's bench_threads.use() dict, [[trainer ms on a CPU, ms waiting for one] per rank])."""
+    trainer = threads.get("trainer", [1, 0.0, 0.0])
+    mine = torch.tensor(trainer[1:], dtype=torch.float64, device=device if dist.get_backend() == "nccl" else "cpu")
+    every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    return threads, [t.tolist() for t in every]
+
+
 def run_row(row, args, device, rank, world, local_rank, data):
     """(slowest rank's iteration time in s, this rank's losses, bench_train.cpu_update's dict of this
     rank's timed steps or None)."""
@@ -205,6 +215,7 @@ def run_row(row, args, device, rank, world, local_rank, data):
     for it in range(end + (4 if profiled else 0)):
         if it == end:
             mine, after = timed_end(opt, row, sync, t0, args.steps)
+            threads = bench_threads.use(threads0, bench_threads.snapshot(), args.steps)
         if profiled and it in (end + 1, end + 3):
             prof = profile_steps(prof, args.profile, row, rank, device)
         if it == args.warmup:
@@ -212,6 +223,7 @@ def run_row(row, args, device, rank, world, local_rank, data):
             dist.barrier()
             t0 = time.perf_counter()
             before = opt.stats() if row["kind"] == "ferry" else None
+            threads0 = bench_threads.snapshot()
         timed = phases is not None and args.warmup <= it < end
         if timed:
             phases.mark("start")
@@ -229,6 +241,8 @@ def run_row(row, args, device, rank, world, local_rank, data):
             losses.append(loss.detach())
     if not profiled:
         mine, after = timed_end(opt, row, sync, t0, args.steps)
+        threads = bench_threads.use(threads0, bench_threads.snapshot(), args.steps)
+    row["threads"] = threads_by_rank(threads, device)
     slowest = torch.tensor([mine], dtype=torch.float64, device=device if dist.get_backend() == "nccl" else "cpu")
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     stats = bench_train.cpu_update(before, after, args.steps) if row["kind"] == "ferry" else None
@@ -280,6 +294,12 @@ def worker(rank, world, local_rank, args):
                 "%s %.1f / %.1f ms" % (name, m, x) for name, (m, x) in row["phases"].items())
         elif args.phases and rank == 0 and device.type != "cuda":
             line += "   (--phases: CUDA only)"
+        threads, trainers = row["threads"]
+        if threads:
+            line += "\n      %s (rank 0)" % bench_threads.text(threads)
+            if world > 1:
+                line += "\n      each rank's trainer thread, ms per step on a CPU + waiting for one: " + ", ".join(
+                    "%.1f + %.1f" % (c, w) for c, w in trainers)
         if args.profile and row["kind"] == "ferry" and world > 1:
             line += "\n      which rank each collective waited for: ferry trace %s" % os.path.join(
                 args.profile, "%s.rank-*.json" % bench_train.row_slug(row))

@@ -8,9 +8,12 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <future>
+#include <string>
 #include <thread>
 #include <vector>
 
+#include <pthread.h>
 #include <time.h>
 
 #include "gtest/gtest.h"
@@ -238,6 +241,24 @@ TEST(ThreadPool, DefaultThreadsIsUsable) {
   std::atomic<int> ran{0};
   pool.ParallelFor(3 * n + 1, [&](size_t) { ran.fetch_add(1); });
   EXPECT_EQ(ran.load(), static_cast<int>(3 * n + 1));
+}
+
+// The workers carry the pool's name (what top and /proc/<pid>/task/<tid>/comm show), cut to the 15
+// bytes the kernel keeps; the calling thread's name is left alone.
+TEST(ThreadPool, WorkersCarryThePoolsName) {
+  auto name_of_this_thread = [] {
+    char buf[64] = {};
+    return pthread_getname_np(pthread_self(), buf, sizeof(buf)) == 0 ? std::string(buf) : std::string("?");
+  };
+  const std::string caller = name_of_this_thread();
+  for (const auto& [given, expected] : std::vector<std::pair<const char*, std::string>>{
+           {"ferry-adam", "ferry-adam"}, {"ferry-a-long-pool-name", "ferry-a-long-po"}}) {
+    ThreadPool pool(2, 0, {}, given);
+    std::promise<std::string> seen;
+    pool.Schedule([&] { seen.set_value(name_of_this_thread()); });
+    EXPECT_EQ(seen.get_future().get(), expected);
+  }
+  EXPECT_EQ(name_of_this_thread(), caller);
 }
 
 }  // namespace

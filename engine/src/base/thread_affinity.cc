@@ -1,6 +1,7 @@
 #include "base/thread_affinity.h"
 
 #include <dirent.h>
+#include <pthread.h>
 #include <sched.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -50,6 +51,13 @@ std::vector<pid_t> ProcessThreads() {
 }  // namespace
 
 pid_t CurrentThreadId() { return static_cast<pid_t>(syscall(SYS_gettid)); }
+
+void NameCurrentThread(const char* name) {
+  char buf[16];  // the kernel keeps 15 bytes and the terminator
+  std::strncpy(buf, name, sizeof(buf) - 1);
+  buf[sizeof(buf) - 1] = '\0';
+  pthread_setname_np(pthread_self(), buf);  // best effort: a name is a label, never a failure
+}
 
 void RegisterHeldThread(pid_t tid) {
   std::lock_guard<std::mutex> lock(HeldMutex());

@@ -23,6 +23,10 @@ namespace ferry {
 // The calling thread's id (gettid).
 pid_t CurrentThreadId();
 
+// Names the calling thread (what top, perf and /proc/<pid>/task/<tid>/comm show; at most 15 bytes
+// are kept): Ferry's threads are named ferry-<job> so that a trainer can tell them from its own.
+void NameCurrentThread(const char* name);
+
 // A thread that holds itself to CPUs of its own (a pool's worker) registers here before it does,
 // so that HoldProcessThreads leaves it alone; it unregisters before it exits.
 void RegisterHeldThread(pid_t tid);

@@ -56,7 +56,8 @@ int64_t ThreadPool::DefaultSpinUs() {
   return spin_us;
 }
 
-ThreadPool::ThreadPool(size_t num_threads, int64_t spin_us, std::vector<int> cpus) : cpus_(std::move(cpus)) {
+ThreadPool::ThreadPool(size_t num_threads, int64_t spin_us, std::vector<int> cpus, const char* name)
+    : cpus_(std::move(cpus)), name_(name) {
   if (num_threads == 0) num_threads = 1;
   spin_ns_ = (spin_us < 0 ? DefaultSpinUs() : spin_us) * 1000;
   workers_.reserve(num_threads);
@@ -105,6 +106,7 @@ bool ThreadPool::RunOne(Job& job) {
 }
 
 void ThreadPool::WorkerLoop() {
+  NameCurrentThread(name_);
   // A worker held to the share's CPUs is left alone by HoldProcessThreads (registered before it holds
   // itself, so that a hold running meanwhile cannot undo its own).
   const pid_t held = cpus_.empty() ? 0 : CurrentThreadId();

@@ -37,7 +37,9 @@ class ThreadPool final {
   // `cpus` non-empty: the workers run only on these CPUs (a rank's share of its host), each free to
   // move among them (one CPU per worker measured no better, and far worse when a worker's CPU was
   // also wanted by the pipeline's own threads). Refused by the kernel: the workers stay unrestricted.
-  explicit ThreadPool(size_t num_threads, int64_t spin_us = -1, std::vector<int> cpus = {});
+  // `name`: the workers' thread name (NameCurrentThread), e.g. ferry-adam for CPU Adam's.
+  explicit ThreadPool(size_t num_threads, int64_t spin_us = -1, std::vector<int> cpus = {},
+                      const char* name = "ferry-pool");
   ~ThreadPool();
   ThreadPool(const ThreadPool&) = delete;
   ThreadPool& operator=(const ThreadPool&) = delete;
@@ -140,6 +142,7 @@ class ThreadPool final {
   std::atomic<uint64_t> posted_{0};  // bumped (under mu_) by every change a worker may act on
   int64_t spin_ns_ = 0;
   std::vector<int> cpus_;
+  const char* name_;  // a string literal of the caller's
   std::vector<std::thread> workers_;
 };
 

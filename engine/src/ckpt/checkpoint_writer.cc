@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "base/logging.h"
+#include "base/thread_affinity.h"
 #include "ferry/status.h"
 
 namespace ferry {
@@ -18,7 +19,10 @@ size_t IoThreads(size_t requested) {
 }  // namespace
 
 CheckpointWriter::CheckpointWriter(size_t io_threads)
-    : io_pool_(IoThreads(io_threads)), thread_([this] { Loop(); }) {}
+    : io_pool_(IoThreads(io_threads), -1, {}, "ferry-ckpt-io"), thread_([this] {
+        NameCurrentThread("ferry-ckpt");
+        Loop();
+      }) {}
 
 CheckpointWriter::~CheckpointWriter() {
   {

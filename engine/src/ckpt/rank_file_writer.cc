@@ -8,6 +8,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
+#include "base/thread_affinity.h"
 #include "ckpt/ckpt_io.h"
 #include "ckpt/posix_file.h"
 #include "ferry/status.h"
@@ -26,7 +27,10 @@ using ckpt_internal::Xxh3State;
 // as its bytes are in the page cache). Advisory: durability comes from the final fsync.
 class WritebackQueue final {
  public:
-  explicit WritebackQueue(const WritableFile* file) : file_(file), thread_([this] { Loop(); }) {}
+  explicit WritebackQueue(const WritableFile* file) : file_(file), thread_([this] {
+    NameCurrentThread("ferry-writeback");
+    Loop();
+  }) {}
   ~WritebackQueue() {
     {
       std::lock_guard<std::mutex> lock(mu_);

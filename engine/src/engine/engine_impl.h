@@ -34,6 +34,7 @@
 #include "base/absl_compat.h"
 #include "base/logging.h"
 #include "base/host_share.h"
+#include "base/thread_affinity.h"
 #include "base/thread_pool.h"
 #include "ckpt/bulk_reader.h"
 #include "ckpt/checkpoint.h"
@@ -102,7 +103,10 @@ class CheckpointStaging final {
     (void)::madvise(data, rounded, MADV_HUGEPAGE);  // fewer faults and TLB misses; advisory
     std::unique_ptr<CheckpointStaging> s(new CheckpointStaging(device, static_cast<char*>(data), rounded));
     if (device->backend() == Backend::kCuda) {
-      s->registrar_ = std::thread([raw = s.get()] { raw->register_status_ = raw->device_->RegisterHost(raw->data_, raw->bytes_); });
+      s->registrar_ = std::thread([raw = s.get()] {
+        NameCurrentThread("ferry-register");
+        raw->register_status_ = raw->device_->RegisterHost(raw->data_, raw->bytes_);
+      });
     }
     return s;
   }
@@ -155,7 +159,7 @@ class EngineImpl final : public Engine {
         device_(std::move(device)),
         policy_(std::move(policy)),
         workers_(std::move(workers)),
-        pool_(std::make_unique<ThreadPool>(workers_.threads, -1, workers_.cpus)) {
+        pool_(std::make_unique<ThreadPool>(workers_.threads, -1, workers_.cpus, "ferry-adam")) {
     comm_ = options_.comm != nullptr ? options_.comm : std::shared_ptr<Comm>(MakeSingleProcessComm());
     std::string trace_path = options_.trace_path;
     if (trace_path.empty()) {

@@ -91,7 +91,7 @@ void EngineImpl::TuneWorkers() {
                       {{"cpu_threads", static_cast<double>(knee.workers)}}, workers_.knee);
   }
   if (knee.workers < pool_->num_threads()) {
-    pool_ = std::make_unique<ThreadPool>(knee.workers, -1, workers_.cpus);
+    pool_ = std::make_unique<ThreadPool>(knee.workers, -1, workers_.cpus, "ferry-adam");
     workers_.threads = knee.workers;
   }
 }
@@ -128,7 +128,7 @@ absl::Status EngineImpl::TuneSharedWorkers(const absl::Status& local, const ferr
                       {{"cpu_threads", static_cast<double>(knee->workers)}}, workers_.knee);
   }
   if (knee->workers != pool_->num_threads()) {
-    pool_ = std::make_unique<ThreadPool>(knee->workers, -1, workers_.cpus);
+    pool_ = std::make_unique<ThreadPool>(knee->workers, -1, workers_.cpus, "ferry-adam");
     workers_.threads = knee->workers;
   }
   return absl::OkStatus();

@@ -25,6 +25,7 @@
 #include "base/absl_compat.h"
 #include "base/errors.h"
 #include "base/logging.h"
+#include "base/thread_affinity.h"
 #include "memory/format.h"
 #include "memory/numa.h"
 
@@ -279,7 +280,10 @@ absl::StatusOr<int> PrefaultRegion(void* base, size_t bytes, PageKind kind, int 
     workers.reserve(n);
     for (size_t i = 0; i < n; ++i) {
       try {
-        workers.emplace_back(run, i, true);
+        workers.emplace_back([&run, i] {
+          NameCurrentThread("ferry-prefault");
+          run(i, true);
+        });
       } catch (const std::system_error&) {  // no more threads: do this slice here
         run(i, false);
       }

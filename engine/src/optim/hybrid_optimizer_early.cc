@@ -22,6 +22,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "base/logging.h"
+#include "base/thread_affinity.h"
 #include "ferry/status.h"
 #include "optim/hybrid_optimizer.h"
 
@@ -196,7 +197,10 @@ absl::Status HybridOptimizer::QueueParts(std::vector<EarlyPart> parts, const std
     for (size_t g : completed) group_all_queued_[g] = 1;
     early_queue_.push_back(EarlyItem{std::move(parts), ready, in_place, scalars, std::move(steps)});
   }
-  if (!early_thread_.joinable()) early_thread_ = std::thread([this] { EarlyLoop(); });
+  if (!early_thread_.joinable()) early_thread_ = std::thread([this] {
+      NameCurrentThread("ferry-early");
+      EarlyLoop();
+    });
   early_cv_.notify_all();
   return absl::OkStatus();
 }

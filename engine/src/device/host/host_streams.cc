@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "base/thread_affinity.h"
 #include "ferry/status.h"
 
 namespace ferry::host_backend {
@@ -183,7 +184,10 @@ class HostQueueStream final : public HostStreamBase {
   explicit HostQueueStream(std::shared_ptr<StreamRegistry> registry)
       : registry_(std::move(registry)), core_(std::make_shared<QueueCore>()) {
     registry_->Add(core_);
-    worker_ = std::thread([core = core_] { core->Run(); });
+    worker_ = std::thread([core = core_] {
+      NameCurrentThread("ferry-hstream");
+      core->Run();
+    });
   }
   // Finishes the queued work, then joins the worker.
   ~HostQueueStream() override {
