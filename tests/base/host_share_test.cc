@@ -79,13 +79,16 @@ TEST(HostShareTest, OneRankTakesEveryCpuOneCoreFirst) {
   }
   EXPECT_EQ(SplitHost(MakeHost(1, 16, 1), LocalRanks{1, 2, "test"}, {}, 1).Workers(0, 0), 7u);
   // What ranks joined by a comm measure together instead (MeasureSharedKnee): up to their share less
-  // the trainer's CPU and the eighth, and only where the half rule applies.
+  // the trainer's CPU, the eighth and the pipeline thread's CPU, and only where the half rule applies.
   EXPECT_TRUE(half.shares_bandwidth());
-  EXPECT_EQ(half.MaxWorkers(0), 27u);
+  EXPECT_EQ(half.MaxWorkers(0), 26u);
   EXPECT_EQ(half.MaxWorkers(20), 20u);
   const HostShare quarter = SplitHost(MakeHost(1, 64, 1), LocalRanks{3, 4, "test"}, {}, 1);
   EXPECT_TRUE(quarter.shares_bandwidth());
-  EXPECT_EQ(quarter.MaxWorkers(0), 15u);
+  EXPECT_EQ(quarter.MaxWorkers(0), 14u);
+  EXPECT_EQ(SplitHost(MakeHost(1, 64, 1), LocalRanks{3, 4, "test"}, {}, 2).MaxWorkers(0), 13u)
+      << "a torch loop's two trainer CPUs, and the pipeline's";
+  EXPECT_EQ(big.MaxWorkers(0), 63u - 8u) << "one rank: its trainer's threads wait for the GPU, the pipeline's CPU is not kept";
   EXPECT_FALSE(SplitHost(MakeHost(1, 16, 1), LocalRanks{1, 2, "test"}, {}, 1).shares_bandwidth());
   EXPECT_FALSE(big.shares_bandwidth()) << "one rank: not split";
   // Split by NUMA node: the ranks divide their GPU node's 16 CPUs, not the host's 32.

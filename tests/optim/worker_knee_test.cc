@@ -32,6 +32,17 @@ TEST(WorkerKneeTest, PicksTheFewestWithinTolerance) {
   EXPECT_EQ(PickKnee({{8, 1.0}, {12, 2.0}, {16, 1.5}}, 0.05), 12u);
 }
 
+// Ranks sharing a host take the most workers within the tolerance: the 4 x H100 host's shared
+// measurements of 2026-11-28 (7, 10 and 13 workers per rank).
+TEST(WorkerKneeTest, SharedPicksTheMostWithinTolerance) {
+  EXPECT_EQ(PickMostWithin({{7, 5.70}, {10, 5.95}, {13, 5.86}}, kSharedKneeTolerance), 13u);
+  EXPECT_EQ(PickMostWithin({{7, 4.91}, {10, 4.75}, {13, 5.04}}, kSharedKneeTolerance), 13u);
+  EXPECT_EQ(PickMostWithin({{7, 5.20}, {10, 5.81}, {13, 5.16}}, kSharedKneeTolerance), 10u) << "13 fell 11%";
+  EXPECT_EQ(PickMostWithin({{7, 5.20}, {10, 5.81}, {13, 5.16}}, 0.15), 13u);
+  EXPECT_EQ(PickMostWithin({{7, 2.0}, {10, 1.0}, {13, 1.0}}, 0.03), 7u) << "the best alone";
+  EXPECT_EQ(PickMostWithin({}, 0.03), 0u);
+}
+
 TEST(WorkerKneeTest, SmallSharesAreNotMeasured) {
   const WorkerKnee k = MeasureWorkerKnee(kKneeProbeAbove, {});
   EXPECT_EQ(k.workers, kKneeProbeAbove);
@@ -64,7 +75,8 @@ TEST(WorkerKneeTest, SharedLadder) {
 }
 
 // Ranks measuring together: every rank tries every count of the ladder, and all take the same pick,
-// made on the rates summed over the ranks (each rank its own pool on scratch memory of its own).
+// made on the rates of all the ranks over the slowest one's time (each rank its own pool on scratch
+// memory of its own).
 TEST(WorkerKneeTest, RanksMeasureTogetherAndTakeTheSamePick) {
   constexpr int kWorld = 3;
   std::vector<std::unique_ptr<Comm>> comms = MakeThreadComms(kWorld);
@@ -83,7 +95,7 @@ TEST(WorkerKneeTest, RanksMeasureTogetherAndTakeTheSamePick) {
       EXPECT_GT(k.rates[i].second, 0.0);
       EXPECT_EQ(k.rates[i].second, knees[0]->rates[i].second) << "the same sums on every rank";
     }
-    EXPECT_EQ(k.workers, PickKnee(k.rates, kKneeTolerance));
+    EXPECT_EQ(k.workers, PickMostWithin(k.rates, kSharedKneeTolerance));
     EXPECT_EQ(k.workers, knees[0]->workers);
     EXPECT_EQ(k.ranks, kWorld);
     EXPECT_NE(k.Describe().find("per rank (CPU Adam's G params/s of 3 ranks measuring together"), std::string::npos)

@@ -318,8 +318,12 @@ def attached(rank, world, sharded, steps, root=None):
             "units": len(opt._zero.units) if sharded else 0, "saved": saved if root is not None else None}
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_zero1_attached_gathers_in_forward_bit_identical(world, tmp_path):
+@pytest.mark.parametrize("world,ahead_mb", [(2, None), (3, None), (2, "0.0005"), (3, "1")])
+def test_zero1_attached_gathers_in_forward_bit_identical(world, ahead_mb, tmp_path, monkeypatch):
+    """ahead_mb: FERRY_ZERO_GATHER_AHEAD_MB, the units a forward pre-hook gathers beyond its module's
+    (gloo gathers none ahead by default; 0.0005 MiB: a unit or two here, 1 MiB: all of them)."""
+    if ahead_mb is not None:
+        monkeypatch.setenv("FERRY_ZERO_GATHER_AHEAD_MB", ahead_mb)
     steps = 5
     ref = dist_util.ok(dist_util.run_ranks(1, attached, False, steps, str(tmp_path / "one"), timeout=60))[0]
     for rank, res in enumerate(dist_util.ok(dist_util.run_ranks(world, attached, True, steps, str(tmp_path / "w"),
@@ -335,6 +339,59 @@ def test_zero1_attached_gathers_in_forward_bit_identical(world, tmp_path):
             assert_same_bits(a, b, "world %d rank %d: param %d" % (world, rank, i))
     assert not torch.equal(ref["params"][0], Reversed().layers[0].weight.detach())  # the run moved
     assert torch.equal(ref["params"][-1], Reversed().unused.bias.detach())  # no grad: unchanged
+
+
+def forward_ordered(rank, world, sharded, steps):
+    """Layers in forward order: each layer's pre-hook needs the next units. Returns the losses, the
+    params and how many pre-hook gathers of each step gathered anything."""
+    import ferry.torch
+    gen = torch.Generator().manual_seed(5)
+    model = torch.nn.Sequential(*[torch.nn.Linear(i, o) for i, o in [(6, 24), (24, 40), (40, 40), (40, 12)]])
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    kw = dict(shard=True, collective_timeout=30, bucket_mb=1024 / (1 << 20)) if sharded else {}
+    opt = ferry.torch.Optimizer(model.parameters(), lr=1e-2, policy="offload_all", overlap=sharded, **kw)
+    calls = []
+    if sharded:
+        opt.attach(model)
+        z, through = opt._zero, opt._zero.gather_through
+        def counted(*args, **kwargs):
+            done = through(*args, **kwargs)
+            calls[-1] += bool(done)
+            return done
+        z.gather_through = counted
+    losses = []
+    for step in range(steps):
+        calls.append(0)
+        gen = torch.Generator().manual_seed(200 + step)
+        x, y = torch.randn(8, 6, generator=gen), torch.randn(8, 12, generator=gen)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    in_steps = list(calls)  # wait_params() gathers the last step's units in one more call
+    opt.wait_params()
+    return {"losses": losses, "params": [p.detach().clone() for p in model.parameters()], "calls": in_steps,
+            "units": len(opt._zero.units) if sharded else 0}
+
+
+@pytest.mark.parametrize("ahead_mb,gathers", [("0", "per layer"), ("1", "one")])
+def test_zero1_forward_gathers_ahead_in_fewer_calls_bit_identical(ahead_mb, gathers, monkeypatch):
+    """A forward in layer order gathers each layer's units at its pre-hook, or with gather-ahead all
+    of them at the first (FERRY_ZERO_GATHER_AHEAD_MB=1: more than the model): the same bits as one rank."""
+    monkeypatch.setenv("FERRY_ZERO_GATHER_AHEAD_MB", ahead_mb)
+    steps = 4
+    ref = dist_util.ok(dist_util.run_ranks(1, forward_ordered, False, steps, timeout=60))[0]
+    for rank, res in enumerate(dist_util.ok(dist_util.run_ranks(2, forward_ordered, True, steps, timeout=120))):
+        # step 0 has nothing to gather (no step before it); each later step's forward gathers them
+        expected = 1 if gathers == "one" else 4
+        assert res["units"] >= 4 and res["calls"] == [0] + [expected] * (steps - 1), (rank, res["units"], res["calls"])
+        for step, (a, b) in enumerate(zip(res["losses"], ref["losses"])):
+            assert_same_bits(a, b, "rank %d: loss of step %d" % (rank, step))
+        for i, (a, b) in enumerate(zip(res["params"], ref["params"])):
+            assert_same_bits(a, b, "rank %d: param %d" % (rank, i))
 
 
 def test_nccl_gather_runs_cover_the_units_in_order_within_the_cap():
@@ -356,6 +413,25 @@ def test_nccl_gather_runs_cover_the_units_in_order_within_the_cap():
             if end < last:  # the next unit would not have fitted
                 assert size + sizes[end + 1] > cap or size >= cap, (sizes, cap, runs)
     assert list(_zero.coalesced_runs([5, 5, 5], 1, 2, 0)) == [(1, 1), (2, 2)]
+
+
+def test_gather_ahead_takes_the_following_units_within_the_bytes():
+    """A forward pre-hook that needs units up to `last` gathers the units after it while they add up
+    to at most `ahead` bytes: the longest such run, never past the last unit."""
+    from ferry import _zero
+    rng = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    for _ in range(200):
+        n = int(torch.randint(1, 40, (1,), generator=rng))
+        sizes = [int(s) for s in torch.randint(1, 300, (n,), generator=rng)]
+        ahead = int(torch.randint(0, 900, (1,), generator=rng))
+        last = int(torch.randint(0, n, (1,), generator=rng))
+        end = _zero.gather_ahead(sizes, last, ahead)
+        assert last <= end < n, (sizes, last, ahead, end)
+        assert sum(sizes[last + 1:end + 1]) <= ahead, (sizes, last, ahead, end)
+        if end + 1 < n:
+            assert sum(sizes[last + 1:end + 2]) > ahead, (sizes, last, ahead, end)
+    assert _zero.gather_ahead([5, 5, 5], 0, 0) == 0
+    assert _zero.gather_ahead([5, 5, 5], 0, 10) == 2
 
 
 @pytest.mark.parametrize("text,expected", [(None, 1 << 30), ("", 1 << 30), ("0", 0), ("64", 64 << 20),

@@ -193,7 +193,7 @@ def _pre_hook(me, ks):
         if opt is None:
             return
         if opt._zero is not None and opt._zero.gathers_pending:
-            opt._gather_through(ks)
+            opt._gather_through(ks, ahead=True)
         if opt._pending:
             opt._wait_units({opt._unit_of[k] for k in ks})
     return hook

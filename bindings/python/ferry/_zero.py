@@ -57,16 +57,40 @@ COALESCE_BYTES = 1 << 30
 
 def _coalesce_bytes():
     """COALESCE_BYTES, or FERRY_ZERO_COALESCE_MB (0: every unit alone)."""
-    text = os.environ.get("FERRY_ZERO_COALESCE_MB")
+    return _size_from_env("FERRY_ZERO_COALESCE_MB", COALESCE_BYTES)
+
+
+# After a deferred step (attach), the forward pre-hook of a module whose units are not gathered yet
+# gathers them and the following units of up to this many bytes with them (gather_ahead), so that a
+# forward launches a few large grouped all-gathers instead of one per module: each launch, its copies
+# and the hook's bookkeeping cost the trainer's thread 0.3-0.6 ms on a host whose CPUs stream CPU Adam,
+# and the forward is paced by that thread there. FERRY_ZERO_GATHER_AHEAD_MB overrides (0: only what the
+# module needs).
+GATHER_AHEAD_BYTES = 64 << 20
+
+
+def _size_from_env(name, default):
+    """`default` bytes, or the environment variable `name` in MiB (>= 0)."""
+    text = os.environ.get(name)
     if text is None or not text.strip():
-        return COALESCE_BYTES
+        return default
     try:
         mb = float(text)
     except ValueError:
         mb = -1.0
     if mb < 0:
-        raise ValueError("FERRY_ZERO_COALESCE_MB=%r: expected a size in MiB >= 0 (0: gather each unit alone)" % text)
+        raise ValueError("%s=%r: expected a size in MiB >= 0" % (name, text))
     return int(mb * (1 << 20))
+
+
+def gather_ahead(sizes, last, ahead):
+    """The last unit to gather when units up to `last` are needed: `last`, and the units after it
+    while they add up to at most `ahead` bytes (`sizes`: each unit's bytes)."""
+    end, total = last, 0
+    while end + 1 < len(sizes) and total + sizes[end + 1] <= ahead:
+        end += 1
+        total += sizes[end]
+    return end
 
 
 def coalesced_runs(sizes, first, last, cap):
@@ -232,6 +256,9 @@ class Sharding:
         # where this torch has the coalescing manager of all_gather_into_tensor (2.1 on); 0: unit by
         # unit (FERRY_ZERO_COALESCE_MB=0).
         self.coalesce = _coalesce_bytes() if self.nccl and _can_coalesce() else 0
+        # Gathers ahead in a forward: NCCL's on a stream of their own (gloo's wait on the host: only
+        # where FERRY_ZERO_GATHER_AHEAD_MB asks).
+        self.ahead = _size_from_env("FERRY_ZERO_GATHER_AHEAD_MB", GATHER_AHEAD_BYTES if self.nccl else 0)
 
     def _gather_group(self, process_group):
         """(group, description) of ZeRO-1's bulk all-gather of the updated params. NCCL (the trainer's
@@ -335,12 +362,16 @@ class Sharding:
         return self.units[j]["members"][0][0]
 
     @torch.no_grad()
-    def gather_through(self, last, wait_local):
-        """Gathers units next_unit..last (in order: the same collectives on every rank).
+    def gather_through(self, last, wait_local, ahead=0):
+        """Gathers units next_unit..last (in order: the same collectives on every rank), and after
+        `last` the units of up to `ahead` bytes (gather_ahead). Returns the units gathered (a range).
         wait_local(ks, stream): makes `stream` (a raw CUDA stream handle, 0 on the host) wait until
         this rank's ranges of params ks hold the step's values."""
-        if last < self.next_unit:
-            return
+        first = self.next_unit
+        if last < first:
+            return range(0)
+        if ahead:
+            last = gather_ahead(self.unit_sizes, last, ahead)
         start = time.perf_counter()
         try:
             if not self.nccl:  # gloo: on the current stream, each waited for on the host
@@ -348,7 +379,7 @@ class Sharding:
                     j = self.next_unit
                     self._gather_unit_gloo(j, wait_local)
                     self.next_unit = j + 1
-                return
+                return range(first, self.next_unit)
             # NCCL: every unit on the side stream (one stream switch for the run), then the current
             # stream waits once, for the last of them (the side stream runs them in order).
             current = torch.cuda.current_stream(self._side.device)
@@ -368,11 +399,16 @@ class Sharding:
             finally:
                 self._done.record(self._side)
                 current.wait_event(self._done)
+            return range(first, self.next_unit)
         finally:
             self.last_gather_seconds += time.perf_counter() - start
 
     def gather_rest(self, wait_local):
-        self.gather_through(len(self.units) - 1, wait_local)
+        return self.gather_through(len(self.units) - 1, wait_local)
+
+    def members(self, units):
+        """The params (k) of gather units `units`."""
+        return [k for j in units for k, _ in self.units[j]["members"]]
 
     def _plan(self, j):
         """Unit j's gather, worked out at its first gather: this rank's params in it, and where each
@@ -541,14 +577,19 @@ class ShardedStepMixin:
         if ks:
             self._engine.wait_params_of([self._names[k] for k in ks], stream=stream)
 
-    def _gather_through(self, ks):
-        """ZeRO-1 after a deferred step: the gather units up to the last one holding a param of ks."""
+    def _gather_through(self, ks, ahead=False):
+        """ZeRO-1 after a deferred step: the gather units up to the last one holding a param of ks
+        (ahead: and the units of z.ahead bytes after it, from a forward pre-hook). The current stream
+        waits for the gathers, so it waits for the buckets of their params here too, at once: the
+        later modules' pre-hooks find them done."""
         z = self._zero
         units = [z.unit_of[k] for k in ks if z.unit_of[k] is not None]
         if units:
             with self._engine_lock:
                 try:
-                    z.gather_through(max(units), self._wait_local)
+                    done = z.gather_through(max(units), self._wait_local, z.ahead if ahead else 0)
                 except BaseException as e:
                     z.abort(e)
                     raise
+                if done and self._pending:
+                    self._wait_units_locked({self._unit_of[k] for k in z.members(done)})

@@ -59,6 +59,16 @@ size_t PickKnee(const std::vector<std::pair<size_t, double>>& rates, double tole
   return 0;
 }
 
+size_t PickMostWithin(const std::vector<std::pair<size_t, double>>& rates, double tolerance) {
+  double best = 0;
+  for (const auto& [n, rate] : rates) best = std::max(best, rate);
+  size_t most = 0;
+  for (const auto& [n, rate] : rates) {
+    if (rate >= (1.0 - tolerance) * best) most = std::max(most, n);
+  }
+  return most;
+}
+
 namespace {
 
 // CPU Adam on scratch memory (fp32 master and moments, bf16 grads and params: the 28 bytes per element
@@ -73,7 +83,7 @@ class KneeScratch {
     grad_ = Allocate(n_ * 2);
     param_ = Allocate(n_ * 2);
     if (!ok()) return;
-    ThreadPool pool(widest, 0, cpus);
+    ThreadPool pool(widest, 0, cpus, "ferry-knee");
     const size_t parts = widest * 4;
     pool.ParallelFor(parts, [&](size_t p) {
       const size_t lo = n_ * p / parts, hi = n_ * (p + 1) / parts;
@@ -87,23 +97,40 @@ class KneeScratch {
   }
   bool ok() const { return master_ && m_ && v_ && grad_ && param_; }
 
+  size_t elements() const { return n_; }
+
   // CPU Adam's best rate of three steps (after one to warm up) with `workers` workers beside the
   // calling thread (as the engine's pool runs them), in G params/s; 0 when a step failed.
   double Rate(size_t workers, const std::vector<int>& cpus) {
-    ThreadPool pool(workers, -1, cpus);
+    double best = 0;
+    const absl::Status s = Steps(workers, cpus, [] { return absl::OkStatus(); }, [&](double seconds) {
+      best = std::max(best, static_cast<double>(n_) / seconds / 1e9);
+    });
+    return s.ok() ? best : 0;
+  }
+
+  // With `workers` workers: one step to warm up, then `between()` (called even when the warm-up
+  // failed, so that a rank keeps step with the others; its error is returned first), then
+  // kTimedSteps steps, each one's seconds given to `each`. An error when a step failed.
+  template <typename Between, typename Each>
+  absl::Status Steps(size_t workers, const std::vector<int>& cpus, Between between, Each each) {
+    ThreadPool pool(workers, -1, cpus, "ferry-knee");
     CpuAdam adam(&pool);
     AdamScalars scalars = MakeAdamScalars(AdamHyper{}, 1);
     CpuAdamTensor t{master_.get(), m_.get(), v_.get(), grad_.get(), param_.get(), static_cast<int64_t>(n_),
                     DType::kBF16, DType::kBF16, &scalars};
-    if (!adam.Step({&t, 1}).ok()) return 0;
-    double best = 0;
-    for (int rep = 0; rep < 3; ++rep) {
+    const absl::Status warm = adam.Step({&t, 1});
+    FERRY_RETURN_IF_ERROR(between());
+    FERRY_RETURN_IF_ERROR(warm);
+    for (int rep = 0; rep < kTimedSteps; ++rep) {
       const auto t0 = std::chrono::steady_clock::now();
-      if (!adam.Step({&t, 1}).ok()) return 0;
-      best = std::max(best, static_cast<double>(n_) / Seconds(t0) / 1e9);
+      FERRY_RETURN_IF_ERROR(adam.Step({&t, 1}));
+      each(Seconds(t0));
     }
-    return best;
+    return absl::OkStatus();
   }
+
+  static constexpr int kTimedSteps = 3;
 
  private:
   size_t n_;
@@ -147,22 +174,31 @@ absl::StatusOr<WorkerKnee> MeasureSharedKnee(Comm& comm, size_t max_workers, con
   const auto start = std::chrono::steady_clock::now();
   const std::vector<size_t> ladder = SharedKneeLadder(max_workers);
   KneeScratch scratch(elements, ladder.back(), cpus);
-  // [ranks that could not measure, each count's rate]: summed over the ranks.
-  std::vector<double> sums(1 + ladder.size(), 0.0);
-  sums[0] = scratch.ok() ? 0.0 : 1.0;
+  // [whether some rank could not measure, each count's seconds of the timed steps]: the ranks' most.
+  // Each count's rate is the bytes every rank moved over the time the slowest took from a common
+  // start: a rank's own best step, summed over the ranks, counts the steps a rank ran after the
+  // others had finished (the whole host's bandwidth to itself) and overstated the larger counts.
+  std::vector<double> most(1 + ladder.size(), 0.0);
+  most[0] = scratch.ok() ? 0.0 : 1.0;
   for (size_t i = 0; i < ladder.size(); ++i) {
-    FERRY_RETURN_IF_ERROR(comm.Barrier(timeout));  // every rank starts this count at once
-    const double rate = scratch.ok() ? scratch.Rate(ladder[i], cpus) : 0.0;
-    if (rate <= 0) sums[0] = 1.0;
-    sums[1 + i] = rate;
+    FERRY_RETURN_IF_ERROR(comm.Barrier(timeout));  // every rank builds its pool and warms up at once
+    absl::Status started;
+    auto common_start = [&] { return started = comm.Barrier(timeout); };
+    double seconds = 0;
+    const absl::Status s =
+        scratch.ok() ? scratch.Steps(ladder[i], cpus, common_start, [&](double t) { seconds += t; }) : common_start();
+    FERRY_RETURN_IF_ERROR(started);  // a collective failed: every rank gets an error
+    if (!scratch.ok() || !s.ok()) most[0] = 1.0;
+    most[1 + i] = seconds;
   }
-  FERRY_RETURN_IF_ERROR(comm.AllReduce(absl::MakeSpan(sums), ReduceOp::kSum, timeout));
+  FERRY_RETURN_IF_ERROR(comm.AllReduce(absl::MakeSpan(most), ReduceOp::kMax, timeout));
   WorkerKnee knee;
   knee.seconds = Seconds(start);
   knee.ranks = comm.world_size();
-  if (sums[0] > 0) return knee;  // some rank could not measure: keep the rule
-  for (size_t i = 0; i < ladder.size(); ++i) knee.rates.push_back({ladder[i], sums[1 + i]});
-  knee.workers = std::max<size_t>(1, PickKnee(knee.rates, kKneeTolerance));
+  if (most[0] > 0) return knee;  // some rank could not measure: keep the rule
+  const double moved = static_cast<double>(scratch.elements()) * KneeScratch::kTimedSteps * comm.world_size();
+  for (size_t i = 0; i < ladder.size(); ++i) knee.rates.push_back({ladder[i], moved / most[1 + i] / 1e9});
+  knee.workers = std::max<size_t>(1, PickMostWithin(knee.rates, kSharedKneeTolerance));
   return knee;
 }
 

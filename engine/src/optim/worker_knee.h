@@ -33,11 +33,24 @@ inline constexpr size_t kKneeProbeAbove = kSmallShareCpus;
 // took 48 there.
 inline constexpr double kKneeTolerance = 0.10;
 
+// The knee of ranks that share a host (MeasureSharedKnee) takes the most workers within this fraction
+// of the best rate (PickMostWithin), not the fewest: their loops do not stream at the same moments,
+// so in a loop each rank's CPU Adam gets more than the share of the bandwidth the lockstep
+// measurement gives it, and more workers helped there as long as they had CPUs of their own
+// (HostShare::MaxWorkers leaves the trainer's and the pipeline thread's). 4 ranks on the 64-CPU
+// 4 x H100 host, 735M ZeRO-1 loop, 2026-11-28: the measurement put 7, 10 and 13 workers per rank
+// within 2-9% of each other, in an order that changed from run to run, while the loop ran 7 workers
+// at 184.1-198.2 ms, 10 at 189.1, 11 at 180.0-195.2 and 13 at 183.5 ms (three leases), and 14 with
+// a CPU short (17 busy threads on 16 CPUs) at 207.2 against 184.9-185.9 ms with 11. The fewest within
+// 3% took 7 in one of six measurements; the most within 3% takes 13 in five and 10 in one (13
+// measured 11% below 10 there).
+inline constexpr double kSharedKneeTolerance = 0.03;
+
 struct WorkerKnee {
-  size_t workers = 0;                              // the fewest workers within `tolerance` of the best
+  size_t workers = 0;                              // the pick: PickKnee's (one rank), PickMostWithin's (shared)
   std::vector<std::pair<size_t, double>> rates;    // (workers, G params/s) for each count tried
   double seconds = 0;                              // how long the measurement took
-  int ranks = 1;                                   // MeasureSharedKnee: the ranks measured together (rates summed)
+  int ranks = 1;                                   // MeasureSharedKnee: the ranks measured together (rates of all)
   std::string Describe() const;                    // "24 of 63 workers (CPU Adam: 8: 3.1, 12: ... G params/s)"
 };
 
@@ -46,6 +59,9 @@ std::vector<size_t> KneeLadder(size_t max_workers);
 
 // The fewest workers whose rate is within `tolerance` (a fraction) of the best of `rates`; 0 when empty.
 size_t PickKnee(const std::vector<std::pair<size_t, double>>& rates, double tolerance);
+
+// The most workers whose rate is within `tolerance` of the best of `rates`; 0 when empty.
+size_t PickMostWithin(const std::vector<std::pair<size_t, double>>& rates, double tolerance);
 
 // Measures CPU Adam (fp32 state, bf16 grads and params, in place) on `elements` of scratch memory
 // (allocated and freed here) with each count of KneeLadder(max_workers), its workers allowed on
@@ -58,9 +74,10 @@ std::vector<size_t> SharedKneeLadder(size_t max_workers);
 
 // The knee of ranks that share a host's memory bandwidth (HostShare::shares_bandwidth), measured
 // together: every rank of `comm` calls it, each with its own share, and they step through
-// SharedKneeLadder in lockstep (a barrier before each count), so that each count's rate is what the
-// host gives when every rank runs that many workers. The rates are summed over the ranks and every
-// rank takes the same pick (kKneeTolerance). One that could not allocate its scratch memory still
+// SharedKneeLadder in lockstep (a barrier before each count, another after its warm-up step), so that
+// each count's rate is what the host gives when every rank runs that many workers: the elements all
+// the ranks stepped over the time the slowest rank took from the common start. Every rank takes the
+// same pick (PickMostWithin, kSharedKneeTolerance). One that could not allocate its scratch memory still
 // keeps step; then the result has workers == 0 and no rates (keep the rule without a measurement).
 // An error only when a collective fails (every rank gets one).
 absl::StatusOr<WorkerKnee> MeasureSharedKnee(Comm& comm, size_t max_workers, const std::vector<int>& cpus,
