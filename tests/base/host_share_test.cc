@@ -52,23 +52,24 @@ TEST(HostShareTest, OneRankTakesEveryCpuOneCoreFirst) {
   EXPECT_EQ(first_cores.size(), 8u) << "the first 8 CPUs of the share are on 8 distinct cores";
   EXPECT_EQ(s.trainer_cpus, 1u);
   EXPECT_EQ(s.worker_cpus(), 15u);
-  EXPECT_EQ(s.Workers(0, 0), 15u);
+  EXPECT_EQ(s.Workers(0, 0), 14u) << "one CPU for the thread that runs the pipeline";
   EXPECT_EQ(s.Workers(0, 6), 6u);
   EXPECT_EQ(s.Workers(40, 6), 40u) << "an explicit cpu_threads is taken as it is";
   EXPECT_THAT(s.reason, ::testing::HasSubstr("1 CPU of it left to the trainer's threads"));
   // A torch loop keeps two threads of its own busy (Python's and autograd's device thread).
   const HostShare torch_loop = SplitHost(t, LocalRanks{}, {}, 2);
   EXPECT_EQ(torch_loop.trainer_cpus, 2u);
-  EXPECT_EQ(torch_loop.Workers(0, 0), 14u);
+  EXPECT_EQ(torch_loop.Workers(0, 0), 13u);
   EXPECT_THAT(torch_loop.reason, ::testing::HasSubstr("2 CPUs of it left to the trainer's threads"));
-  EXPECT_EQ(SplitHost(t, LocalRanks{}, {}, 0).Workers(0, 0), 16u);
+  EXPECT_EQ(SplitHost(t, LocalRanks{}, {}, 0).Workers(0, 0), 15u);
   // Larger shares keep an eighth of their CPUs as headroom.
   const HostShare big = SplitHost(MakeHost(1, 64, 1), LocalRanks{}, {}, 1);
   EXPECT_EQ(big.Workers(0, 0), 63u - 8u);
   EXPECT_EQ(big.Workers(0, 32), 32u);
   // Ranks that divide more than 16 CPUs take at most half their share: they share the host's memory
   // bandwidth, and their trainers' threads need CPUs. 2 ranks on 64 CPUs: 32 each, 31 - 4 = 27
-  // capped at 16; 4 ranks: 16 each, 15 capped at 8; 2 ranks on a 16-CPU host: 8 each, 7 (not capped).
+  // capped at 16; 4 ranks: 16 each, 15 capped at 8; 2 ranks on a 16-CPU host: 8 each, 7 less the
+  // pipeline thread's: 6 (not capped).
   const HostShare half = SplitHost(MakeHost(1, 64, 1), LocalRanks{1, 2, "test"}, {}, 1);
   EXPECT_EQ(half.split_of, 64u);
   EXPECT_EQ(half.Workers(0, 0), 16u);
@@ -77,7 +78,7 @@ TEST(HostShareTest, OneRankTakesEveryCpuOneCoreFirst) {
   for (int r = 0; r < 4; ++r) {
     EXPECT_EQ(SplitHost(MakeHost(1, 64, 1), LocalRanks{r, 4, "test"}, {}, 1).Workers(0, 0), 8u) << "rank " << r;
   }
-  EXPECT_EQ(SplitHost(MakeHost(1, 16, 1), LocalRanks{1, 2, "test"}, {}, 1).Workers(0, 0), 7u);
+  EXPECT_EQ(SplitHost(MakeHost(1, 16, 1), LocalRanks{1, 2, "test"}, {}, 1).Workers(0, 0), 6u);
   // What ranks joined by a comm measure together instead (MeasureSharedKnee): up to their share less
   // the trainer's CPU, the eighth and the pipeline thread's CPU, and only where the half rule applies.
   EXPECT_TRUE(half.shares_bandwidth());

@@ -261,5 +261,26 @@ TEST(ThreadPool, WorkersCarryThePoolsName) {
   EXPECT_EQ(name_of_this_thread(), caller);
 }
 
+// Join returns when the batch's last task ended, not when Join was called: a caller that comes late
+// (busy elsewhere) does not stretch the batch's time.
+TEST(ThreadPool, JoinTellsWhenTheLastTaskEnded) {
+  auto now_ns = [] {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+        .count();
+  };
+  ThreadPool pool(2, 0);
+  const int64_t posted = now_ns();
+  ThreadPool::Pending p = pool.Post(4, [](size_t i) {
+    if (i == 3) std::this_thread::sleep_for(std::chrono::milliseconds(30));
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(150));  // the caller is late
+  const int64_t joined = now_ns();
+  const int64_t finished = p.Join();
+  EXPECT_GE(finished, posted + 30'000'000) << "after the slowest task's 30 ms";
+  EXPECT_LE(finished, joined - 50'000'000) << "long before the late Join";
+  EXPECT_EQ(p.Join(), 0) << "joined already";
+  EXPECT_EQ(ThreadPool::Pending().Join(), 0);
+}
+
 }  // namespace
 }  // namespace ferry

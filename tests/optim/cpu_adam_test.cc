@@ -7,6 +7,7 @@
 #include "optim/cpu_adam.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -15,6 +16,7 @@
 #include <limits>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_format.h"
@@ -22,6 +24,7 @@
 #include "device/adam_reference.h"
 #include "gtest/gtest.h"
 #include "optim/cpu_adam_kernels.h"
+#include "trace/tracer.h"
 
 namespace ferry {
 namespace {
@@ -836,6 +839,30 @@ TEST(CpuAdamStart, GradientCheckSkipsTheRound) {
   EXPECT_NE(result.grad_stats.found_inf, 0);
   EXPECT_EQ(master, before);
   EXPECT_FALSE(round->Finish().skipped);
+}
+
+// A round's result says when its last task ended: before a late Finish (the pipeline counts CPU
+// Adam's busy time from it, not from when the early thread came back to finish the round).
+TEST(CpuAdamStart, FinishTellsWhenTheRoundEnded) {
+  ThreadPool pool(2, 0);
+  CpuAdam adam(&pool);
+  std::mt19937 rng(11);
+  constexpr size_t kN = 4096;
+  std::vector<float> master(kN), m(kN, 0.0f), v(kN, 0.0f), grad(kN);
+  for (size_t i = 0; i < kN; ++i) {
+    master[i] = std::normal_distribution<float>(0.0f, 1.0f)(rng);
+    grad[i] = std::normal_distribution<float>(0.0f, 1.0f)(rng);
+  }
+  AdamScalars s = MakeAdamScalars(AdamHyper{}, 1);
+  CpuAdamTensor t{master.data(), m.data(), v.data(), grad.data(), nullptr, kN, DType::kF32, DType::kF32, &s};
+  const int64_t started = SteadyNs();
+  absl::StatusOr<CpuAdamPending> round = adam.Start({&t, 1}, CpuAdamStepOptions{});
+  ASSERT_TRUE(round.ok()) << round.status();
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));  // the caller is late
+  const int64_t late = SteadyNs();
+  const CpuAdamStepResult result = round->Finish();
+  EXPECT_GE(result.finished_ns, started);
+  EXPECT_LT(result.finished_ns, late - 50'000'000) << "4096 elements take far less than 50 ms";
 }
 
 TEST(CpuAdamConfig, EnvironmentChoosesThePath) {

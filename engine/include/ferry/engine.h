@@ -101,8 +101,10 @@ struct EngineOptions {
   // 1.02x CPU Adam alone, vs 1.07x with 32 MiB chunks and 1.22x with 4 MiB).
   size_t transfer_chunk_bytes = size_t{8} << 20;
   // CPU Adam's worker threads; 0 = this rank's share of the host's CPUs (see local_rank), less
-  // trainer_threads, and no more than help (cpu_threads_max). The thread that runs a step (the
-  // trainer's, or the early-step thread) works beside them. EngineStats::cpu_threads tells the count.
+  // trainer_threads, less one CPU for the thread that runs a step (the trainer's, or the early-step
+  // thread), which works beside them (larger shares keep an eighth free instead), and no more than
+  // help (cpu_threads_max).
+  // EngineStats::cpu_threads tells the count.
   size_t cpu_threads = 0;
   // CPUs of the share left to the trainer's own threads when cpu_threads is 0 (its Python or C++
   // loop, autograd, data loading); no worker runs there. See engine/EMBEDDING.md ("Big hosts and

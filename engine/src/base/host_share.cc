@@ -278,7 +278,8 @@ HostShare SplitHost(const HostTopology& topo, const LocalRanks& local, const std
 size_t HostShare::MaxWorkers(size_t cap) const {
   size_t n = worker_cpus();
   if (cpus.size() > kSmallShareCpus) n -= std::min(n - 1, cpus.size() / 8);
-  if (shares_bandwidth() && n > 1) --n;  // the CPU of the thread that runs the pipeline (see the header)
+  // The CPU of the thread that runs the pipeline (see the header); larger shares keep it in their eighth.
+  if (n > 1 && (cpus.size() <= kSmallShareCpus || shares_bandwidth())) --n;
   return std::max<size_t>(1, cap > 0 ? std::min(n, cap) : n);
 }
 

@@ -115,7 +115,8 @@ struct HostShare {
     return pin > 0 || (split_among > kFreeWorkersMaxRanks && cpus.size() >= kMinHeldShareCpus);
   }
   // CPU Adam's workers in this share: `cpu_threads` when > 0 (EngineOptions::cpu_threads), else
-  // worker_cpus(), less 1/8 of the share's CPUs on shares of more than kSmallShareCpus, at most half
+  // worker_cpus(), less the pipeline thread's CPU on shares of at most kSmallShareCpus (MaxWorkers),
+  // less 1/8 of the share's CPUs on shares of more than kSmallShareCpus, at most half
   // the share where the local ranks divided more than kSmallShareCpus CPUs, and no more than `cap`
   // (0: no cap); at least 1. The eighth is headroom for the pipeline's own threads, the driver's and
   // the trainer's: with every CPU but one busy with workers the offloaded step ran at 0.54-0.76 of its
@@ -129,12 +130,15 @@ struct HostShare {
   size_t Workers(size_t cpu_threads, size_t cap) const;
   // Whether the local ranks share a host of more than kSmallShareCpus CPUs (the half rule above).
   bool shares_bandwidth() const { return split && split_of > kSmallShareCpus; }
-  // The most workers a measurement of this share tries: Workers() without the half rule, and where
-  // the local ranks share the host's bandwidth (shares_bandwidth), one CPU fewer: the thread that
-  // runs the pipeline (the early steps' thread, or the trainer's in Step) works beside the workers,
-  // and a loop on several GPUs keeps the trainer's threads busy too (4 ranks on the 64-CPU 4 x H100
-  // host, 16-CPU slices, 2 left to the trainer: with 14 workers they ran on a CPU 79.6% of their
-  // time and the iteration took 207.2 ms, with 11 98.4-98.7% and 185.9-186.4 ms, one lease).
+  // The most workers a measurement of this share tries: Workers() without the half rule. Besides the
+  // trainer's CPUs, one is left for the thread that runs the pipeline (the early steps' thread, or
+  // the trainer's in Step), which works beside the workers, on shares of at most kSmallShareCpus
+  // CPUs and where local ranks share the host's bandwidth (larger shares keep it in their eighth).
+  // Measured: the 1 x H100 host (16 CPUs), bench_train.py --groups decay, fp32 + overlap, one lease,
+  // alternated: 14 workers 187.5 and 177.4 ms (the workers waiting 1-8 ms a step for CPUs, the
+  // trainer 0.5-3.4), 13 workers 164.4 and 175.3 ms (none); 4 ranks on the 64-CPU 4 x H100 host,
+  // 16-CPU slices of which 2 the trainer's: with 14 workers they ran on a CPU 79.6% of their time and
+  // the ZeRO-1 iteration took 207.2 ms, with 11 98.4-98.7% and 185.9-186.4 ms, one lease.
   size_t MaxWorkers(size_t cap) const;
 };
 

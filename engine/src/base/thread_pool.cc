@@ -97,6 +97,15 @@ bool ThreadPool::RunOne(Job& job) {
   const size_t i = job.next.fetch_add(1, std::memory_order_relaxed);
   if (i >= job.num_tasks) return false;
   (*job.fn)(i);
+  {
+    // Each task stamps its end (the latest one wins) before it counts itself done, so a joiner that
+    // sees every task done reads the last one's. A clock read per task: tasks are large.
+    const int64_t now = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                            std::chrono::steady_clock::now().time_since_epoch()).count();
+    int64_t seen = job.finished_ns.load(std::memory_order_relaxed);
+    while (seen < now && !job.finished_ns.compare_exchange_weak(seen, now, std::memory_order_relaxed)) {
+    }
+  }
   if (job.done.fetch_add(1, std::memory_order_acq_rel) + 1 == job.num_tasks) {
     std::lock_guard<std::mutex> lock(job.mu);
     job.finished = true;
@@ -232,7 +241,7 @@ ThreadPool::Pending::Pending(Pending&& other) noexcept : pool_(other.pool_), job
 
 ThreadPool::Pending& ThreadPool::Pending::operator=(Pending&& other) noexcept {
   if (this != &other) {
-    Join();
+    (void)Join();
     pool_ = other.pool_;
     job_ = std::move(other.job_);
   }
@@ -241,10 +250,11 @@ ThreadPool::Pending& ThreadPool::Pending::operator=(Pending&& other) noexcept {
 
 bool ThreadPool::Pending::RunOne() { return job_ != nullptr && ThreadPool::RunOne(*job_); }
 
-void ThreadPool::Pending::Join() {
-  if (job_ == nullptr) return;
+int64_t ThreadPool::Pending::Join() {
+  if (job_ == nullptr) return 0;
   const std::shared_ptr<Job> job = std::move(job_);  // empty now: a second Join does nothing
   pool_->Wait(job, /*help=*/true);
+  return job->finished_ns.load(std::memory_order_relaxed);
 }
 
 size_t ThreadPool::DefaultThreads() {

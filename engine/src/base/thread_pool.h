@@ -77,14 +77,16 @@ class ThreadPool final {
     Pending& operator=(Pending&& other) noexcept;
     Pending(const Pending&) = delete;
     Pending& operator=(const Pending&) = delete;
-    ~Pending() { Join(); }
+    ~Pending() { (void)Join(); }
 
     // Returns when every task has finished (their writes are visible after). While the last tasks
     // still run on other threads, the calling thread runs tasks of batches Post-ed after this one,
     // one at a time (so it returns within about one task of the last), rather than leave its core
     // idle: so Post's tasks must not take a lock that a joining thread may hold. No-op when empty or
-    // joined.
-    void Join();
+    // joined. Returns when the last task ended (std::chrono::steady_clock, ns since its epoch: the
+    // trace's SteadyNs), which may be well before the call when the caller came late; 0 when empty,
+    // joined already or without tasks.
+    int64_t Join();
     // Runs one task not yet claimed on the calling thread; false when none was left (or empty).
     bool RunOne();
     bool empty() const { return job_ == nullptr; }
@@ -110,6 +112,7 @@ class ThreadPool final {
     size_t num_tasks = 0;
     std::atomic<size_t> next{0};
     std::atomic<size_t> done{0};
+    std::atomic<int64_t> finished_ns{0};  // when the last task ended (steady clock), set by that task
     std::mutex mu;
     std::condition_variable cv;
     bool finished ABSL_GUARDED_BY(mu) = false;

@@ -121,6 +121,9 @@ struct CpuAdamStepOptions {
 struct CpuAdamStepResult {
   bool skipped = false;    // a NaN or Inf gradient was found: nothing was changed
   GradStats grad_stats{};  // the gradient check used (zero when none)
+  // Start/Finish: when the round's last task ended (steady clock, SteadyNs), which is before Finish
+  // returned when its caller came late; 0 when not known.
+  int64_t finished_ns = 0;
 };
 
 // The host memory one update of `t` moves: master, m and v read and written, the grad read, the param

@@ -122,13 +122,16 @@ absl::StatusOr<HybridOptimizer::RoundInFlight> HybridOptimizer::StartAdamRound(c
 }
 
 void HybridOptimizer::FinishAdamRound(RoundInFlight& round) {
-  round.pending.Finish();
-  // Rounds started back to back overlap: each counts from where the one before it ended, so the
-  // rounds tile the time CPU Adam was busy (the stats' sum; the trace's spans, whose writer adds each
-  // one's GB/s).
-  const int64_t end_ns = SteadyNs();
-  const int64_t start_ns = std::max(round.start_ns, last_round_end_ns_);
-  last_round_end_ns_ = end_ns;
+  const CpuAdamStepResult result = round.pending.Finish();
+  // A round ends when its last task did, not when its caller (the early thread, back from waiting for
+  // copies in its `meanwhile`) came to finish it: the stats' busy time is the workers'. Rounds
+  // started back to back overlap: each counts from where the one before it ended, so the rounds tile
+  // the time CPU Adam was busy (the stats' sum; the trace's spans, whose writer adds each one's GB/s).
+  const int64_t now_ns = SteadyNs();
+  const int64_t end_ns = result.finished_ns > 0 ? std::clamp(result.finished_ns, round.start_ns, now_ns) : now_ns;
+  // (A round whose last task ended before the one before it did adds nothing.)
+  const int64_t start_ns = std::min(std::max(round.start_ns, last_round_end_ns_), end_ns);
+  last_round_end_ns_ = std::max(last_round_end_ns_, end_ns);
   cpu_busy_ns_.fetch_add(end_ns - start_ns, std::memory_order_relaxed);
   cpu_bytes_.fetch_add(static_cast<uint64_t>(round.bytes), std::memory_order_relaxed);
   Tracer* const tracer = options_.tracer;
