@@ -288,6 +288,17 @@ class Reversed(torch.nn.Module):
         return h
 
 
+def mse_step(model, opt, seed, n_in, n_out):
+    """One step on a batch of `seed` (every rank the same batch: the same grads); the loss."""
+    gen = torch.Generator().manual_seed(seed)
+    x, y = torch.randn(8, n_in, generator=gen), torch.randn(8, n_out, generator=gen)
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.detach()
+
+
 def attached(rank, world, sharded, steps, root=None):
     import ferry.torch
     model = Reversed()
@@ -298,13 +309,7 @@ def attached(rank, world, sharded, steps, root=None):
         opt.attach(model)
     losses, left = [], []
     for step in range(steps):
-        gen = torch.Generator().manual_seed(100 + step)  # every rank the same batch: the same grads
-        x, y = torch.randn(8, 12, generator=gen), torch.randn(8, 6, generator=gen)
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.detach())
+        losses.append(mse_step(model, opt, 100 + step, 12, 6))
         if sharded:
             left.append(len(opt._zero.units) - opt._zero.next_unit)
         if root is not None and step == 2:  # with this step's gathers pending: they run first
@@ -364,13 +369,7 @@ def forward_ordered(rank, world, sharded, steps):
     losses = []
     for step in range(steps):
         calls.append(0)
-        gen = torch.Generator().manual_seed(200 + step)
-        x, y = torch.randn(8, 6, generator=gen), torch.randn(8, 12, generator=gen)
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.detach())
+        losses.append(mse_step(model, opt, 200 + step, 6, 12))
     in_steps = list(calls)  # wait_params() gathers the last step's units in one more call
     opt.wait_params()
     return {"losses": losses, "params": [p.detach().clone() for p in model.parameters()], "calls": in_steps,
