@@ -43,7 +43,8 @@ inline constexpr double kKneeTolerance = 0.10;
 // at 184.1-198.2 ms, 10 at 189.1, 11 at 180.0-195.2 and 13 at 183.5 ms (three leases), and 14 with
 // a CPU short (17 busy threads on 16 CPUs) at 207.2 against 184.9-185.9 ms with 11. The fewest within
 // 3% took 7 in one of six measurements; the most within 3% takes 13 in five and 10 in one (13
-// measured 11% below 10 there).
+// measured 11% below 10 there). Two ranks (wider slices, more workers each) were not measured with
+// this rule.
 inline constexpr double kSharedKneeTolerance = 0.03;
 
 struct WorkerKnee {
