@@ -124,11 +124,12 @@ void PrintHostShares(std::FILE* out, int local_world_size, size_t trainer_thread
                   HumanBytes(static_cast<int64_t>(PinnedBudget::DefaultProcessLimit() / static_cast<size_t>(ranks))));
     if (r == 0) absl::FPrintF(out, "    (%s)\n", share.reason);
   }
-  absl::FPrintF(out, "  (one rank on more than %d CPUs: the engine measures at Finalize how many workers help, and "
-                "takes no more; ranks that split more than %d CPUs measure at their first Finalize, in lockstep, "
-                "the counts shown, and take the fewest within 10%% of the best rate of all of them together; "
-                "ranks without a comm between them take at most half their slice)\n",
-                kKneeProbeAbove, kSmallShareCpus);
+  absl::FPrintF(out, "  (one CPU of a share of up to %d CPUs, and of a slice of ranks that split more, is left for the "
+                "thread that runs the pipeline; one rank on more than %d CPUs: the engine measures at Finalize how "
+                "many workers help, and takes no more; ranks that split more than %d CPUs measure at their first "
+                "Finalize, in lockstep, the counts shown, and take the most workers within %.0f%% of the best rate "
+                "of all of them together; ranks without a comm between them take at most half their slice)\n",
+                kSmallShareCpus, kKneeProbeAbove, kSmallShareCpus, 100 * kSharedKneeTolerance);
 }
 
 // Collects the report's errors.
