@@ -183,13 +183,14 @@ def profile_steps(prof, where, row, rank, device):
     return None
 
 
-def timed_end(opt, row, sync, t0, steps):
+def timed_end(opt, row, sync, t0, threads0, steps):
     """(this rank's mean iteration in s since t0, once the last step's params are in place; the
-    optimizer's stats then, for a ferry row)."""
+    optimizer's stats then, for a ferry row; bench_threads.use() since the snapshot threads0)."""
     if row["kind"] == "ferry":
         opt.wait_params()
     sync()
-    return (time.perf_counter() - t0) / steps, opt.stats() if row["kind"] == "ferry" else None
+    return ((time.perf_counter() - t0) / steps, opt.stats() if row["kind"] == "ferry" else None,
+            bench_threads.use(threads0, bench_threads.snapshot(), steps))
 
 
 def threads_by_rank(threads, device):
@@ -214,8 +215,7 @@ def run_row(row, args, device, rank, world, local_rank, data):
     profiled = args.profile and row["kind"] == "ferry"  # two more steps after the timed ones, profiled
     for it in range(end + (4 if profiled else 0)):
         if it == end:
-            mine, after = timed_end(opt, row, sync, t0, args.steps)
-            threads = bench_threads.use(threads0, bench_threads.snapshot(), args.steps)
+            mine, after, threads = timed_end(opt, row, sync, t0, threads0, args.steps)
         if profiled and it in (end + 1, end + 3):
             prof = profile_steps(prof, args.profile, row, rank, device)
         if it == args.warmup:
@@ -240,8 +240,7 @@ def run_row(row, args, device, rank, world, local_rank, data):
         if it < end:
             losses.append(loss.detach())
     if not profiled:
-        mine, after = timed_end(opt, row, sync, t0, args.steps)
-        threads = bench_threads.use(threads0, bench_threads.snapshot(), args.steps)
+        mine, after, threads = timed_end(opt, row, sync, t0, threads0, args.steps)
     row["threads"] = threads_by_rank(threads, device)
     slowest = torch.tensor([mine], dtype=torch.float64, device=device if dist.get_backend() == "nccl" else "cpu")
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)

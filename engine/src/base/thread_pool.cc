@@ -97,9 +97,9 @@ bool ThreadPool::RunOne(Job& job) {
   const size_t i = job.next.fetch_add(1, std::memory_order_relaxed);
   if (i >= job.num_tasks) return false;
   (*job.fn)(i);
-  {
-    // Each task stamps its end (the latest one wins) before it counts itself done, so a joiner that
-    // sees every task done reads the last one's. A clock read per task: tasks are large.
+  if (job.posted) {
+    // Each task of a Post-ed batch stamps its end (the latest one wins) before it counts itself done,
+    // so a joiner that sees every task done reads the last one's (Pending::Join returns it).
     const int64_t now = std::chrono::duration_cast<std::chrono::nanoseconds>(
                             std::chrono::steady_clock::now().time_since_epoch()).count();
     int64_t seen = job.finished_ns.load(std::memory_order_relaxed);

@@ -112,7 +112,7 @@ class ThreadPool final {
     size_t num_tasks = 0;
     std::atomic<size_t> next{0};
     std::atomic<size_t> done{0};
-    std::atomic<int64_t> finished_ns{0};  // when the last task ended (steady clock), set by that task
+    std::atomic<int64_t> finished_ns{0};  // Post: when the last task ended (steady clock), set by that task
     std::mutex mu;
     std::condition_variable cv;
     bool finished ABSL_GUARDED_BY(mu) = false;

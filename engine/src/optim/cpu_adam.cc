@@ -290,8 +290,7 @@ void CpuAdamRound::TracedTask(size_t task) {
 }
 
 void CpuAdamRound::Finish() {
-  const int64_t finished_ns = pending.Join();
-  if (finished_ns != 0) result.finished_ns = finished_ns;
+  result.finished_ns = pending.Join();
   if (tracer == nullptr) return;
   const size_t used = std::min(next_slot.load(std::memory_order_relaxed), slots.size());
   for (size_t s = 0; s < used; ++s) {
