@@ -183,6 +183,31 @@ def profile_steps(prof, where, row, rank, device):
     return None
 
 
+def pyprofile_steps(prof, where, row, rank, device):
+    """Starts cProfile on the trainer's thread when `prof` is None, else stops it and writes its
+    summary (the 40 functions of most own time, then of most time below them) to
+    WHERE/<row>.rank-R.txt: where the trainer's Python goes in the steps between (the autograd
+    thread's hooks are not in it). cProfile slows Python down: read the shares, not the times."""
+    import cProfile
+    import io
+    import pstats
+    if prof is None:
+        prof = cProfile.Profile()
+        prof.enable()
+        return prof
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    prof.disable()
+    out = io.StringIO()
+    stats = pstats.Stats(prof, stream=out)
+    stats.sort_stats("tottime").print_stats(40)
+    stats.sort_stats("cumulative").print_stats(40)
+    os.makedirs(where, exist_ok=True)
+    with open(os.path.join(where, "%s.rank-%d.txt" % (bench_train.row_slug(row), rank)), "w") as f:
+        f.write(out.getvalue())
+    return None
+
+
 def timed_end(opt, row, sync, t0, threads0, steps):
     """(this rank's mean iteration in s since t0, once the last step's params are in place; the
     optimizer's stats then, for a ferry row; bench_threads.use() since the snapshot threads0)."""
@@ -212,12 +237,16 @@ def run_row(row, args, device, rank, world, local_rank, data):
     dist.barrier()
     t0, before = time.perf_counter(), None
     prof, end = None, args.warmup + args.steps
-    profiled = args.profile and row["kind"] == "ferry"  # two more steps after the timed ones, profiled
+    # two more steps after the timed ones, profiled (--profile, --pyprofile)
+    profiled = (args.profile or args.pyprofile) and row["kind"] == "ferry"
+    pyprof = None
     for it in range(end + (4 if profiled else 0)):
         if it == end:
             mine, after, threads = timed_end(opt, row, sync, t0, threads0, args.steps)
-        if profiled and it in (end + 1, end + 3):
+        if args.profile and profiled and it in (end + 1, end + 3):
             prof = profile_steps(prof, args.profile, row, rank, device)
+        if args.pyprofile and profiled and it in (end + 1, end + 3):
+            pyprof = pyprofile_steps(pyprof, args.pyprofile, row, rank, device)
         if it == args.warmup:
             sync()
             dist.barrier()
@@ -347,6 +376,9 @@ def main():
                     help="torch.profiler's Chrome trace of two steps after the timed ones, of each ferry row and "
                          "rank, into DIR (the GPU's kernels, copies and NCCL; `ferry trace DIR/ROW.rank-*.json` says "
                          "which rank each collective waited for)")
+    ap.add_argument("--pyprofile", default="", metavar="DIR",
+                    help="cProfile of the trainer's thread over two steps after the timed ones, of each ferry row "
+                         "and rank: DIR/ROW.rank-R.txt (the functions of most own and most total time)")
     ap.add_argument("--phases", action="store_true",
                     help="CUDA: each row's GPU time per iteration in forward, backward and step (CUDA events on "
                          "the compute stream; rank 0's and the slowest rank's mean)")
