@@ -165,3 +165,24 @@ def test_a_clipped_step_updates_layers_in_forward_order(device, tmp_path):
             assert max(parts[k]) <= min(parts[k - 1]), (k, parts)
             checked += 1
     assert checked == 2 * (layers - 1)
+
+
+@pytest.mark.parametrize("n", [1, 5])
+def test_copy_all_copies_each_pair(device, n):
+    """The grads' batched copies (one foreach launch on torch >= 2.2, a copy each before): every
+    destination, a view into a larger buffer included, holds its source's bits, other elements stay."""
+    from ferry import _buckets
+    gen = torch.Generator().manual_seed(n)
+    sizes = [1 + 37 * i for i in range(n)]
+    dtypes = [torch.float32, torch.bfloat16, torch.float32, torch.float16, torch.bfloat16][:n]
+    srcs = [torch.randn(s, generator=gen).to(dt).to(device) for s, dt in zip(sizes, dtypes)]
+    bufs = [torch.randn(s + 8, generator=gen).to(dt).to(device) for s, dt in zip(sizes, dtypes)]
+    before = [b.clone() for b in bufs]
+    dsts = [b[4:4 + s] for b, s in zip(bufs, sizes)]  # views, as attach_ddp's ranges of a param
+    _buckets.copy_all(dsts, srcs)
+    def bits(t):
+        return t.cpu().view(torch.int32 if t.element_size() == 4 else torch.int16)
+    for b, was, src, s in zip(bufs, before, srcs, sizes):
+        assert torch.equal(bits(b[4:4 + s]), bits(src))
+        assert torch.equal(bits(b[:4]), bits(was[:4])) and torch.equal(bits(b[4 + s:]), bits(was[4 + s:]))
+    _buckets.copy_all([], [])  # nothing to copy: no launch, no error

@@ -1,17 +1,30 @@
 """ferry.torch.Optimizer's buckets and announcements: the units of overlap (runs of bucket_mb of
 grads in the order the first backward finished them, across param groups), the announcement of a
 bucket's params to the engine (Engine.grads_ready_params) from the grad hooks (ferry/_hooks.py) or
-attach_ddp's comm hook (ferry/_ddp.py), grads_ready() by hand, and accumulate()."""
+attach_ddp's comm hook (ferry/_ddp.py), grads_ready() by hand, and accumulate(); copy_all, the
+grads' copies into the optimizer's buffers, batched."""
 import contextlib
 
 import torch
 
 from . import _zero
 
+_FOREACH_COPY = getattr(torch, "_foreach_copy_", None)  # torch >= 2.2
+
+
+def copy_all(dsts, srcs):
+    """dst.copy_(src) for each pair, on the current stream: one foreach launch where torch has it (a
+    bucket's grads: tens of copies, each a launch from the autograd thread otherwise)."""
+    if len(dsts) > 1 and _FOREACH_COPY is not None:
+        _FOREACH_COPY(dsts, srcs)
+        return
+    for dst, src in zip(dsts, srcs):
+        dst.copy_(src)
+
 
 class BucketMixin:
     """Uses the optimizer's _params, _names, _group_of, _groups, _bucket_bytes, _tracker, _engine,
-    _step_lrs, _by_hand, _check_unchanged(), _options(), _take_grad(), _has_grad(), _stream() and
+    _step_lrs, _by_hand, _check_unchanged(), _options(), _take_grads(), _has_grad(), _stream() and
     wait_params()."""
 
     # ---- buckets --------------------------------------------------------------------------------------
@@ -68,8 +81,7 @@ class BucketMixin:
     def _announce(self, ks, lrs, options, take=True):
         if take:
             with torch.no_grad():
-                for k in ks:
-                    self._take_grad(k)  # on the current stream, before the announcement
+                self._take_grads(ks)  # on the current stream, before the announcement
         self._engine.grads_ready_params([self._names[k] for k in ks], group_lr=lrs, **options,
                                         stream=self._stream())
         self._tracker.announced.update(ks)

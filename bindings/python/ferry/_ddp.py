@@ -48,6 +48,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
+from . import _buckets
 from . import distributed as fdist
 
 
@@ -156,12 +157,15 @@ class DDPBridge:
     def _take(self, opt, flat, mine):
         """Copies this rank's range of the reduced bucket's params into the optimizer's buffers and
         announces them, on the current stream."""
+        dsts, srcs = [], []
+        for k, off in mine:
+            b, e = opt._grad_range(k)
+            if e > b:
+                dsts.append(opt._grads[k].view(-1)[b:e])
+                srcs.append(flat[off + b:off + e])
+            opt._tracker.got[k] = True
         with torch.no_grad():
-            for k, off in mine:
-                b, e = opt._grad_range(k)
-                if e > b:
-                    opt._grads[k].view(-1)[b:e].copy_(flat[off + b:off + e])
-                opt._tracker.got[k] = True
+            _buckets.copy_all(dsts, srcs)
         # DDP's bucket is the unit of overlap here: its params are announced together.
         opt._announce_params_from_hook([k for k, _ in mine], take=False)
 

@@ -344,25 +344,31 @@ class Optimizer(StateMixin, _buckets.BucketMixin, _attach.AttachMixin, _zero.Sha
         g = self._params[k].grad
         return g is not None and (self._tracker.got[k] or g is not self._grads[k])
 
-    def _take_grad(self, k):
-        """Makes the buffer hold param k's grad (copied on the current stream when p.grad is another
-        tensor) and p.grad point at it."""
-        p, buf = self._params[k], self._grads[k]
-        g = p.grad
-        if self._zero is not None and _zero.is_dtensor(p):  # FSDP2's grad: its local rows; p.grad stays
-            g = _zero.local(g)
-            if g.data_ptr() != buf.data_ptr():
-                buf.copy_(g)
-            self._tracker.got[k] = True
-            return
-        if g is not buf:
-            if g.shape != p.shape:
-                raise ValueError("%s: its grad has shape %s, the param %s" % (self._where[k], tuple(g.shape),
-                                                                               tuple(p.shape)))
-            if g.data_ptr() != buf.data_ptr():
-                buf.copy_(g)
-            p.grad = buf
-            self._tracker.got[k] = True  # an assigned grad stays this step's grad in the buffer
+    def _take_grads(self, ks):
+        """Makes the buffers hold the grads of params ks (copied on the current stream where p.grad
+        is another tensor, all in one foreach launch where torch has it) and each p.grad point at its
+        buffer (FSDP2's DTensor grads stay: their local rows are copied)."""
+        dsts, srcs = [], []
+        for k in ks:
+            p, buf = self._params[k], self._grads[k]
+            g = p.grad
+            if self._zero is not None and _zero.is_dtensor(p):  # FSDP2's grad: its local rows; p.grad stays
+                g = _zero.local(g)
+                if g.data_ptr() != buf.data_ptr():
+                    dsts.append(buf)
+                    srcs.append(g)
+                self._tracker.got[k] = True
+                continue
+            if g is not buf:
+                if g.shape != p.shape:
+                    raise ValueError("%s: its grad has shape %s, the param %s" % (self._where[k], tuple(g.shape),
+                                                                                   tuple(p.shape)))
+                if g.data_ptr() != buf.data_ptr():
+                    dsts.append(buf)
+                    srcs.append(g)  # the list keeps g alive until its copy is enqueued below
+                p.grad = buf
+                self._tracker.got[k] = True  # an assigned grad stays this step's grad in the buffer
+        _buckets.copy_all(dsts, srcs)
 
     # ---- the step ----------------------------------------------------------------------------------
 
@@ -426,9 +432,7 @@ class Optimizer(StateMixin, _buckets.BucketMixin, _attach.AttachMixin, _zero.Sha
         # reduced bucket); copying them again would write what the engine may be reading. Changed
         # since (late): taken again, and the step recomputes those groups.
         taken = set() if late is not None else set(announced_ks)
-        for k in range(n):
-            if has[k] and k not in taken:
-                self._take_grad(k)
+        self._take_grads([k for k in range(n) if has[k] and k not in taken])
         saved = self._save_skipped(skipped) if skipped else None
         if late is not None and self._overlap is True:
             self._warn_once("late", "the grad of %s changed after it was announced (%s): the step "
