@@ -118,6 +118,8 @@ def build(row, args, device, world, local_rank):
         extra.update(local_rank=local_rank, local_world_size=dist_launch.local_world(world))
     if args.cpu_threads:
         extra["cpu_threads"] = args.cpu_threads
+    if args.chunk_bytes:
+        extra["transfer_chunk_bytes"] = args.chunk_bytes
     if args.trainer_threads >= 0 and bench_train.has_option("trainer_threads"):
         extra["trainer_threads"] = args.trainer_threads
     opt = ferry.torch.Optimizer(groups, **kw, **extra)
@@ -364,6 +366,8 @@ def main():
                          "embeddings and the final norm with the head in units of their own (as torchtitan "
                          "wraps a transformer)")
     ap.add_argument("--cpu-threads", type=int, default=0, help="ferry's CPU Adam threads per rank (0: its default)")
+    ap.add_argument("--chunk-bytes", type=int, default=0,
+                    help="ferry's transfer_chunk_bytes per rank: grads per pipeline chunk (0: its default)")
     ap.add_argument("--trainer-threads", type=int, default=-1,
                     help="CPUs of each rank's share left to the trainer's threads (-1: ferry.torch's default)")
     ap.add_argument("--timeout", type=float, default=300.0, help="the optimizer's collective timeout, seconds")
