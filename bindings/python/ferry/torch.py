@@ -347,28 +347,30 @@ class Optimizer(StateMixin, _buckets.BucketMixin, _attach.AttachMixin, _zero.Sha
     def _take_grads(self, ks):
         """Makes the buffers hold the grads of params ks (copied on the current stream where p.grad
         is another tensor, all in one foreach launch where torch has it) and each p.grad point at its
-        buffer (FSDP2's DTensor grads stay: their local rows are copied)."""
-        dsts, srcs = [], []
+        buffer (FSDP2's DTensor grads stay: their local rows are copied). A grad of the wrong shape
+        raises before anything changed."""
+        dsts, srcs, taken, moved = [], [], [], []
         for k in ks:
             p, buf = self._params[k], self._grads[k]
             g = p.grad
             if self._zero is not None and _zero.is_dtensor(p):  # FSDP2's grad: its local rows; p.grad stays
                 g = _zero.local(g)
-                if g.data_ptr() != buf.data_ptr():
-                    dsts.append(buf)
-                    srcs.append(g)
-                self._tracker.got[k] = True
+            elif g is buf:
                 continue
-            if g is not buf:
-                if g.shape != p.shape:
-                    raise ValueError("%s: its grad has shape %s, the param %s" % (self._where[k], tuple(g.shape),
-                                                                                   tuple(p.shape)))
-                if g.data_ptr() != buf.data_ptr():
-                    dsts.append(buf)
-                    srcs.append(g)  # the list keeps g alive until its copy is enqueued below
-                p.grad = buf
-                self._tracker.got[k] = True  # an assigned grad stays this step's grad in the buffer
+            elif g.shape != p.shape:
+                raise ValueError("%s: its grad has shape %s, the param %s" % (self._where[k], tuple(g.shape),
+                                                                               tuple(p.shape)))
+            else:
+                moved.append(k)
+            taken.append(k)
+            if g.data_ptr() != buf.data_ptr():
+                dsts.append(buf)
+                srcs.append(g)  # the list keeps g alive until its copy is enqueued
         _buckets.copy_all(dsts, srcs)
+        for k in moved:
+            self._params[k].grad = self._grads[k]
+        for k in taken:
+            self._tracker.got[k] = True  # an assigned grad stays this step's grad in the buffer
 
     # ---- the step ----------------------------------------------------------------------------------
 
