@@ -304,45 +304,59 @@ def worker(rank, world, local_rank, args):
                                         args.size, dim, blocks, args.dtype, batch, seq, args.steps, args.warmup),
               flush=True)
     rows = ROWS if not args.rows else [ROWS[int(i)] for i in args.rows.split(",")]
-    base, results, ok = None, {}, True
-    for row in rows:
-        why = skip_reason(row, args, world)
-        if why:
+    rounds, ok, runs = max(1, args.repeat), True, {}  # runs: row name -> [(iteration, ratio)] per round
+    for round_ in range(rounds):
+        if rounds > 1 and rank == 0:
+            print("  round %d of %d" % (round_ + 1, rounds), flush=True)
+        base, results = None, {}  # each round's ratios against its own all-GPU row
+        for row in rows:
+            why = skip_reason(row, args, world)
+            if why:
+                if rank == 0:
+                    print("   %-30s skipped: %s" % (row["name"], why), flush=True)
+                continue
+            iteration, losses, stats = run_row(row, args, device, rank, world, local_rank, data)
+            results[row["name"]] = losses
+            if base is None and row.get("policy", "all_gpu") == "all_gpu":
+                base = iteration  # the first all-GPU DDP row: torch's AdamW, else ferry all_gpu
+            line = "   %-30s %8.1f ms" % (row["name"], iteration * 1e3)
+            if base:
+                line += "  %5.2fx all-GPU DDP" % (iteration / base)
+            runs.setdefault(row["name"], []).append((iteration, iteration / base if base else None))
+            line += bench_train.cpu_text(stats, "rank 0")
+            if row.get("phases"):
+                line += "\n      GPU time per iteration (rank 0 / the slowest rank): " + ", ".join(
+                    "%s %.1f / %.1f ms" % (name, m, x) for name, (m, x) in row["phases"].items())
+            elif args.phases and rank == 0 and device.type != "cuda":
+                line += "   (--phases: CUDA only)"
+            threads, trainers = row["threads"]
+            if threads:
+                line += "\n      %s (rank 0)" % bench_threads.text(threads)
+                if world > 1:
+                    line += "\n      each rank's trainer thread, ms per step on a CPU + waiting for one: " + ", ".join(
+                        "%.1f + %.1f" % (c, w) for c, w in trainers)
+            if args.profile and row["kind"] == "ferry" and world > 1:
+                line += "\n      which rank each collective waited for: ferry trace %s" % os.path.join(
+                    args.profile, "%s.rank-*.json" % bench_train.row_slug(row))
             if rank == 0:
-                print("   %-30s skipped: %s" % (row["name"], why), flush=True)
-            continue
-        iteration, losses, stats = run_row(row, args, device, rank, world, local_rank, data)
-        results[row["name"]] = losses
-        if base is None and row.get("policy", "all_gpu") == "all_gpu":
-            base = iteration  # the first all-GPU DDP row: torch's AdamW, else ferry all_gpu
-        line = "   %-30s %8.1f ms" % (row["name"], iteration * 1e3)
-        if base:
-            line += "  %5.2fx all-GPU DDP" % (iteration / base)
-        line += bench_train.cpu_text(stats, "rank 0")
-        if row.get("phases"):
-            line += "\n      GPU time per iteration (rank 0 / the slowest rank): " + ", ".join(
-                "%s %.1f / %.1f ms" % (name, m, x) for name, (m, x) in row["phases"].items())
-        elif args.phases and rank == 0 and device.type != "cuda":
-            line += "   (--phases: CUDA only)"
-        threads, trainers = row["threads"]
-        if threads:
-            line += "\n      %s (rank 0)" % bench_threads.text(threads)
-            if world > 1:
-                line += "\n      each rank's trainer thread, ms per step on a CPU + waiting for one: " + ", ".join(
-                    "%.1f + %.1f" % (c, w) for c, w in trainers)
-        if args.profile and row["kind"] == "ferry" and world > 1:
-            line += "\n      which rank each collective waited for: ferry trace %s" % os.path.join(
-                args.profile, "%s.rank-*.json" % bench_train.row_slug(row))
-        if rank == 0:
+                print(line, flush=True)
+            if args.check_exact and row.get("same_as") in results:
+                same = torch.equal(losses, results[row["same_as"]])
+                flag = torch.tensor([0 if same else 1], device=device if dist.get_backend() == "nccl" else "cpu")
+                dist.all_reduce(flag)
+                ok = ok and flag.item() == 0
+                if rank == 0:
+                    print("   losses of %-30s %s %s's on every rank" % (row["name"], "==" if flag.item() == 0 else "!=",
+                                                                         row["same_as"]), flush=True)
+    if rounds > 1 and rank == 0:
+        print("  over %d rounds, alternated: the median (the range)" % rounds, flush=True)
+        for name, got in runs.items():
+            its = sorted(t for t, _ in got)
+            ratios = sorted(r for _, r in got if r is not None)
+            line = "   %-30s %8.1f ms (%.1f-%.1f)" % (name, statistics.median(its) * 1e3, its[0] * 1e3, its[-1] * 1e3)
+            if ratios:
+                line += "  %5.2fx all-GPU DDP (%.2f-%.2f)" % (statistics.median(ratios), ratios[0], ratios[-1])
             print(line, flush=True)
-        if args.check_exact and row.get("same_as") in results:
-            same = torch.equal(losses, results[row["same_as"]])
-            flag = torch.tensor([0 if same else 1], device=device if dist.get_backend() == "nccl" else "cpu")
-            dist.all_reduce(flag)
-            ok = ok and flag.item() == 0
-            if rank == 0:
-                print("   losses of %-30s %s %s's on every rank" % (row["name"], "==" if flag.item() == 0 else "!=",
-                                                                     row["same_as"]), flush=True)
     if not ok:
         raise SystemExit("FAILED: the losses of an overlap row differ from the same row without overlap")
 
@@ -354,6 +368,9 @@ def main():
     ap.add_argument("--size", default="medium", choices=list(bench_model.SIZES))
     ap.add_argument("--batch", type=int, default=0, help="override the size's batch (per rank)")
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="run the rows this many times, alternated (each row built afresh), and print each "
+                         "row's median iteration and ratio over the rounds: a noisy host's figures")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
