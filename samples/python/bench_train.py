@@ -334,6 +334,27 @@ def print_table(results, loop):
               against(iteration, ferry_base), against(iteration, torch_base)), flush=True)
 
 
+def print_medians(per_round, loop):
+    """--repeat: each row's median iteration over the rounds and its range, and the median of its
+    ratios to each round's ferry all_gpu row."""
+    print("   over %d rounds, alternated: the median (the range)" % len(per_round), flush=True)
+    for i, (row, _, _, _) in enumerate(per_round[0]):
+        its = sorted(r[i][1] for r in per_round if r[i][1] is not None)
+        if not its:
+            continue
+        ratios = []
+        for results in per_round:
+            base = next((it for rw, it, _, _ in results if rw["name"] == "ferry all_gpu" and it is not None), None)
+            if base and results[i][1] is not None:
+                ratios.append(results[i][1] / base)
+        line = "   %-30s %-31s %8.1f ms (%.1f-%.1f)" % (row["name"], loop.label(), statistics.median(its) * 1e3,
+                                                        its[0] * 1e3, its[-1] * 1e3)
+        if ratios:
+            ratios.sort()
+            line += "  %5.2fx ferry all_gpu (%.2f-%.2f)" % (statistics.median(ratios), ratios[0], ratios[-1])
+        print(line, flush=True)
+
+
 def bench_size(name, args):
     dim, blocks, heads, batch, seq = SIZES[name]
     if args.batch:
@@ -359,41 +380,48 @@ def bench_size(name, args):
                                       else "ignored: ferry.torch.Optimizer takes no bucket_mb"), flush=True)
     fwd_bwd = compute_alone(model, data, loop, args)
     print("   forward + backward alone: %.1f ms" % (fwd_bwd * 1e3), flush=True)
-    results = []
-    bounds = {}  # (policy, moments) -> the offloaded step alone, from the row without overlap
-    ok = True
-    for row in rows_for(args):
-        iteration, losses, alone, why = run_row(row, model, init, data, loop, args)
-        results.append((row, iteration, losses, why))
-        if iteration is None:
-            print("   %-30s skipped: %s" % (row["name"], why), flush=True)
-            continue
-        line = "   %-30s %8.1f ms" % (row["name"], iteration * 1e3)
-        key = (row.get("policy"), str(row.get("policy_args")))
-        if alone is not None:
-            bounds[key] = alone
-        alone = bounds.get(key) if row.get("offloaded") else None
-        if alone is not None:
-            bound = "CPU-bound: the step alone exceeds fwd+bwd" if alone > fwd_bwd else \
-                "GPU-bound: overlap can hide the step"
-            line += "   bound: step alone %.1f ms (%s)" % (alone * 1e3, bound)
-        if row.get("deferred"):
-            line += "   [%d of %d steps deferred]" % (row["deferred"], args.warmup + args.steps)
-        fraction = row.get("policy_args", {}).get("fraction")
-        if row.get("placed") and (fraction is not None or row.get("gpu_room")):
-            share, off, n = row["placed"]
-            line += "   [offloaded %.0f%% of the params: %d of %d param groups%s]" % (
-                100 * share, off, n,
-                "; placement is by group" if fraction is not None and abs(share - float(fraction)) > 0.1 else "")
-        line += cpu_text(row.get("cpu"))
-        clip_text, clip_ok = row["clip"]
-        if clip_text:
-            line += "   [%s]" % clip_text
-        if row.get("threads"):
-            line += "\n      " + bench_threads.text(row["threads"])
-        ok = ok and clip_ok
-        print(line, flush=True)
-    print_table(results, loop)
+    ok, rounds = True, max(1, args.repeat)
+    per_round = []  # each round's results
+    for round_ in range(rounds):
+        if rounds > 1:
+            print("  round %d of %d" % (round_ + 1, rounds), flush=True)
+        results = []
+        bounds = {}  # (policy, moments) -> the offloaded step alone, from the row without overlap
+        for row in rows_for(args):
+            iteration, losses, alone, why = run_row(row, model, init, data, loop, args)
+            results.append((row, iteration, losses, why))
+            if iteration is None:
+                print("   %-30s skipped: %s" % (row["name"], why), flush=True)
+                continue
+            line = "   %-30s %8.1f ms" % (row["name"], iteration * 1e3)
+            key = (row.get("policy"), str(row.get("policy_args")))
+            if alone is not None:
+                bounds[key] = alone
+            alone = bounds.get(key) if row.get("offloaded") else None
+            if alone is not None:
+                bound = "CPU-bound: the step alone exceeds fwd+bwd" if alone > fwd_bwd else \
+                    "GPU-bound: overlap can hide the step"
+                line += "   bound: step alone %.1f ms (%s)" % (alone * 1e3, bound)
+            if row.get("deferred"):
+                line += "   [%d of %d steps deferred]" % (row["deferred"], args.warmup + args.steps)
+            fraction = row.get("policy_args", {}).get("fraction")
+            if row.get("placed") and (fraction is not None or row.get("gpu_room")):
+                share, off, n = row["placed"]
+                line += "   [offloaded %.0f%% of the params: %d of %d param groups%s]" % (
+                    100 * share, off, n,
+                    "; placement is by group" if fraction is not None and abs(share - float(fraction)) > 0.1 else "")
+            line += cpu_text(row.get("cpu"))
+            clip_text, clip_ok = row["clip"]
+            if clip_text:
+                line += "   [%s]" % clip_text
+            if row.get("threads"):
+                line += "\n      " + bench_threads.text(row["threads"])
+            ok = ok and clip_ok
+            print(line, flush=True)
+        print_table(results, loop)
+        per_round.append(results)
+    if rounds > 1:
+        print_medians(per_round, loop)
     if args.check_exact:
         ref = next((r for r in results if r[0]["name"] == "ferry all_gpu" and r[1] is not None), None)
         compared = 0
@@ -418,6 +446,9 @@ def main():
     ap.add_argument("--size", default="medium", choices=list(SIZES) + ["all"])
     ap.add_argument("--batch", type=int, default=0, help="override the size's batch")
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="run the rows this many times, alternated (each row's optimizer built afresh), and print "
+                         "each row's median iteration and ratio over the rounds: a noisy host's figures")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--rows", default="", help="comma-separated row indices (default: all)")
