@@ -205,6 +205,76 @@ TEST_P(BucketStepTest, MisusesAreClearErrors) {
   ASSERT_OK(e->VerifyMasters());
 }
 
+// A kept speculation whose parts were not all started when Step returned: those parts update in
+// place (their params keep their side of the double buffer) while the parts already started update
+// into the spare side, inside one group. FERRY_EARLY_HOLD_PARTS makes it deterministic: the early
+// pass starts one speculating part (a bucket of two params), then waits for Step.
+// Over steps that keep the speculation, a clipped one (the speculation fails: every part recomputed
+// in place; the next step does not speculate) and steps whose Step waits for the update (not
+// deferred: everything speculates), every param is Step alone's, bit for bit, and so are the
+// checkpoints; the stats count the bytes that went each way.
+TEST_P(BucketStepTest, PartsStartedAfterAKeptSpeculationUpdateInPlace) {
+  ScopedEnv hold("FERRY_EARLY_HOLD_PARTS", "1");
+  Model ref_model(device_.get(), kSizes, 13), early_model(device_.get(), kSizes, 13);
+  auto ref = Make(ref_model);
+  auto early = Make(early_model);
+  ASSERT_TRUE(ref && early);
+  const bool offloaded = AnyOffloaded(*early);
+  int64_t total = 0;
+  for (int64_t n : kSizes) total += n;
+  for (int step = 1; step <= 12; ++step) {
+    const uint64_t ref_bytes = ref->Stats().cpu_adam_bytes, early_bytes = early->Stats().cpu_adam_bytes;
+    const uint64_t early_spare = early->Stats().cpu_adam_spare_bytes;
+    const uint64_t seed = 900 + static_cast<uint64_t>(step);
+    ref_model.SetGrads(seed);
+    early_model.SetGrads(seed);
+    const bool clipped = step == 5;
+    const bool waited = step >= 10;  // Step waits for the update: nothing in place early
+    const StepOptions options{.lr = 1e-3f, .max_grad_norm = std::sqrt(static_cast<float>(total)) * (clipped ? 0.01f : 10.0f)};
+    for (size_t i = kSizes.size(); i > 0; i -= 2) {  // a backward, two params a bucket
+      ASSERT_OK(early->GradsReadyParams({early_model.name(i - 1), early_model.name(i - 2)}, options));
+    }
+    ASSERT_OK(ref->Step(options));
+    StepOptions stepped = options;
+    stepped.wait_for_params = waited;
+    ASSERT_OK(early->Step(stepped));
+    for (size_t i = 0; i < kSizes.size(); ++i) {  // the next forward
+      ASSERT_OK(early->WaitParamsOf({early_model.name(i)}));
+      ASSERT_EQ(early_model.Param(i), ref_model.Param(i)) << "step " << step << ", param " << i;
+    }
+    ASSERT_OK(early->Synchronize());
+    const uint64_t bytes = early->Stats().cpu_adam_bytes - early_bytes;
+    const uint64_t spare = early->Stats().cpu_adam_spare_bytes - early_spare;
+    if (!clipped) {  // the same update, whichever way (a clipped step also ran its cancelled part)
+      EXPECT_EQ(bytes, ref->Stats().cpu_adam_bytes - ref_bytes) << "step " << step;
+    }
+    if (offloaded && !clipped) {
+      if (waited) {
+        EXPECT_EQ(spare, bytes) << "step " << step;  // every part speculated
+      } else if (step == 6) {
+        EXPECT_EQ(spare, 0u) << "step " << step;  // no speculation after a clipped step
+      } else {
+        EXPECT_GT(spare, 0u) << "step " << step;  // one part into the spare side, the rest in place
+        EXPECT_LT(spare, bytes) << "step " << step;
+      }
+    }
+    if (step % 4 == 0) {
+      absl::StatusOr<std::string> a = ref->SaveCheckpoint(tmp_.path() + "/ref", step);
+      absl::StatusOr<std::string> b = early->SaveCheckpoint(tmp_.path() + "/early", step);
+      ASSERT_TRUE(a.ok() && b.ok()) << a.status() << " " << b.status();
+      ASSERT_EQ(ReadAll(*a), ReadAll(*b)) << "step " << step;
+    }
+  }
+  ASSERT_OK(early->VerifyMasters());
+  const EngineStats stats = early->Stats();
+  EXPECT_EQ(ref->Stats().cpu_adam_spare_bytes, 0u);
+  if (!offloaded) {
+    EXPECT_EQ(stats.cpu_adam_bytes, 0u);
+    return;
+  }
+  EXPECT_GT(stats.early_groups_recomputed, 0);  // step 5's
+}
+
 // A step whose clip is reached cannot keep its speculation: after a deferred Step its whole update
 // runs in place beside the next forward, which waits layer by layer. The update must go in the
 // order that forward needs it, as the backward's announcements give it, whatever the registration:
