@@ -152,7 +152,7 @@ class HybridOptimizer final {
   // params()) are final on `trainer` now. Each group's announced params become one part of its
   // update, which the early thread runs as it would a group's; a group is announced once all its
   // params are. At Step, the rest of a group announced in part is started too when the speculation
-  // holds (its grads are final then), so that its state can be swapped whole. Errors (nothing
+  // holds (its grads are final then), so that the group commits whole. Errors (nothing
   // started): an index out of range, a param named twice or announced already in this step, invalid
   // params.
   absl::Status BeginParams(absl::Span<const size_t> params, const HybridStepParams& step, Stream& trainer);
@@ -180,7 +180,7 @@ class HybridOptimizer final {
   // comes after its forward anyway; grads zeroed right after Step must wait. The update is
   // committed by Settle, which every other call runs first (the next announcement, Step,
   // Synchronize, state reads and writes, snapshots, the destructor): it waits for the rest of the
-  // work and swaps in the new state. Whether a deferred step is in progress:
+  // work and commits the new state (CommitSpare). Whether a deferred step is in progress:
   bool deferred() const { return deferred_; }
   // Completes a deferred step (nothing otherwise). When its work failed, the groups it did not
   // finish keep their state of the step before (their params are rewritten from it and their step
@@ -406,7 +406,7 @@ class HybridOptimizer final {
   // (hybrid_optimizer_early_pass.cc).
   absl::Status RunEarlyPass(EarlyItem first);
   // Step's deferred end (see deferred()) for the offloaded groups `started` (`in_place`: those whose
-  // update runs in place, not swapped in): true when deferred, false when the early work has failed
+  // update runs in place, none of it into the spare side): true when deferred, false when the early work has failed
   // already (Step then settles it as usual).
   absl::StatusOr<bool> DeferSettle(const std::vector<size_t>& started, const std::vector<size_t>& in_place = {});
   // Step's part for the announced groups once the step's decision is known (see BeginGroups).
@@ -568,7 +568,7 @@ class HybridOptimizer final {
   // A deferred step (see deferred()): owned by the trainer's thread.
   bool deferred_ = false;
   std::vector<size_t> deferred_groups_;  // its offloaded groups, all started early
-  std::vector<uint8_t> deferred_in_place_;  // per group: its deferred update runs in place (no swap)
+  std::vector<uint8_t> deferred_in_place_;  // per group: its deferred update runs in place (no commit)
   // Whether announcements start the speculative work: false after a step whose clipping triggered or
   // that was skipped (the next one likely does too, and its speculation would be wasted work that
   // competes with the recomputation); true again after a step that neither clipped nor skipped.

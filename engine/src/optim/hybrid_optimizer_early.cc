@@ -2,12 +2,13 @@
 // are final start their D2H, CPU Adam and H2D on a background thread during the trainer's backward,
 // speculating that the step neither clips nor skips. Step then keeps or recomputes each such group.
 //
-// Why it is exact: a speculative update reads the group's state and writes its spare buffers, so the
-// state itself never changes until Step has validated the speculation (the step's AdamScalars of the
-// group equal the ones the speculation used, bit for bit: the same learning rate, step and gradient
-// multiplier give the same update from the same grads and state). A kept update swaps the buffers; a
-// discarded one leaves them, and the group runs through the ordinary in-place pipeline, which rewrites
-// its params. A skipped step rewrites the params from the masters. Double buffering was chosen over
+// Why it is exact: a speculative update reads each param's state on its side and writes the other
+// side (the spare buffers), so the state itself never changes until Step has validated the
+// speculation (the step's AdamScalars of the group equal the ones the speculation used, bit for bit:
+// the same learning rate, step and gradient multiplier give the same update from the same grads and
+// state). A kept update moves its params to the side written (CommitSpare); a discarded one leaves
+// them, and the group runs through the ordinary in-place pipeline, which rewrites its params. Once a
+// kept speculation's end is deferred, what the early thread has not begun updates in place. A skipped step rewrites the params from the masters. Double buffering was chosen over
 // keeping a copy of the old state: the speculative pass then moves the same bytes as an in-place one
 // (read the state, write the state), where a copy adds a third stream of writes; both need as much
 // pinned memory again as the offloaded state.
@@ -400,7 +401,7 @@ absl::StatusOr<std::vector<size_t>> HybridOptimizer::SettleEarly(bool skipped, b
     FERRY_RETURN_IF_ERROR(QueueRest(rest, scalars, trainer, /*in_place=*/true));
     FERRY_ASSIGN_OR_RETURN(const bool deferred, DeferSettle(all, rest));
     if (deferred) {
-      // Kept and deferred: the speculating params the early thread has not started yet update in
+      // Kept and deferred: the speculating params the early thread has not begun yet update in
       // place (Settle then keeps their side). Only now: a Step that settles the early work itself
       // (not deferred) recomputes a group that did not finish from its state, which must be
       // untouched.
