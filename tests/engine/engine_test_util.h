@@ -39,24 +39,6 @@ inline std::string Policies() { return std::string(FERRY_SOURCE_DIR) + "/scripts
 // A fresh directory under the system's temporary directory, removed with everything in it.
 using testing_util::TempDir;
 
-// Sets an environment variable for its lifetime, then restores it (or its absence).
-class ScopedEnv {
- public:
-  ScopedEnv(const char* name, const char* value) : name_(name) {
-    const char* before = std::getenv(name);
-    had_ = before != nullptr;
-    if (had_) before_ = before;
-    setenv(name, value, 1);
-  }
-  ~ScopedEnv() { had_ ? setenv(name_.c_str(), before_.c_str(), 1) : unsetenv(name_.c_str()); }
-  ScopedEnv(const ScopedEnv&) = delete;
-  ScopedEnv& operator=(const ScopedEnv&) = delete;
-
- private:
-  std::string name_, before_;
-  bool had_ = false;
-};
-
 // Every tensor of a checkpoint, by name.
 inline std::map<std::string, std::string> ReadAll(const std::string& path) {
   std::map<std::string, std::string> out;

@@ -64,7 +64,18 @@ const TraceFileEvent* Parent(const TraceFile& trace, const TraceFileEvent& child
 // overwrite each other nor read as one rank (ferry trace refuses a rank twice).
 TEST(TraceEngineTest, AnEngineWithoutACommNamesItsTraceByTheLaunchersRank) {
   TempDir tmp("ferry-trace-rank");
-  ScopedEnv rank("RANK", "1"), world("WORLD_SIZE", "2");
+  struct Restore {
+    std::map<std::string, std::optional<std::string>> saved;
+    ~Restore() {
+      for (const auto& [k, v] : saved) v.has_value() ? setenv(k.c_str(), v->c_str(), 1) : unsetenv(k.c_str());
+    }
+  } restore;
+  for (const char* k : {"RANK", "WORLD_SIZE"}) {
+    const char* v = std::getenv(k);
+    restore.saved[k] = v != nullptr ? std::optional<std::string>(v) : std::nullopt;
+  }
+  setenv("RANK", "1", 1);
+  setenv("WORLD_SIZE", "2", 1);
   absl::StatusOr<std::unique_ptr<Device>> device = CreateDevice();
   ASSERT_TRUE(device.ok()) << device.status();
   Model model(device->get(), {1000}, 3);

@@ -49,11 +49,6 @@ HybridOptimizer::HybridOptimizer(Device* device, ThreadPool* pool, HybridOptions
     : device_(device), pool_(pool), options_(std::move(options)), cpu_adam_(pool) {
   const char* speculate = std::getenv("FERRY_SPECULATE");
   speculate_always_ = speculate != nullptr && std::string_view(speculate) == "always";
-  const char* in_place = std::getenv("FERRY_EARLY_IN_PLACE");
-  in_place_after_kept_ = in_place == nullptr || std::string_view(in_place) != "0";
-  if (const char* hold = std::getenv("FERRY_EARLY_HOLD_PARTS"); hold != nullptr) {
-    hold_parts_ = static_cast<size_t>(std::strtoull(hold, nullptr, 10));
-  }
   if (options_.tracer != nullptr) {
     cpu_adam_.set_tracer(options_.tracer);
     d2h_trace_.lane = options_.tracer->Lane("d2h stream (observed)");
@@ -136,8 +131,6 @@ absl::Status HybridOptimizer::Init(std::vector<OptimParam> params, std::vector<O
     param_ids_.push_back(RoundingParamId(op.name.data(), op.name.size()));
   }
   param_slot_.assign(params_.size(), 0);
-  state_side_.assign(params_.size(), 0);
-  early_mode_.assign(params_.size(), kEarlyNone);
   size_t arena_bytes = 0;
   std::vector<size_t> offloaded_groups;
   for (size_t gi = 0; gi < groups_.size(); ++gi) {
@@ -224,13 +217,7 @@ absl::Status HybridOptimizer::Init(std::vector<OptimParam> params, std::vector<O
 char* HybridOptimizer::StatePtr(size_t p, StateKind kind, size_t e) const {
   const Group& g = groups_[params_[p].group];
   const size_t es = DTypeSize(kind == StateKind::kMaster ? g.format.master : g.format.moments);
-  return g.state(kind, /*spare=*/g.offloaded && state_side_[p] != 0) + (static_cast<size_t>(param_slot_[p]) + e) * es;
-}
-
-void HybridOptimizer::CommitSpare(size_t g) {
-  for (size_t p : groups_[g].params) {
-    if (early_mode_[p] == kEarlyToSpare) state_side_[p] ^= 1;
-  }
+  return g.state(kind) + (static_cast<size_t>(param_slot_[p]) + e) * es;
 }
 
 StateRoundingKey HybridOptimizer::RoundingKey(size_t p, size_t e0, int64_t step) const {
@@ -246,7 +233,7 @@ StateRoundingKey HybridOptimizer::RoundingKey(size_t p, size_t e0, int64_t step)
 char* HybridOptimizer::SpareStatePtr(size_t p, StateKind kind, size_t e) const {
   const Group& g = groups_[params_[p].group];
   const size_t es = DTypeSize(kind == StateKind::kMaster ? g.format.master : g.format.moments);
-  return g.state(kind, /*spare=*/state_side_[p] == 0) + (static_cast<size_t>(param_slot_[p]) + e) * es;
+  return g.state(kind, /*spare=*/true) + (static_cast<size_t>(param_slot_[p]) + e) * es;
 }
 
 absl::Status HybridOptimizer::WaitPending() {

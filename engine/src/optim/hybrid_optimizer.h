@@ -152,7 +152,7 @@ class HybridOptimizer final {
   // params()) are final on `trainer` now. Each group's announced params become one part of its
   // update, which the early thread runs as it would a group's; a group is announced once all its
   // params are. At Step, the rest of a group announced in part is started too when the speculation
-  // holds (its grads are final then), so that the group commits whole. Errors (nothing
+  // holds (its grads are final then), so that its state can be swapped whole. Errors (nothing
   // started): an index out of range, a param named twice or announced already in this step, invalid
   // params.
   absl::Status BeginParams(absl::Span<const size_t> params, const HybridStepParams& step, Stream& trainer);
@@ -180,7 +180,7 @@ class HybridOptimizer final {
   // comes after its forward anyway; grads zeroed right after Step must wait. The update is
   // committed by Settle, which every other call runs first (the next announcement, Step,
   // Synchronize, state reads and writes, snapshots, the destructor): it waits for the rest of the
-  // work and commits the new state (CommitSpare). Whether a deferred step is in progress:
+  // work and swaps in the new state. Whether a deferred step is in progress:
   bool deferred() const { return deferred_; }
   // Completes a deferred step (nothing otherwise). When its work failed, the groups it did not
   // finish keep their state of the step before (their params are rewritten from it and their step
@@ -275,8 +275,6 @@ class HybridOptimizer final {
   // updates and Step's own pipeline alike.
   double cpu_adam_busy_seconds() const { return 1e-9 * static_cast<double>(cpu_busy_ns_.load(std::memory_order_relaxed)); }
   uint64_t cpu_adam_bytes() const { return cpu_bytes_.load(std::memory_order_relaxed); }
-  // Of cpu_adam_bytes(), those of updates that wrote the spare side (speculation, out of place).
-  uint64_t cpu_adam_spare_bytes() const { return cpu_spare_bytes_.load(std::memory_order_relaxed); }
   // Replaces HybridOptions::spare_fraction. It sizes the spare state when it is allocated (the
   // first early step): a spare state already allocated keeps its size. REQUIRES: between steps (no
   // early work queued), `fraction` in [0, 1].
@@ -349,9 +347,8 @@ class HybridOptimizer final {
     Layout layout;               // of this group's params, in elements
     HostSpan host_state;         // offloaded: [master | m | v], each layout.total_elements() elements
                                  // of its stored dtype (format.master, format.moments)
-    HostSpan spare_state;        // offloaded, once an early step ran: the same size. Each param's
-                                 // state lives in one of the two (state_side_); a speculative update
-                                 // writes the other, and a kept one makes that the param's side
+    HostSpan spare_state;        // offloaded, once an early step ran: the same size; a speculative
+                                 // update writes it, and Step swaps it with host_state to keep it
     DeviceBuffer device_state;   // on GPU: the same on the device
     char* state(StateKind kind, bool spare = false) const;  // spare: in spare_state
   };
@@ -399,14 +396,12 @@ class HybridOptimizer final {
                          bool in_place = false);
   // Forgets every part of the step (the early thread is idle): a failed speculation starts over.
   void ResetParts();
-  // Sets early_settled_ and wakes the early thread (a pass held by FERRY_EARLY_HOLD_PARTS).
-  void SetEarlySettled(int settled);
   // The early thread's work from `first` on: every announcement queued meanwhile joins it, and the
   // ring downloads the chunks of the latest announced group whose grads are final first
   // (hybrid_optimizer_early_pass.cc).
   absl::Status RunEarlyPass(EarlyItem first);
   // Step's deferred end (see deferred()) for the offloaded groups `started` (`in_place`: those whose
-  // update runs in place, none of it into the spare side): true when deferred, false when the early work has failed
+  // update runs in place, not swapped in): true when deferred, false when the early work has failed
   // already (Step then settles it as usual).
   absl::StatusOr<bool> DeferSettle(const std::vector<size_t>& started, const std::vector<size_t>& in_place = {});
   // Step's part for the announced groups once the step's decision is known (see BeginGroups).
@@ -430,9 +425,6 @@ class HybridOptimizer final {
   // Pointer of param `p`'s `kind` state (host memory for offloaded groups, device memory otherwise),
   // at element `e`.
   char* StatePtr(size_t p, StateKind kind, size_t e = 0) const;
-  // A kept speculation of group g: each of its params that this step's early work updated into the
-  // spare side (early_mode_) takes that side as its state; those updated in place keep theirs.
-  void CommitSpare(size_t g);
   // Stochastic rounding: param `p`'s key at step `step` (<= 0: the step its group computes next), for
   // local elements from `e0` on.
   StateRoundingKey RoundingKey(size_t p, size_t e0, int64_t step = 0) const;
@@ -456,7 +448,7 @@ class HybridOptimizer final {
   struct RoundInFlight {
     CpuAdamPending pending;
     int64_t start_ns = 0;  // when it started (SteadyNs)
-    double chunks = 0.0, elements = 0.0, bytes = 0.0, spare_bytes = 0.0;
+    double chunks = 0.0, elements = 0.0, bytes = 0.0;
   };
   absl::StatusOr<RoundInFlight> StartAdamRound(const AdamWork& work, size_t chunks);
   void FinishAdamRound(RoundInFlight& round);
@@ -466,9 +458,7 @@ class HybridOptimizer final {
   int64_t last_round_end_ns_ = 0;
   std::atomic<int64_t> cpu_busy_ns_{0};
   std::atomic<uint64_t> cpu_bytes_{0};
-  std::atomic<uint64_t> cpu_spare_bytes_{0};  // of cpu_bytes_, those of updates into the spare side
-  // The same on the param's other side (its group's other buffer: offloaded groups, once
-  // EnsureSpareState ran), where a speculative update writes.
+  // The same in the group's spare buffers (offloaded groups, once EnsureSpareState ran).
   char* SpareStatePtr(size_t p, StateKind kind, size_t e = 0) const;
   absl::Status SyncParamsFromModel(const std::vector<size_t>& params);
   // Snapshot (to_host) or Restore: device copies on work_stream_, offloaded state by the pool.
@@ -484,9 +474,6 @@ class HybridOptimizer final {
   std::vector<OptimParam> params_;
   std::vector<Group> groups_;
   std::vector<int64_t> param_slot_;  // param -> element offset within its group's layout
-  // param -> 1 when its state is in its group's spare_state, 0 in host_state (offloaded groups).
-  // Changed only between steps or in Settle / SettleEarly with the early thread idle.
-  std::vector<uint8_t> state_side_;
   std::vector<uint64_t> param_ids_;  // param -> RoundingParamId of its name
 
   // Offloaded params in pipeline order, the chunks of their grads (a plan over the concatenation of
@@ -540,35 +527,13 @@ class HybridOptimizer final {
   std::vector<size_t> group_parts_left_;    // guarded by early_mu_: per group, its queued parts not done
   std::vector<uint8_t> group_all_queued_;   // guarded by early_mu_: per group, every param in a part
   std::vector<int64_t> part_of_param_;      // trainer's thread: per param, its part this step (-1: none)
-  // Per param, how this step's early work updated it: kEarlyNone, kEarlyToSpare, kEarlyInPlace. The
-  // early thread writes it as it builds a chunk's work; the trainer's thread reads it once the early
-  // thread is idle (CommitSpare) and resets it at a step's first announcement and in ResetParts.
-  static constexpr uint8_t kEarlyNone = 0, kEarlyToSpare = 1, kEarlyInPlace = 2;
-  std::vector<uint8_t> early_mode_;
-  // The step in progress, as the early thread sees it: kUndecided while the backward runs; kDecided
-  // once Step knows the step (FERRY_EARLY_HOLD_PARTS lets held parts go); kKeptDeferred once Step has
-  // kept the speculation and deferred its end: a param of a speculating part not started yet then
-  // updates in place (the step's scalars are the speculation's, and nothing needs the spare side),
-  // which moves CPU Adam's bytes faster than into the spare buffers.
-  static constexpr int kUndecided = 0, kDecided = 1, kKeptDeferred = 2;
-  std::atomic<int> early_settled_{kUndecided};
-  // FERRY_EARLY_IN_PLACE=0 (A/B measurements): a kept speculation's parts not started yet still go
-  // into the spare side, as before kKeptDeferred.
-  bool in_place_after_kept_ = true;
-  // FERRY_EARLY_HOLD_PARTS=N (tests): the early pass starts at most N speculating parts of a step
-  // before Step decides it, and Step decides only once the first of them has begun to update into
-  // the spare side, so that both ways happen in one step, deterministically.
-  size_t hold_parts_ = 0;
-  size_t speculating_started_ = 0;  // the step's speculating parts started (early thread; reset idle)
-  bool speculating_queued_ = false;  // trainer's thread: a speculating part was queued this step
-  size_t early_spare_params_ = 0;    // guarded by early_mu_ (with hold_parts_): params begun to spare
   size_t parts_used_ = 0;                   // trainer's thread: parts of this step (of part_events_)
   std::vector<std::unique_ptr<Event>> part_events_;      // per part: its uploads (EarlyPart::uploaded)
   std::vector<std::unique_ptr<Event>> group_uploaded_;    // per offloaded group, on the H2D stream
   // A deferred step (see deferred()): owned by the trainer's thread.
   bool deferred_ = false;
   std::vector<size_t> deferred_groups_;  // its offloaded groups, all started early
-  std::vector<uint8_t> deferred_in_place_;  // per group: its deferred update runs in place (no commit)
+  std::vector<uint8_t> deferred_in_place_;  // per group: its deferred update runs in place (no swap)
   // Whether announcements start the speculative work: false after a step whose clipping triggered or
   // that was skipped (the next one likely does too, and its speculation would be wasted work that
   // competes with the recomputation); true again after a step that neither clipped nor skipped.

@@ -2,13 +2,12 @@
 // are final start their D2H, CPU Adam and H2D on a background thread during the trainer's backward,
 // speculating that the step neither clips nor skips. Step then keeps or recomputes each such group.
 //
-// Why it is exact: a speculative update reads each param's state on its side and writes the other
-// side (the spare buffers), so the state itself never changes until Step has validated the
-// speculation (the step's AdamScalars of the group equal the ones the speculation used, bit for bit:
-// the same learning rate, step and gradient multiplier give the same update from the same grads and
-// state). A kept update moves its params to the side written (CommitSpare); a discarded one leaves
-// them, and the group runs through the ordinary in-place pipeline, which rewrites its params. Once a
-// kept speculation's end is deferred, what the early thread has not begun updates in place. A skipped step rewrites the params from the masters. Double buffering was chosen over
+// Why it is exact: a speculative update reads the group's state and writes its spare buffers, so the
+// state itself never changes until Step has validated the speculation (the step's AdamScalars of the
+// group equal the ones the speculation used, bit for bit: the same learning rate, step and gradient
+// multiplier give the same update from the same grads and state). A kept update swaps the buffers; a
+// discarded one leaves them, and the group runs through the ordinary in-place pipeline, which rewrites
+// its params. A skipped step rewrites the params from the masters. Double buffering was chosen over
 // keeping a copy of the old state: the speculative pass then moves the same bytes as an in-place one
 // (read the state, write the state), where a copy adds a third stream of writes; both need as much
 // pinned memory again as the offloaded state.
@@ -104,13 +103,8 @@ absl::Status HybridOptimizer::StartEarlyStep(Stream& trainer) {
   early_.mixed.assign(n, 0);
   early_.queued.assign(n, 0);
   part_of_param_.assign(params_.size(), -1);
-  early_mode_.assign(params_.size(), kEarlyNone);
-  speculating_started_ = 0;
-  speculating_queued_ = false;
   parts_used_ = 0;
   std::lock_guard<std::mutex> lock(early_mu_);
-  early_spare_params_ = 0;
-  early_settled_.store(kUndecided, std::memory_order_release);
   early_done_.assign(n, 0);
   part_done_.clear();
   group_parts_left_.assign(n, 0);
@@ -194,7 +188,6 @@ absl::Status HybridOptimizer::QueueParts(std::vector<EarlyPart> parts, const std
   }
   std::vector<int64_t> steps(groups_.size());
   for (size_t g = 0; g < groups_.size(); ++g) steps[g] = groups_[g].step + 1;
-  speculating_queued_ = speculating_queued_ || !in_place;
   {
     std::lock_guard<std::mutex> lock(early_mu_);
     part_done_.resize(parts_used_, 0);
@@ -276,24 +269,13 @@ absl::Status HybridOptimizer::QueueRest(const std::vector<size_t>& groups, const
   return QueueParts(std::move(parts), scalars, trainer, in_place);
 }
 
-void HybridOptimizer::SetEarlySettled(int settled) {
-  {
-    std::lock_guard<std::mutex> lock(early_mu_);
-    early_settled_.store(settled, std::memory_order_release);
-  }
-  early_cv_.notify_all();
-}
-
 void HybridOptimizer::ResetParts() {
   for (size_t g = 0; g < groups_.size(); ++g) {
     early_.queued[g] = 0;
     early_.unqueued[g] = groups_[g].params.size();
   }
   part_of_param_.assign(params_.size(), -1);
-  early_mode_.assign(params_.size(), kEarlyNone);  // what the cancelled work wrote is not kept
-  speculating_queued_ = false;
   std::lock_guard<std::mutex> lock(early_mu_);
-  early_spare_params_ = 0;
   early_done_.assign(groups_.size(), 0);
   group_parts_left_.assign(groups_.size(), 0);
   group_all_queued_.assign(groups_.size(), 0);
@@ -345,11 +327,6 @@ void HybridOptimizer::StopEarlyThread() {
 absl::StatusOr<std::vector<size_t>> HybridOptimizer::SettleEarly(bool skipped, bool discard, bool may_defer,
                                                                  const std::vector<AdamScalars>& scalars,
                                                                  Stream& trainer, HybridStepResult& result) {
-  if (hold_parts_ > 0 && speculating_queued_) {
-    // FERRY_EARLY_HOLD_PARTS (tests): the step is decided once a part has begun into the spare side.
-    std::unique_lock<std::mutex> lock(early_mu_);
-    early_cv_.wait(lock, [this] { return early_spare_params_ > 0 || !early_status_.ok(); });
-  }
   bool valid = !skipped && !discard;
   std::vector<size_t> started;  // offloaded groups a part of which was started
   for (size_t g : early_.order) {
@@ -358,19 +335,9 @@ absl::StatusOr<std::vector<size_t>> HybridOptimizer::SettleEarly(bool skipped, b
     if (early_.mixed[g] != 0 || !SameScalars(early_.scalars[g], scalars[g])) valid = false;
   }
   if (!valid) early_cancel_.store(true);  // stop what still runs: it is recomputed or undone
-  // The early thread learns the decision (a held pass goes on) now, or, when the speculation may be
-  // kept and deferred, once that is settled below.
-  const bool may_keep_deferred = valid && may_defer && !skipped && spare_arena_ != nullptr;
-  if (!may_keep_deferred) SetEarlySettled(kDecided);
-  struct Decided {  // whatever returns: the early thread is told the step is decided
-    HybridOptimizer* self;
-    ~Decided() {
-      if (self->early_settled_.load(std::memory_order_acquire) == kUndecided) self->SetEarlySettled(kDecided);
-    }
-  } decided{this};
   if (valid) {
-    // Groups announced in part finish on the early thread (a kept group commits whole): the params
-    // no announcement held start now, their grads being final.
+    // Groups announced in part finish on the early thread (their state is swapped whole): the
+    // params no announcement held start now, their grads being final.
     std::vector<size_t> partial;
     for (size_t g : started) {
       if (early_.unqueued[g] != 0) partial.push_back(g);
@@ -401,18 +368,12 @@ absl::StatusOr<std::vector<size_t>> HybridOptimizer::SettleEarly(bool skipped, b
     FERRY_RETURN_IF_ERROR(QueueRest(rest, scalars, trainer, /*in_place=*/true));
     FERRY_ASSIGN_OR_RETURN(const bool deferred, DeferSettle(all, rest));
     if (deferred) {
-      // Kept and deferred: the speculating params the early thread has not begun yet update in
-      // place (Settle then keeps their side). Only now: a Step that settles the early work itself
-      // (not deferred) recomputes a group that did not finish from its state, which must be
-      // untouched.
-      if (valid) SetEarlySettled(in_place_after_kept_ ? kKeptDeferred : kDecided);
       (valid ? result.early_committed : result.early_recomputed) += started.size();
       early_ = EarlyStep{};
       return std::vector<size_t>{};
     }
     valid = false;  // the early work failed already: Step recomputes every group as usual
     early_cancel_.store(true);
-    SetEarlySettled(kDecided);
   }
   absl::Status early_status;
   {
@@ -439,7 +400,7 @@ absl::StatusOr<std::vector<size_t>> HybridOptimizer::SettleEarly(bool skipped, b
     Group& group = groups_[g];
     if (!group.offloaded) continue;
     if (early_.queued[g] != 0 && valid && done[g] != 0) {
-      CommitSpare(g);
+      std::swap(group.host_state, group.spare_state);
       ++result.early_committed;
     } else {
       if (early_.queued[g] != 0) ++result.early_recomputed;
@@ -476,7 +437,7 @@ absl::Status HybridOptimizer::Settle() {
     std::lock_guard<std::mutex> lock(early_mu_);
     for (size_t g : deferred_groups_) {
       if (early_done_[g] != 0) {
-        if (deferred_in_place_[g] == 0) CommitSpare(g);
+        if (deferred_in_place_[g] == 0) std::swap(groups_[g].host_state, groups_[g].spare_state);
       } else {
         failed.push_back(g);
       }
@@ -528,7 +489,6 @@ absl::Status HybridOptimizer::AbandonEarly(Stream& trainer) {
     if (early_.queued[g] != 0) started.push_back(g);
   }
   early_cancel_.store(true);
-  SetEarlySettled(kDecided);  // wakes a held pass, which then sees the cancel
   const absl::Status early_status = WaitEarlyIdle();
   early_cancel_.store(false);
   if (!early_status.ok() && !absl::IsCancelled(early_status)) {

@@ -128,37 +128,21 @@ absl::Status HybridOptimizer::RunEarlyPass(EarlyItem first) {
     });
     return absl::OkStatus();
   };
-  // FERRY_EARLY_HOLD_PARTS (tests): a speculating part not started waits for Step's decision once
-  // hold_parts_ of the step's have started.
-  size_t& speculating_started = speculating_started_;
-  auto held = [&](const GroupWork& w) {
-    return hold_parts_ > 0 && w.next_down == 0 && w.mode == PipelineMode::kToSpare &&
-           speculating_started >= hold_parts_ && early_settled_.load(std::memory_order_acquire) == kUndecided;
-  };
   // The next chunk to download: of the part of the highest priority seen final, else of the
-  // earliest queued part not yet all down. Null when every chunk is down (or held).
+  // earliest queued part not yet all down. Null when every chunk is down.
   constexpr size_t kNone = static_cast<size_t>(-1);
   auto pick = [&]() -> size_t {
     while (first_open < works.size() && works[first_open].next_down == works[first_open].plan.chunks.size()) ++first_open;
     for (size_t i : by_priority) {
       GroupWork& w = works[i];
-      if (w.next_down == w.plan.chunks.size() || held(w)) continue;
+      if (w.next_down == w.plan.chunks.size()) continue;
       if (!w.final) {
         absl::StatusOr<bool> reached = w.ready->Query();
         w.final = reached.ok() && *reached;
       }
       if (w.final) return i;
     }
-    for (size_t i = first_open; i < works.size(); ++i) {
-      if (works[i].next_down < works[i].plan.chunks.size() && !held(works[i])) return i;
-    }
-    return kNone;
-  };
-  auto any_held = [&] {
-    for (size_t i = first_open; i < works.size(); ++i) {
-      if (held(works[i])) return true;
-    }
-    return false;
+    return first_open < works.size() ? first_open : kNone;
   };
 
   absl::Status status;
@@ -181,7 +165,6 @@ absl::Status HybridOptimizer::RunEarlyPass(EarlyItem first) {
       const size_t i = pick();
       if (i == kNone) break;
       GroupWork& w = works[i];
-      if (w.next_down == 0 && w.mode == PipelineMode::kToSpare) ++speculating_started;
       if (w.next_down == 0 && tracer != nullptr) {
         TraceSpan start(tracer, "early.part_start", "optim");  // its first chunk goes down now
         if (start.on()) {
@@ -261,14 +244,8 @@ absl::Status HybridOptimizer::RunEarlyPass(EarlyItem first) {
         continue;
       }
       if (in_flight.empty()) {
-        std::unique_lock<std::mutex> lock(early_mu_);
-        if (early_queue_.empty()) {
-          if (!any_held()) break;  // done; a later announcement starts a new pass
-          early_cv_.wait(lock, [&] {
-            return !early_queue_.empty() || early_cancel_.load() ||
-                   early_settled_.load(std::memory_order_acquire) != kUndecided;
-          });
-        }
+        std::lock_guard<std::mutex> lock(early_mu_);
+        if (early_queue_.empty()) break;  // done; a later announcement starts a new pass
       } else {
         // Nothing landed yet: wait for the first download. Sleep on its announcement's event (a
         // blocking one) rather than spin on the copy's: that wait can last the rest of the backward,
@@ -307,30 +284,9 @@ absl::Status HybridOptimizer::RunEarlyPass(EarlyItem first) {
     }
     if (status.ok()) {
       next->regions.assign(landed, {});
-      // A speculating part's params take their way at their first chunk: into the spare side, or,
-      // once Step has kept the speculation and deferred its end, in place (early_mode_).
-      const uint8_t way = early_settled_.load(std::memory_order_acquire) == kKeptDeferred ? kEarlyInPlace
-                                                                                            : kEarlyToSpare;
       for (size_t r = 0; r < landed; ++r) {
         const Download& d = next->chunks[r];
         const GroupWork& w = works[d.work];
-        if (w.mode == PipelineMode::kToSpare) {
-          size_t to_spare = 0;
-          for (const ChunkPiece& piece : w.plan.chunks[d.k].pieces) {
-            uint8_t& mode = early_mode_[w.plan.params[piece.region]];
-            if (mode == kEarlyNone) {
-              mode = way;
-              to_spare += way == kEarlyToSpare ? 1 : 0;
-            }
-          }
-          if (hold_parts_ > 0 && to_spare > 0) {
-            {
-              std::lock_guard<std::mutex> lock(early_mu_);
-              early_spare_params_ += to_spare;
-            }
-            early_cv_.notify_all();
-          }
-        }
         ChunkWork(w.plan.params, w.plan.chunks[d.k], grad_slots_[d.slot].as<char>(),
                   param_slots_[d.param_slot].as<char>(), w.mode, &scalars, &steps, next->work,
                   next->regions[r]);

@@ -70,9 +70,8 @@ void HybridOptimizer::ChunkWork(const std::vector<size_t>& params, const ChunkPl
     t.exp_avg_sq = StatePtr(p, StateKind::kExpAvgSq, e0);
     t.state = groups_[op.group].format;
     t.rounding = RoundingKey(p, e0, steps != nullptr ? (*steps)[op.group] : 0);
-    if (mode == PipelineMode::kToSpare && early_mode_[p] != kEarlyInPlace) {
-      // Read the state on the param's side, write the other (the spare buffers). A param the early
-      // pass started after the speculation was kept updates in place (early_mode_).
+    if (mode == PipelineMode::kToSpare) {
+      // Read the state in place, write the spare buffers.
       t.master_src = t.master;
       t.exp_avg_src = t.exp_avg;
       t.exp_avg_sq_src = t.exp_avg_sq;
@@ -117,7 +116,6 @@ absl::StatusOr<HybridOptimizer::RoundInFlight> HybridOptimizer::StartAdamRound(c
   for (const CpuAdamTensor& t : work.tensors) {
     round.elements += static_cast<double>(t.numel);
     round.bytes += CpuAdamTrafficBytes(t);
-    if (t.master_src != nullptr) round.spare_bytes += CpuAdamTrafficBytes(t);
   }
   FERRY_ASSIGN_OR_RETURN(round.pending, cpu_adam_.Start(work.tensors, CpuAdamStepOptions{}));
   return round;
@@ -136,7 +134,6 @@ void HybridOptimizer::FinishAdamRound(RoundInFlight& round) {
   last_round_end_ns_ = std::max(last_round_end_ns_, end_ns);
   cpu_busy_ns_.fetch_add(end_ns - start_ns, std::memory_order_relaxed);
   cpu_bytes_.fetch_add(static_cast<uint64_t>(round.bytes), std::memory_order_relaxed);
-  cpu_spare_bytes_.fetch_add(static_cast<uint64_t>(round.spare_bytes), std::memory_order_relaxed);
   Tracer* const tracer = options_.tracer;
   if (tracer != nullptr) {
     tracer->Complete("cpu_adam.round", "optim", tracer->FromSteadyNs(start_ns), tracer->FromSteadyNs(end_ns),

@@ -97,9 +97,7 @@ absl::Status HybridOptimizer::SyncFromModel(const std::vector<size_t>& groups, b
     if (bytes == 0) {
       // no state on this rank
     } else if (grp.offloaded) {
-      // Both buffers: each param's moments are on its own side (state_side_).
       std::memset(grp.state(StateKind::kExpAvg), 0, bytes);
-      if (!grp.spare_state.empty()) std::memset(grp.state(StateKind::kExpAvg, /*spare=*/true), 0, bytes);
     } else {
       FERRY_RETURN_IF_ERROR(device_->MemsetAsync(grp.state(StateKind::kExpAvg), 0, bytes, *work_stream_));
     }
