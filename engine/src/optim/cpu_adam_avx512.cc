@@ -17,7 +17,6 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <cstdlib>
 
 #include "base/adam_element.h"
 #include "base/adam_math.h"
@@ -152,26 +151,6 @@ inline void StoreParamStreaming(void* param, int64_t i, __m512 p) {
 
 // ---- the update loop ----
 
-// FERRY_CPU_ADAM_PREFETCH=BYTES (measurements): each block first prefetches the state BYTES ahead
-// with the non-temporal hint (`prefetchnta`: into the core's first-level cache without filling the
-// last level), so that the state streaming through leaves the trainer's working set in the shared
-// cache. 0 or unset: none.
-int64_t PrefetchAheadBytes() {
-  static const int64_t ahead = [] {
-    const char* e = std::getenv("FERRY_CPU_ADAM_PREFETCH");
-    return e == nullptr ? int64_t{0} : static_cast<int64_t>(std::strtoll(e, nullptr, 10));
-  }();
-  return ahead;
-}
-
-// The state's lines `ahead` bytes past element i (kMs, kVs: the master's and the moments' bytes).
-template <int64_t kMs, int64_t kVs>
-inline void PrefetchState(const CpuAdamTensor& t, int64_t i, int64_t ahead) {
-  _mm_prefetch(static_cast<const char*>(t.master_src) + i * kMs + ahead, _MM_HINT_NTA);
-  _mm_prefetch(static_cast<const char*>(t.exp_avg_src) + i * kVs + ahead, _MM_HINT_NTA);
-  _mm_prefetch(static_cast<const char*>(t.exp_avg_sq_src) + i * kVs + ahead, _MM_HINT_NTA);
-}
-
 template <AdamMode M, int G, int P, bool kHwBf16, bool kStream>
 inline void Block(const AdamCoeffs<F32x16>& c, const CpuAdamTensor& t, int64_t i, __mmask16 k) {
   float* const master = static_cast<float*>(t.master);
@@ -215,7 +194,6 @@ template <AdamMode M, int G, int P, bool kHwBf16>
 void Range(const CpuAdamTensor& t_in, const AdamScalars& s, int64_t begin, int64_t end) {
   const AdamCoeffs<F32x16> c = Broadcast(s);
   const CpuAdamTensor t = WithSources(t_in);
-  const int64_t ahead = PrefetchAheadBytes();
   int64_t i = begin;
   const uintptr_t m0 = reinterpret_cast<uintptr_t>(t.master) + static_cast<uintptr_t>(i * 4);
   const uintptr_t m1 = reinterpret_cast<uintptr_t>(t.exp_avg) + static_cast<uintptr_t>(i * 4);
@@ -229,10 +207,7 @@ void Range(const CpuAdamTensor& t_in, const AdamScalars& s, int64_t begin, int64
       Block<M, G, P, kHwBf16, false>(c, t, i, FirstLanes(head));
       i += head;
     }
-    for (; i + 16 <= end; i += 16) {
-      if (ahead > 0) PrefetchState<4, 4>(t, i, ahead);
-      BlockOut<M, G, P, kHwBf16>(c, t, i);
-    }
+    for (; i + 16 <= end; i += 16) BlockOut<M, G, P, kHwBf16>(c, t, i);
     if (i < end) Block<M, G, P, kHwBf16, false>(c, t, i, FirstLanes(end - i));
     _mm_sfence();  // streaming stores are visible before the task ends
     return;
@@ -252,10 +227,7 @@ void Range(const CpuAdamTensor& t_in, const AdamScalars& s, int64_t begin, int64
       head -= n;
     }
   }
-  for (; i + 16 <= end; i += 16) {
-    if (ahead > 0) PrefetchState<4, 4>(t, i, ahead);
-    Block<M, G, P, kHwBf16, true>(c, t, i, static_cast<__mmask16>(0xFFFF));
-  }
+  for (; i + 16 <= end; i += 16) Block<M, G, P, kHwBf16, true>(c, t, i, static_cast<__mmask16>(0xFFFF));
   if (i < end) Block<M, G, P, kHwBf16, false>(c, t, i, FirstLanes(end - i));
   if constexpr (P != kNoParam) _mm_sfence();  // streaming stores are visible before the task ends
 }
@@ -401,9 +373,6 @@ template <AdamMode M, int G, int P, int SF, bool kHwBf16>
 void RangeTyped(const CpuAdamTensor& t_in, const AdamScalars& s, int64_t begin, int64_t end) {
   const AdamCoeffs<F32x16> c = Broadcast(s);
   const CpuAdamTensor t = WithSources(t_in);
-  const int64_t ahead = PrefetchAheadBytes();
-  constexpr int64_t kMb = (SF & kMasterBf16) != 0 ? 2 : 4;  // the master's and the moments' bytes
-  constexpr int64_t kVb = (SF & kMomentsBf16) != 0 ? 2 : 4;
   const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   int64_t i = begin;
   while (i < end) {
@@ -438,10 +407,7 @@ void RangeTyped(const CpuAdamTensor& t_in, const AdamScalars& s, int64_t begin, 
           at += n;
           left -= n;
         }
-        for (; at + 16 <= stop; at += 16) {
-          if (ahead > 0) PrefetchState<kMb, kVb>(t, at, ahead);
-          BlockTypedOut<M, G, P, SF, kHwBf16>(c, t, at, lo_at(at), keys);
-        }
+        for (; at + 16 <= stop; at += 16) BlockTypedOut<M, G, P, SF, kHwBf16>(c, t, at, lo_at(at), keys);
         if (at < stop) BlockTyped<M, G, P, SF, kHwBf16, false>(c, t, at, FirstLanes(stop - at), lo_at(at), keys);
         _mm_sfence();  // streaming stores are visible before the task ends
         i = stop;
@@ -463,7 +429,6 @@ void RangeTyped(const CpuAdamTensor& t_in, const AdamScalars& s, int64_t begin, 
       }
     }
     for (; at + 16 <= stop; at += 16) {
-      if (ahead > 0) PrefetchState<kMb, kVb>(t, at, ahead);
       BlockTyped<M, G, P, SF, kHwBf16, P != kNoParam>(c, t, at, static_cast<__mmask16>(0xFFFF), lo_at(at), keys);
     }
     if (at < stop) BlockTyped<M, G, P, SF, kHwBf16, false>(c, t, at, FirstLanes(stop - at), lo_at(at), keys);
