@@ -183,15 +183,21 @@ def run_row(row, model, init, data, loop, args):
         loop.step(opt, scaler)
         opt.zero_grad(set_to_none=kind == "torch")
         losses.append(loss.detach())
-    if kind == "ferry":
-        # A deferred last step may still run CPU Adam on the host: its uploads count too.
-        opt.wait_params()
+    # The window ends where it began, in the same phase of the loop: the GPU idle after a step, whose
+    # deferred update may still run on the host (as the warm-up's last one did at t0, the next forward
+    # overlapping it). So it holds `steps` iterations of a long loop; waiting here for the last step's
+    # update as well would count one update's tail twice (row["tail"]: that wait).
     sync()
-    iteration = (time.perf_counter() - t0) / args.steps
+    t1 = time.perf_counter()
+    iteration = (t1 - t0) / args.steps
     row["threads"] = bench_threads.use(threads0, bench_threads.snapshot(), args.steps)
     after = opt.stats() if kind == "ferry" else None
     deferred = after.get("deferred_steps", 0) if after else 0
     row["cpu"] = cpu_update(before, after, args.steps) if after else None
+    if kind == "ferry":
+        opt.wait_params()  # the last step's update, before the step-alone timing or the next row
+        sync()
+    row["tail"] = time.perf_counter() - t1
     alone = None
     if row.get("offloaded") and not row.get("overlap") and args.device == "cuda":
         # The offloaded step alone: grads final, the GPU idle (one backward and the loop's clip call,
@@ -403,7 +409,8 @@ def bench_size(name, args):
                     "GPU-bound: overlap can hide the step"
                 line += "   bound: step alone %.1f ms (%s)" % (alone * 1e3, bound)
             if row.get("deferred"):
-                line += "   [%d of %d steps deferred]" % (row["deferred"], args.warmup + args.steps)
+                line += "   [%d of %d steps deferred; the last one's update done %.1f ms after its GPU work]" % (
+                    row["deferred"], args.warmup + args.steps, 1e3 * row.get("tail", 0.0))
             fraction = row.get("policy_args", {}).get("fraction")
             if row.get("placed") and (fraction is not None or row.get("gpu_room")):
                 share, off, n = row["placed"]

@@ -211,13 +211,21 @@ def pyprofile_steps(prof, where, row, rank, device):
 
 
 def timed_end(opt, row, sync, t0, threads0, steps):
-    """(this rank's mean iteration in s since t0, once the last step's params are in place; the
-    optimizer's stats then, for a ferry row; bench_threads.use() since the snapshot threads0)."""
+    """(this rank's mean iteration in s since t0; the optimizer's stats then, for a ferry row;
+    bench_threads.use() since the snapshot threads0). The window ends in the phase of the loop it began
+    in (t0): the GPU idle after a step whose deferred update may still run on the host, so that it holds
+    `steps` iterations of a long loop (waiting for the last update too would count one update's tail
+    twice: the warm-up's last one ran inside the window, beside the first timed forward). Then waits for
+    that update (row["tail"]: how long, in s)."""
+    sync()
+    t1 = time.perf_counter()
+    out = ((t1 - t0) / steps, opt.stats() if row["kind"] == "ferry" else None,
+           bench_threads.use(threads0, bench_threads.snapshot(), steps))
     if row["kind"] == "ferry":
         opt.wait_params()
-    sync()
-    return ((time.perf_counter() - t0) / steps, opt.stats() if row["kind"] == "ferry" else None,
-            bench_threads.use(threads0, bench_threads.snapshot(), steps))
+        sync()
+    row["tail"] = time.perf_counter() - t1
+    return out
 
 
 def threads_by_rank(threads, device):
