@@ -217,6 +217,9 @@ typedef struct {
   uint64_t cpu_adam_bytes;
   /* of pinned_bytes, those huge pages back (ferry::EngineStats::pinned_huge_bytes) */
   uint64_t pinned_huge_bytes;
+  /* of cpu_adam_bytes, those of early steps' speculative updates into the spare state (out of place;
+   * ferry::EngineStats::cpu_adam_spare_bytes) */
+  uint64_t cpu_adam_spare_bytes;
 } ferry_stats;
 
 ferry_status ferry_get_stats(ferry_engine* engine, ferry_stats* out);

@@ -237,8 +237,9 @@ def cpu_update(before, after, steps):
     """What the offloaded update's CPU Adam did per timed step, from two stats() (None when this
     ferry.torch has no such stats, or nothing ran on the CPU): its busy ms per step, the bytes it moved
     per second of it (GB/s, to set beside the host's STREAM or `ferry bench adam`), the share of the
-    pinned memory huge pages back (None when this ferry.torch does not say), and the early groups
-    kept, recomputed and the steps skipped (non-finite grads) over those steps."""
+    pinned memory huge pages back (None when this ferry.torch does not say), the share of its bytes
+    that went out of place into the spare state (None: not said), and the early groups kept,
+    recomputed and the steps skipped (non-finite grads) over those steps."""
     if "cpu_adam_busy_seconds" not in after:
         return None
     busy = after["cpu_adam_busy_seconds"] - before["cpu_adam_busy_seconds"]
@@ -248,6 +249,8 @@ def cpu_update(before, after, steps):
     pinned = after.get("pinned_bytes", 0)
     return {"ms": busy * 1e3 / steps, "gbs": moved / busy / 1e9,
             "huge": after["pinned_huge_bytes"] / pinned if pinned and "pinned_huge_bytes" in after else None,
+            "spare": ((after["cpu_adam_spare_bytes"] - before["cpu_adam_spare_bytes"]) / moved
+                      if moved and "cpu_adam_spare_bytes" in after else None),
             "kept": after["early_groups_kept"] - before["early_groups_kept"],
             "recomputed": after["early_groups_recomputed"] - before["early_groups_recomputed"],
             "skipped": after["skipped_steps"] - before["skipped_steps"], "workers": after.get("cpu_threads")}
@@ -263,6 +266,8 @@ def cpu_text(cpu, whose=""):
         text += " on %d worker%s" % (cpu["workers"], "" if cpu["workers"] == 1 else "s")
     if cpu["huge"] is not None:
         text += ", pinned memory %.0f%% huge pages" % (100 * cpu["huge"])
+    if cpu.get("spare"):
+        text += ", %.0f%% of its bytes out of place" % (100 * cpu["spare"])
     if cpu["kept"] or cpu["recomputed"]:
         text += "; early groups kept %d, recomputed %d" % (cpu["kept"], cpu["recomputed"])
     if cpu["skipped"]:

@@ -185,10 +185,16 @@ TEST(SpareStateBudgetTest, SpeculatesOnWhatFitsAndStaysExact) {
     if (fraction == 1.0) {
       EXPECT_EQ(stats.spare_state_bytes, state_bytes);
     }
+    // The out-of-place share: none without spare state or announcements; with it, the speculations
+    // (kept or not), while the clipped steps' updates ran in place.
+    EXPECT_EQ(ref_stats.cpu_adam_spare_bytes, 0u);
     if (fraction == 0.0) {
       EXPECT_EQ(stats.early_groups_kept, 0);
+      EXPECT_EQ(stats.cpu_adam_spare_bytes, 0u);
     } else {
       EXPECT_GT(stats.early_groups_kept, 0) << fraction;
+      EXPECT_GT(stats.cpu_adam_spare_bytes, 0u) << fraction;
+      EXPECT_LT(stats.cpu_adam_spare_bytes, stats.cpu_adam_bytes) << fraction;
     }
     EXPECT_EQ(stats.deferred_steps, 6) << fraction;  // the steps with wait_for_params = false
     TempDir tmp("ferry-spare");

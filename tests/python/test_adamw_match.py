@@ -175,14 +175,16 @@ def test_loss_scale_and_clipping(device):
 
 def test_stats_count_the_cpu_update(device):
     """stats()'s cpu_adam_bytes: per step and element, the fp32 master, m and v read and written, the
-    fp32 grad read and the fp32 param written (32 B); nothing without offloaded state."""
+    fp32 grad read and the fp32 param written (32 B); none of it out of place (cpu_adam_spare_bytes:
+    step() without announcements updates in place); nothing without offloaded state."""
     _, _, opt = run(device, torch.float32, "offload_all", steps=5)
     numel = sum(p.numel() for p in make_params(device, seed=3))
     s = opt.stats()
     assert s["cpu_adam_bytes"] == 5 * 32 * numel
+    assert s["cpu_adam_spare_bytes"] == 0
     assert s["cpu_adam_busy_seconds"] > 0
     assert 0 <= s["pinned_huge_bytes"] <= s["pinned_bytes"]  # what huge pages back of it
     _, _, resident = run(device, torch.float32, None, steps=5)
     s = resident.stats()
-    assert s["cpu_adam_bytes"] == 0 and s["cpu_adam_busy_seconds"] == 0
+    assert s["cpu_adam_bytes"] == 0 and s["cpu_adam_busy_seconds"] == 0 and s["cpu_adam_spare_bytes"] == 0
     assert s["pinned_huge_bytes"] == 0

@@ -275,6 +275,8 @@ class HybridOptimizer final {
   // updates and Step's own pipeline alike.
   double cpu_adam_busy_seconds() const { return 1e-9 * static_cast<double>(cpu_busy_ns_.load(std::memory_order_relaxed)); }
   uint64_t cpu_adam_bytes() const { return cpu_bytes_.load(std::memory_order_relaxed); }
+  // Of cpu_adam_bytes(), those of updates that wrote the spare state (speculation, out of place).
+  uint64_t cpu_adam_spare_bytes() const { return cpu_spare_bytes_.load(std::memory_order_relaxed); }
   // Replaces HybridOptions::spare_fraction. It sizes the spare state when it is allocated (the
   // first early step): a spare state already allocated keeps its size. REQUIRES: between steps (no
   // early work queued), `fraction` in [0, 1].
@@ -448,7 +450,7 @@ class HybridOptimizer final {
   struct RoundInFlight {
     CpuAdamPending pending;
     int64_t start_ns = 0;  // when it started (SteadyNs)
-    double chunks = 0.0, elements = 0.0, bytes = 0.0;
+    double chunks = 0.0, elements = 0.0, bytes = 0.0, spare_bytes = 0.0;
   };
   absl::StatusOr<RoundInFlight> StartAdamRound(const AdamWork& work, size_t chunks);
   void FinishAdamRound(RoundInFlight& round);
@@ -458,6 +460,7 @@ class HybridOptimizer final {
   int64_t last_round_end_ns_ = 0;
   std::atomic<int64_t> cpu_busy_ns_{0};
   std::atomic<uint64_t> cpu_bytes_{0};
+  std::atomic<uint64_t> cpu_spare_bytes_{0};  // of cpu_bytes_, those of updates into the spare state
   // The same in the group's spare buffers (offloaded groups, once EnsureSpareState ran).
   char* SpareStatePtr(size_t p, StateKind kind, size_t e = 0) const;
   absl::Status SyncParamsFromModel(const std::vector<size_t>& params);

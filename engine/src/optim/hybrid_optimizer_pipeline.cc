@@ -116,6 +116,7 @@ absl::StatusOr<HybridOptimizer::RoundInFlight> HybridOptimizer::StartAdamRound(c
   for (const CpuAdamTensor& t : work.tensors) {
     round.elements += static_cast<double>(t.numel);
     round.bytes += CpuAdamTrafficBytes(t);
+    if (t.master_src != nullptr) round.spare_bytes += CpuAdamTrafficBytes(t);  // out of place
   }
   FERRY_ASSIGN_OR_RETURN(round.pending, cpu_adam_.Start(work.tensors, CpuAdamStepOptions{}));
   return round;
@@ -134,6 +135,7 @@ void HybridOptimizer::FinishAdamRound(RoundInFlight& round) {
   last_round_end_ns_ = std::max(last_round_end_ns_, end_ns);
   cpu_busy_ns_.fetch_add(end_ns - start_ns, std::memory_order_relaxed);
   cpu_bytes_.fetch_add(static_cast<uint64_t>(round.bytes), std::memory_order_relaxed);
+  cpu_spare_bytes_.fetch_add(static_cast<uint64_t>(round.spare_bytes), std::memory_order_relaxed);
   Tracer* const tracer = options_.tracer;
   if (tracer != nullptr) {
     tracer->Complete("cpu_adam.round", "optim", tracer->FromSteadyNs(start_ns), tracer->FromSteadyNs(end_ns),
