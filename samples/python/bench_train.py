@@ -183,21 +183,10 @@ def run_row(row, model, init, data, loop, args):
         loop.step(opt, scaler)
         opt.zero_grad(set_to_none=kind == "torch")
         losses.append(loss.detach())
-    # The window ends where it began, in the same phase of the loop: the GPU idle after a step, whose
-    # deferred update may still run on the host (as the warm-up's last one did at t0, the next forward
-    # overlapping it). So it holds `steps` iterations of a long loop; waiting here for the last step's
-    # update as well would count one update's tail twice (row["tail"]: that wait).
-    sync()
-    t1 = time.perf_counter()
-    iteration = (t1 - t0) / args.steps
-    row["threads"] = bench_threads.use(threads0, bench_threads.snapshot(), args.steps)
-    after = opt.stats() if kind == "ferry" else None
+    iteration, after, row["threads"], row["tail"] = end_window(opt, kind == "ferry", sync, t0, threads0,
+                                                               args.steps)
     deferred = after.get("deferred_steps", 0) if after else 0
     row["cpu"] = cpu_update(before, after, args.steps) if after else None
-    if kind == "ferry":
-        opt.wait_params()  # the last step's update, before the step-alone timing or the next row
-        sync()
-    row["tail"] = time.perf_counter() - t1
     alone = None
     if row.get("offloaded") and not row.get("overlap") and args.device == "cuda":
         # The offloaded step alone: grads final, the GPU idle (one backward and the loop's clip call,
@@ -231,6 +220,34 @@ def placed_share(opt):
     total = sum(g["numel"] for g in groups)
     off = [g for g in groups if g["offloaded"]]
     return (sum(g["numel"] for g in off) / total if total else 0.0), len(off), len(groups)
+
+
+def end_window(opt, is_ferry, sync, t0, threads0, steps):
+    """The end of a row's timed window: (mean iteration in s since t0, the optimizer's stats then for a
+    ferry row, bench_threads.use() since the snapshot threads0, the tail in s). The window ends in the
+    phase of the loop it began in: the GPU idle after a step whose deferred update may still run on the
+    host (at t0 the warm-up's last one, which the first timed forward overlaps), so it holds `steps`
+    iterations of a long loop; waiting for the last step's update too would count one update's tail
+    twice. The tail: that update's wait, done after the window (before the step-alone timing or the
+    next row)."""
+    sync()
+    t1 = time.perf_counter()
+    stats = opt.stats() if is_ferry else None
+    threads = bench_threads.use(threads0, bench_threads.snapshot(), steps)
+    if is_ferry:
+        opt.wait_params()
+        sync()
+    return (t1 - t0) / steps, stats, threads, time.perf_counter() - t1
+
+
+def median_line(name, its, ratios, against):
+    """--repeat's summary line of one row: its median iteration (s, over the rounds) with the range,
+    then the median of its ratios `against` a base row with their range (none where `ratios` is empty)."""
+    its, ratios = sorted(its), sorted(ratios)
+    line = "   %s %8.1f ms (%.1f-%.1f)" % (name, statistics.median(its) * 1e3, its[0] * 1e3, its[-1] * 1e3)
+    if ratios:
+        line += "  %5.2fx %s (%.2f-%.2f)" % (statistics.median(ratios), against, ratios[0], ratios[-1])
+    return line
 
 
 def cpu_update(before, after, steps):
@@ -350,7 +367,7 @@ def print_medians(per_round, loop):
     ratios to each round's ferry all_gpu row."""
     print("   over %d rounds, alternated: the median (the range)" % len(per_round), flush=True)
     for i, (row, _, _, _) in enumerate(per_round[0]):
-        its = sorted(r[i][1] for r in per_round if r[i][1] is not None)
+        its = [r[i][1] for r in per_round if r[i][1] is not None]
         if not its:
             continue
         ratios = []
@@ -358,12 +375,7 @@ def print_medians(per_round, loop):
             base = next((it for rw, it, _, _ in results if rw["name"] == "ferry all_gpu" and it is not None), None)
             if base and results[i][1] is not None:
                 ratios.append(results[i][1] / base)
-        line = "   %-30s %-31s %8.1f ms (%.1f-%.1f)" % (row["name"], loop.label(), statistics.median(its) * 1e3,
-                                                        its[0] * 1e3, its[-1] * 1e3)
-        if ratios:
-            ratios.sort()
-            line += "  %5.2fx ferry all_gpu (%.2f-%.2f)" % (statistics.median(ratios), ratios[0], ratios[-1])
-        print(line, flush=True)
+        print(median_line("%-30s %-31s" % (row["name"], loop.label()), its, ratios, "ferry all_gpu"), flush=True)
 
 
 def bench_size(name, args):

@@ -212,20 +212,10 @@ def pyprofile_steps(prof, where, row, rank, device):
 
 def timed_end(opt, row, sync, t0, threads0, steps):
     """(this rank's mean iteration in s since t0; the optimizer's stats then, for a ferry row;
-    bench_threads.use() since the snapshot threads0). The window ends in the phase of the loop it began
-    in (t0): the GPU idle after a step whose deferred update may still run on the host, so that it holds
-    `steps` iterations of a long loop (waiting for the last update too would count one update's tail
-    twice: the warm-up's last one ran inside the window, beside the first timed forward). Then waits for
-    that update (row["tail"]: how long, in s)."""
-    sync()
-    t1 = time.perf_counter()
-    out = ((t1 - t0) / steps, opt.stats() if row["kind"] == "ferry" else None,
-           bench_threads.use(threads0, bench_threads.snapshot(), steps))
-    if row["kind"] == "ferry":
-        opt.wait_params()
-        sync()
-    row["tail"] = time.perf_counter() - t1
-    return out
+    bench_threads.use() since the snapshot threads0): bench_train.end_window's, its tail in row["tail"]."""
+    iteration, stats, threads, row["tail"] = bench_train.end_window(opt, row["kind"] == "ferry", sync, t0,
+                                                                    threads0, steps)
+    return iteration, stats, threads
 
 
 def threads_by_rank(threads, device):
@@ -245,7 +235,7 @@ def run_row(row, args, device, rank, world, local_rank, data):
     losses = []
     phases = Phases(device) if args.phases else None
     dist.barrier()
-    t0, before = time.perf_counter(), None
+    t0, before, threads0 = time.perf_counter(), None, None
     prof, end = None, args.warmup + args.steps
     # two more steps after the timed ones, profiled (--profile, --pyprofile)
     profiled = (args.profile or args.pyprofile) and row["kind"] == "ferry"
@@ -359,12 +349,8 @@ def worker(rank, world, local_rank, args):
     if rounds > 1 and rank == 0:
         print("  over %d rounds, alternated: the median (the range)" % rounds, flush=True)
         for name, got in runs.items():
-            its = sorted(t for t, _ in got)
-            ratios = sorted(r for _, r in got if r is not None)
-            line = "   %-30s %8.1f ms (%.1f-%.1f)" % (name, statistics.median(its) * 1e3, its[0] * 1e3, its[-1] * 1e3)
-            if ratios:
-                line += "  %5.2fx all-GPU DDP (%.2f-%.2f)" % (statistics.median(ratios), ratios[0], ratios[-1])
-            print(line, flush=True)
+            print(bench_train.median_line("%-30s" % name, [t for t, _ in got], [r for _, r in got if r is not None],
+                                          "all-GPU DDP"), flush=True)
     if not ok:
         raise SystemExit("FAILED: the losses of an overlap row differ from the same row without overlap")
 
