@@ -1,5 +1,5 @@
 // The spare state of early steps under a budget (EngineOptions::spare_state_fraction, a policy's
-// spare_state): which groups get it (SpareGroups: a centred run), exactness at any budget, the order
+// spare_state): which params get it (SpareRun: a centred run), exactness at any budget and grouping, the order
 // of the work a decided Step queues beside the speculation not started yet, and a policy's bound
 // (memory_budget.lua's host_budget, reloads).
 #include <algorithm>
@@ -26,10 +26,10 @@ using ::testing::HasSubstr;
 
 const std::vector<int64_t> kSizes = {1000, 7, 4099, 65, 3, 20000, 513, 3000, 777, 12000, 1, 2500};
 
-// An engine of `model` (a group per tensor) placed by `policy` with `args`, its spare state bounded
-// by EngineOptions::spare_state_fraction = `fraction`.
+// An engine of `model` (a group per tensor, or tensor i in group i % `groups`) placed by `policy`
+// with `args`, its spare state bounded by EngineOptions::spare_state_fraction = `fraction`.
 std::unique_ptr<Engine> MakeSpareEngine(Device* device, Model& model, double fraction, const std::string& policy,
-                                        std::map<std::string, std::string> args = {}) {
+                                        std::map<std::string, std::string> args = {}, size_t groups = 0) {
   EngineOptions o;
   o.policy_path = policy;
   o.policy_args = std::move(args);
@@ -39,7 +39,7 @@ std::unique_ptr<Engine> MakeSpareEngine(Device* device, Model& model, double fra
   o.cpu_threads = 3;
   o.spare_state_fraction = fraction;
   o.device = std::string(BackendName(device->backend()));
-  return MakeFinalizedEngine(o, model);
+  return MakeFinalizedEngine(o, [&](Engine& e) { return model.Register(e, groups); });
 }
 
 // Under a spare-state budget, some groups speculate and the others update once Step knows the step.
@@ -53,7 +53,7 @@ TEST(SpareStateBudgetTest, WhatStepQueuesInterleavesWithTheSpeculationByTheForwa
   absl::StatusOr<std::unique_ptr<Device>> d = CreateDevice();
   ASSERT_TRUE(d.ok()) << d.status();
   Device* device = d->get();
-  constexpr size_t kLayers = 12;  // a group each; SpareGroups gives the spare state to the middle ones
+  constexpr size_t kLayers = 12;  // a group each; SpareRun gives the spare state to the middle ones
   const std::vector<int64_t> sizes(kLayers, 300000);  // 18 chunks each: more than the staging ring holds
   TempDir tmp("ferry-spare-order");
   const std::string trace_path = tmp.path() + "/trace.json";
@@ -130,26 +130,29 @@ TEST(SpareStateBudgetTest, WhatStepQueuesInterleavesWithTheSpeculationByTheForwa
 }
 
 // EngineOptions::spare_state_fraction: the spare state takes at most that fraction of the offloaded
-// state; the groups that fit (a centred run: SpareGroups) speculate, the others update once Step knows
-// the step (deferred, in place). Bit-identical to an engine that only steps at 0, 0.5 and 1.
-TEST(SpareStateBudgetTest, SpeculatesOnWhatFitsAndStaysExact) {
+// state; the params that fit (a centred run: SpareRun) speculate, the others update once Step knows
+// the step (deferred, in place), whatever the grouping: a group per tensor, one group (a group's
+// params share its spare state and speculate in part), two groups whose params interleave.
+// Bit-identical to an engine that only steps at 0, 0.5 and 1.
+class SpareStateGroupingTest : public ::testing::TestWithParam<size_t> {};
+
+TEST_P(SpareStateGroupingTest, SpeculatesOnWhatFitsAndStaysExact) {
   absl::StatusOr<std::unique_ptr<Device>> d = CreateDevice();
   ASSERT_TRUE(d.ok()) << d.status();
   Device* device = d->get();
+  const size_t groups = GetParam();
   auto make = [&](Model& model, double fraction) {
-    return MakeSpareEngine(device, model, fraction, Policies() + "offload_all.lua");
+    return MakeSpareEngine(device, model, fraction, Policies() + "offload_all.lua", {}, groups);
   };
-  size_t state_bytes = 0;
   for (const double fraction : {0.0, 0.5, 1.0}) {
     Model ref_model(device, kSizes, 17), early_model(device, kSizes, 17);
     auto ref = make(ref_model, 1.0);
     auto early = make(early_model, fraction);
     ASSERT_TRUE(ref && early);
-    if (state_bytes == 0) {
-      // The offloaded state as the spare state counts it: each group's in whole pages.
-      for (const GroupPlacement& g : early->Placement()) {
-        state_bytes += (static_cast<size_t>(g.host_state_bytes) + 4095) / 4096 * 4096;
-      }
+    // The offloaded state as the spare state counts it: each group's in whole pages.
+    size_t state_bytes = 0;
+    for (const GroupPlacement& g : early->Placement()) {
+      state_bytes += (static_cast<size_t>(g.host_state_bytes) + 4095) / 4096 * 4096;
     }
     int64_t total = 0;
     for (int64_t n : kSizes) total += n;
@@ -184,6 +187,9 @@ TEST(SpareStateBudgetTest, SpeculatesOnWhatFitsAndStaysExact) {
         << fraction;
     if (fraction == 1.0) {
       EXPECT_EQ(stats.spare_state_bytes, state_bytes);
+    } else if (fraction > 0.0) {
+      // Within a few params of the budget, in any grouping (a group is not the unit).
+      EXPECT_GE(stats.spare_state_bytes, static_cast<size_t>(0.3 * static_cast<double>(state_bytes))) << fraction;
     }
     // The out-of-place share: none without spare state or announcements; with it, the speculations
     // (kept or not), while the clipped steps' updates ran in place.
@@ -204,8 +210,13 @@ TEST(SpareStateBudgetTest, SpeculatesOnWhatFitsAndStaysExact) {
     ASSERT_EQ(ReadAll(*a), ReadAll(*b)) << fraction;
     ASSERT_OK(early->VerifyMasters());
   }
-  EXPECT_GT(state_bytes, 0u);
 }
+
+INSTANTIATE_TEST_SUITE_P(Groupings, SpareStateGroupingTest, ::testing::Values(0, 1, 2),
+                         [](const ::testing::TestParamInfo<size_t>& p) {
+                           return p.param == 0 ? std::string("GroupPerTensor")
+                                                  : absl::StrCat(p.param, "Groups");
+                         });
 
 // A policy that offloads every group and, with the arg `spare`, bounds the spare state to it.
 constexpr char kSparePolicy[] = R"lua(
@@ -224,25 +235,33 @@ end
 return M
 )lua";
 
-// The spare state's bytes by the engine's rule (EngineOptions::spare_state_fraction): each offloaded
-// group's state in whole pages; the groups SpareGroups chooses under `fraction` of their sum.
+// The spare state's bytes by the engine's rule (EngineOptions::spare_state_fraction) for a group per
+// tensor: the params SpareRun chooses by their state's bytes under `fraction` of the groups' state
+// in whole pages, each chosen group's in whole pages, the run's last params given up while that is
+// over the budget.
 size_t ExpectedSpareBytes(Engine& e, double fraction) {
-  std::vector<size_t> pages;
+  std::vector<size_t> state, pages;
   size_t total = 0;
   for (const GroupPlacement& g : e.Placement()) {
-    pages.push_back((static_cast<size_t>(g.host_state_bytes) + 4095) / 4096 * 4096);
+    state.push_back(static_cast<size_t>(g.host_state_bytes));
+    pages.push_back((state.back() + 4095) / 4096 * 4096);
     total += pages.back();
   }
-  const std::vector<uint8_t> chosen = SpareGroups(pages, static_cast<size_t>(fraction * static_cast<double>(total)));
-  size_t bytes = 0;
-  for (size_t g = 0; g < pages.size(); ++g) bytes += chosen[g] != 0 ? pages[g] : 0;
-  return std::max<size_t>(bytes, 4096);
+  const size_t budget = static_cast<size_t>(fraction * static_cast<double>(total));
+  std::vector<uint8_t> chosen = SpareRun(state, budget);
+  auto bytes = [&] {
+    size_t sum = 0;
+    for (size_t g = 0; g < pages.size(); ++g) sum += chosen[g] != 0 ? pages[g] : 0;
+    return sum;
+  };
+  for (size_t g = chosen.size(); fraction < 1.0 && bytes() > budget && g-- > 0;) chosen[g] = 0;
+  return std::max<size_t>(bytes(), 4096);
 }
 
-// Which groups get spare state under a budget: a run of consecutive groups (registration order, a
+// Which params get spare state under a budget: a run of consecutive params (registration order, a
 // model's forward order) that fits, of the runs within 90% of the most bytes the most centred, on a
-// tie the later; never more than the budget.
-TEST(SpareGroupsTest, ACentredRunThatFits) {
+// tie the later; never more than the budget. (Given a model's groups here, as one param each.)
+TEST(SpareRunTest, ACentredRunThatFits) {
   using V = std::vector<uint8_t>;
   // The 735M model of bench_train.py by groups (M params): embeddings, 12 blocks, the final norm
   // with the head. Half of it: 7 blocks (352 M) rather than the embeddings and 6 blocks (367 M, the
@@ -251,17 +270,17 @@ TEST(SpareGroupsTest, ACentredRunThatFits) {
   std::vector<size_t> model = {655};
   for (int b = 0; b < 12; ++b) model.push_back(503);
   model.push_back(655);
-  EXPECT_EQ(SpareGroups(model, 3676), (V{0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0}));
-  EXPECT_EQ(SpareGroups(model, 7346), V(14, 1));                  // all fit: all
-  EXPECT_EQ(SpareGroups(model, 0), V(14, 0));                     // none fits
-  EXPECT_EQ(SpareGroups(model, 600), (V{0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0}));  // one block: the later middle
-  EXPECT_EQ(SpareGroups({10, 10, 10, 10}, 20), (V{0, 1, 1, 0}));
-  EXPECT_EQ(SpareGroups({10, 10, 10}, 10), (V{0, 1, 0}));
-  EXPECT_EQ(SpareGroups({10, 0, 10, 10}, 20), (V{0, 0, 1, 1}));  // a GPU group (0 bytes) is never chosen
-  EXPECT_EQ(SpareGroups({100, 1, 1}, 50), (V{0, 1, 1}));          // what fits, though small
+  EXPECT_EQ(SpareRun(model, 3676), (V{0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0}));
+  EXPECT_EQ(SpareRun(model, 7346), V(14, 1));                  // all fit: all
+  EXPECT_EQ(SpareRun(model, 0), V(14, 0));                     // none fits
+  EXPECT_EQ(SpareRun(model, 600), (V{0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0}));  // one block: the later middle
+  EXPECT_EQ(SpareRun({10, 10, 10, 10}, 20), (V{0, 1, 1, 0}));
+  EXPECT_EQ(SpareRun({10, 10, 10}, 10), (V{0, 1, 0}));
+  EXPECT_EQ(SpareRun({10, 0, 10, 10}, 20), (V{0, 0, 1, 1}));  // a GPU group (0 bytes) is never chosen
+  EXPECT_EQ(SpareRun({100, 1, 1}, 50), (V{0, 1, 1}));          // what fits, though small
   for (size_t budget = 0; budget <= 40; ++budget) {
     const std::vector<size_t> bytes = {7, 3, 9, 1, 12, 5};
-    const V chosen = SpareGroups(bytes, budget);
+    const V chosen = SpareRun(bytes, budget);
     size_t sum = 0;
     for (size_t g = 0; g < bytes.size(); ++g) sum += chosen[g] != 0 ? bytes[g] : 0;
     EXPECT_LE(sum, budget);

@@ -36,7 +36,7 @@ bool InArena(const PinnedArena* arena, const HostSpan& span) {
 char* HybridOptimizer::Group::state(StateKind kind, bool spare) const {
   char* base = spare ? spare_state.as<char>() : offloaded ? host_state.as<char>() : device_state.as<char>();
   if (base == nullptr) return nullptr;
-  const size_t n = static_cast<size_t>(layout.total_elements());
+  const size_t n = static_cast<size_t>(spare ? spare_n : layout.total_elements());
   switch (kind) {
     case StateKind::kMaster: return base;
     case StateKind::kExpAvg: return base + n * DTypeSize(format.master);
@@ -64,7 +64,7 @@ HybridOptimizer::~HybridOptimizer() {
   absl::Status s = Synchronize();
   if (!s.ok()) FERRY_LOG(ERROR) << "HybridOptimizer: pending work failed at destruction: " << s;
   for (Group& g : groups_) {
-    // After a commit either buffer may come from either arena.
+    // Each buffer from its own arena (kept speculations flip params' sides, not the buffers).
     for (HostSpan* span : {&g.host_state, &g.spare_state}) {
       if (span->empty()) continue;
       if (InArena(arena_.get(), *span)) {
@@ -131,6 +131,7 @@ absl::Status HybridOptimizer::Init(std::vector<OptimParam> params, std::vector<O
     param_ids_.push_back(RoundingParamId(op.name.data(), op.name.size()));
   }
   param_slot_.assign(params_.size(), 0);
+  state_side_.assign(params_.size(), 0);
   size_t arena_bytes = 0;
   std::vector<size_t> offloaded_groups;
   for (size_t gi = 0; gi < groups_.size(); ++gi) {
@@ -217,7 +218,26 @@ absl::Status HybridOptimizer::Init(std::vector<OptimParam> params, std::vector<O
 char* HybridOptimizer::StatePtr(size_t p, StateKind kind, size_t e) const {
   const Group& g = groups_[params_[p].group];
   const size_t es = DTypeSize(kind == StateKind::kMaster ? g.format.master : g.format.moments);
+  if (state_side_[p] != 0) return g.state(kind, /*spare=*/true) + static_cast<size_t>(param_slot_[p] - g.spare_lo + static_cast<int64_t>(e)) * es;
   return g.state(kind) + (static_cast<size_t>(param_slot_[p]) + e) * es;
+}
+
+bool HybridOptimizer::HasSpare(size_t p) const {
+  const Group& g = groups_[params_[p].group];
+  return g.offloaded && !g.spare_state.empty() && param_slot_[p] >= g.spare_lo && param_slot_[p] < g.spare_lo + g.spare_n;
+}
+
+bool HybridOptimizer::AllSpare(size_t g) const {
+  for (size_t p : groups_[g].params) {
+    if (!HasSpare(p)) return false;
+  }
+  return true;
+}
+
+void HybridOptimizer::CommitSpare(size_t g) {
+  for (size_t p : groups_[g].params) {
+    if (HasSpare(p)) state_side_[p] ^= 1;
+  }
 }
 
 StateRoundingKey HybridOptimizer::RoundingKey(size_t p, size_t e0, int64_t step) const {
@@ -233,7 +253,8 @@ StateRoundingKey HybridOptimizer::RoundingKey(size_t p, size_t e0, int64_t step)
 char* HybridOptimizer::SpareStatePtr(size_t p, StateKind kind, size_t e) const {
   const Group& g = groups_[params_[p].group];
   const size_t es = DTypeSize(kind == StateKind::kMaster ? g.format.master : g.format.moments);
-  return g.state(kind, /*spare=*/true) + (static_cast<size_t>(param_slot_[p]) + e) * es;
+  if (state_side_[p] != 0) return g.state(kind) + (static_cast<size_t>(param_slot_[p]) + e) * es;
+  return g.state(kind, /*spare=*/true) + static_cast<size_t>(param_slot_[p] - g.spare_lo + static_cast<int64_t>(e)) * es;
 }
 
 absl::Status HybridOptimizer::WaitPending() {

@@ -107,10 +107,11 @@ struct HybridStepResult {
 // Which per-parameter tensor of the optimizer state.
 enum class StateKind : uint8_t { kMaster, kExpAvg, kExpAvgSq };
 
-// The groups that get spare state under `budget` bytes (EngineOptions::spare_state_fraction), given
-// each group's spare bytes in registration order (0: not offloaded): the run of consecutive groups
-// with the most bytes that fit, of those the most centred. 1 for a chosen group.
-std::vector<uint8_t> SpareGroups(const std::vector<size_t>& bytes, size_t budget);
+// The params that get spare state under `budget` bytes (EngineOptions::spare_state_fraction), given
+// each param's spare bytes in registration order (0: not offloaded): the run of consecutive params
+// with the most bytes that fit, of those the most centred. 1 for a chosen param. (Any items in a
+// model's forward order: the tests give it groups too.)
+std::vector<uint8_t> SpareRun(const std::vector<size_t>& bytes, size_t budget);
 
 // HybridOptimizer: one thread at a time.
 class HybridOptimizer final {
@@ -349,8 +350,12 @@ class HybridOptimizer final {
     Layout layout;               // of this group's params, in elements
     HostSpan host_state;         // offloaded: [master | m | v], each layout.total_elements() elements
                                  // of its stored dtype (format.master, format.moments)
-    HostSpan spare_state;        // offloaded, once an early step ran: the same size; a speculative
-                                 // update writes it, and Step swaps it with host_state to keep it
+    HostSpan spare_state;        // offloaded, once an early step ran, for the params whose slots lie in
+                                 // [spare_lo, spare_lo + spare_n) (all of them without a budget):
+                                 // [master | m | v] of spare_n elements each. Each such param's state
+                                 // lives on one side (state_side_); a speculative update writes the
+                                 // other, and a kept one makes that the param's side (CommitSpare)
+    int64_t spare_lo = 0, spare_n = 0;
     DeviceBuffer device_state;   // on GPU: the same on the device
     char* state(StateKind kind, bool spare = false) const;  // spare: in spare_state
   };
@@ -427,6 +432,13 @@ class HybridOptimizer final {
   // Pointer of param `p`'s `kind` state (host memory for offloaded groups, device memory otherwise),
   // at element `e`.
   char* StatePtr(size_t p, StateKind kind, size_t e = 0) const;
+  // Whether param `p` has a slot in its group's spare state (it may speculate), and whether every
+  // param of group g has one.
+  bool HasSpare(size_t p) const;
+  bool AllSpare(size_t g) const;
+  // A kept speculation of group g: each of its params with spare state takes the side its update
+  // wrote (every such param of a group whose early work is done was updated out of place).
+  void CommitSpare(size_t g);
   // Stochastic rounding: param `p`'s key at step `step` (<= 0: the step its group computes next), for
   // local elements from `e0` on.
   StateRoundingKey RoundingKey(size_t p, size_t e0, int64_t step = 0) const;
@@ -461,7 +473,7 @@ class HybridOptimizer final {
   std::atomic<int64_t> cpu_busy_ns_{0};
   std::atomic<uint64_t> cpu_bytes_{0};
   std::atomic<uint64_t> cpu_spare_bytes_{0};  // of cpu_bytes_, those of updates into the spare state
-  // The same in the group's spare buffers (offloaded groups, once EnsureSpareState ran).
+  // The same on the param's other side, where a speculative update writes. REQUIRES: HasSpare(p).
   char* SpareStatePtr(size_t p, StateKind kind, size_t e = 0) const;
   absl::Status SyncParamsFromModel(const std::vector<size_t>& params);
   // Snapshot (to_host) or Restore: device copies on work_stream_, offloaded state by the pool.
@@ -477,6 +489,9 @@ class HybridOptimizer final {
   std::vector<OptimParam> params_;
   std::vector<Group> groups_;
   std::vector<int64_t> param_slot_;  // param -> element offset within its group's layout
+  // param -> 1 when its state is in its group's spare_state, 0 in host_state. Changed only by
+  // CommitSpare, between steps or in Settle / SettleEarly with the early thread idle.
+  std::vector<uint8_t> state_side_;
   std::vector<uint64_t> param_ids_;  // param -> RoundingParamId of its name
 
   // Offloaded params in pipeline order, the chunks of their grads (a plan over the concatenation of

@@ -150,10 +150,14 @@ absl::Status HybridOptimizer::Announce(const std::vector<size_t>& ps, const std:
   if (!any || !(speculate_ || speculate_always_)) return absl::OkStatus();
   FERRY_RETURN_IF_ERROR(EnsureSpareState());
   for (size_t g = 0; g < groups_.size(); ++g) {
-    // A group without spare buffers (EngineOptions::spare_state_fraction) updates once Step knows the step.
-    if (fresh[g].empty() || !groups_[g].offloaded || groups_[g].spare_state.empty()) continue;
-    part.groups.push_back(g);
-    part.params.insert(part.params.end(), fresh[g].begin(), fresh[g].end());
+    // A param without spare state (EngineOptions::spare_state_fraction) updates once Step knows the step.
+    bool in_part = false;
+    for (size_t p : fresh[g]) {
+      if (!HasSpare(p)) continue;
+      part.params.push_back(p);
+      in_part = true;
+    }
+    if (in_part) part.groups.push_back(g);
   }
   if (part.params.empty()) return absl::OkStatus();
   std::vector<EarlyPart> parts;
@@ -336,8 +340,9 @@ absl::StatusOr<std::vector<size_t>> HybridOptimizer::SettleEarly(bool skipped, b
   }
   if (!valid) early_cancel_.store(true);  // stop what still runs: it is recomputed or undone
   if (valid) {
-    // Groups announced in part finish on the early thread (their state is swapped whole): the
-    // params no announcement held start now, their grads being final.
+    // Groups announced in part finish on the early thread (a kept group commits whole): the params
+    // no announcement held, or held without spare state (under a budget), start now, their grads
+    // being final; those with spare state into it, the others in place.
     std::vector<size_t> partial;
     for (size_t g : started) {
       if (early_.unqueued[g] != 0) partial.push_back(g);
@@ -400,8 +405,15 @@ absl::StatusOr<std::vector<size_t>> HybridOptimizer::SettleEarly(bool skipped, b
     Group& group = groups_[g];
     if (!group.offloaded) continue;
     if (early_.queued[g] != 0 && valid && done[g] != 0) {
-      std::swap(group.host_state, group.spare_state);
+      CommitSpare(g);
       ++result.early_committed;
+    } else if (early_.queued[g] != 0 && valid && !AllSpare(g)) {
+      // Its params without spare state updated in place once the step was kept, and the early work
+      // stopped before the group was done: Step cannot recompute it from untouched state.
+      early_ = EarlyStep{};
+      return absl::InternalError(absl::StrCat("the early update of group '", group.name, "' stopped before finishing ",
+                                              "(", early_status.ok() ? "no error" : early_status.message(),
+                                              "), with params updated in place: its state is partly updated"));
     } else {
       if (early_.queued[g] != 0) ++result.early_recomputed;
       rest.push_back(g);
@@ -437,7 +449,7 @@ absl::Status HybridOptimizer::Settle() {
     std::lock_guard<std::mutex> lock(early_mu_);
     for (size_t g : deferred_groups_) {
       if (early_done_[g] != 0) {
-        if (deferred_in_place_[g] == 0) std::swap(groups_[g].host_state, groups_[g].spare_state);
+        if (deferred_in_place_[g] == 0) CommitSpare(g);
       } else {
         failed.push_back(g);
       }

@@ -70,8 +70,9 @@ void HybridOptimizer::ChunkWork(const std::vector<size_t>& params, const ChunkPl
     t.exp_avg_sq = StatePtr(p, StateKind::kExpAvgSq, e0);
     t.state = groups_[op.group].format;
     t.rounding = RoundingKey(p, e0, steps != nullptr ? (*steps)[op.group] : 0);
-    if (mode == PipelineMode::kToSpare) {
-      // Read the state in place, write the spare buffers.
+    if (mode == PipelineMode::kToSpare && HasSpare(p)) {
+      // Read the state on the param's side, write the other. A param without spare state (under a
+      // budget) is in a speculating part only once Step has kept the speculation: in place.
       t.master_src = t.master;
       t.exp_avg_src = t.exp_avg;
       t.exp_avg_sq_src = t.exp_avg_sq;

@@ -1,7 +1,7 @@
 // HybridOptimizer's spare state for early steps (see BeginGroups in hybrid_optimizer.h): the second
-// set of state buffers a speculative update writes, allocated once, at the first announcement, and
+// side of the state that a speculative update writes, allocated once, at the first announcement, and
 // under a budget (EngineOptions::spare_state_fraction, a policy's spare_state) given to a centred run
-// of consecutive groups (SpareGroups); the others update once Step knows the step.
+// of consecutive params (SpareRun); the others update once Step knows the step.
 #include <algorithm>
 #include <cstdlib>
 #include <string>
@@ -13,23 +13,25 @@
 
 namespace ferry {
 
-std::vector<uint8_t> SpareGroups(const std::vector<size_t>& bytes, size_t budget) {
-  // The groups in registration order, which is a model's forward order; a backward finishes their
-  // grads last to first. The groups that speculate must finish within the backward, while the
-  // others update after Step, the next forward waiting for each in turn: the forward is held up
+std::vector<uint8_t> SpareRun(const std::vector<size_t>& bytes, size_t budget) {
+  // The items (params) in registration order, which is a model's forward order; a backward
+  // finishes their grads last to first. Those that speculate must finish within the backward, while
+  // the others update after Step, the next forward waiting for each in turn: the forward is held up
   // least when it has speculated layers to run while the CPU updates the later ones. So the run is
   // centred: of the runs that fit with at least 90% of the most bytes any run fits, the one whose
-  // groups before and after it are most even, on a tie the later one (its grads come earlier).
+  // items before and after it are most even, on a tie the later one (its grads come earlier).
   const size_t n = bytes.size();
   size_t total = 0;
   for (size_t b : bytes) total += b;
-  std::vector<size_t> end(n, 0), sum(n, 0);  // per start: the run's end (exclusive) and bytes
+  std::vector<size_t> end(n, 0), sum(n, 0);  // per start: the longest run that fits, its end and bytes
   size_t most = 0;
-  for (size_t i = 0; i < n; ++i) {
-    size_t j = i;
-    while (j < n && sum[i] + bytes[j] <= budget) sum[i] += bytes[j++];
+  for (size_t i = 0, j = 0, run = 0; i < n; ++i) {  // run: the bytes of [i, j)
+    if (j < i) j = i, run = 0;
+    while (j < n && run + bytes[j] <= budget) run += bytes[j++];
     end[i] = j;
-    most = std::max(most, sum[i]);
+    sum[i] = run;
+    most = std::max(most, run);
+    if (j > i) run -= bytes[i];
   }
   std::vector<uint8_t> chosen(n, 0);
   if (most == 0) return chosen;
@@ -49,30 +51,63 @@ std::vector<uint8_t> SpareGroups(const std::vector<size_t>& bytes, size_t budget
 
 absl::Status HybridOptimizer::EnsureSpareState() {
   if (spare_arena_ != nullptr) return absl::OkStatus();
-  // The groups that get spare buffers: all, or under a fraction below 1 a run of consecutive groups
-  // that fits, chosen by SpareGroups.
-  std::vector<size_t> pages(groups_.size(), 0);
+  // The params that get spare buffers: all, or under a fraction below 1 a run of consecutive params
+  // (registration order) that fits, chosen by SpareRun: a param, not its group, is the unit, so that
+  // a model in one or two groups speculates on part of itself too. Each param counts its slot in its
+  // group's layout (padding to the next slot included), so a group's chosen params take one range
+  // of its layout, [spare_lo, spare_lo + spare_n), and its spare buffers hold that range alone.
+  std::vector<size_t> item(params_.size(), 0);
+  std::vector<int64_t> extent(params_.size(), 0);  // elements from its slot to the next one
   size_t total = 0;
-  for (size_t g = 0; g < groups_.size(); ++g) {
-    if (groups_[g].offloaded && !groups_[g].host_state.empty()) pages[g] = (groups_[g].host_state.bytes + 4095) / 4096 * 4096;
-    total += pages[g];
+  for (Group& g : groups_) {
+    if (!g.offloaded || g.host_state.empty()) continue;
+    total += (g.host_state.bytes + 4095) / 4096 * 4096;
+    for (size_t i = 0; i < g.params.size(); ++i) {
+      const size_t p = g.params[i];
+      const int64_t end = i + 1 < g.params.size() ? param_slot_[g.params[i + 1]] : g.layout.total_elements();
+      extent[p] = end - param_slot_[p];
+      item[p] = static_cast<size_t>(extent[p]) * g.format.bytes_per_element();
+    }
   }
   const size_t budget = options_.spare_fraction >= 1.0
                             ? total
                             : static_cast<size_t>(options_.spare_fraction * static_cast<double>(total));
-  std::vector<uint8_t> chosen = SpareGroups(pages, budget);
+  std::vector<uint8_t> chosen = SpareRun(item, budget);
   if (const char* rule = std::getenv("FERRY_SPARE_RUN"); rule != nullptr && std::string(rule) == "last") {
-    // A/B measurement only: the groups that fit, the last registered first.
-    chosen.assign(groups_.size(), 0);
+    // A/B measurement only: the params that fit, the last registered first.
+    chosen.assign(params_.size(), 0);
     size_t sum = 0;
-    for (size_t g = groups_.size(); g-- > 0;) {
-      if (pages[g] == 0 || sum + pages[g] > budget) continue;
-      chosen[g] = 1;
-      sum += pages[g];
+    for (size_t p = params_.size(); p-- > 0;) {
+      if (item[p] == 0 || sum + item[p] > budget) continue;
+      chosen[p] = 1;
+      sum += item[p];
     }
   }
-  size_t bytes = 0;
-  for (size_t g = 0; g < groups_.size(); ++g) bytes += chosen[g] != 0 ? pages[g] : 0;
+  // Each group's range; its buffers in whole pages. Rounding may overshoot the budget by a page a
+  // group: the run then gives up params at its end until it fits.
+  auto ranges = [&]() {
+    size_t bytes = 0;
+    for (Group& g : groups_) {
+      g.spare_lo = g.spare_n = 0;
+      int64_t lo = -1, hi = 0;
+      for (size_t p : g.params) {
+        if (chosen[p] == 0) continue;
+        if (lo < 0) lo = param_slot_[p];
+        hi = param_slot_[p] + extent[p];
+      }
+      if (lo < 0) continue;
+      g.spare_lo = lo;
+      g.spare_n = hi - lo;
+      bytes += (static_cast<size_t>(g.spare_n) * g.format.bytes_per_element() + 4095) / 4096 * 4096;
+    }
+    return bytes;
+  };
+  size_t bytes = ranges();
+  for (size_t p = params_.size(); options_.spare_fraction < 1.0 && bytes > budget && p-- > 0;) {
+    if (chosen[p] == 0) continue;
+    chosen[p] = 0;
+    bytes = ranges();
+  }
   if (group_uploaded_.empty()) {
     group_uploaded_.resize(groups_.size());
     for (size_t g = 0; g < groups_.size(); ++g) {
@@ -92,8 +127,9 @@ absl::Status HybridOptimizer::EnsureSpareState() {
   std::vector<HostSpan> spans(groups_.size());
   absl::Status status;
   for (size_t g = 0; g < groups_.size() && status.ok(); ++g) {
-    if (chosen[g] == 0) continue;
-    absl::StatusOr<HostSpan> span = arena->Allocate(groups_[g].host_state.bytes);
+    if (groups_[g].spare_n == 0) continue;
+    absl::StatusOr<HostSpan> span =
+        arena->Allocate(static_cast<size_t>(groups_[g].spare_n) * groups_[g].format.bytes_per_element());
     if (span.ok()) {
       spans[g] = *span;
     } else {
@@ -104,6 +140,7 @@ absl::Status HybridOptimizer::EnsureSpareState() {
     for (const HostSpan& span : spans) {
       if (!span.empty()) (void)arena->Release(span);
     }
+    for (Group& g : groups_) g.spare_lo = g.spare_n = 0;
     return status;
   }
   for (size_t g = 0; g < groups_.size(); ++g) groups_[g].spare_state = spans[g];

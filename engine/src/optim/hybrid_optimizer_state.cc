@@ -97,7 +97,12 @@ absl::Status HybridOptimizer::SyncFromModel(const std::vector<size_t>& groups, b
     if (bytes == 0) {
       // no state on this rank
     } else if (grp.offloaded) {
+      // Both sides: each param's moments are on its own (state_side_).
       std::memset(grp.state(StateKind::kExpAvg), 0, bytes);
+      if (grp.spare_n > 0) {
+        std::memset(grp.state(StateKind::kExpAvg, /*spare=*/true), 0,
+                    2 * static_cast<size_t>(grp.spare_n) * DTypeSize(grp.format.moments));
+      }
     } else {
       FERRY_RETURN_IF_ERROR(device_->MemsetAsync(grp.state(StateKind::kExpAvg), 0, bytes, *work_stream_));
     }
