@@ -1,5 +1,6 @@
 // The spare state of early steps under a budget (EngineOptions::spare_state_fraction, a policy's
-// spare_state): which params get it (SpareRun: a centred run), exactness at any budget and grouping, the order
+// spare_state): which params get it (SpareSpread: spread over the model; SpareRun, the rule before: a
+// centred run), exactness at any budget and grouping, the order
 // of the work a decided Step queues beside the speculation not started yet, and a policy's bound
 // (memory_budget.lua's host_budget, reloads).
 #include <algorithm>
@@ -53,7 +54,7 @@ TEST(SpareStateBudgetTest, WhatStepQueuesInterleavesWithTheSpeculationByTheForwa
   absl::StatusOr<std::unique_ptr<Device>> d = CreateDevice();
   ASSERT_TRUE(d.ok()) << d.status();
   Device* device = d->get();
-  constexpr size_t kLayers = 12;  // a group each; SpareRun gives the spare state to the middle ones
+  constexpr size_t kLayers = 12;  // a group each; SpareSpread gives the spare state to every other one
   const std::vector<int64_t> sizes(kLayers, 300000);  // 18 chunks each: more than the staging ring holds
   TempDir tmp("ferry-spare-order");
   const std::string trace_path = tmp.path() + "/trace.json";
@@ -130,7 +131,7 @@ TEST(SpareStateBudgetTest, WhatStepQueuesInterleavesWithTheSpeculationByTheForwa
 }
 
 // EngineOptions::spare_state_fraction: the spare state takes at most that fraction of the offloaded
-// state; the params that fit (a centred run: SpareRun) speculate, the others update once Step knows
+// state; the params that fit (spread over the model: SpareSpread) speculate, the others update once Step knows
 // the step (deferred, in place), whatever the grouping: a group per tensor, one group (a group's
 // params share its spare state and speculate in part), two groups whose params interleave.
 // Bit-identical to an engine that only steps at 0, 0.5 and 1.
@@ -188,8 +189,9 @@ TEST_P(SpareStateGroupingTest, SpeculatesOnWhatFitsAndStaysExact) {
     if (fraction == 1.0) {
       EXPECT_EQ(stats.spare_state_bytes, state_bytes);
     } else if (fraction > 0.0) {
-      // Within a few params of the budget, in any grouping (a group is not the unit).
-      EXPECT_GE(stats.spare_state_bytes, static_cast<size_t>(0.3 * static_cast<double>(state_bytes))) << fraction;
+      // Some, in any grouping (a group is not the unit): short of the budget by what the largest
+      // params, which do not fit when their turn comes, leave out.
+      EXPECT_GE(stats.spare_state_bytes, static_cast<size_t>(0.2 * static_cast<double>(state_bytes))) << fraction;
     }
     // The out-of-place share: none without spare state or announcements; with it, the speculations
     // (kept or not), while the clipped steps' updates ran in place.
@@ -236,9 +238,9 @@ return M
 )lua";
 
 // The spare state's bytes by the engine's rule (EngineOptions::spare_state_fraction) for a group per
-// tensor: the params SpareRun chooses by their state's bytes under `fraction` of the groups' state
-// in whole pages, each chosen group's in whole pages, the run's last params given up while that is
-// over the budget.
+// tensor: the params SpareSpread chooses by their state's bytes under `fraction` of the groups' state
+// in whole pages, each chosen group's in whole pages, the first chosen given up while that is over
+// the budget.
 size_t ExpectedSpareBytes(Engine& e, double fraction) {
   std::vector<size_t> state, pages;
   size_t total = 0;
@@ -248,19 +250,50 @@ size_t ExpectedSpareBytes(Engine& e, double fraction) {
     total += pages.back();
   }
   const size_t budget = static_cast<size_t>(fraction * static_cast<double>(total));
-  std::vector<uint8_t> chosen = SpareRun(state, budget);
+  std::vector<uint8_t> chosen = SpareSpread(state, budget);
   auto bytes = [&] {
     size_t sum = 0;
     for (size_t g = 0; g < pages.size(); ++g) sum += chosen[g] != 0 ? pages[g] : 0;
     return sum;
   };
-  for (size_t g = chosen.size(); fraction < 1.0 && bytes() > budget && g-- > 0;) chosen[g] = 0;
+  for (size_t g = 0; fraction < 1.0 && bytes() > budget && g < chosen.size(); ++g) chosen[g] = 0;
   return std::max<size_t>(bytes(), 4096);
 }
 
-// Which params get spare state under a budget: a run of consecutive params (registration order, a
-// model's forward order) that fits, of the runs within 90% of the most bytes the most centred, on a
-// tie the later; never more than the budget. (Given a model's groups here, as one param each.)
+// Which params get spare state under a budget: spread over the model from its end (a backward's
+// order), each taken when that brings the bytes taken nearer to the budget's share of the bytes
+// walked; never more than the budget. (Given a model's groups here, as one param each.)
+TEST(SpareSpreadTest, SpreadFromTheEndWithinTheBudget) {
+  using V = std::vector<uint8_t>;
+  // The 735M model of bench_train.py by groups (M params): embeddings, 12 blocks, the final norm
+  // with the head. Half of it: the head (its grads come first), then every other block, and the
+  // last block in what the embeddings, too large when their turn came, left.
+  std::vector<size_t> model = {655};
+  for (int b = 0; b < 12; ++b) model.push_back(503);
+  model.push_back(655);
+  EXPECT_EQ(SpareSpread(model, 3676), (V{0, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 1}));
+  EXPECT_EQ(SpareSpread(model, 7346), V(14, 1));  // all fit: all
+  EXPECT_EQ(SpareSpread(model, 0), V(14, 0));     // none fits
+  EXPECT_EQ(SpareSpread({10, 10, 10, 10}, 20), (V{0, 1, 0, 1}));
+  EXPECT_EQ(SpareSpread({10, 10, 10, 10, 10, 10, 10, 10}, 20), (V{0, 0, 1, 0, 0, 0, 1, 0}));
+  EXPECT_EQ(SpareSpread({10, 0, 10, 10}, 20), (V{1, 0, 0, 1}));  // a GPU param (0 bytes) is never chosen
+  EXPECT_EQ(SpareSpread({100, 1, 1}, 50), (V{0, 1, 1}));          // what fits, though small
+  EXPECT_EQ(SpareSpread({6, 6, 6, 6, 6}, 12), (V{0, 1, 0, 1, 0}));
+  for (size_t budget = 0; budget <= 40; ++budget) {
+    const std::vector<size_t> bytes = {7, 3, 9, 1, 12, 5};
+    const V chosen = SpareSpread(bytes, budget);
+    size_t sum = 0;
+    for (size_t g = 0; g < bytes.size(); ++g) sum += chosen[g] != 0 ? bytes[g] : 0;
+    EXPECT_LE(sum, budget);
+    if (budget >= 37) {
+      EXPECT_EQ(chosen, V(6, 1));
+    }
+  }
+}
+
+// The rule before (FERRY_SPARE_RUN=centred, for comparisons): a run of consecutive params that fits,
+// of the runs within 90% of the most bytes the most centred, on a tie the later; never more than the
+// budget.
 TEST(SpareRunTest, ACentredRunThatFits) {
   using V = std::vector<uint8_t>;
   // The 735M model of bench_train.py by groups (M params): embeddings, 12 blocks, the final norm

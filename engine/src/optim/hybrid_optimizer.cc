@@ -132,6 +132,7 @@ absl::Status HybridOptimizer::Init(std::vector<OptimParam> params, std::vector<O
   }
   param_slot_.assign(params_.size(), 0);
   state_side_.assign(params_.size(), 0);
+  spare_slot_.assign(params_.size(), -1);
   size_t arena_bytes = 0;
   std::vector<size_t> offloaded_groups;
   for (size_t gi = 0; gi < groups_.size(); ++gi) {
@@ -218,14 +219,11 @@ absl::Status HybridOptimizer::Init(std::vector<OptimParam> params, std::vector<O
 char* HybridOptimizer::StatePtr(size_t p, StateKind kind, size_t e) const {
   const Group& g = groups_[params_[p].group];
   const size_t es = DTypeSize(kind == StateKind::kMaster ? g.format.master : g.format.moments);
-  if (state_side_[p] != 0) return g.state(kind, /*spare=*/true) + static_cast<size_t>(param_slot_[p] - g.spare_lo + static_cast<int64_t>(e)) * es;
+  if (state_side_[p] != 0) return g.state(kind, /*spare=*/true) + (static_cast<size_t>(spare_slot_[p]) + e) * es;
   return g.state(kind) + (static_cast<size_t>(param_slot_[p]) + e) * es;
 }
 
-bool HybridOptimizer::HasSpare(size_t p) const {
-  const Group& g = groups_[params_[p].group];
-  return g.offloaded && !g.spare_state.empty() && param_slot_[p] >= g.spare_lo && param_slot_[p] < g.spare_lo + g.spare_n;
-}
+bool HybridOptimizer::HasSpare(size_t p) const { return spare_slot_[p] >= 0; }
 
 bool HybridOptimizer::AllSpare(size_t g) const {
   for (size_t p : groups_[g].params) {
@@ -254,7 +252,7 @@ char* HybridOptimizer::SpareStatePtr(size_t p, StateKind kind, size_t e) const {
   const Group& g = groups_[params_[p].group];
   const size_t es = DTypeSize(kind == StateKind::kMaster ? g.format.master : g.format.moments);
   if (state_side_[p] != 0) return g.state(kind) + (static_cast<size_t>(param_slot_[p]) + e) * es;
-  return g.state(kind, /*spare=*/true) + static_cast<size_t>(param_slot_[p] - g.spare_lo + static_cast<int64_t>(e)) * es;
+  return g.state(kind, /*spare=*/true) + (static_cast<size_t>(spare_slot_[p]) + e) * es;
 }
 
 absl::Status HybridOptimizer::WaitPending() {

@@ -108,9 +108,14 @@ struct HybridStepResult {
 enum class StateKind : uint8_t { kMaster, kExpAvg, kExpAvgSq };
 
 // The params that get spare state under `budget` bytes (EngineOptions::spare_state_fraction), given
-// each param's spare bytes in registration order (0: not offloaded): the run of consecutive params
-// with the most bytes that fit, of those the most centred. 1 for a chosen param. (Any items in a
-// model's forward order: the tests give it groups too.)
+// each param's spare bytes in registration order, a model's forward order (0: not offloaded); 1 for
+// a chosen param. SpareSpread (the rule): spread evenly over the model, walking from its end (the
+// order in which a backward makes the grads final), each param taken when that brings the bytes
+// taken nearer to the budget's share of the bytes walked, and never over the budget (then, from the
+// end again, any other that still fits). SpareRun (the
+// rule before, FERRY_SPARE_RUN=centred): the run of consecutive params with the most bytes that fit,
+// of those the most centred.
+std::vector<uint8_t> SpareSpread(const std::vector<size_t>& bytes, size_t budget);
 std::vector<uint8_t> SpareRun(const std::vector<size_t>& bytes, size_t budget);
 
 // HybridOptimizer: one thread at a time.
@@ -153,7 +158,7 @@ class HybridOptimizer final {
   // params()) are final on `trainer` now. Each group's announced params become one part of its
   // update, which the early thread runs as it would a group's; a group is announced once all its
   // params are. At Step, the rest of a group announced in part is started too when the speculation
-  // holds (its grads are final then), so that its state can be swapped whole. Errors (nothing
+  // holds (its grads are final then), so that the group commits whole (CommitSpare). Errors (nothing
   // started): an index out of range, a param named twice or announced already in this step, invalid
   // params.
   absl::Status BeginParams(absl::Span<const size_t> params, const HybridStepParams& step, Stream& trainer);
@@ -350,12 +355,12 @@ class HybridOptimizer final {
     Layout layout;               // of this group's params, in elements
     HostSpan host_state;         // offloaded: [master | m | v], each layout.total_elements() elements
                                  // of its stored dtype (format.master, format.moments)
-    HostSpan spare_state;        // offloaded, once an early step ran, for the params whose slots lie in
-                                 // [spare_lo, spare_lo + spare_n) (all of them without a budget):
-                                 // [master | m | v] of spare_n elements each. Each such param's state
-                                 // lives on one side (state_side_); a speculative update writes the
-                                 // other, and a kept one makes that the param's side (CommitSpare)
-    int64_t spare_lo = 0, spare_n = 0;
+    HostSpan spare_state;        // offloaded, once an early step ran, for the params with a spare slot
+                                 // (spare_slot_; all of them without a budget): [master | m | v] of
+                                 // spare_n elements each. Each such param's state lives on one side
+                                 // (state_side_); a speculative update writes the other, and a kept
+                                 // one makes that the param's side (CommitSpare)
+    int64_t spare_n = 0;
     DeviceBuffer device_state;   // on GPU: the same on the device
     char* state(StateKind kind, bool spare = false) const;  // spare: in spare_state
   };
@@ -492,6 +497,8 @@ class HybridOptimizer final {
   // param -> 1 when its state is in its group's spare_state, 0 in host_state. Changed only by
   // CommitSpare, between steps or in Settle / SettleEarly with the early thread idle.
   std::vector<uint8_t> state_side_;
+  // param -> element offset within its group's spare_state (-1: none; EnsureSpareState).
+  std::vector<int64_t> spare_slot_;
   std::vector<uint64_t> param_ids_;  // param -> RoundingParamId of its name
 
   // Offloaded params in pipeline order, the chunks of their grads (a plan over the concatenation of

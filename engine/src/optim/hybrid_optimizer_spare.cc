@@ -1,7 +1,7 @@
 // HybridOptimizer's spare state for early steps (see BeginGroups in hybrid_optimizer.h): the second
 // side of the state that a speculative update writes, allocated once, at the first announcement, and
-// under a budget (EngineOptions::spare_state_fraction, a policy's spare_state) given to a centred run
-// of consecutive params (SpareRun); the others update once Step knows the step.
+// under a budget (EngineOptions::spare_state_fraction, a policy's spare_state) given to params spread
+// over the model (SpareSpread); the others update once Step knows the step.
 #include <algorithm>
 #include <cstdlib>
 #include <string>
@@ -49,13 +49,45 @@ std::vector<uint8_t> SpareRun(const std::vector<size_t>& bytes, size_t budget) {
   return chosen;
 }
 
+std::vector<uint8_t> SpareSpread(const std::vector<size_t>& bytes, size_t budget) {
+  // Why spread: the speculated params must be updated within the backward, the others after Step,
+  // the next forward waiting for each in turn. Spread evenly, the speculation has work from the
+  // first grads of the backward on (the head's, with half the budget), and what the forward waits
+  // for after Step is spread through it: the last of it is near the forward's end, so that little of
+  // the forward, loss and backward runs while the CPU has nothing to update. A run of the middle
+  // params left the CPU idle through the backward of the last layers, and a run of the last ones
+  // left the forward waiting for all the rest at its start.
+  std::vector<uint8_t> chosen(bytes.size(), 0);
+  size_t total = 0;
+  for (size_t b : bytes) total += b;
+  if (total == 0) return chosen;
+  const double share = std::min(1.0, static_cast<double>(budget) / static_cast<double>(total));
+  double seen = 0.0;
+  size_t taken = 0;
+  for (size_t p = bytes.size(); p-- > 0;) {
+    if (bytes[p] == 0) continue;
+    seen += static_cast<double>(bytes[p]);
+    if (taken + bytes[p] <= budget && static_cast<double>(taken) + 0.5 * static_cast<double>(bytes[p]) <= share * seen) {
+      chosen[p] = 1;
+      taken += bytes[p];
+    }
+  }
+  // What large params left of the budget (each too large when its turn came): the others that still
+  // fit, from the end.
+  for (size_t p = bytes.size(); p-- > 0;) {
+    if (chosen[p] != 0 || bytes[p] == 0 || taken + bytes[p] > budget) continue;
+    chosen[p] = 1;
+    taken += bytes[p];
+  }
+  return chosen;
+}
+
 absl::Status HybridOptimizer::EnsureSpareState() {
   if (spare_arena_ != nullptr) return absl::OkStatus();
-  // The params that get spare buffers: all, or under a fraction below 1 a run of consecutive params
-  // (registration order) that fits, chosen by SpareRun: a param, not its group, is the unit, so that
-  // a model in one or two groups speculates on part of itself too. Each param counts its slot in its
-  // group's layout (padding to the next slot included), so a group's chosen params take one range
-  // of its layout, [spare_lo, spare_lo + spare_n), and its spare buffers hold that range alone.
+  // The params that get spare buffers: all, or under a fraction below 1 those SpareSpread picks (a
+  // param, not its group, is the unit, so that a model in one or two groups speculates on part of
+  // itself too). Each param counts its slot in its group's layout (padding to the next slot
+  // included); a group's spare buffers hold its chosen params' slots packed (spare_slot_).
   std::vector<size_t> item(params_.size(), 0);
   std::vector<int64_t> extent(params_.size(), 0);  // elements from its slot to the next one
   size_t total = 0;
@@ -72,9 +104,11 @@ absl::Status HybridOptimizer::EnsureSpareState() {
   const size_t budget = options_.spare_fraction >= 1.0
                             ? total
                             : static_cast<size_t>(options_.spare_fraction * static_cast<double>(total));
-  std::vector<uint8_t> chosen = SpareRun(item, budget);
-  if (const char* rule = std::getenv("FERRY_SPARE_RUN"); rule != nullptr && std::string(rule) == "last") {
-    // A/B measurement only: the params that fit, the last registered first.
+  const char* rule = std::getenv("FERRY_SPARE_RUN");  // A/B measurements only: the rules before
+  std::vector<uint8_t> chosen = rule != nullptr && std::string(rule) == "centred" ? SpareRun(item, budget)
+                                                                                  : SpareSpread(item, budget);
+  if (rule != nullptr && std::string(rule) == "last") {
+    // The params that fit, the last registered first.
     chosen.assign(params_.size(), 0);
     size_t sum = 0;
     for (size_t p = params_.size(); p-- > 0;) {
@@ -83,30 +117,28 @@ absl::Status HybridOptimizer::EnsureSpareState() {
       sum += item[p];
     }
   }
-  // Each group's range; its buffers in whole pages. Rounding may overshoot the budget by a page a
-  // group: the run then gives up params at its end until it fits.
-  auto ranges = [&]() {
+  // Each group's slots; its buffers in whole pages. Rounding may overshoot the budget by a page a
+  // group: the first registered chosen params (the last a backward finishes) are then given up
+  // until it fits.
+  auto slots = [&]() {
     size_t bytes = 0;
     for (Group& g : groups_) {
-      g.spare_lo = g.spare_n = 0;
-      int64_t lo = -1, hi = 0;
+      g.spare_n = 0;
       for (size_t p : g.params) {
+        spare_slot_[p] = -1;
         if (chosen[p] == 0) continue;
-        if (lo < 0) lo = param_slot_[p];
-        hi = param_slot_[p] + extent[p];
+        spare_slot_[p] = g.spare_n;
+        g.spare_n += extent[p];
       }
-      if (lo < 0) continue;
-      g.spare_lo = lo;
-      g.spare_n = hi - lo;
       bytes += (static_cast<size_t>(g.spare_n) * g.format.bytes_per_element() + 4095) / 4096 * 4096;
     }
     return bytes;
   };
-  size_t bytes = ranges();
-  for (size_t p = params_.size(); options_.spare_fraction < 1.0 && bytes > budget && p-- > 0;) {
+  size_t bytes = slots();
+  for (size_t p = 0; options_.spare_fraction < 1.0 && bytes > budget && p < params_.size(); ++p) {
     if (chosen[p] == 0) continue;
     chosen[p] = 0;
-    bytes = ranges();
+    bytes = slots();
   }
   if (group_uploaded_.empty()) {
     group_uploaded_.resize(groups_.size());
@@ -140,7 +172,8 @@ absl::Status HybridOptimizer::EnsureSpareState() {
     for (const HostSpan& span : spans) {
       if (!span.empty()) (void)arena->Release(span);
     }
-    for (Group& g : groups_) g.spare_lo = g.spare_n = 0;
+    for (Group& g : groups_) g.spare_n = 0;
+    spare_slot_.assign(params_.size(), -1);
     return status;
   }
   for (size_t g = 0; g < groups_.size(); ++g) groups_[g].spare_state = spans[g];
