@@ -1,6 +1,6 @@
 // The spare state of early steps under a budget (EngineOptions::spare_state_fraction, a policy's
-// spare_state): which params get it (SpareSpread: spread over the model; SpareRun, the rule before: a
-// centred run), exactness at any budget and grouping, the order
+// spare_state): which params get it (SpareSpread: spread over the model), exactness at any budget and
+// grouping, the order
 // of the work a decided Step queues beside the speculation not started yet, and a policy's bound
 // (memory_budget.lua's host_budget, reloads).
 #include <algorithm>
@@ -288,35 +288,6 @@ TEST(SpareSpreadTest, SpreadFromTheEndWithinTheBudget) {
     if (budget >= 37) {
       EXPECT_EQ(chosen, V(6, 1));
     }
-  }
-}
-
-// The rule before (FERRY_SPARE_RUN=centred, for comparisons): a run of consecutive params that fits,
-// of the runs within 90% of the most bytes the most centred, on a tie the later; never more than the
-// budget.
-TEST(SpareRunTest, ACentredRunThatFits) {
-  using V = std::vector<uint8_t>;
-  // The 735M model of bench_train.py by groups (M params): embeddings, 12 blocks, the final norm
-  // with the head. Half of it: 7 blocks (352 M) rather than the embeddings and 6 blocks (367 M, the
-  // most bytes, but the forward would wait for all the rest, 7 groups from its 8th on): blocks 3 to
-  // 9, with 3 blocks and the head after them, 3 blocks and the embeddings before (a tie: the later).
-  std::vector<size_t> model = {655};
-  for (int b = 0; b < 12; ++b) model.push_back(503);
-  model.push_back(655);
-  EXPECT_EQ(SpareRun(model, 3676), (V{0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0}));
-  EXPECT_EQ(SpareRun(model, 7346), V(14, 1));                  // all fit: all
-  EXPECT_EQ(SpareRun(model, 0), V(14, 0));                     // none fits
-  EXPECT_EQ(SpareRun(model, 600), (V{0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0}));  // one block: the later middle
-  EXPECT_EQ(SpareRun({10, 10, 10, 10}, 20), (V{0, 1, 1, 0}));
-  EXPECT_EQ(SpareRun({10, 10, 10}, 10), (V{0, 1, 0}));
-  EXPECT_EQ(SpareRun({10, 0, 10, 10}, 20), (V{0, 0, 1, 1}));  // a GPU group (0 bytes) is never chosen
-  EXPECT_EQ(SpareRun({100, 1, 1}, 50), (V{0, 1, 1}));          // what fits, though small
-  for (size_t budget = 0; budget <= 40; ++budget) {
-    const std::vector<size_t> bytes = {7, 3, 9, 1, 12, 5};
-    const V chosen = SpareRun(bytes, budget);
-    size_t sum = 0;
-    for (size_t g = 0; g < bytes.size(); ++g) sum += chosen[g] != 0 ? bytes[g] : 0;
-    EXPECT_LE(sum, budget);
   }
 }
 

@@ -109,14 +109,11 @@ enum class StateKind : uint8_t { kMaster, kExpAvg, kExpAvgSq };
 
 // The params that get spare state under `budget` bytes (EngineOptions::spare_state_fraction), given
 // each param's spare bytes in registration order, a model's forward order (0: not offloaded); 1 for
-// a chosen param. SpareSpread (the rule): spread evenly over the model, walking from its end (the
-// order in which a backward makes the grads final), each param taken when that brings the bytes
-// taken nearer to the budget's share of the bytes walked, and never over the budget (then, from the
-// end again, any other that still fits). SpareRun (the
-// rule before, FERRY_SPARE_RUN=centred): the run of consecutive params with the most bytes that fit,
-// of those the most centred.
+// a chosen param: spread evenly over the model, walking from its end (the order in which a backward
+// makes the grads final), each param taken when that brings the bytes taken nearer to the budget's
+// share of the bytes walked, and never over the budget (then, from the end again, any other that
+// still fits).
 std::vector<uint8_t> SpareSpread(const std::vector<size_t>& bytes, size_t budget);
-std::vector<uint8_t> SpareRun(const std::vector<size_t>& bytes, size_t budget);
 
 // HybridOptimizer: one thread at a time.
 class HybridOptimizer final {

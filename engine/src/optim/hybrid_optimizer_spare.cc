@@ -3,8 +3,6 @@
 // under a budget (EngineOptions::spare_state_fraction, a policy's spare_state) given to params spread
 // over the model (SpareSpread); the others update once Step knows the step.
 #include <algorithm>
-#include <cstdlib>
-#include <string>
 #include <utility>
 
 #include "base/logging.h"
@@ -13,50 +11,16 @@
 
 namespace ferry {
 
-std::vector<uint8_t> SpareRun(const std::vector<size_t>& bytes, size_t budget) {
-  // The items (params) in registration order, which is a model's forward order; a backward
-  // finishes their grads last to first. Those that speculate must finish within the backward, while
-  // the others update after Step, the next forward waiting for each in turn: the forward is held up
-  // least when it has speculated layers to run while the CPU updates the later ones. So the run is
-  // centred: of the runs that fit with at least 90% of the most bytes any run fits, the one whose
-  // items before and after it are most even, on a tie the later one (its grads come earlier).
-  const size_t n = bytes.size();
-  size_t total = 0;
-  for (size_t b : bytes) total += b;
-  std::vector<size_t> end(n, 0), sum(n, 0);  // per start: the longest run that fits, its end and bytes
-  size_t most = 0;
-  for (size_t i = 0, j = 0, run = 0; i < n; ++i) {  // run: the bytes of [i, j)
-    if (j < i) j = i, run = 0;
-    while (j < n && run + bytes[j] <= budget) run += bytes[j++];
-    end[i] = j;
-    sum[i] = run;
-    most = std::max(most, run);
-    if (j > i) run -= bytes[i];
-  }
-  std::vector<uint8_t> chosen(n, 0);
-  if (most == 0) return chosen;
-  size_t before = 0, best = n, best_skew = 0;
-  for (size_t i = 0; i < n; before += bytes[i], ++i) {
-    if (sum[i] == 0 || 10 * sum[i] < 9 * most) continue;
-    const size_t after = total - before - sum[i];
-    const size_t skew = before > after ? before - after : after - before;
-    if (best == n || skew <= best_skew) {
-      best = i;
-      best_skew = skew;
-    }
-  }
-  for (size_t g = best; g < end[best]; ++g) chosen[g] = bytes[g] != 0 ? 1 : 0;
-  return chosen;
-}
-
 std::vector<uint8_t> SpareSpread(const std::vector<size_t>& bytes, size_t budget) {
   // Why spread: the speculated params must be updated within the backward, the others after Step,
   // the next forward waiting for each in turn. Spread evenly, the speculation has work from the
   // first grads of the backward on (the head's, with half the budget), and what the forward waits
   // for after Step is spread through it: the last of it is near the forward's end, so that little of
-  // the forward, loss and backward runs while the CPU has nothing to update. A run of the middle
-  // params left the CPU idle through the backward of the last layers, and a run of the last ones
-  // left the forward waiting for all the rest at its start.
+  // the forward, loss and backward runs while the CPU has nothing to update. A centred run of params
+  // (the rule before) left the CPU idle through the backward of the last layers: 31-33 ms of each
+  // 735M iteration at half the budget against 16-17 ms spread, as with the whole spare state (1 x
+  // H200 host, 2026-11-28); a run of the last ones left the forward waiting for all the rest at its
+  // start.
   std::vector<uint8_t> chosen(bytes.size(), 0);
   size_t total = 0;
   for (size_t b : bytes) total += b;
@@ -104,19 +68,7 @@ absl::Status HybridOptimizer::EnsureSpareState() {
   const size_t budget = options_.spare_fraction >= 1.0
                             ? total
                             : static_cast<size_t>(options_.spare_fraction * static_cast<double>(total));
-  const char* rule = std::getenv("FERRY_SPARE_RUN");  // A/B measurements only: the rules before
-  std::vector<uint8_t> chosen = rule != nullptr && std::string(rule) == "centred" ? SpareRun(item, budget)
-                                                                                  : SpareSpread(item, budget);
-  if (rule != nullptr && std::string(rule) == "last") {
-    // The params that fit, the last registered first.
-    chosen.assign(params_.size(), 0);
-    size_t sum = 0;
-    for (size_t p = params_.size(); p-- > 0;) {
-      if (item[p] == 0 || sum + item[p] > budget) continue;
-      chosen[p] = 1;
-      sum += item[p];
-    }
-  }
+  std::vector<uint8_t> chosen = SpareSpread(item, budget);
   // Each group's slots; its buffers in whole pages. Rounding may overshoot the budget by a page a
   // group: the first registered chosen params (the last a backward finishes) are then given up
   // until it fits.
