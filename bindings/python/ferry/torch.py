@@ -125,9 +125,9 @@ class Optimizer(StateMixin, _buckets.BucketMixin, _attach.AttachMixin, _zero.Sha
         share of the host's CPUs and pinned budget (None: from torchrun's, Open MPI's, MPICH's or
         Slurm's environment; engine/EMBEDDING.md, "Big hosts and ranks that share a host"). stats() shows the share.
       spare_state: the pinned memory overlap may take for its spare state, a fraction of the offloaded
-        state (0 to 1; EngineOptions::spare_state_fraction): below 1 a run of consecutive groups that
-        fits (in the middle of the model) speculates during the backward and the others update once
-        step() knows the step (beside the next forward with attach()). stats()["spare_state_bytes"]
+        state (0 to 1; EngineOptions::spare_state_fraction): below 1 the params that fit (spread
+        over the model, whatever the param groups) speculate during the backward and the others
+        update once step() knows the step (beside the next forward with attach()). stats()["spare_state_bytes"]
         shows what was taken.
       bucket_mb: MiB of grads per bucket, the unit of overlap (announced together, waited for together
         by attach()'s forward pre-hooks). The buckets follow the order in which the first backward

@@ -118,11 +118,12 @@ struct EngineOptions {
   size_t cpu_threads_max = 0;
   // The spare state of early steps (GradsReady), as a fraction of the offloaded state's pinned bytes
   // (0 to 1): a speculative update writes a second set of state buffers, as much pinned memory again
-  // as the offloaded state at 1 (the default). Below 1, a run of consecutive params that fits gets
-  // spare buffers and speculates during the backward, the run centred in registration order (the
-  // forward's order: the next forward then runs speculated layers while the CPU updates later ones);
-  // the others update once Step knows the step (in place, deferred beside the next forward when the
-  // trainer waits per group). Params, not groups: a model in one group speculates on part of itself. EngineStats::spare_state_bytes shows what was taken.
+  // as the offloaded state at 1 (the default). Below 1, params that fit get spare buffers and
+  // speculate during the backward, spread evenly over the model in registration order (the forward's
+  // order: the backward then has speculation to run from its first grads on, and the next forward
+  // runs speculated layers between those it waits for); the others update once Step knows the step
+  // (in place, deferred beside the next forward when the trainer waits per group). Params, not
+  // groups: a model in one group speculates on part of itself. EngineStats::spare_state_bytes shows what was taken.
   // The policy's place() may bound it too (its "spare_state" key, e.g. memory_budget.lua's
   // host_budget): the smaller of the two applies. The spare state is allocated once, at the first
   // GradsReady after Finalize or after a placement change (a move rebuilds the offloaded state); a
