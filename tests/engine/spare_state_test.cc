@@ -17,6 +17,7 @@
 #include "ferry/engine.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "memory/pinned_budget.h"
 #include "optim/hybrid_optimizer.h"
 #include "trace/trace_file.h"
 
@@ -219,6 +220,44 @@ INSTANTIATE_TEST_SUITE_P(Groupings, SpareStateGroupingTest, ::testing::Values(0,
                            return p.param == 0 ? std::string("GroupPerTensor")
                                                   : absl::StrCat(p.param, "Groups");
                          });
+
+// A spare state that the pinned budget cannot hold: the announcement that would allocate it fails
+// (ResourceExhausted, naming the spare state), and the steps go on exact without overlap; once the
+// budget has room, the next announcement allocates it and speculates.
+TEST(SpareStateBudgetTest, ASpareStateTheBudgetCannotHoldFailsItsAnnouncementAndNothingElse) {
+  absl::StatusOr<std::unique_ptr<Device>> d = CreateDevice();
+  ASSERT_TRUE(d.ok()) << d.status();
+  Device* device = d->get();
+  Model ref_model(device, kSizes, 23), model(device, kSizes, 23);
+  auto ref = MakeSpareEngine(device, ref_model, 1.0, Policies() + "offload_all.lua", {}, 1);
+  auto e = MakeSpareEngine(device, model, 0.5, Policies() + "offload_all.lua", {}, 1);
+  ASSERT_TRUE(ref && e);
+  PinnedBudget& budget = PinnedBudget::Process();
+  const size_t limit = budget.limit();
+  budget.set_limit(budget.stats().reserved_bytes + 4096);  // room for nothing more than a page
+  const StepOptions options{.lr = 1e-3f};
+  for (int step = 1; step <= 4; ++step) {
+    if (step == 3) budget.set_limit(limit);
+    ref_model.SetGrads(60 + static_cast<uint64_t>(step));
+    model.SetGrads(60 + static_cast<uint64_t>(step));
+    absl::Status announced = e->GradsReadyParams({model.name(kSizes.size() - 1)}, options);
+    if (step < 3) {
+      EXPECT_EQ(announced.code(), absl::StatusCode::kResourceExhausted) << announced;
+      EXPECT_THAT(std::string(announced.message()), HasSubstr("spare state"));
+    } else {
+      ASSERT_OK(announced);
+    }
+    ASSERT_OK(ref->Step(options));
+    ASSERT_OK(e->Step(options));
+    for (size_t i = 0; i < kSizes.size(); ++i) {
+      ASSERT_EQ(model.Param(i), ref_model.Param(i)) << "step " << step << ", tensor " << i;
+    }
+    EXPECT_EQ(e->Stats().spare_state_bytes > 0, step >= 3) << step;
+  }
+  budget.set_limit(limit);
+  EXPECT_GT(e->Stats().early_groups_kept, 0);
+  ASSERT_OK(e->VerifyMasters());
+}
 
 // A policy that offloads every group and, with the arg `spare`, bounds the spare state to it.
 constexpr char kSparePolicy[] = R"lua(

@@ -71,18 +71,19 @@ absl::Status HybridOptimizer::EnsureSpareState() {
   std::vector<uint8_t> chosen = SpareSpread(item, budget);
   // Each group's slots; its buffers in whole pages. Rounding may overshoot the budget by a page a
   // group: the first registered chosen params (the last a backward finishes) are then given up
-  // until it fits.
+  // until it fits. Kept here until the buffers exist (HasSpare reads spare_slot_).
+  std::vector<int64_t> slot(params_.size(), -1), group_n(groups_.size(), 0);
   auto slots = [&]() {
     size_t bytes = 0;
-    for (Group& g : groups_) {
-      g.spare_n = 0;
-      for (size_t p : g.params) {
-        spare_slot_[p] = -1;
+    for (size_t g = 0; g < groups_.size(); ++g) {
+      group_n[g] = 0;
+      for (size_t p : groups_[g].params) {
+        slot[p] = -1;
         if (chosen[p] == 0) continue;
-        spare_slot_[p] = g.spare_n;
-        g.spare_n += extent[p];
+        slot[p] = group_n[g];
+        group_n[g] += extent[p];
       }
-      bytes += (static_cast<size_t>(g.spare_n) * g.format.bytes_per_element() + 4095) / 4096 * 4096;
+      bytes += (static_cast<size_t>(group_n[g]) * groups_[g].format.bytes_per_element() + 4095) / 4096 * 4096;
     }
     return bytes;
   };
@@ -111,9 +112,9 @@ absl::Status HybridOptimizer::EnsureSpareState() {
   std::vector<HostSpan> spans(groups_.size());
   absl::Status status;
   for (size_t g = 0; g < groups_.size() && status.ok(); ++g) {
-    if (groups_[g].spare_n == 0) continue;
+    if (group_n[g] == 0) continue;
     absl::StatusOr<HostSpan> span =
-        arena->Allocate(static_cast<size_t>(groups_[g].spare_n) * groups_[g].format.bytes_per_element());
+        arena->Allocate(static_cast<size_t>(group_n[g]) * groups_[g].format.bytes_per_element());
     if (span.ok()) {
       spans[g] = *span;
     } else {
@@ -124,11 +125,13 @@ absl::Status HybridOptimizer::EnsureSpareState() {
     for (const HostSpan& span : spans) {
       if (!span.empty()) (void)arena->Release(span);
     }
-    for (Group& g : groups_) g.spare_n = 0;
-    spare_slot_.assign(params_.size(), -1);
     return status;
   }
-  for (size_t g = 0; g < groups_.size(); ++g) groups_[g].spare_state = spans[g];
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    groups_[g].spare_state = spans[g];
+    groups_[g].spare_n = group_n[g];
+  }
+  spare_slot_ = std::move(slot);
   spare_arena_ = std::move(arena);
   return absl::OkStatus();
 }
