@@ -22,7 +22,9 @@ no overlap can bring the iteration down to the all-GPU one: the row says which c
 overlap the CPU work can start only when the first announced bucket's grads are final (the head's,
 after the forward and the head's backward), and with deferred steps the work left when the backward
 ends runs beside the next forward: a CPU-bound overlapped iteration takes about the step alone plus
-the time CPU Adam has nothing to do (the forward to the first bucket's grads).
+the time CPU Adam has nothing to do (the forward to the first bucket's grads). The run measures that
+wait (the forward of the module whose param a backward finishes first, to its grad: FirstGradsWait)
+and shows each overlapped row against the larger of forward + backward and the step alone plus it.
 
 The loop's shape, the same for every row of a run (torch's AdamW row included) and named in the table
 (a ferry.torch that overlaps by buckets of --bucket-mb MiB announces them whatever the groups; an older
