@@ -55,7 +55,6 @@ A benchmark, not a test: it asserts nothing about time; --check-exact exits non-
 the fp32 Ferry rows differ in any bit.
 """
 import argparse
-import functools
 import gc
 import inspect
 import os
@@ -330,19 +329,23 @@ class FirstGradsWait:
     def __init__(self, model, cuda):
         self.model, self.cuda, self.first, self.owner = model, cuda, None, None
         self.starts, self.ends = [], []
-        params = [p for p in model.parameters() if p.requires_grad]
-        if hasattr(torch.Tensor, "register_post_accumulate_grad_hook"):
-            self.handles = [p.register_post_accumulate_grad_hook(self._seen) for p in params]
-        else:
-            self.handles = [p.register_hook(functools.partial(self._seen_grad, p)) for p in params]
+        self.handles = [self._grad_hook(p, self._seen) for p in model.parameters() if p.requires_grad]
 
-    def _seen_grad(self, param, grad):
-        self._seen(param)  # returns None: the grad is left as it is
+    @staticmethod
+    def _grad_hook(param, fn):
+        """fn(param) once param's grad is made (post-accumulate-grad hook, else the grad hook)."""
+        if hasattr(torch.Tensor, "register_post_accumulate_grad_hook"):
+            return param.register_post_accumulate_grad_hook(fn)
+        def hook(grad):
+            fn(param)  # returns None: the grad is left as it is
+        return param.register_hook(hook)
 
     def _seen(self, param):
         if self.first is None:
             self.first = param
-        elif param is self.first and self.owner is not None and len(self.ends) < len(self.starts):
+
+    def _grad_done(self, param):
+        if len(self.ends) < len(self.starts):
             self.ends.append(self._now())
 
     def _now(self):
@@ -357,12 +360,16 @@ class FirstGradsWait:
             self.starts.append(self._now())
 
     def arm(self):
-        """Time the passes from here on (the warm-up has named the first param)."""
+        """Time the passes from here on (the warm-up has named the first param): hooks on that param
+        and its module alone."""
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
         if self.first is None:
             return
         self.owner = next(m for m in self.model.modules()
                           if any(q is self.first for q in m.parameters(recurse=False)))
-        self.handles.append(self.owner.register_forward_pre_hook(self._forward))
+        self.handles = [self._grad_hook(self.first, self._grad_done), self.owner.register_forward_pre_hook(self._forward)]
 
     def finish(self):
         """The mean over the timed passes in s (after a synchronize on `cuda`), None where none was

@@ -262,7 +262,7 @@ struct EngineStats {
   uint64_t cpu_adam_bytes = 0;
   // Of cpu_adam_bytes, those of updates that read the state and wrote its spare copy (early steps'
   // speculation, out of place: 86-99% of the in-place rate in `ferry bench adam` on H200 hosts); the
-  // rest updated in place (Step's own update, a decided step's deferred update, a group without spare
+  // rest updated in place (Step's own update, a decided step's deferred update, a param without spare
   // state).
   uint64_t cpu_adam_spare_bytes = 0;
 
