@@ -112,16 +112,19 @@ TEST(SpareStateBudgetTest, WhatStepQueuesInterleavesWithTheSpeculationByTheForwa
     bool rest = false, spec_after_rest = false;
     for (size_t j = i; j < end; ++j) {
       const TraceFileEvent& now = *starts[j];
+      const bool kept = now.args.at("kept") != 0;  // a speculating part started after Step kept it
       if (rest) {
         const TraceFileEvent& before = *starts[j - 1];
         EXPECT_LE(now.args.at("priority"), before.args.at("priority"))
             << "step " << steps_seen << ": part " << now.args.at("part") << " (priority " << now.args.at("priority")
-            << (now.args.at("in_place") != 0 ? ", in place" : ", speculating") << ") started after part "
-            << before.args.at("part") << " (priority " << before.args.at("priority")
-            << "), once Step's parts had joined: the next forward needs it first";
-        spec_after_rest = spec_after_rest || now.args.at("in_place") == 0;
+            << (kept ? ", speculating" : ", Step's") << ") started after part " << before.args.at("part")
+            << " (priority " << before.args.at("priority") << "), once Step's parts had joined: the next forward "
+            << "needs it first";
+        // Step queues its parts after keeping the speculation: what speculates from then on runs in place.
+        EXPECT_NE(now.args.at("in_place"), 0) << "step " << steps_seen << ", part " << now.args.at("part");
+        spec_after_rest = spec_after_rest || kept;
       }
-      rest = rest || now.args.at("in_place") != 0;
+      rest = rest || (now.args.at("in_place") != 0 && !kept);
     }
     interleaved += spec_after_rest ? 1 : 0;
     i = end;
@@ -129,6 +132,75 @@ TEST(SpareStateBudgetTest, WhatStepQueuesInterleavesWithTheSpeculationByTheForwa
   EXPECT_EQ(steps_seen, kSteps);
   // The case this is about happened: a speculating part started after Step's first part.
   EXPECT_GT(interleaved, 0) << "CPU Adam finished every speculation before Step in every step";
+}
+
+// Once Step has kept a speculation (its scalars are the step's own), the speculating parts the early
+// thread has not started yet run in place, faster than into the spare buffers; their params keep their
+// side at the commit while the others take the spare one. With the whole spare state, CPU Adam far
+// behind the announcements and Step at once (deferred or waiting, in turn): bit-identical to Step
+// alone, the same checkpoint, and part of the bytes in place (trace: `early.part_start` with `kept`).
+TEST(SpareStateBudgetTest, PartsStartedAfterAKeptStepRunInPlace) {
+  absl::StatusOr<std::unique_ptr<Device>> d = CreateDevice();
+  ASSERT_TRUE(d.ok()) << d.status();
+  Device* device = d->get();
+  constexpr size_t kLayers = 12;
+  const std::vector<int64_t> sizes(kLayers, 300000);
+  TempDir tmp("ferry-kept-in-place");
+  const std::string trace_path = tmp.path() + "/trace.json";
+  Model ref_model(device, sizes, 31), model(device, sizes, 31);
+  constexpr int kSteps = 6;
+  {
+    EngineOptions o;
+    o.policy_path = Policies() + "offload_all.lua";
+    o.transfer_chunk_bytes = 1 << 15;
+    o.cpu_threads = 1;
+    o.device = std::string(BackendName(device->backend()));
+    auto ref = MakeFinalizedEngine(o, [&](Engine& e) { return ref_model.Register(e, kLayers); });
+    o.trace_path = trace_path;
+    auto e = MakeFinalizedEngine(o, [&](Engine& x) { return model.Register(x, kLayers); });
+    ASSERT_TRUE(ref && e);
+    for (int step = 1; step <= kSteps; ++step) {
+      ref_model.SetGrads(70 + static_cast<uint64_t>(step));
+      model.SetGrads(70 + static_cast<uint64_t>(step));
+      const StepOptions options{.lr = 1e-3f};
+      for (size_t k = kLayers; k-- > 0;) ASSERT_OK(e->GradsReadyParams({model.name(k)}, options));
+      StepOptions mine = options;
+      mine.wait_for_params = step % 2 == 0;
+      ASSERT_OK(e->Step(mine));
+      ASSERT_OK(ref->Step(options));
+      for (size_t k = 0; k < kLayers; ++k) {
+        ASSERT_OK(e->WaitParamsOf({model.name(k)}));
+        ASSERT_EQ(model.Param(k), ref_model.Param(k)) << "step " << step << ", tensor " << k;
+      }
+    }
+    const EngineStats stats = e->Stats();
+    EXPECT_EQ(stats.early_groups_kept, static_cast<int64_t>(kSteps * kLayers));
+    EXPECT_EQ(stats.cpu_adam_bytes, ref->Stats().cpu_adam_bytes);  // nothing recomputed
+    EXPECT_GT(stats.cpu_adam_spare_bytes, 0u);
+    EXPECT_LT(stats.cpu_adam_spare_bytes, stats.cpu_adam_bytes);
+    ASSERT_OK(e->VerifyMasters());
+    // Sides as they should be: a further step and a checkpoint read every param's state.
+    absl::StatusOr<std::string> a = ref->SaveCheckpoint(tmp.path() + "/ref", kSteps);
+    absl::StatusOr<std::string> b = e->SaveCheckpoint(tmp.path() + "/early", kSteps);
+    ASSERT_TRUE(a.ok() && b.ok()) << a.status() << " " << b.status();
+    ASSERT_EQ(ReadAll(*a), ReadAll(*b));
+  }
+  absl::StatusOr<TraceFile> trace = ReadTraceFile(trace_path);
+  ASSERT_TRUE(trace.ok()) << trace.status();
+  int kept = 0, speculated = 0;
+  for (const TraceFileEvent& ev : trace->events) {
+    if (ev.name != "early.part_start") continue;
+    if (ev.args.at("kept") != 0) {
+      EXPECT_NE(ev.args.at("in_place"), 0);
+      ++kept;
+    } else {
+      EXPECT_EQ(ev.args.at("in_place"), 0);  // no Step's parts here: every param has spare state
+      ++speculated;
+    }
+  }
+  EXPECT_EQ(kept + speculated, static_cast<int>(kSteps * kLayers));
+  EXPECT_GT(kept, 0) << "CPU Adam started every part before Step in every step";
+  EXPECT_GT(speculated, 0);
 }
 
 // EngineOptions::spare_state_fraction: the spare state takes at most that fraction of the offloaded

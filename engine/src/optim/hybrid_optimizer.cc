@@ -49,6 +49,8 @@ HybridOptimizer::HybridOptimizer(Device* device, ThreadPool* pool, HybridOptions
     : device_(device), pool_(pool), options_(std::move(options)), cpu_adam_(pool) {
   const char* speculate = std::getenv("FERRY_SPECULATE");
   speculate_always_ = speculate != nullptr && std::string_view(speculate) == "always";
+  const char* kept = std::getenv("FERRY_KEPT_IN_PLACE");
+  kept_in_place_on_ = kept == nullptr || std::string_view(kept) != "0";
   if (options_.tracer != nullptr) {
     cpu_adam_.set_tracer(options_.tracer);
     d2h_trace_.lane = options_.tracer->Lane("d2h stream (observed)");
@@ -234,7 +236,8 @@ bool HybridOptimizer::AllSpare(size_t g) const {
 
 void HybridOptimizer::CommitSpare(size_t g) {
   for (size_t p : groups_[g].params) {
-    if (HasSpare(p)) state_side_[p] ^= 1;
+    if (HasSpare(p) && (kept_in_place_.empty() || kept_in_place_[p] == 0)) state_side_[p] ^= 1;
+    if (!kept_in_place_.empty()) kept_in_place_[p] = 0;
   }
 }
 

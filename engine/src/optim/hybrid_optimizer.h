@@ -438,8 +438,9 @@ class HybridOptimizer final {
   // param of group g has one.
   bool HasSpare(size_t p) const;
   bool AllSpare(size_t g) const;
-  // A kept speculation of group g: each of its params with spare state takes the side its update
-  // wrote (every such param of a group whose early work is done was updated out of place).
+  // A kept speculation of group g: each of its params updated out of place takes the side its update
+  // wrote (those with spare state, less those a part started after the keep updated in place:
+  // kept_in_place_).
   void CommitSpare(size_t g);
   // Stochastic rounding: param `p`'s key at step `step` (<= 0: the step its group computes next), for
   // local elements from `e0` on.
@@ -548,6 +549,15 @@ class HybridOptimizer final {
   std::vector<uint8_t> part_done_;          // guarded by early_mu_: per part of the step, uploads enqueued
   std::vector<size_t> group_parts_left_;    // guarded by early_mu_: per group, its queued parts not done
   std::vector<uint8_t> group_all_queued_;   // guarded by early_mu_: per group, every param in a part
+  // Guarded by early_mu_, reset at a step's first announcement. Step has kept the speculation: the
+  // speculating parts not started yet run in place (their scalars are the step's own, and in place
+  // is faster than into the spare buffers). Per param, one such part updated it in place (its side
+  // stays); per group, some of its state was written in place by this step's early work (a failure
+  // then leaves it partly updated).
+  bool early_kept_ = false;
+  std::vector<uint8_t> kept_in_place_;
+  std::vector<uint8_t> early_in_place_;
+  bool kept_in_place_on_ = true;  // FERRY_KEPT_IN_PLACE=0: such parts speculate on (A/B)
   std::vector<int64_t> part_of_param_;      // trainer's thread: per param, its part this step (-1: none)
   size_t parts_used_ = 0;                   // trainer's thread: parts of this step (of part_events_)
   std::vector<std::unique_ptr<Event>> part_events_;      // per part: its uploads (EarlyPart::uploaded)

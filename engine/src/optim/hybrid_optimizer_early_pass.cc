@@ -165,12 +165,27 @@ absl::Status HybridOptimizer::RunEarlyPass(EarlyItem first) {
       const size_t i = pick();
       if (i == kNone) break;
       GroupWork& w = works[i];
-      if (w.next_down == 0 && tracer != nullptr) {
-        TraceSpan start(tracer, "early.part_start", "optim");  // its first chunk goes down now
+      if (w.next_down == 0) {
+        // Its first chunk goes down now: a speculating part whose speculation Step has kept runs in
+        // place; each group whose state this part writes in place is marked (early_in_place_).
+        bool kept = false;
+        {
+          std::lock_guard<std::mutex> lock(early_mu_);
+          kept = w.mode == PipelineMode::kToSpare && early_kept_;
+          bool in_place = w.mode == PipelineMode::kInPlace || kept;
+          for (size_t p : w.plan.params) {
+            if (kept && HasSpare(p)) kept_in_place_[p] = 1;
+            in_place = in_place || !HasSpare(p);
+          }
+          for (size_t g : w.groups) early_in_place_[g] |= in_place ? 1 : 0;
+        }
+        if (kept) w.mode = PipelineMode::kInPlace;
+        TraceSpan start(tracer, "early.part_start", "optim");
         if (start.on()) {
           start.Arg("part", static_cast<double>(w.part));
           start.Arg("priority", static_cast<double>(w.priority));
           start.Arg("in_place", w.mode == PipelineMode::kInPlace ? 1.0 : 0.0);
+          start.Arg("kept", kept ? 1.0 : 0.0);
         }
       }
       const size_t slot = free_slots.back();
