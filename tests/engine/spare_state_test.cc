@@ -134,12 +134,17 @@ TEST(SpareStateBudgetTest, WhatStepQueuesInterleavesWithTheSpeculationByTheForwa
   EXPECT_GT(interleaved, 0) << "CPU Adam finished every speculation before Step in every step";
 }
 
-// Once Step has kept a speculation (its scalars are the step's own), the speculating parts the early
-// thread has not started yet run in place, faster than into the spare buffers; their params keep their
-// side at the commit while the others take the spare one. With the whole spare state, CPU Adam far
-// behind the announcements and Step at once (deferred or waiting, in turn): bit-identical to Step
-// alone, the same checkpoint, and part of the bytes in place (trace: `early.part_start` with `kept`).
-TEST(SpareStateBudgetTest, PartsStartedAfterAKeptStepRunInPlace) {
+// Once Step has kept a speculation (its scalars are the step's own), the params the early thread has
+// not begun yet run in place, faster than into the spare buffers; they keep their side at the commit
+// while the others take the spare one, so that a group, and a part, may end with its params on both
+// sides. With the whole spare state, CPU Adam far behind the announcements and Step at once (deferred
+// or waiting, in turn), a group per tensor announced one by one, or one group announced three tensors
+// at a time (parts begun before Step whose later params begin after it): bit-identical to Step alone,
+// the same checkpoint, part of the bytes in place (trace: `early.part_start` with `kept`).
+class KeptInPlaceTest : public ::testing::TestWithParam<size_t> {};
+
+TEST_P(KeptInPlaceTest, ParamsBegunAfterAKeptStepRunInPlace) {
+  const size_t per_part = GetParam();  // tensors per announcement; 1: a group per tensor, else one group
   absl::StatusOr<std::unique_ptr<Device>> d = CreateDevice();
   ASSERT_TRUE(d.ok()) << d.status();
   Device* device = d->get();
@@ -155,15 +160,20 @@ TEST(SpareStateBudgetTest, PartsStartedAfterAKeptStepRunInPlace) {
     o.transfer_chunk_bytes = 1 << 15;
     o.cpu_threads = 1;
     o.device = std::string(BackendName(device->backend()));
-    auto ref = MakeFinalizedEngine(o, [&](Engine& e) { return ref_model.Register(e, kLayers); });
+    const size_t groups = per_part == 1 ? kLayers : 1;
+    auto ref = MakeFinalizedEngine(o, [&](Engine& e) { return ref_model.Register(e, groups); });
     o.trace_path = trace_path;
-    auto e = MakeFinalizedEngine(o, [&](Engine& x) { return model.Register(x, kLayers); });
+    auto e = MakeFinalizedEngine(o, [&](Engine& x) { return model.Register(x, groups); });
     ASSERT_TRUE(ref && e);
     for (int step = 1; step <= kSteps; ++step) {
       ref_model.SetGrads(70 + static_cast<uint64_t>(step));
       model.SetGrads(70 + static_cast<uint64_t>(step));
       const StepOptions options{.lr = 1e-3f};
-      for (size_t k = kLayers; k-- > 0;) ASSERT_OK(e->GradsReadyParams({model.name(k)}, options));
+      for (size_t k = kLayers; k >= per_part; k -= per_part) {
+        std::vector<std::string> names;
+        for (size_t i = k - per_part; i < k; ++i) names.push_back(model.name(i));
+        ASSERT_OK(e->GradsReadyParams(names, options));
+      }
       StepOptions mine = options;
       mine.wait_for_params = step % 2 == 0;
       ASSERT_OK(e->Step(mine));
@@ -174,7 +184,7 @@ TEST(SpareStateBudgetTest, PartsStartedAfterAKeptStepRunInPlace) {
       }
     }
     const EngineStats stats = e->Stats();
-    EXPECT_EQ(stats.early_groups_kept, static_cast<int64_t>(kSteps * kLayers));
+    EXPECT_EQ(stats.early_groups_kept, static_cast<int64_t>(kSteps * groups));
     EXPECT_EQ(stats.cpu_adam_bytes, ref->Stats().cpu_adam_bytes);  // nothing recomputed
     EXPECT_GT(stats.cpu_adam_spare_bytes, 0u);
     EXPECT_LT(stats.cpu_adam_spare_bytes, stats.cpu_adam_bytes);
@@ -198,10 +208,15 @@ TEST(SpareStateBudgetTest, PartsStartedAfterAKeptStepRunInPlace) {
       ++speculated;
     }
   }
-  EXPECT_EQ(kept + speculated, static_cast<int>(kSteps * kLayers));
+  EXPECT_EQ(kept + speculated, static_cast<int>(kSteps * kLayers / per_part));
   EXPECT_GT(kept, 0) << "CPU Adam started every part before Step in every step";
   EXPECT_GT(speculated, 0);
 }
+
+INSTANTIATE_TEST_SUITE_P(Announcements, KeptInPlaceTest, ::testing::Values(1, 3),
+                         [](const ::testing::TestParamInfo<size_t>& p) {
+                           return p.param == 1 ? std::string("GroupPerTensor") : std::string("OneGroupThreeAtATime");
+                         });
 
 // EngineOptions::spare_state_fraction: the spare state takes at most that fraction of the offloaded
 // state; the params that fit (spread over the model: SpareSpread) speculate, the others update once Step knows

@@ -438,6 +438,11 @@ class HybridOptimizer final {
   // param of group g has one.
   bool HasSpare(size_t p) const;
   bool AllSpare(size_t g) const;
+  // The early pass is about to download chunk k of `plan` (a part of `groups` in `mode`): marks the
+  // params it begins in place once Step has kept the speculation (kept_in_place_) and the groups
+  // whose state it writes in place (early_in_place_). Whether every param it holds begins in place
+  // after the keep (the trace's `kept`).
+  bool BeginChunk(const PipelinePlan& plan, size_t k, const std::vector<size_t>& groups, PipelineMode mode);
   // A kept speculation of group g: each of its params updated out of place takes the side its update
   // wrote (those with spare state, less those a part started after the keep updated in place:
   // kept_in_place_).
@@ -552,8 +557,8 @@ class HybridOptimizer final {
   // Guarded by early_mu_, reset at a step's first announcement. Step has kept the speculation: the
   // speculating parts not started yet run in place (their scalars are the step's own, and in place
   // is faster than into the spare buffers). Per param, one such part updated it in place (its side
-  // stays); per group, some of its state was written in place by this step's early work (a failure
-  // then leaves it partly updated).
+  // stays; read by ChunkWork on the early thread); per group, some of its state was written in place
+  // by this step's early work (a failure then leaves it partly updated).
   bool early_kept_ = false;
   std::vector<uint8_t> kept_in_place_;
   std::vector<uint8_t> early_in_place_;

@@ -32,6 +32,33 @@
 
 namespace ferry {
 
+bool HybridOptimizer::BeginChunk(const PipelinePlan& plan, size_t k, const std::vector<size_t>& groups,
+                                  PipelineMode mode) {
+  std::lock_guard<std::mutex> lock(early_mu_);
+  if (mode == PipelineMode::kInPlace) {
+    if (k == 0) {
+      for (size_t g : groups) early_in_place_[g] = 1;
+    }
+    return false;
+  }
+  // A speculating part: each param whose first piece is in this chunk begins now, in place once Step
+  // has kept the speculation (the pass jumps to each part as its grads become final, so most parts
+  // have begun when Step decides; a param is the unit, since its state lives on one side), and in
+  // place anyway without spare state.
+  bool all_kept = true;
+  for (const ChunkPiece& piece : plan.chunks[k].pieces) {
+    if (piece.offset != 0) {
+      all_kept = false;
+      continue;
+    }
+    const size_t p = plan.params[piece.region];
+    if (early_kept_ && HasSpare(p)) kept_in_place_[p] = 1;
+    if (early_kept_ || !HasSpare(p)) early_in_place_[params_[p].group] = 1;
+    all_kept = all_kept && early_kept_;
+  }
+  return all_kept;
+}
+
 absl::Status HybridOptimizer::RunEarlyPass(EarlyItem first) {
   Tracer* const tracer = options_.tracer;
   TraceSpan span(tracer, "early.pipeline", "optim");
@@ -165,26 +192,13 @@ absl::Status HybridOptimizer::RunEarlyPass(EarlyItem first) {
       const size_t i = pick();
       if (i == kNone) break;
       GroupWork& w = works[i];
+      const bool kept = BeginChunk(w.plan, w.next_down, w.groups, w.mode);
       if (w.next_down == 0) {
-        // Its first chunk goes down now: a speculating part whose speculation Step has kept runs in
-        // place; each group whose state this part writes in place is marked (early_in_place_).
-        bool kept = false;
-        {
-          std::lock_guard<std::mutex> lock(early_mu_);
-          kept = w.mode == PipelineMode::kToSpare && early_kept_;
-          bool in_place = w.mode == PipelineMode::kInPlace || kept;
-          for (size_t p : w.plan.params) {
-            if (kept && HasSpare(p)) kept_in_place_[p] = 1;
-            in_place = in_place || !HasSpare(p);
-          }
-          for (size_t g : w.groups) early_in_place_[g] |= in_place ? 1 : 0;
-        }
-        if (kept) w.mode = PipelineMode::kInPlace;
-        TraceSpan start(tracer, "early.part_start", "optim");
+        TraceSpan start(tracer, "early.part_start", "optim");  // its first chunk goes down now
         if (start.on()) {
           start.Arg("part", static_cast<double>(w.part));
           start.Arg("priority", static_cast<double>(w.priority));
-          start.Arg("in_place", w.mode == PipelineMode::kInPlace ? 1.0 : 0.0);
+          start.Arg("in_place", w.mode == PipelineMode::kInPlace || kept ? 1.0 : 0.0);
           start.Arg("kept", kept ? 1.0 : 0.0);
         }
       }

@@ -70,9 +70,10 @@ void HybridOptimizer::ChunkWork(const std::vector<size_t>& params, const ChunkPl
     t.exp_avg_sq = StatePtr(p, StateKind::kExpAvgSq, e0);
     t.state = groups_[op.group].format;
     t.rounding = RoundingKey(p, e0, steps != nullptr ? (*steps)[op.group] : 0);
-    if (mode == PipelineMode::kToSpare && HasSpare(p)) {
-      // Read the state on the param's side, write the other. A param without spare state (under a
-      // budget) is in a speculating part only once Step has kept the speculation: in place.
+    if (mode == PipelineMode::kToSpare && HasSpare(p) && kept_in_place_[p] == 0) {
+      // Read the state on the param's side, write the other. In place: a param without spare state
+      // (under a budget; in a speculating part only once Step has kept the speculation), or one
+      // begun after Step kept it (BeginChunk).
       t.master_src = t.master;
       t.exp_avg_src = t.exp_avg;
       t.exp_avg_sq_src = t.exp_avg_sq;
