@@ -39,6 +39,8 @@ one announces whole groups, so fewer groups start CPU Adam later):
                        torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9) (torch's): never reached
     --clip reached     the same calls with max_norm 1e-3: reached at every step (checked on the norms
                        the calls return; the run fails otherwise)
+    --no-check-finite  ferry rows without the NaN/Inf check (check_finite=False, as torch's AdamW):
+                       step() then decides at once, and what CPU Adam has not begun updates in place
     --amp fp16         fp32 params, forward under autocast(fp16), loss scaled by torch's GradScaler:
                        scaler.scale(loss).backward(); scaler.step(opt); scaler.update() (torch's row
                        calls scaler.unscale_(opt) before its clip; ferry's optimizer takes the scale
@@ -140,6 +142,8 @@ def make_optimizer(row, model, loop, args):
         extra["spare_state"] = args.spare
     if args.bucket_mb and has_option("bucket_mb"):
         extra["bucket_mb"] = args.bucket_mb
+    if args.no_check_finite:
+        extra["check_finite"] = False
     announcer = None
     if has_overlap_option():
         extra["overlap"] = row.get("overlap", False)
@@ -581,11 +585,17 @@ def main():
                     help="none: bf16 params, no autocast; fp16: fp32 params (torch's AMP recipe), forward under "
                     "autocast(fp16), GradScaler (torch's row unscale_s before its clip; ferry rows skip, saying so, "
                     "until ferry.torch takes GradScaler's scale); CUDA only, on the CPU autocast and scaler are off")
+    ap.add_argument("--no-check-finite", action="store_true",
+                    help="ferry rows: check_finite=False, as torch's AdamW (no NaN/Inf check, so step() decides "
+                    "without waiting for the backward: the params CPU Adam has not begun then update in place); "
+                    "with --clip none and --amp none only")
     ap.add_argument("--trace", default="", help="ferry trace (Chrome JSON) of each ferry row: PATH with the row's name before the "
                     "extension, e.g. run.offload_overlap.json")
     ap.add_argument("--check-exact", action="store_true",
                     help="deterministic kernels; the fp32 ferry rows' losses must be the same bits")
     args = ap.parse_args()
+    if args.no_check_finite and (args.clip != "none" or args.amp != "none"):
+        ap.error("--no-check-finite: clipping and GradScaler need the gradient check (use --clip none --amp none)")
     if args.check_exact:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
