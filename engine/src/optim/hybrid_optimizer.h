@@ -440,8 +440,7 @@ class HybridOptimizer final {
   bool AllSpare(size_t g) const;
   // The early pass is about to download chunk k of `plan` (a part of `groups` in `mode`): marks the
   // params it begins in place once Step has kept the speculation (kept_in_place_) and the groups
-  // whose state it writes in place (early_in_place_). Whether every param it holds begins in place
-  // after the keep (the trace's `kept`).
+  // whose state it writes in place (early_in_place_). Whether Step has kept the speculation.
   bool BeginChunk(const PipelinePlan& plan, size_t k, const std::vector<size_t>& groups, PipelineMode mode);
   // A kept speculation of group g: each of its params updated out of place takes the side its update
   // wrote (those with spare state, less those a part started after the keep updated in place:
@@ -562,7 +561,8 @@ class HybridOptimizer final {
   bool early_kept_ = false;
   std::vector<uint8_t> kept_in_place_;
   std::vector<uint8_t> early_in_place_;
-  bool kept_in_place_on_ = true;  // FERRY_KEPT_IN_PLACE=0: such parts speculate on (A/B)
+  bool kept_in_place_on_ = true;  // FERRY_KEPT_IN_PLACE=0: such params speculate on (A/B)
+  bool param_first_on_ = true;    // FERRY_PARAM_FIRST=0: the pass begins params chunk by chunk (A/B)
   std::vector<int64_t> part_of_param_;      // trainer's thread: per param, its part this step (-1: none)
   size_t parts_used_ = 0;                   // trainer's thread: parts of this step (of part_events_)
   std::vector<std::unique_ptr<Event>> part_events_;      // per part: its uploads (EarlyPart::uploaded)

@@ -45,18 +45,13 @@ bool HybridOptimizer::BeginChunk(const PipelinePlan& plan, size_t k, const std::
   // has kept the speculation (the pass jumps to each part as its grads become final, so most parts
   // have begun when Step decides; a param is the unit, since its state lives on one side), and in
   // place anyway without spare state.
-  bool all_kept = true;
   for (const ChunkPiece& piece : plan.chunks[k].pieces) {
-    if (piece.offset != 0) {
-      all_kept = false;
-      continue;
-    }
+    if (piece.offset != 0) continue;
     const size_t p = plan.params[piece.region];
     if (early_kept_ && HasSpare(p)) kept_in_place_[p] = 1;
     if (early_kept_ || !HasSpare(p)) early_in_place_[params_[p].group] = 1;
-    all_kept = all_kept && early_kept_;
   }
-  return all_kept;
+  return early_kept_;
 }
 
 absl::Status HybridOptimizer::RunEarlyPass(EarlyItem first) {
@@ -158,7 +153,16 @@ absl::Status HybridOptimizer::RunEarlyPass(EarlyItem first) {
   // The next chunk to download: of the part of the highest priority seen final, else of the
   // earliest queued part not yet all down. Null when every chunk is down.
   constexpr size_t kNone = static_cast<size_t>(-1);
+  // Until Step has kept the speculation (kept_seen), a param begun is downloaded whole before another
+  // begins (`open`: the work whose last chunk down ended inside a param): what is left when Step
+  // keeps it is then params not begun, which run in place (BeginChunk), rather than the rest of
+  // every part begun as its grads became final. After the keep, chunk by chunk as above.
+  bool kept_seen = false;
+  size_t open = static_cast<size_t>(-1);
   auto pick = [&]() -> size_t {
+    if (param_first_on_ && !kept_seen && open < works.size() && works[open].next_down < works[open].plan.chunks.size()) {
+      return open;
+    }
     while (first_open < works.size() && works[first_open].next_down == works[first_open].plan.chunks.size()) ++first_open;
     for (size_t i : by_priority) {
       GroupWork& w = works[i];
@@ -193,13 +197,20 @@ absl::Status HybridOptimizer::RunEarlyPass(EarlyItem first) {
       if (i == kNone) break;
       GroupWork& w = works[i];
       const bool kept = BeginChunk(w.plan, w.next_down, w.groups, w.mode);
+      kept_seen = kept_seen || kept;
+      {
+        const ChunkPiece& last = w.plan.chunks[w.next_down].pieces.back();
+        const OptimParam& op = params_[w.plan.params[last.region]];
+        open = last.offset + last.bytes < static_cast<size_t>(op.numel) * DTypeSize(op.grad_dtype) ? i : kNone;
+      }
       if (w.next_down == 0) {
         TraceSpan start(tracer, "early.part_start", "optim");  // its first chunk goes down now
         if (start.on()) {
           start.Arg("part", static_cast<double>(w.part));
           start.Arg("priority", static_cast<double>(w.priority));
-          start.Arg("in_place", w.mode == PipelineMode::kInPlace || kept ? 1.0 : 0.0);
-          start.Arg("kept", kept ? 1.0 : 0.0);
+          const bool speculating_kept = kept && w.mode == PipelineMode::kToSpare;
+          start.Arg("in_place", w.mode == PipelineMode::kInPlace || speculating_kept ? 1.0 : 0.0);
+          start.Arg("kept", speculating_kept ? 1.0 : 0.0);
         }
       }
       const size_t slot = free_slots.back();
