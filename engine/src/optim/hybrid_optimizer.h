@@ -25,6 +25,7 @@
 #include "ferry/dtype.h"
 #include "memory/pinned_arena.h"
 #include "optim/cpu_adam.h"
+#include "optim/early_step.h"
 #include "optim/state_fence.h"
 #include "shard/layout.h"
 #include "trace/tracer.h"
@@ -304,43 +305,6 @@ class HybridOptimizer final {
     Event* ready = nullptr;           // every copy waits for it on the device
     PipelineMode mode = PipelineMode::kInPlace;  // kInPlace or kRestoreParams (kToSpare: RunEarlyPass)
   };
-  // A part of the update for the early thread: the offloaded params of one announcement (of any
-  // groups), or a bucket of one group's params that Step started.
-  struct EarlyPart {
-    std::vector<size_t> groups;  // the distinct groups of `params`
-    std::vector<size_t> params;  // indices into params_
-    size_t id = 0;               // this step's part number (part_done_, part_events_)
-    Event* uploaded = nullptr;   // recorded on the H2D stream after its last upload
-    // The early thread downloads the final part of the highest priority first (on a tie the latest
-    // queued): the index of the announcement that holds its params, so that a backward's latest
-    // announcement, which the next forward needs first, goes first, whether the part speculates or
-    // Step queued it; -1 for params no announcement held.
-    int64_t priority = 0;
-  };
-  // An announcement's work, queued for the early thread.
-  struct EarlyItem {
-    std::vector<EarlyPart> parts;
-    Event* ready = nullptr;
-    // The step is decided (Step queued it with the step's own scalars) and no part of these groups is
-    // in the spare buffers: the update runs in place, as Step's own pipeline would.
-    bool in_place = false;
-    std::vector<AdamScalars> scalars;  // per group (set for every group of `parts`)
-    std::vector<int64_t> steps;        // per group: the step it computes (its rounding keys')
-  };
-  struct EarlyStep {
-    std::vector<size_t> order;          // groups with a param announced this step, in order
-    std::vector<bool> touched;          // per group: a param of it was announced
-    std::vector<bool> announced;        // per group: every param of it was announced
-    std::vector<size_t> left;           // per group: its params not announced yet
-    std::vector<bool> param_announced;  // per param
-    std::vector<AdamScalars> scalars;   // per group: the speculation's (of its first announcement)
-    std::vector<uint8_t> mixed;         // per group: a later announcement of it used other scalars
-    std::vector<uint8_t> queued;        // per group: a part of its update was started
-    std::vector<size_t> unqueued;       // per group: its params no part holds yet
-    std::vector<std::vector<size_t>> announcements;  // the offloaded params of each, in order
-    size_t events_used = 0;             // of early_events_
-  };
-
   struct Group {
     std::string name;
     bool offloaded = false;
