@@ -43,7 +43,9 @@ What differs from torch.optim.AdamW, on purpose:
   * state_dict() holds fp32 CPU tensors: 'exp_avg', 'exp_avg_sq', 'step' (a float tensor), and
     'master' for params that are not fp32. self.state stays empty: the state lives in the engine.
   * A step skipped because a grad is NaN/Inf (check_finite) changes nothing and warns once
-    (stats()['skipped_steps'] counts them).
+    (stats()['skipped_steps'] counts them). check_finite=False (as torch's AdamW; no clipping then)
+    lets step() decide without waiting for the backward's end, and the overlapped update CPU Adam has
+    not begun by then runs in place (faster); a NaN/Inf grad then reaches the params.
   * The optimizer cannot be copied or pickled (copy.deepcopy, torch.save(opt)): save its state_dict().
 """
 import numbers
