@@ -407,7 +407,7 @@ class HybridOptimizer final {
   // whose state it writes in place (early_in_place_). Whether Step has kept the speculation.
   bool BeginChunk(const PipelinePlan& plan, size_t k, const std::vector<size_t>& groups, PipelineMode mode);
   // A kept speculation of group g: each of its params updated out of place takes the side its update
-  // wrote (those with spare state, less those a part started after the keep updated in place:
+  // wrote (those with spare state, less those begun after the keep, updated in place:
   // kept_in_place_).
   void CommitSpare(size_t g);
   // Stochastic rounding: param `p`'s key at step `step` (<= 0: the step its group computes next), for
@@ -518,10 +518,10 @@ class HybridOptimizer final {
   std::vector<size_t> group_parts_left_;    // guarded by early_mu_: per group, its queued parts not done
   std::vector<uint8_t> group_all_queued_;   // guarded by early_mu_: per group, every param in a part
   // Guarded by early_mu_, reset at a step's first announcement. Step has kept the speculation: the
-  // speculating parts not started yet run in place (their scalars are the step's own, and in place
-  // is faster than into the spare buffers). Per param, one such part updated it in place (its side
-  // stays; read by ChunkWork on the early thread); per group, some of its state was written in place
-  // by this step's early work (a failure then leaves it partly updated).
+  // params the early pass has not begun yet run in place (their scalars are the step's own, and in
+  // place is faster than into the spare buffers). Per param, begun after the keep and so updated in
+  // place (its side stays; read by ChunkWork on the early thread); per group, some of its state was
+  // written in place by this step's early work (a failure then leaves it partly updated).
   bool early_kept_ = false;
   std::vector<uint8_t> kept_in_place_;
   std::vector<uint8_t> early_in_place_;

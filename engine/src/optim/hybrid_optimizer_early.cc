@@ -344,9 +344,9 @@ absl::StatusOr<std::vector<size_t>> HybridOptimizer::SettleEarly(bool skipped, b
   }
   if (!valid) early_cancel_.store(true);  // stop what still runs: it is recomputed or undone
   if (valid) {
-    // From here on the early thread starts every part in place: the speculation's scalars are the
-    // step's own (kept_in_place_; in place is faster than into the spare buffers: 132 against 110
-    // GB/s in `ferry bench adam` on the H200 host).
+    // From here on every param the early thread begins runs in place: the speculation's scalars are
+    // the step's own (BeginChunk, kept_in_place_; in place is faster than into the spare buffers: 132
+    // against 110 GB/s in `ferry bench adam` on the H200 host).
     {
       std::lock_guard<std::mutex> lock(early_mu_);
       early_kept_ = kept_in_place_on_;

@@ -10,7 +10,9 @@
 // host runs ahead of the GPU and CPU Adam is the slower, the work left when the backward ends runs
 // in forward order, overlapping the trainer's next forward, which waits per part (WaitParamsOf)
 // after a deferred Step. What a decided Step queues (QueueRest) carries the same priorities, so it
-// interleaves with the speculating parts not started yet in that order. Announcements made while
+// interleaves with the speculating parts not started yet in that order. Until Step has kept the
+// speculation, a param begun goes down whole before another begins, so that what is left then is
+// params not begun, which run in place from the keep on (BeginChunk). Announcements made while
 // the pass runs join it at its next round. Grads stay in the ring's few slots, which the host's
 // last-level cache holds (PCIe writes land there): a copy of every grad in host memory, read back
 // later, costs CPU Adam about a fifth of its rate (measured on the H200 machine). A round of CPU
