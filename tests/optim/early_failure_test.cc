@@ -170,57 +170,103 @@ class EarlyFailureTest : public ::testing::TestWithParam<bool> {  // the step wa
   std::unique_ptr<UploadFailingDevice> device_;
 };
 
+// Step decides at once (no gradient check to wait for), so the keep comes long before the failing
+// upload; on a host loaded enough to run the early pass that far first, the failure comes before the
+// keep (Step then recomputes, checked exact) or before any param was updated in place, and the case
+// is tried again on fresh optimizers (at most kAttempts times).
+constexpr int kAttempts = 5;
+
 TEST_P(EarlyFailureTest, AFailureAfterTheKeepNamesTheGroupPartlyUpdated) {
   const bool waits = GetParam();
-  Rig ref(inner_.get(), 5);
-  Rig rig(device_.get(), 5);
-  ASSERT_TRUE(ref.opt && rig.opt);
-  HybridStepParams step{.lr = 1e-3f, .wait_for_params = waits};
-  ref.SetGrads(11);
-  rig.SetGrads(11);
-  ASSERT_OK(ref.opt->Step(HybridStepParams{.lr = 1e-3f}, *ref.trainer).status());
-  ASSERT_OK(rig.Announce(step));
-  ASSERT_OK(rig.opt->Step(step, *rig.trainer).status());
-  ASSERT_OK(rig.opt->Synchronize());
-  rig.SetGrads(12);
-  device_->Arm(kFailAt);
-  ASSERT_OK(rig.Announce(step));
-  absl::Status status = rig.opt->Step(step, *rig.trainer).status();
-  if (status.ok()) status = rig.opt->Synchronize();  // a deferred step settles here
-  EXPECT_EQ(device_->failed(), 1);
-  ASSERT_FALSE(status.ok());
-  EXPECT_THAT(std::string(status.message()), HasSubstr("'g0'"));
-  EXPECT_THAT(std::string(status.message()), HasSubstr(waits ? "partly updated" : "possibly in part")) << status;
+  const HybridStepParams step{.lr = 1e-3f, .check_finite = false, .wait_for_params = waits};
+  const HybridStepParams alone{.lr = 1e-3f, .check_finite = false};
+  bool seen = false;
+  for (int attempt = 0; attempt < kAttempts && !seen; ++attempt) {
+    Rig ref(inner_.get(), 5);
+    Rig rig(device_.get(), 5);
+    ASSERT_TRUE(ref.opt && rig.opt);
+    ref.SetGrads(11);
+    rig.SetGrads(11);
+    ASSERT_OK(ref.opt->Step(alone, *ref.trainer).status());
+    ASSERT_OK(rig.Announce(step));
+    ASSERT_OK(rig.opt->Step(step, *rig.trainer).status());
+    ASSERT_OK(rig.opt->Synchronize());
+    ref.SetGrads(12);
+    rig.SetGrads(12);
+    const uint64_t bytes = rig.opt->cpu_adam_bytes(), spare = rig.opt->cpu_adam_spare_bytes();
+    const int failed = device_->failed();
+    device_->Arm(kFailAt);
+    ASSERT_OK(rig.Announce(step));
+    absl::Status status = rig.opt->Step(step, *rig.trainer).status();
+    if (status.ok()) status = rig.opt->Synchronize();  // a deferred step settles here
+    ASSERT_EQ(device_->failed(), failed + 1);
+    if (status.ok()) {
+      // The work failed before the step was decided, with nothing written in place (else the step
+      // could not have been recomputed): Step recomputed it, the same bits as a step alone.
+      ASSERT_OK(ref.opt->Step(alone, *ref.trainer).status());
+      for (size_t i = 0; i < kSizes.size(); ++i) {
+        ASSERT_EQ(rig.State(i, StateKind::kMaster), ref.State(i, StateKind::kMaster)) << "param " << i;
+        ASSERT_EQ(rig.Param(i), ref.Param(i)) << "param " << i;
+      }
+      continue;
+    }
+    // The early pass's bytes in place (an error leaves nothing recomputed): with any, the group must
+    // be named partly updated (without, it may be too: a param is marked as its first chunk goes down).
+    const uint64_t in_place = (rig.opt->cpu_adam_bytes() - bytes) - (rig.opt->cpu_adam_spare_bytes() - spare);
+    if (in_place == 0) continue;
+    seen = true;
+    EXPECT_THAT(std::string(status.message()), HasSubstr("'g0'"));
+    EXPECT_THAT(std::string(status.message()), HasSubstr(waits ? "partly updated" : "possibly in part")) << status;
+  }
+  EXPECT_TRUE(seen) << "the early work failed before Step kept the speculation in every attempt";
 }
 
 TEST_P(EarlyFailureTest, OutOfPlaceAFailureLosesNothing) {
   const bool waits = GetParam();
   const KeptInPlaceEnv env(false);
-  Rig ref(inner_.get(), 6);
-  Rig rig(device_.get(), 6);
-  ASSERT_TRUE(ref.opt && rig.opt);
-  HybridStepParams step{.lr = 1e-3f, .wait_for_params = waits};
-  ref.SetGrads(21);
-  rig.SetGrads(21);
-  ASSERT_OK(ref.opt->Step(HybridStepParams{.lr = 1e-3f}, *ref.trainer).status());
-  ASSERT_OK(rig.Announce(step));
-  ASSERT_OK(rig.opt->Step(step, *rig.trainer).status());
-  ASSERT_OK(rig.opt->Synchronize());
-  // The step that fails, then (deferred) the same step again.
-  ref.SetGrads(22);
-  rig.SetGrads(22);
-  device_->Arm(kFailAt);
-  ASSERT_OK(rig.Announce(step));
-  absl::Status status = rig.opt->Step(step, *rig.trainer).status();
-  if (waits) {
-    ASSERT_OK(status);  // the failed early work recomputed by Step itself
-  } else {
-    ASSERT_OK(status);
-    status = rig.opt->Synchronize();
-    ASSERT_FALSE(status.ok());
-    EXPECT_THAT(std::string(status.message()), HasSubstr("'g0'"));
-    EXPECT_THAT(std::string(status.message()), Not(HasSubstr("possibly in part"))) << status;
-    // The state of the step before, bit for bit, and the params from it.
+  const HybridStepParams step{.lr = 1e-3f, .check_finite = false, .wait_for_params = waits};
+  const HybridStepParams alone{.lr = 1e-3f, .check_finite = false};
+  bool seen = false;  // the deferred step's work failed after Step returned
+  for (int attempt = 0; attempt < kAttempts && !seen; ++attempt) {
+    Rig ref(inner_.get(), 6);
+    Rig rig(device_.get(), 6);
+    ASSERT_TRUE(ref.opt && rig.opt);
+    ref.SetGrads(21);
+    rig.SetGrads(21);
+    ASSERT_OK(ref.opt->Step(alone, *ref.trainer).status());
+    ASSERT_OK(rig.Announce(step));
+    ASSERT_OK(rig.opt->Step(step, *rig.trainer).status());
+    ASSERT_OK(rig.opt->Synchronize());
+    // The step that fails, then (when it failed after a deferred Step returned) the same step again.
+    ref.SetGrads(22);
+    rig.SetGrads(22);
+    const int failed = device_->failed();
+    device_->Arm(kFailAt);
+    ASSERT_OK(rig.Announce(step));
+    ASSERT_OK(rig.opt->Step(step, *rig.trainer).status());  // waiting: the failed work recomputed by Step
+    const absl::Status status = rig.opt->Synchronize();
+    ASSERT_EQ(device_->failed(), failed + 1);
+    if (!status.ok()) {
+      ASSERT_FALSE(waits) << status;
+      seen = true;
+      EXPECT_EQ(rig.opt->cpu_adam_bytes(), rig.opt->cpu_adam_spare_bytes()) << "every update so far out of place";
+      EXPECT_THAT(std::string(status.message()), HasSubstr("'g0'"));
+      EXPECT_THAT(std::string(status.message()), Not(HasSubstr("possibly in part"))) << status;
+      // The state of the step before, bit for bit, and the params from it.
+      for (size_t i = 0; i < kSizes.size(); ++i) {
+        for (StateKind kind : {StateKind::kMaster, StateKind::kExpAvg, StateKind::kExpAvgSq}) {
+          ASSERT_EQ(rig.State(i, kind), ref.State(i, kind)) << "param " << i;
+        }
+        ASSERT_EQ(rig.Param(i), ref.Param(i)) << "param " << i;
+      }
+      ASSERT_OK(rig.opt->VerifyMasters());
+      ASSERT_OK(rig.Announce(step));
+      ASSERT_OK(rig.opt->Step(step, *rig.trainer).status());
+      ASSERT_OK(rig.opt->Synchronize());
+    }
+    seen = seen || waits;
+    ASSERT_OK(ref.opt->Step(alone, *ref.trainer).status());
+    ASSERT_OK(ref.opt->Synchronize());
     for (size_t i = 0; i < kSizes.size(); ++i) {
       for (StateKind kind : {StateKind::kMaster, StateKind::kExpAvg, StateKind::kExpAvgSq}) {
         ASSERT_EQ(rig.State(i, kind), ref.State(i, kind)) << "param " << i;
@@ -228,20 +274,8 @@ TEST_P(EarlyFailureTest, OutOfPlaceAFailureLosesNothing) {
       ASSERT_EQ(rig.Param(i), ref.Param(i)) << "param " << i;
     }
     ASSERT_OK(rig.opt->VerifyMasters());
-    ASSERT_OK(rig.Announce(step));
-    ASSERT_OK(rig.opt->Step(step, *rig.trainer).status());
-    ASSERT_OK(rig.opt->Synchronize());
   }
-  EXPECT_EQ(device_->failed(), 1);
-  ASSERT_OK(ref.opt->Step(HybridStepParams{.lr = 1e-3f}, *ref.trainer).status());
-  ASSERT_OK(ref.opt->Synchronize());
-  for (size_t i = 0; i < kSizes.size(); ++i) {
-    for (StateKind kind : {StateKind::kMaster, StateKind::kExpAvg, StateKind::kExpAvgSq}) {
-      ASSERT_EQ(rig.State(i, kind), ref.State(i, kind)) << "param " << i;
-    }
-    ASSERT_EQ(rig.Param(i), ref.Param(i)) << "param " << i;
-  }
-  ASSERT_OK(rig.opt->VerifyMasters());
+  EXPECT_TRUE(seen) << "the early work failed before the deferred Step returned in every attempt";
 }
 
 INSTANTIATE_TEST_SUITE_P(Steps, EarlyFailureTest, ::testing::Values(false, true),
