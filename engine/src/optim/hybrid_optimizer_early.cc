@@ -398,7 +398,7 @@ absl::StatusOr<std::vector<size_t>> HybridOptimizer::SettleEarly(bool skipped, b
   }
   early_cancel_.store(false);
   if (!early_status.ok() && !absl::IsCancelled(early_status)) {
-    FERRY_LOG(WARNING) << "work started early failed; the step recomputes it: " << early_status;
+    FERRY_LOG(WARNING) << "work started early failed; the step recomputes what it left untouched: " << early_status;
   }
   std::vector<size_t> rest;
   if (skipped) {
