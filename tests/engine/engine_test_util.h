@@ -69,6 +69,9 @@ class Model {
   }
   size_t size() const { return sizes_.size(); }
   std::string name(size_t i) const { return absl::StrCat("p", i); }
+  // Tensor i's param and grad in device memory (for an optimizer built without an engine).
+  void* param_data(size_t i) { return params_[i].data(); }
+  void* grad_data(size_t i) { return grads_[i].data(); }
   // Registers every tensor; tensor i is in group "g<i % groups>" (groups 0: "g<i>", a group each).
   absl::Status Register(Engine& e, size_t groups = 0) {
     if (groups == 0) groups = sizes_.size();

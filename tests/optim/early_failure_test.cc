@@ -7,13 +7,12 @@
 #include <atomic>
 #include <cstdlib>
 #include <memory>
-#include <random>
 #include <string>
 #include <vector>
 
 #include "base/thread_pool.h"
 #include "device/device.h"
-#include "ferry/dtype.h"
+#include "engine/engine_test_util.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "optim/hybrid_optimizer.h"
@@ -23,12 +22,6 @@ namespace {
 
 using ::testing::HasSubstr;
 using ::testing::Not;
-
-#define ASSERT_OK(expr)                         \
-  do {                                          \
-    const absl::Status s_ = (expr);             \
-    ASSERT_TRUE(s_.ok()) << #expr << ": " << s_; \
-  } while (0)
 
 // A Device that forwards everything to `inner`, except that once armed with n, its n-th
 // host-to-device copy from then on fails (once).
@@ -90,23 +83,14 @@ class UploadFailingDevice final : public Device {
 const std::vector<int64_t> kSizes = {20000, 2000000, 500000, 500000};
 constexpr int kFailAt = 140;  // chunks of 16K elements: param 1 holds uploads 3-125, param 2 from 126
 
-// bf16 params and grads in device memory, one offloaded group, and its optimizer (one CPU Adam thread,
-// so the early work lasts well beyond Step).
+// A model of bf16 tensors in device memory (engine_test::Model), one offloaded group of them, and its
+// optimizer (one CPU Adam thread, so the early work lasts well beyond Step).
 struct Rig {
-  Rig(Device* d, uint64_t seed) : device(d), pool(1) {
-    std::mt19937_64 rng(seed);
-    std::uniform_real_distribution<float> u(-1.0f, 1.0f);
-    for (int64_t n : kSizes) {
-      params.push_back(*device->Allocate(static_cast<size_t>(n) * 2));
-      grads.push_back(*device->Allocate(static_cast<size_t>(n) * 2));
-      std::vector<uint16_t> h(static_cast<size_t>(n));
-      for (uint16_t& v : h) v = F32ToBF16(u(rng));
-      EXPECT_TRUE(device->Copy(params.back().data(), h.data(), h.size() * 2, CopyKind::kHostToDevice).ok());
-    }
+  Rig(Device* device, uint64_t seed) : model(device, kSizes, seed), pool(1) {
     std::vector<OptimParam> ps;
     for (size_t i = 0; i < kSizes.size(); ++i) {
-      ps.push_back(OptimParam{.name = "p" + std::to_string(i), .group = 0, .numel = kSizes[i],
-                              .param = params[i].data(), .grad = grads[i].data()});
+      ps.push_back(OptimParam{.name = model.name(i), .group = 0, .numel = kSizes[i],
+                              .param = model.param_data(i), .grad = model.grad_data(i)});
     }
     HybridOptions o;
     o.hyper.weight_decay = 0.01f;
@@ -119,20 +103,6 @@ struct Rig {
     EXPECT_TRUE(s.ok()) << s.status();
     if (s.ok()) trainer = *std::move(s);
   }
-  void SetGrads(uint64_t seed) {
-    std::mt19937_64 rng(seed);
-    std::uniform_real_distribution<float> u(-1.0f, 1.0f);
-    for (size_t i = 0; i < kSizes.size(); ++i) {
-      std::vector<uint16_t> h(static_cast<size_t>(kSizes[i]));
-      for (uint16_t& v : h) v = F32ToBF16(u(rng));
-      EXPECT_TRUE(device->Copy(grads[i].data(), h.data(), h.size() * 2, CopyKind::kHostToDevice).ok());
-    }
-  }
-  std::vector<uint16_t> Param(size_t i) {
-    std::vector<uint16_t> h(static_cast<size_t>(kSizes[i]));
-    EXPECT_TRUE(device->Copy(h.data(), params[i].data(), h.size() * 2, CopyKind::kDeviceToHost).ok());
-    return h;
-  }
   std::vector<float> State(size_t i, StateKind kind) {
     std::vector<float> h(static_cast<size_t>(kSizes[i]));
     EXPECT_TRUE(opt->ReadState(i, kind, h.data()).ok());
@@ -142,12 +112,34 @@ struct Rig {
     const std::vector<size_t> all = {0, 1, 2, 3};
     return opt->BeginParams(all, step, *trainer);
   }
-  Device* device;
+  engine_test::Model model;
   ThreadPool pool;
-  std::vector<DeviceBuffer> params, grads;
   std::unique_ptr<HybridOptimizer> opt;
   std::unique_ptr<Stream> trainer;
 };
+
+// A first step on both (`ref` steps alone, `rig` announces every param, then steps with `step`), then
+// the next step's grads on both (seed + 1).
+void FirstStep(Rig& ref, Rig& rig, const HybridStepParams& step, uint64_t seed) {
+  ref.model.SetGrads(seed);
+  rig.model.SetGrads(seed);
+  ASSERT_OK(ref.opt->Step(HybridStepParams{.lr = step.lr, .check_finite = false}, *ref.trainer).status());
+  ASSERT_OK(rig.Announce(step));
+  ASSERT_OK(rig.opt->Step(step, *rig.trainer).status());
+  ASSERT_OK(rig.opt->Synchronize());
+  ref.model.SetGrads(seed + 1);
+  rig.model.SetGrads(seed + 1);
+}
+
+// Every param's master, m, v and param: the same bits in `rig` as in `ref`.
+void ExpectSameState(Rig& rig, Rig& ref) {
+  for (size_t i = 0; i < kSizes.size(); ++i) {
+    for (StateKind kind : {StateKind::kMaster, StateKind::kExpAvg, StateKind::kExpAvgSq}) {
+      ASSERT_EQ(rig.State(i, kind), ref.State(i, kind)) << "param " << i << ", state " << static_cast<int>(kind);
+    }
+    ASSERT_EQ(rig.model.Param(i), ref.model.Param(i)) << "param " << i;
+  }
+}
 
 // FERRY_KEPT_IN_PLACE for the optimizers built while it lives.
 class KeptInPlaceEnv {
@@ -185,14 +177,7 @@ TEST_P(EarlyFailureTest, AFailureAfterTheKeepNamesTheGroupPartlyUpdated) {
     Rig ref(inner_.get(), 5);
     Rig rig(device_.get(), 5);
     ASSERT_TRUE(ref.opt && rig.opt);
-    ref.SetGrads(11);
-    rig.SetGrads(11);
-    ASSERT_OK(ref.opt->Step(alone, *ref.trainer).status());
-    ASSERT_OK(rig.Announce(step));
-    ASSERT_OK(rig.opt->Step(step, *rig.trainer).status());
-    ASSERT_OK(rig.opt->Synchronize());
-    ref.SetGrads(12);
-    rig.SetGrads(12);
+    ASSERT_NO_FATAL_FAILURE(FirstStep(ref, rig, step, 11));
     const uint64_t bytes = rig.opt->cpu_adam_bytes(), spare = rig.opt->cpu_adam_spare_bytes();
     const int failed = device_->failed();
     device_->Arm(kFailAt);
@@ -204,10 +189,7 @@ TEST_P(EarlyFailureTest, AFailureAfterTheKeepNamesTheGroupPartlyUpdated) {
       // The work failed before the step was decided, with nothing written in place (else the step
       // could not have been recomputed): Step recomputed it, the same bits as a step alone.
       ASSERT_OK(ref.opt->Step(alone, *ref.trainer).status());
-      for (size_t i = 0; i < kSizes.size(); ++i) {
-        ASSERT_EQ(rig.State(i, StateKind::kMaster), ref.State(i, StateKind::kMaster)) << "param " << i;
-        ASSERT_EQ(rig.Param(i), ref.Param(i)) << "param " << i;
-      }
+      ASSERT_NO_FATAL_FAILURE(ExpectSameState(rig, ref));
       continue;
     }
     // The early pass's bytes in place (an error leaves nothing recomputed): with any, the group must
@@ -231,15 +213,8 @@ TEST_P(EarlyFailureTest, OutOfPlaceAFailureLosesNothing) {
     Rig ref(inner_.get(), 6);
     Rig rig(device_.get(), 6);
     ASSERT_TRUE(ref.opt && rig.opt);
-    ref.SetGrads(21);
-    rig.SetGrads(21);
-    ASSERT_OK(ref.opt->Step(alone, *ref.trainer).status());
-    ASSERT_OK(rig.Announce(step));
-    ASSERT_OK(rig.opt->Step(step, *rig.trainer).status());
-    ASSERT_OK(rig.opt->Synchronize());
+    ASSERT_NO_FATAL_FAILURE(FirstStep(ref, rig, step, 21));
     // The step that fails, then (when it failed after a deferred Step returned) the same step again.
-    ref.SetGrads(22);
-    rig.SetGrads(22);
     const int failed = device_->failed();
     device_->Arm(kFailAt);
     ASSERT_OK(rig.Announce(step));
@@ -253,12 +228,7 @@ TEST_P(EarlyFailureTest, OutOfPlaceAFailureLosesNothing) {
       EXPECT_THAT(std::string(status.message()), HasSubstr("'g0'"));
       EXPECT_THAT(std::string(status.message()), Not(HasSubstr("possibly in part"))) << status;
       // The state of the step before, bit for bit, and the params from it.
-      for (size_t i = 0; i < kSizes.size(); ++i) {
-        for (StateKind kind : {StateKind::kMaster, StateKind::kExpAvg, StateKind::kExpAvgSq}) {
-          ASSERT_EQ(rig.State(i, kind), ref.State(i, kind)) << "param " << i;
-        }
-        ASSERT_EQ(rig.Param(i), ref.Param(i)) << "param " << i;
-      }
+      ASSERT_NO_FATAL_FAILURE(ExpectSameState(rig, ref));
       ASSERT_OK(rig.opt->VerifyMasters());
       ASSERT_OK(rig.Announce(step));
       ASSERT_OK(rig.opt->Step(step, *rig.trainer).status());
@@ -267,12 +237,7 @@ TEST_P(EarlyFailureTest, OutOfPlaceAFailureLosesNothing) {
     seen = seen || waits;
     ASSERT_OK(ref.opt->Step(alone, *ref.trainer).status());
     ASSERT_OK(ref.opt->Synchronize());
-    for (size_t i = 0; i < kSizes.size(); ++i) {
-      for (StateKind kind : {StateKind::kMaster, StateKind::kExpAvg, StateKind::kExpAvgSq}) {
-        ASSERT_EQ(rig.State(i, kind), ref.State(i, kind)) << "param " << i;
-      }
-      ASSERT_EQ(rig.Param(i), ref.Param(i)) << "param " << i;
-    }
+    ASSERT_NO_FATAL_FAILURE(ExpectSameState(rig, ref));
     ASSERT_OK(rig.opt->VerifyMasters());
   }
   EXPECT_TRUE(seen) << "the early work failed before the deferred Step returned in every attempt";
