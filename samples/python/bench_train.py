@@ -35,6 +35,10 @@ one announces whole groups, so fewer groups start CPU Adam later):
     --groups one       Optimizer(model.parameters(), ...): one group
     --groups decay     two groups as nanoGPT's and HF Trainer's configure_optimizers make them: params
                        of dim >= 2 with weight_decay 0.1, the rest (biases, norms) with 0
+    --groups one,decay,block   several: each round runs every grouping's rows in turn (with --repeat N,
+                       N rounds), and the run ends with each row's median per grouping and the spread
+                       between them: on a host whose CPU Adam rate moves from run to run, the groupings
+                       compared in one process, alternated
     --clip opt         between backward and step, opt.clip_grad_norm_(1e9) (ferry rows) or
                        torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9) (torch's): never reached
     --clip reached     the same calls with max_norm 1e-3: reached at every step (checked on the norms
@@ -51,6 +55,7 @@ one announces whole groups, so fewer groups start CPU Adam later):
     python3 samples/python/bench_train.py --size all             # small, medium and large
     python3 samples/python/bench_train.py --groups decay --clip reached --amp fp16   # nanoGPT's loop
     python3 samples/python/bench_train.py --check-exact          # losses bit-identical across rows
+    python3 samples/python/bench_train.py --groups one,decay,block --rows 1,2,3 --repeat 3   # the spread
     python3 samples/python/bench_train.py --device cpu --size tiny --steps 2   # smoke (host backend)
 
 A benchmark, not a test: it asserts nothing about time; --check-exact exits non-zero when the losses of
@@ -70,8 +75,12 @@ import torch
 import ferry
 import ferry.torch
 
+from bench_bounds import compute_alone
+from bench_report import check_losses, cpu_text, cpu_update, print_medians, print_spread, print_table
 from bench_model import CLIP_NORMS, SIZES, VOCAB, Loop, Model
 import bench_threads
+
+GROUPINGS = ("block", "split", "joined", "one", "decay")
 
 
 def has_option(name):
@@ -246,161 +255,6 @@ def end_window(opt, is_ferry, sync, t0, threads0, steps):
     return (t1 - t0) / steps, stats, threads, time.perf_counter() - t1
 
 
-def median_line(name, its, ratios, against):
-    """--repeat's summary line of one row: its median iteration (s, over the rounds) with the range,
-    then the median of its ratios `against` a base row with their range (none where `ratios` is empty)."""
-    its, ratios = sorted(its), sorted(ratios)
-    line = "   %s %8.1f ms (%.1f-%.1f)" % (name, statistics.median(its) * 1e3, its[0] * 1e3, its[-1] * 1e3)
-    if ratios:
-        line += "  %5.2fx %s (%.2f-%.2f)" % (statistics.median(ratios), against, ratios[0], ratios[-1])
-    return line
-
-
-def cpu_update(before, after, steps):
-    """What the offloaded update's CPU Adam did per timed step, from two stats() (None when this
-    ferry.torch has no such stats, or nothing ran on the CPU): its busy ms per step, the bytes it moved
-    per second of it (GB/s, to set beside the host's STREAM or `ferry bench adam`), the share of the
-    pinned memory huge pages back (None when this ferry.torch does not say), the share of its bytes
-    that went out of place into the spare state (None: not said), and the early groups kept,
-    recomputed and the steps skipped (non-finite grads) over those steps."""
-    if "cpu_adam_busy_seconds" not in after:
-        return None
-    busy = after["cpu_adam_busy_seconds"] - before["cpu_adam_busy_seconds"]
-    if busy <= 0:
-        return None
-    moved = after["cpu_adam_bytes"] - before["cpu_adam_bytes"]
-    pinned = after.get("pinned_bytes", 0)
-    return {"ms": busy * 1e3 / steps, "gbs": moved / busy / 1e9,
-            "huge": after["pinned_huge_bytes"] / pinned if pinned and "pinned_huge_bytes" in after else None,
-            "spare": ((after["cpu_adam_spare_bytes"] - before["cpu_adam_spare_bytes"]) / moved
-                      if moved and "cpu_adam_spare_bytes" in after else None),
-            "kept": after["early_groups_kept"] - before["early_groups_kept"],
-            "recomputed": after["early_groups_recomputed"] - before["early_groups_recomputed"],
-            "skipped": after["skipped_steps"] - before["skipped_steps"], "workers": after.get("cpu_threads")}
-
-
-def cpu_text(cpu, whose=""):
-    """cpu_update's dict as a bracketed note for a row's line ('' for None); `whose` ends it (e.g.
-    "rank 0")."""
-    if cpu is None:
-        return ""
-    text = "   [CPU Adam %.1f ms/step at %.1f GB/s" % (cpu["ms"], cpu["gbs"])
-    if cpu.get("workers"):
-        text += " on %d worker%s" % (cpu["workers"], "" if cpu["workers"] == 1 else "s")
-    if cpu["huge"] is not None:
-        text += ", pinned memory %.0f%% huge pages" % (100 * cpu["huge"])
-    if cpu.get("spare"):
-        text += ", %.0f%% of its bytes out of place" % (100 * cpu["spare"])
-    if cpu["kept"] or cpu["recomputed"]:
-        text += "; early groups kept %d, recomputed %d" % (cpu["kept"], cpu["recomputed"])
-    if cpu["skipped"]:
-        text += "; %d steps skipped" % cpu["skipped"]
-    return text + (", " + whose if whose else "") + "]"
-
-
-def compute_alone(model, data, loop, args):
-    """Forward + backward alone (no optimizer, no clip, no loss scaling), host running ahead: (mean
-    iteration in s, FirstGradsWait's mean in s or None, its tail in s or None)."""
-    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
-    for p in model.parameters():
-        p.grad = None
-    wait = FirstGradsWait(model, cuda=args.device == "cuda")
-    for it in range(args.warmup):
-        loop.forward_backward(model, data[it % len(data)], None)
-    sync()
-    wait.arm()
-    t = time.perf_counter()
-    for it in range(args.steps):
-        loop.forward_backward(model, data[it % len(data)], None)
-        wait.pass_done()
-    sync()
-    elapsed = (time.perf_counter() - t) / args.steps
-    for p in model.parameters():
-        p.grad = None
-    return elapsed, wait.finish(), wait.tail
-
-
-class FirstGradsWait:
-    """The least time of each iteration in which an overlapped, CPU-bound loop leaves CPU Adam nothing
-    to do: from the start of the forward of the module that owns the param whose grad a backward makes
-    final first (the head) to that grad. A forward uses that module last, so every update of a step is
-    done (its params new) before that forward starts, and the next step's updates wait for that first
-    grad: a CPU-bound overlapped iteration takes at least CPU Adam's time plus this. Timed on the passes
-    after arm() (the host running ahead: CUDA events on `cuda`, else the host's clock, the passes then
-    being synchronous); the warm-up's first backward names the param. With torch < 2.1 the grad hook
-    stands in for the post-accumulate-grad hook (called as the grad is made, before it is
-    accumulated).
-
-    Its tail, from the same forward to the backward's end (pass_done() after each timed pass; `tail`
-    after finish()), bounds a loop whose clip is reached at every step: the clipped update needs the
-    global norm, so it starts when the backward ends, and the next backward starts once that forward
-    has its params: such an iteration takes at least the step alone plus the tail."""
-
-    def __init__(self, model, cuda):
-        self.model, self.cuda, self.first, self.owner = model, cuda, None, None
-        self.starts, self.ends, self.pass_ends, self.tail = [], [], [], None
-        self.handles = [self._grad_hook(p, self._seen) for p in model.parameters() if p.requires_grad]
-
-    @staticmethod
-    def _grad_hook(param, fn):
-        """fn(param) once param's grad is made (post-accumulate-grad hook, else the grad hook)."""
-        if hasattr(torch.Tensor, "register_post_accumulate_grad_hook"):
-            return param.register_post_accumulate_grad_hook(fn)
-        def hook(grad):
-            fn(param)  # returns None: the grad is left as it is
-        return param.register_hook(hook)
-
-    def _seen(self, param):
-        if self.first is None:
-            self.first = param
-
-    def _grad_done(self, param):
-        if len(self.ends) < len(self.starts):
-            self.ends.append(self._now())
-
-    def _now(self):
-        if not self.cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
-    def pass_done(self):
-        """Called after each timed pass's backward: the end of the tail."""
-        if len(self.pass_ends) < len(self.starts):
-            self.pass_ends.append(self._now())
-
-    def _forward(self, module, inputs):
-        if len(self.starts) == len(self.ends):  # the first call of this pass (a tied module runs twice)
-            self.starts.append(self._now())
-
-    def arm(self):
-        """Time the passes from here on (the warm-up has named the first param): hooks on that param
-        and its module alone."""
-        for handle in self.handles:
-            handle.remove()
-        self.handles = []
-        if self.first is None:
-            return
-        self.owner = next(m for m in self.model.modules()
-                          if any(q is self.first for q in m.parameters(recurse=False)))
-        self.handles = [self._grad_hook(self.first, self._grad_done), self.owner.register_forward_pre_hook(self._forward)]
-
-    def finish(self):
-        """The mean over the timed passes in s (after a synchronize on `cuda`), None where none was
-        timed; sets `tail` likewise; removes the hooks."""
-        for handle in self.handles:
-            handle.remove()
-        self.tail = self._mean(zip(self.starts, self.pass_ends))
-        return self._mean(zip(self.starts, self.ends))
-
-    def _mean(self, pairs):
-        pairs = list(pairs)
-        if not pairs:
-            return None
-        return statistics.mean(s.elapsed_time(e) / 1e3 if self.cuda else e - s for s, e in pairs)
-
-
 def rows_for(args):
     rows = [
         {"name": "torch AdamW (fused)", "kind": "torch"},
@@ -434,65 +288,34 @@ def rows_for(args):
     return rows
 
 
-def print_table(results, loop):
-    """Every row with its loop, beside the all-GPU iterations of the same run and loop: Ferry's
-    all_gpu row (the ratio the README's figures give) and torch's AdamW row."""
-    base = {name: it for row, it, _, _ in results if it is not None
-            for name in [row["name"]] if name in ("ferry all_gpu", "torch AdamW (fused)")}
-    ferry_base, torch_base = base.get("ferry all_gpu"), base.get("torch AdamW (fused)")
-
-    def against(it, ref):
-        return "%9s  %6s" % ("-", "-") if ref is None else "%6.1f ms  %5.2fx" % (ref * 1e3, it / ref)
-
-    print("   %-30s %-31s %11s   %-17s  %s" % ("row", "loop (groups, clip, amp)", "iteration",
-                                              "ferry all_gpu, ratio", "torch AdamW, ratio"), flush=True)
-    for row, iteration, _, why in results:
-        if iteration is None:
-            print("   %-30s %-31s skipped: %s" % (row["name"], loop.label(), why), flush=True)
-            continue
-        print("   %-30s %-31s %8.1f ms  %s    %s" % (row["name"], loop.label(), iteration * 1e3,
-              against(iteration, ferry_base), against(iteration, torch_base)), flush=True)
-
-
-def print_medians(per_round, loop):
-    """--repeat: each row's median iteration over the rounds and its range, and the median of its
-    ratios to each round's ferry all_gpu row."""
-    print("   over %d rounds, alternated: the median (the range)" % len(per_round), flush=True)
-    for i, (row, _, _, _) in enumerate(per_round[0]):
-        its = [r[i][1] for r in per_round if r[i][1] is not None]
-        if not its:
-            continue
-        ratios = []
-        for results in per_round:
-            base = next((it for rw, it, _, _ in results if rw["name"] == "ferry all_gpu" and it is not None), None)
-            if base and results[i][1] is not None:
-                ratios.append(results[i][1] / base)
-        print(median_line("%-30s %-31s" % (row["name"], loop.label()), its, ratios, "ferry all_gpu"), flush=True)
-
-
 def bench_size(name, args):
     dim, blocks, heads, batch, seq = SIZES[name]
     if args.batch:
         batch = args.batch
-    loop = Loop(args)
+    # One Loop per grouping (--groups a,b,...): the same model, data and bounds; the rows of every
+    # grouping run in each round, alternated.
+    loops = [Loop(argparse.Namespace(**dict(vars(args), groups=g))) for g in args.groups.split(",")]
+    loop = loops[0]
     torch.manual_seed(0)
     model = Model(dim, blocks, heads, exact=args.check_exact).to(device=args.device, dtype=loop.param_dtype())
     init = {k: v.detach().clone() for k, v in model.state_dict().items()}
     gen = torch.Generator(device="cpu").manual_seed(1)
     data = [torch.randint(0, VOCAB, (batch, seq + 1), generator=gen).to(args.device) for _ in range(4)]
     numel = sum(p.numel() for p in model.parameters())
-    groups = model.param_groups(loop.groups)
-    n_groups = len(groups) if isinstance(groups, list) else 1
     cpu_amp = " (on the CPU: no autocast, the scaler disabled)" if loop.amp == "fp16" and not loop.autocast else ""
     print("== %s: dim %d, %d blocks, %.0fM %s params, batch %d x %d tokens, %d timed steps after %d" % (
         name, dim, blocks, numel / 1e6, str(loop.param_dtype()).replace("torch.", ""), batch, seq, args.steps,
         args.warmup), flush=True)
-    print("   loop: --groups %s (%d group%s), --clip %s%s, --amp %s%s" % (
-        loop.groups, n_groups, "" if n_groups == 1 else "s", loop.clip,
-        "" if loop.max_norm is None else " (max_norm %g)" % loop.max_norm, loop.amp, cpu_amp), flush=True)
+    for each in loops:
+        groups = model.param_groups(each.groups)
+        n_groups = len(groups) if isinstance(groups, list) else 1
+        print("   loop: --groups %s (%d group%s), --clip %s%s, --amp %s%s" % (
+            each.groups, n_groups, "" if n_groups == 1 else "s", each.clip,
+            "" if each.max_norm is None else " (max_norm %g)" % each.max_norm, each.amp, cpu_amp), flush=True)
     if args.bucket_mb:
         print("   bucket_mb=%d %s" % (args.bucket_mb, "passed to ferry.torch.Optimizer" if has_option("bucket_mb")
                                       else "ignored: ferry.torch.Optimizer takes no bucket_mb"), flush=True)
+    # The bounds do not depend on the grouping: the passes run without an optimizer.
     fwd_bwd, wait, tail = compute_alone(model, data, loop, args)
     print("   forward + backward alone: %.1f ms" % (fwd_bwd * 1e3), flush=True)
     if wait is not None:
@@ -502,73 +325,89 @@ def bench_size(name, args):
     if clipped:
         print("   the same forward to the backward's end: %.1f ms (a clipped step's update waits for it)" % (
             tail * 1e3), flush=True)
+    bounds = (fwd_bwd, wait, tail if clipped else None)
     ok, rounds = True, max(1, args.repeat)
-    per_round = []  # each round's results
+    per_round = {each.groups: [] for each in loops}  # each grouping's results, a list per round
     for round_ in range(rounds):
+        for each in loops:
+            if rounds > 1 or len(loops) > 1:
+                print("  round %d of %d%s" % (round_ + 1, rounds, ", --groups " + each.groups if len(loops) > 1
+                                              else ""), flush=True)
+            results, rows_ok = run_rows(model, init, data, each, args, bounds)
+            ok = ok and rows_ok
+            print_table(results, each)
+            per_round[each.groups].append(results)
+    for each in loops:
         if rounds > 1:
-            print("  round %d of %d" % (round_ + 1, rounds), flush=True)
-        results = []
-        bounds = {}  # (policy, moments) -> the offloaded step alone, from the row without overlap
-        for row in rows_for(args):
-            iteration, losses, alone, why = run_row(row, model, init, data, loop, args)
-            results.append((row, iteration, losses, why))
-            if iteration is None:
-                print("   %-30s skipped: %s" % (row["name"], why), flush=True)
-                continue
-            line = "   %-30s %8.1f ms" % (row["name"], iteration * 1e3)
-            key = (row.get("policy"), str(row.get("policy_args")))
-            if alone is not None:
-                bounds[key] = alone
-            alone = bounds.get(key) if row.get("offloaded") else None
-            if alone is not None:
-                bound = "CPU-bound: the step alone exceeds fwd+bwd" if alone > fwd_bwd else \
-                    "GPU-bound: overlap can hide the step"
-                line += "   bound: step alone %.1f ms (%s)" % (alone * 1e3, bound)
-                if row.get("overlap") and clipped:
-                    floor = max(fwd_bwd, alone + tail)
-                    line += "   [%.2fx the larger of fwd+bwd and step alone + the forward's tail, %.1f ms]" % (
-                        iteration / floor, floor * 1e3)
-                elif row.get("overlap") and wait is not None:
-                    floor = max(fwd_bwd, alone + wait)
-                    line += "   [%.2fx the larger of fwd+bwd and step alone + the least wait, %.1f ms]" % (
-                        iteration / floor, floor * 1e3)
-            if row.get("deferred"):
-                line += "   [%d of %d steps deferred; the last one's update done %.1f ms after its GPU work]" % (
-                    row["deferred"], args.warmup + args.steps, 1e3 * row.get("tail", 0.0))
-            fraction = row.get("policy_args", {}).get("fraction")
-            if row.get("placed") and (fraction is not None or row.get("gpu_room")):
-                share, off, n = row["placed"]
-                line += "   [offloaded %.0f%% of the params: %d of %d param groups%s]" % (
-                    100 * share, off, n,
-                    "; placement is by group" if fraction is not None and abs(share - float(fraction)) > 0.1 else "")
-            line += cpu_text(row.get("cpu"))
-            clip_text, clip_ok = row["clip"]
-            if clip_text:
-                line += "   [%s]" % clip_text
-            if row.get("threads"):
-                line += "\n      " + bench_threads.text(row["threads"])
-            ok = ok and clip_ok
-            print(line, flush=True)
-        print_table(results, loop)
-        per_round.append(results)
-    if rounds > 1:
-        print_medians(per_round, loop)
-    if args.check_exact:
-        ref = next((r for r in results if r[0]["name"] == "ferry all_gpu" and r[1] is not None), None)
-        compared = 0
-        for row, _, losses, _ in results:
-            if row.get("exact") and ref is not None and losses is not None:
-                same = torch.equal(losses, ref[2])
-                ok = ok and same
-                compared += 1
-                print("   losses of %-30s %s ferry all_gpu's (%s)" % (row["name"], "==" if same else "!=",
-                      ", ".join("%.6f" % v for v in losses[:4].tolist())), flush=True)
-        if compared < 2:
-            print("   --check-exact: fewer than two fp32 ferry rows ran (ferry all_gpu and another): nothing compared",
-                  flush=True)
+            print_medians(per_round[each.groups], each)
+        if args.check_exact:
+            ok = check_losses(per_round[each.groups][-1]) and ok
+    if len(loops) > 1:
+        print_spread(per_round, loops)
     del model
     gc.collect()
     return ok
+
+
+def run_rows(model, init, data, loop, args, bounds):
+    """One round of the rows in `loop`'s shape, each printed with its bounds: (results, whether every
+    clip did what --clip promises). results: (row, iteration, losses, why skipped) per row; an
+    offloaded row's row["alone"] is the offloaded step alone of its placement in this round."""
+    fwd_bwd, wait, tail = bounds
+    ok, results = True, []
+    alone_of = {}  # (policy, its args) -> the offloaded step alone, from the row without overlap
+    for row in rows_for(args):
+        iteration, losses, alone, why = run_row(row, model, init, data, loop, args)
+        results.append((row, iteration, losses, why))
+        if iteration is None:
+            print("   %-30s skipped: %s" % (row["name"], why), flush=True)
+            continue
+        line = "   %-30s %8.1f ms" % (row["name"], iteration * 1e3)
+        key = (row.get("policy"), str(row.get("policy_args")))
+        if alone is not None:
+            alone_of[key] = alone
+        alone = row["alone"] = alone_of.get(key) if row.get("offloaded") else None
+        if alone is not None:
+            bound = "CPU-bound: the step alone exceeds fwd+bwd" if alone > fwd_bwd else \
+                "GPU-bound: overlap can hide the step"
+            line += "   bound: step alone %.1f ms (%s)" % (alone * 1e3, bound)
+            if row.get("overlap") and tail is not None:
+                floor = max(fwd_bwd, alone + tail)
+                line += "   [%.2fx the larger of fwd+bwd and step alone + the forward's tail, %.1f ms]" % (
+                    iteration / floor, floor * 1e3)
+            elif row.get("overlap") and wait is not None:
+                floor = max(fwd_bwd, alone + wait)
+                line += "   [%.2fx the larger of fwd+bwd and step alone + the least wait, %.1f ms]" % (
+                    iteration / floor, floor * 1e3)
+        if row.get("deferred"):
+            line += "   [%d of %d steps deferred; the last one's update done %.1f ms after its GPU work]" % (
+                row["deferred"], args.warmup + args.steps, 1e3 * row.get("tail", 0.0))
+        fraction = row.get("policy_args", {}).get("fraction")
+        if row.get("placed") and (fraction is not None or row.get("gpu_room")):
+            share, off, n = row["placed"]
+            line += "   [offloaded %.0f%% of the params: %d of %d param groups%s]" % (
+                100 * share, off, n,
+                "; placement is by group" if fraction is not None and abs(share - float(fraction)) > 0.1 else "")
+        line += cpu_text(row.get("cpu"))
+        clip_text, clip_ok = row["clip"]
+        if clip_text:
+            line += "   [%s]" % clip_text
+        if row.get("threads"):
+            line += "\n      " + bench_threads.text(row["threads"])
+        ok = ok and clip_ok
+        print(line, flush=True)
+    return results, ok
+
+
+def groupings(text):
+    """--groups: one grouping or several, comma-separated, each one bench_model's layouts."""
+    names = text.split(",")
+    for name in names:
+        if name not in GROUPINGS:
+            raise argparse.ArgumentTypeError("unknown grouping %r (of %s)" % (name, ", ".join(GROUPINGS)))
+    if len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError("a grouping named twice in %r" % text)
+    return text
 
 
 def main():
@@ -596,10 +435,12 @@ def main():
                     "ferry.torch that takes no bucket_mb)")
     ap.add_argument("--no-attach", action="store_true",
                     help="overlap rows without opt.attach(model): the next forward waits for every upload")
-    ap.add_argument("--groups", default="block", choices=["block", "split", "joined", "one", "decay"],
+    ap.add_argument("--groups", default="block", type=groupings,
                     help="the param groups of every row, torch's included. block (default; split is the same): "
                     "embeddings, a group per block, head; joined: blocks, then embeddings + head; one: "
-                    "model.parameters(); decay: dim >= 2 with weight decay, the rest without (nanoGPT, HF Trainer)")
+                    "model.parameters(); decay: dim >= 2 with weight decay, the rest without (nanoGPT, HF Trainer). "
+                    "Several, comma-separated (one,decay,block): each round runs every grouping's rows, "
+                    "alternated, and the run ends with each row's median per grouping and their spread")
     ap.add_argument("--clip", default="none", choices=list(CLIP_NORMS),
                     help="none; opt: clip_grad_norm_(1e9) between backward and step, never reached (ferry rows: "
                     "opt.clip_grad_norm_, torch's: torch.nn.utils.clip_grad_norm_); reached: max_norm 1e-3, "

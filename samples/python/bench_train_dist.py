@@ -51,8 +51,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_model  # noqa: E402  (the model, its sizes and param groups)
+import bench_report  # noqa: E402  (the CPU notes, --repeat's medians)
 import bench_threads  # noqa: E402  (where the threads spent the timed steps)
-import bench_train  # noqa: E402  (the rows' options and CPU notes)
+import bench_train  # noqa: E402  (the rows' options)
 import dist_launch  # noqa: E402
 from fsdp2_sample import fsdp2  # noqa: E402
 
@@ -228,7 +229,7 @@ def threads_by_rank(threads, device):
 
 
 def run_row(row, args, device, rank, world, local_rank, data):
-    """(slowest rank's iteration time in s, this rank's losses, bench_train.cpu_update's dict of this
+    """(slowest rank's iteration time in s, this rank's losses, bench_report.cpu_update's dict of this
     rank's timed steps or None)."""
     outer, opt = build(row, args, device, world, local_rank)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
@@ -273,7 +274,7 @@ def run_row(row, args, device, rank, world, local_rank, data):
     row["threads"] = threads_by_rank(threads, device)
     slowest = torch.tensor([mine], dtype=torch.float64, device=device if dist.get_backend() == "nccl" else "cpu")
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    stats = bench_train.cpu_update(before, after, args.steps) if row["kind"] == "ferry" else None
+    stats = bench_report.cpu_update(before, after, args.steps) if row["kind"] == "ferry" else None
     if phases is not None:
         row["phases"] = phases.summary()
     del outer, opt
@@ -321,7 +322,7 @@ def worker(rank, world, local_rank, args):
             if base:
                 line += "  %5.2fx all-GPU DDP" % (iteration / base)
             runs.setdefault(row["name"], []).append((iteration, iteration / base if base else None))
-            line += bench_train.cpu_text(stats, "rank 0")
+            line += bench_report.cpu_text(stats, "rank 0")
             if row.get("phases"):
                 line += "\n      GPU time per iteration (rank 0 / the slowest rank): " + ", ".join(
                     "%s %.1f / %.1f ms" % (name, m, x) for name, (m, x) in row["phases"].items())
@@ -349,7 +350,7 @@ def worker(rank, world, local_rank, args):
     if rounds > 1 and rank == 0:
         print("  over %d rounds, alternated: the median (the range)" % rounds, flush=True)
         for name, got in runs.items():
-            print(bench_train.median_line("%-30s" % name, [t for t, _ in got], [r for _, r in got if r is not None],
+            print(bench_report.median_line("%-30s" % name, [t for t, _ in got], [r for _, r in got if r is not None],
                                           "all-GPU DDP"), flush=True)
     if not ok:
         raise SystemExit("FAILED: the losses of an overlap row differ from the same row without overlap")

@@ -1,4 +1,4 @@
-"""samples/python/bench_train.py's FirstGradsWait: the least time of an iteration in which an
+"""samples/python/bench_bounds.py's FirstGradsWait: the least time of an iteration in which an
 overlapped, CPU-bound loop leaves CPU Adam nothing to do, from the forward of the module whose param a
 backward finishes first to that grad. On the CPU it times the host's clock, on CUDA events (the GPU
 idle between the host's launches, so they follow the host's sleeps); a model with known sleeps says
@@ -11,7 +11,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "samples", "python"))
-import bench_train  # noqa: E402
+import bench_bounds  # noqa: E402
 
 BEFORE_S, FORWARD_S, BACKWARD_S, AFTER_S = 0.15, 0.03, 0.03, 0.04
 
@@ -53,7 +53,7 @@ class Net(torch.nn.Module):
 def test_it_times_the_head_forward_to_its_grads_and_not_the_iteration(device):
     torch.manual_seed(0)
     net, x = Net().to(device), torch.randn(4, 8, device=device)
-    wait = bench_train.FirstGradsWait(net, cuda=device.type == "cuda")
+    wait = bench_bounds.FirstGradsWait(net, cuda=device.type == "cuda")
     net(x).backward()
     assert wait.first is net.head.weight or wait.first is net.head.bias
     wait.arm()
@@ -76,7 +76,7 @@ def test_it_times_the_head_forward_to_its_grads_and_not_the_iteration(device):
 
 def test_nothing_timed_without_a_backward_before_arm(device):
     net = Net().to(device)
-    wait = bench_train.FirstGradsWait(net, cuda=device.type == "cuda")
+    wait = bench_bounds.FirstGradsWait(net, cuda=device.type == "cuda")
     wait.arm()
     net(torch.randn(2, 8, device=device)).backward()
     assert wait.owner is None
