@@ -39,14 +39,17 @@ def cpu_update(before, after, steps):
             "skipped": after["skipped_steps"] - before["skipped_steps"], "workers": after.get("cpu_threads")}
 
 
-def cpu_text(cpu, whose=""):
+def cpu_text(cpu, whose="", iteration=None):
     """cpu_update's dict as a bracketed note for a row's line ('' for None); `whose` ends it (e.g.
-    "rank 0")."""
+    "rank 0"). With the row's `iteration` (s), also the iteration less CPU Adam's time: where the
+    loop is bound by the CPU update, the time the overlap left CPU Adam nothing to do."""
     if cpu is None:
         return ""
     text = "   [CPU Adam %.1f ms/step at %.1f GB/s" % (cpu["ms"], cpu["gbs"])
     if cpu.get("workers"):
         text += " on %d worker%s" % (cpu["workers"], "" if cpu["workers"] == 1 else "s")
+    if iteration is not None:
+        text += " (the iteration less it: %.1f ms)" % (iteration * 1e3 - cpu["ms"])
     if cpu["huge"] is not None:
         text += ", pinned memory %.0f%% huge pages" % (100 * cpu["huge"])
     if cpu.get("spare"):

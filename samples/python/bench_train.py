@@ -388,7 +388,7 @@ def run_rows(model, init, data, loop, args, bounds):
             line += "   [offloaded %.0f%% of the params: %d of %d param groups%s]" % (
                 100 * share, off, n,
                 "; placement is by group" if fraction is not None and abs(share - float(fraction)) > 0.1 else "")
-        line += cpu_text(row.get("cpu"))
+        line += cpu_text(row.get("cpu"), iteration=iteration if row.get("overlap") else None)
         clip_text, clip_ok = row["clip"]
         if clip_text:
             line += "   [%s]" % clip_text

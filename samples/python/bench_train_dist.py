@@ -322,7 +322,7 @@ def worker(rank, world, local_rank, args):
             if base:
                 line += "  %5.2fx all-GPU DDP" % (iteration / base)
             runs.setdefault(row["name"], []).append((iteration, iteration / base if base else None))
-            line += bench_report.cpu_text(stats, "rank 0")
+            line += bench_report.cpu_text(stats, "rank 0", iteration if row.get("overlap") else None)
             if row.get("phases"):
                 line += "\n      GPU time per iteration (rank 0 / the slowest rank): " + ", ".join(
                     "%s %.1f / %.1f ms" % (name, m, x) for name, (m, x) in row["phases"].items())
