@@ -76,6 +76,7 @@ class Model(torch.nn.Module):
         return [{"params": list(self.embed.parameters())}] + blocks + [{"params": head}]
 
 
+LAYOUTS = ("block", "split", "joined", "one", "decay")  # --groups: Model.param_groups' layouts
 CLIP_NORMS = {"none": None, "opt": 1.0e9, "reached": 1.0e-3}  # --clip: the max_norm of the clip calls
 
 

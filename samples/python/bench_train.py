@@ -77,10 +77,8 @@ import ferry.torch
 
 from bench_bounds import compute_alone
 from bench_report import check_losses, cpu_text, cpu_update, print_medians, print_spread, print_table
-from bench_model import CLIP_NORMS, SIZES, VOCAB, Loop, Model
+from bench_model import CLIP_NORMS, LAYOUTS, SIZES, VOCAB, Loop, Model
 import bench_threads
-
-GROUPINGS = ("block", "split", "joined", "one", "decay")
 
 
 def has_option(name):
@@ -403,8 +401,8 @@ def groupings(text):
     """--groups: one grouping or several, comma-separated, each one bench_model's layouts."""
     names = text.split(",")
     for name in names:
-        if name not in GROUPINGS:
-            raise argparse.ArgumentTypeError("unknown grouping %r (of %s)" % (name, ", ".join(GROUPINGS)))
+        if name not in LAYOUTS:
+            raise argparse.ArgumentTypeError("unknown grouping %r (of %s)" % (name, ", ".join(LAYOUTS)))
     if len(set(names)) != len(names):
         raise argparse.ArgumentTypeError("a grouping named twice in %r" % text)
     return text
