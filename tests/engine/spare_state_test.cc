@@ -46,6 +46,20 @@ std::unique_ptr<Engine> MakeSpareEngine(Device* device, Model& model, double fra
   return MakeFinalizedEngine(o, [&](Engine& e) { return model.Register(e, groups); });
 }
 
+// Each of `model`'s params, once `e` has uploaded it (WaitParamsOf), bit for bit `ref_model`'s after
+// the same step.
+::testing::AssertionResult ParamsMatchAfterStep(Engine& e, const Model& model, const Model& ref_model, int step) {
+  for (size_t k = 0; k < model.size(); ++k) {
+    if (absl::Status s = e.WaitParamsOf({model.name(k)}); !s.ok()) {
+      return ::testing::AssertionFailure() << "step " << step << ", WaitParamsOf(" << model.name(k) << "): " << s;
+    }
+    if (model.Param(k) != ref_model.Param(k)) {
+      return ::testing::AssertionFailure() << "step " << step << ", tensor " << k << " differs from Step alone's";
+    }
+  }
+  return ::testing::AssertionSuccess();
+}
+
 // Under a spare-state budget, some groups speculate and the others update once Step knows the step.
 // When CPU Adam is behind the backward, speculating parts are still waiting when Step queues the
 // rest: all of it must then go in the order the next forward needs it, the speculating parts
@@ -86,10 +100,7 @@ TEST(SpareStateBudgetTest, WhatStepQueuesInterleavesWithTheSpeculationByTheForwa
       deferred.wait_for_params = false;
       ASSERT_OK(e->Step(deferred));
       ASSERT_OK(ref->Step(options));
-      for (size_t k = 0; k < kLayers; ++k) {
-        ASSERT_OK(e->WaitParamsOf({model.name(k)}));
-        ASSERT_EQ(model.Param(k), ref_model.Param(k)) << "step " << step << ", tensor " << k;
-      }
+      ASSERT_TRUE(ParamsMatchAfterStep(*e, model, ref_model, step));
     }
     const EngineStats stats = e->Stats();
     EXPECT_EQ(stats.deferred_steps, kSteps);
@@ -180,10 +191,7 @@ TEST_P(KeptInPlaceTest, ParamsBegunAfterAKeptStepRunInPlace) {
       mine.wait_for_params = step % 2 == 0;
       ASSERT_OK(e->Step(mine));
       ASSERT_OK(ref->Step(options));
-      for (size_t k = 0; k < kLayers; ++k) {
-        ASSERT_OK(e->WaitParamsOf({model.name(k)}));
-        ASSERT_EQ(model.Param(k), ref_model.Param(k)) << "step " << step << ", tensor " << k;
-      }
+      ASSERT_TRUE(ParamsMatchAfterStep(*e, model, ref_model, step));
     }
     const EngineStats stats = e->Stats();
     EXPECT_EQ(stats.early_groups_kept, static_cast<int64_t>(kSteps * groups));
@@ -266,10 +274,7 @@ TEST(SpareStateBudgetTest, ABegunParamGoesDownWholeBeforeTheKeep) {
     mine.wait_for_params = step % 2 == 0;
     ASSERT_OK(e->Step(mine));
     ASSERT_OK(ref->Step(options));
-    for (size_t k = 0; k < sizes.size(); ++k) {
-      ASSERT_OK(e->WaitParamsOf({model.name(k)}));
-      ASSERT_EQ(model.Param(k), ref_model.Param(k)) << "step " << step << ", tensor " << k;
-    }
+    ASSERT_TRUE(ParamsMatchAfterStep(*e, model, ref_model, step));
     ASSERT_OK(e->Synchronize());
     const EngineStats after = e->Stats();
     // Out of place: the large param, and the small ones only if the large one was all down before
