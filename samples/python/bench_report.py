@@ -118,7 +118,7 @@ def print_spread(per_round, loops):
     """Several groupings (--groups a,b,...): each row's median iteration per grouping over the rounds,
     how far apart the groupings lie (the largest median over the smallest, less 1), and for an
     offloaded row whose step alone ran, the median of its ratio to the larger of the round's ferry
-    all_gpu and that step alone."""
+    all_gpu and that step alone; for an overlapped row, the groupings' idle CPU too (idle_line)."""
     first = per_round[loops[0].groups][0]
     print("   the groupings, alternated over %d round%s: each row's median; spread = the largest / the smallest - 1"
           % (len(per_round[loops[0].groups]), "" if len(per_round[loops[0].groups]) == 1 else "s"), flush=True)
@@ -143,3 +143,25 @@ def print_spread(per_round, loops):
         if len(medians) == len(loops):
             print("   %-30s %s   spread %.1f%%" % (row["name"], ", ".join(cells),
                                                    100 * (max(medians) / min(medians) - 1)), flush=True)
+            idle = idle_line(per_round, loops, i, statistics.median(medians))
+            if idle:
+                print(idle, flush=True)
+
+
+def idle_line(per_round, loops, i, iteration):
+    """For an overlapped row whose CPU update was measured in every grouping: each grouping's median
+    of the iteration less CPU Adam's time (what the overlap left CPU Adam nothing to do), and how far
+    apart those lie in ms and as a share of the row's median `iteration` (s). Where the loop is bound
+    by the CPU update, its iteration follows the host's memory bandwidth, which drifts from minute to
+    minute; this part does not, and is what the grouping changes. None where it does not apply."""
+    cells, idles = [], []
+    for each in loops:
+        vals = [r[i][1] * 1e3 - r[i][0]["cpu"]["ms"] for r in per_round[each.groups]
+                if r[i][1] is not None and r[i][0].get("overlap") and r[i][0].get("cpu")]
+        if not vals:
+            return None
+        idles.append(statistics.median(vals))
+        cells.append("%s %.1f ms" % (each.groups, idles[-1]))
+    apart = max(idles) - min(idles)
+    return "   %-30s the iteration less CPU Adam: %s; %.1f ms apart (%.1f%% of the iteration)" % (
+        "", ", ".join(cells), apart, 100 * apart / (iteration * 1e3))

@@ -69,3 +69,34 @@ def test_cpu_note_gives_the_iteration_less_cpu_adam():
     assert text.endswith(", rank 0]")
     assert "the iteration less it" not in bench_report.cpu_text(cpu)
     assert bench_report.cpu_text(None, "rank 0", 0.17) == ""
+
+
+def test_spread_gives_the_groupings_idle_cpu_apart(monkeypatch):
+    """An overlapped row's iteration less CPU Adam per grouping (each grouping's median), and how far
+    apart those lie: the host's drift moves CPU Adam's time, not this."""
+    loops = [types.SimpleNamespace(groups="one"), types.SimpleNamespace(groups="block")]
+
+    def overlapped(iteration, cpu_ms):
+        row, it, losses, why = result("ferry offload + overlap", iteration, alone=0.13)
+        row.update(overlap=True, cpu={"ms": cpu_ms})
+        return (row, it, losses, why)
+
+    # one: idles 17.0, 19.0, 18.5 -> median 18.5; block: 21.0, 20.0, 30.0 -> median 21.0 (the CPU time
+    # drifting from 120 to 150 ms between rounds moves the iteration, not the idle).
+    per_round = {
+        "one": [[overlapped(0.137, 120.0)], [overlapped(0.169, 150.0)], [overlapped(0.1485, 130.0)]],
+        "block": [[overlapped(0.141, 120.0)], [overlapped(0.170, 150.0)], [overlapped(0.160, 130.0)]],
+    }
+    lines = printed(monkeypatch)
+    bench_report.print_spread(per_round, loops)
+    idle = next(line for line in lines if "the iteration less CPU Adam" in line)
+    assert "one 18.5 ms" in idle and "block 21.0 ms" in idle
+    assert "2.5 ms apart" in idle
+    # the share is of the median of the groupings' median iterations: (148.5 + 160.0) / 2
+    share = float(re.search(r"\(([0-9.]+)% of the iteration\)", idle).group(1))
+    assert abs(share - 100 * 2.5 / ((148.5 + 160.0) / 2)) < 0.05
+    # a row without the CPU update (no overlap) has no such line
+    per_round = {"one": [[result("ferry offload", 0.2)]], "block": [[result("ferry offload", 0.21)]]}
+    lines = printed(monkeypatch)
+    bench_report.print_spread(per_round, loops)
+    assert not any("the iteration less CPU Adam" in line for line in lines)
