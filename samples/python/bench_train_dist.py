@@ -228,6 +228,18 @@ def threads_by_rank(threads, device):
     return threads, [t.tolist() for t in every]
 
 
+def cpu_by_rank(stats, device):
+    """[[CPU Adam's busy ms per step, its GB/s] per rank] from each rank's bench_report.cpu_update
+    dict, or None where no rank's CPU update ran (collective: every rank calls it for every row). The
+    forward of the next step runs at the pace of the rank whose update of each layer ends last."""
+    mine = torch.tensor([stats["ms"], stats["gbs"]] if stats else [0.0, 0.0], dtype=torch.float64,
+                        device=device if dist.get_backend() == "nccl" else "cpu")
+    every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    every = [t.tolist() for t in every]
+    return every if any(ms > 0 for ms, _ in every) else None
+
+
 def run_row(row, args, device, rank, world, local_rank, data):
     """(slowest rank's iteration time in s, this rank's losses, bench_report.cpu_update's dict of this
     rank's timed steps or None)."""
@@ -275,6 +287,7 @@ def run_row(row, args, device, rank, world, local_rank, data):
     slowest = torch.tensor([mine], dtype=torch.float64, device=device if dist.get_backend() == "nccl" else "cpu")
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     stats = bench_report.cpu_update(before, after, args.steps) if row["kind"] == "ferry" else None
+    row["cpu_ranks"] = cpu_by_rank(stats, device)
     if phases is not None:
         row["phases"] = phases.summary()
     del outer, opt
@@ -334,6 +347,9 @@ def worker(rank, world, local_rank, args):
                 if world > 1:
                     line += "\n      each rank's trainer thread, ms per step on a CPU + waiting for one: " + ", ".join(
                         "%.1f + %.1f" % (c, w) for c, w in trainers)
+            if world > 1 and row.get("cpu_ranks"):
+                line += "\n      each rank's CPU Adam, ms per step (GB/s): " + ", ".join(
+                    "%.1f (%.1f)" % (ms, gbs) for ms, gbs in row["cpu_ranks"])
             if args.profile and row["kind"] == "ferry" and world > 1:
                 line += "\n      which rank each collective waited for: ferry trace %s" % os.path.join(
                     args.profile, "%s.rank-*.json" % bench_train.row_slug(row))
