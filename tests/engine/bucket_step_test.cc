@@ -283,6 +283,25 @@ TEST_P(DeferredOrderTest, AClippedStepUpdatesLayersInForwardOrder) {
           << before.args.at("part") << ": the early thread takes it first, though the forward needs it later";
     }
   }
+  // Each part's end names the step its update computes (`ferry trace` lines the ranks' update ends up
+  // by it): steps 1 to kSteps, each step's parts done before the next step's begin.
+  std::map<int, std::pair<double, double>> parts_of_step;  // step -> its first part's start, last part's end
+  for (const TraceFileEvent& ev : trace->events) {
+    if (ev.name != "early.part_done") continue;
+    ASSERT_EQ(ev.args.count("step"), 1u) << "an early.part_done span without its step";
+    auto [it, fresh] = parts_of_step.try_emplace(static_cast<int>(ev.args.at("step")), ev.ts_us, ev.ts_us + ev.dur_us);
+    if (!fresh) {
+      it->second.first = std::min(it->second.first, ev.ts_us);
+      it->second.second = std::max(it->second.second, ev.ts_us + ev.dur_us);
+    }
+  }
+  ASSERT_EQ(parts_of_step.size(), static_cast<size_t>(kSteps));
+  EXPECT_EQ(parts_of_step.begin()->first, 1);
+  EXPECT_EQ(parts_of_step.rbegin()->first, kSteps);
+  for (auto it = parts_of_step.begin(); std::next(it) != parts_of_step.end(); ++it) {
+    EXPECT_LE(it->second.second, std::next(it)->second.first)
+        << "step " << it->first << "'s last part ended after step " << std::next(it)->first << "'s first began";
+  }
 }
 
 // Announced during the backward (the last layer first), and after it in forward order (a trainer

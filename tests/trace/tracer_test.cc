@@ -16,6 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
+#include "trace/rank_arrivals.h"
 #include "trace/trace_file.h"
 
 namespace ferry {
@@ -451,6 +452,41 @@ TEST(TraceFileTest, RankArrivalsNameTheLastRankOfEachStep) {
   one.steady_epoch_us = 0;
   one.events.push_back(TraceFileEvent{.name = "step", .pid = 0, .ts_us = 0});
   EXPECT_TRUE(RankArrivals(one).empty()) << "one rank";
+}
+
+// Per step every rank has: the end of each rank's last early.part_done of that step (its `step` arg),
+// the spread and the rank whose update ended last.
+TEST(TraceFileTest, UpdateEndsNameTheRankWhoseUpdateEndsLast) {
+  TraceFile t;
+  auto part = [&](int pid, double ts, double dur, double step) {
+    TraceFileEvent e{.name = "early.part_done", .pid = pid, .ts_us = ts, .dur_us = dur};
+    e.args["part"] = 0;
+    e.args["step"] = step;
+    t.events.push_back(e);
+  };
+  part(0, 1000, 10, 4), part(0, 3000, 20, 4), part(1, 2000, 5, 4);  // step 4: rank 0 last (3020 against 2005 us)
+  part(1, 9500, 0, 5), part(0, 7000, 0, 5);                         // step 5: rank 1 last by 2.5 ms
+  part(0, 12000, 0, 6);                                              // step 6: rank 0's only, left out
+  t.events.push_back(TraceFileEvent{.name = "early.part_done", .pid = 1, .ts_us = 50000});  // no step: left out
+  const std::vector<RankArrival> u = UpdateEnds(t);
+  ASSERT_EQ(u.size(), 2u);
+  EXPECT_EQ(u[0].step, 4u);
+  EXPECT_EQ(u[0].last, 0);
+  EXPECT_DOUBLE_EQ(u[0].spread_ms, 1.015);
+  EXPECT_EQ(u[1].step, 5u);
+  EXPECT_EQ(u[1].last, 1);
+  EXPECT_DOUBLE_EQ(u[1].spread_ms, 2.5);
+  EXPECT_EQ(FormatRankArrivals(t), "") << "not on one clock";
+  t.steady_epoch_us = 0;
+  EXPECT_EQ(FormatRankArrivals(t),
+            "ranks ending their update of a step (its last part's upload enqueued): the last 2.5 ms after the first at "
+            "the median of 2 steps, 2.5 ms at most (step 5, rank 1 last); last: rank 0 1 time, rank 1 1 time\n"
+            "  (under ZeRO-1 and FSDP2 the next forward needs every rank's part of a layer: it runs at the\n"
+            "  pace of the rank whose update ends last)\n")
+      << "no step spans: the update ends alone";
+  TraceFile one;
+  one.events.push_back(t.events.front());
+  EXPECT_TRUE(UpdateEnds(one).empty()) << "one rank";
 }
 
 // Two tracers started apart (two ranks' engines) mark one moment: merged, the two spans line up.

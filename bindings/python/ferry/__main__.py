@@ -12,10 +12,10 @@ def trace(argv):
     parser = argparse.ArgumentParser(
         prog="python3 -m ferry trace",
         description="Summarizes trace files, one per rank: Ferry's (per stage, beside the ceilings given; each "
-                    "iteration; the ranks reaching their step) or torch.profiler's (per kind of collective, how far "
-                    "apart the ranks started it, which rank came last and whether its host launched it late; each "
-                    "rank's compute stream's idle time). The `ferry` command prints the same and also measures "
-                    "ceilings and draws a step's timeline.")
+                    "iteration; the ranks reaching their step and ending their update of it) or torch.profiler's "
+                    "(per kind of collective, how far apart the ranks started it, which rank came last and whether "
+                    "its host launched it late; each rank's compute stream's idle time). The `ferry` command prints "
+                    "the same and also measures ceilings and draws a step's timeline.")
     parser.add_argument("files", nargs="+", metavar="FILE")
     parser.add_argument("--ceiling", default="", metavar="KEY=GBPS,...",
                         help="ceilings in GB/s for Ferry's traces, e.g. d2h=55,h2d=55,mem=120,disk=5")

@@ -99,7 +99,11 @@ absl::Status HybridOptimizer::RunEarlyPass(EarlyItem first) {
   // it is in a part and every part is done (group_uploaded_, for WaitParams).
   auto finish_part = [&](const GroupWork& w) -> absl::Status {
     TraceSpan done(tracer, "early.part_done", "optim");
-    if (done.on()) done.Arg("part", static_cast<double>(w.part));
+    if (done.on()) {
+      done.Arg("part", static_cast<double>(w.part));
+      // The step its update computes (`ferry trace` lines up the ranks' update ends by it).
+      if (!w.groups.empty()) done.Arg("step", static_cast<double>(steps[w.groups.front()]));
+    }
     Stream& h2d = transfer_->h2d_stream();
     FERRY_RETURN_IF_ERROR(h2d.Record(*w.uploaded));
     {

@@ -406,57 +406,6 @@ std::string FormatIterations(const std::vector<IterationSummary>& iterations, si
   return out;
 }
 
-std::vector<RankArrival> RankArrivals(const TraceFile& trace) {
-  std::map<int, std::vector<double>> starts;  // rank -> its step spans' starts, in order
-  for (const TraceFileEvent& e : trace.events) {
-    if (e.name == "step") starts[e.pid].push_back(e.ts_us);
-  }
-  std::vector<RankArrival> out;
-  if (starts.size() < 2) return out;
-  size_t steps = SIZE_MAX;
-  for (auto& [pid, ts] : starts) {
-    std::sort(ts.begin(), ts.end());
-    steps = std::min(steps, ts.size());
-  }
-  for (size_t k = 0; k < steps; ++k) {
-    double first = 0.0, last = 0.0;
-    int last_rank = 0;
-    bool any = false;
-    for (const auto& [pid, ts] : starts) {
-      if (!any || ts[k] < first) first = ts[k];
-      if (!any || ts[k] > last) last = ts[k], last_rank = pid;
-      any = true;
-    }
-    out.push_back(RankArrival{.step = k, .spread_ms = (last - first) / 1e3, .last = last_rank});
-  }
-  return out;
-}
-
-std::string FormatRankArrivals(const TraceFile& trace) {
-  if (trace.steady_epoch_us < 0) return "";
-  const std::vector<RankArrival> arrivals = RankArrivals(trace);
-  if (arrivals.empty()) return "";
-  std::vector<double> spreads;
-  std::map<int, int> last;
-  const RankArrival* worst = &arrivals.front();
-  for (const RankArrival& a : arrivals) {
-    spreads.push_back(a.spread_ms);
-    ++last[a.last];
-    if (a.spread_ms > worst->spread_ms) worst = &a;
-  }
-  std::sort(spreads.begin(), spreads.end());
-  std::string out = absl::StrFormat(
-      "ranks reaching their step (one clock): the last %.1f ms after the first at the median of %d steps, "
-      "%.1f ms at most (step %d, rank %d last); last:",
-      spreads[spreads.size() / 2], arrivals.size(), worst->spread_ms, worst->step, worst->last);
-  for (const auto& [rank, n] : last) absl::StrAppendFormat(&out, " rank %d %d time%s,", rank, n, n == 1 ? "" : "s");
-  out.back() = '\n';
-  absl::StrAppend(&out,
-                  "  (the hosts' arrival: a host far ahead of its GPU comes early; which rank each collective waited\n"
-                  "  for on the GPUs: ferry trace of the ranks' torch.profiler traces)\n");
-  return out;
-}
-
 absl::StatusOr<std::pair<double, double>> EventWindow(const TraceFile& trace, const std::string& name, size_t index) {
   std::vector<const TraceFileEvent*> found;
   for (const TraceFileEvent& e : trace.events) {

@@ -110,23 +110,6 @@ std::vector<IterationSummary> Iterations(const TraceFile& trace);
 // The iterations as a table, one line each (the first `max_rows` of each rank, then its mean).
 std::string FormatIterations(const std::vector<IterationSummary>& iterations, size_t max_rows = 30);
 
-// When each rank's trainer reached its step, for traces of several ranks on one clock (MergeTraces):
-// per step index that every rank has, the ranks' `step` span starts, latest less earliest, and the
-// rank that came last: the hosts' arrival. A host that runs far ahead of its GPU arrives early, so a
-// spread here need not be the GPUs': on the 4 x H100 host the hosts reached their step 62.6 ms apart
-// at the median while the backward's reduce-scatters started 0.46 ms apart. Which rank each
-// collective waited for on the GPUs: torch.profiler's traces (trace/rank_profiles.h).
-struct RankArrival {
-  size_t step = 0;
-  double spread_ms = 0.0;  // the last rank's step start less the first's
-  int last = 0;            // the rank that came last
-};
-std::vector<RankArrival> RankArrivals(const TraceFile& trace);
-
-// The arrivals in a few lines: the median and largest spread, how often each rank came last, and
-// where the GPUs' waits are read; empty for one rank, or files not on one clock.
-std::string FormatRankArrivals(const TraceFile& trace);
-
 struct SvgOptions {
   // The time window drawn, microseconds; both unset: the whole trace.
   std::optional<double> from_us;

@@ -4,6 +4,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
+#include "trace/rank_arrivals.h"
 #include "trace/rank_profiles.h"
 
 namespace ferry {
