@@ -428,6 +428,12 @@ TEST(TraceFileTest, MergeTracesPutsOneHostsFilesOnOneClock) {
   EXPECT_LT(mixed->steady_epoch_us, 0) << "not every file is on one clock";
 }
 
+void ExpectArrival(const RankArrival& a, size_t step, int last, double spread_ms) {
+  EXPECT_EQ(a.step, step);
+  EXPECT_EQ(a.last, last) << "step " << step;
+  EXPECT_DOUBLE_EQ(a.spread_ms, spread_ms) << "step " << step;
+}
+
 // Per step index every rank has: the spread of the ranks' step starts and the rank that came last.
 TEST(TraceFileTest, RankArrivalsNameTheLastRankOfEachStep) {
   TraceFile t;
@@ -437,10 +443,8 @@ TEST(TraceFileTest, RankArrivalsNameTheLastRankOfEachStep) {
   step(2, 20000);                               // rank 2's third: no other rank has one
   const std::vector<RankArrival> a = RankArrivals(t);
   ASSERT_EQ(a.size(), 2u);
-  EXPECT_EQ(a[0].last, 1);
-  EXPECT_DOUBLE_EQ(a[0].spread_ms, 0.5);
-  EXPECT_EQ(a[1].last, 0);
-  EXPECT_DOUBLE_EQ(a[1].spread_ms, 4.0);
+  ExpectArrival(a[0], 0, 1, 0.5);
+  ExpectArrival(a[1], 1, 0, 4.0);
   EXPECT_EQ(FormatRankArrivals(t), "") << "not on one clock";
   t.steady_epoch_us = 0;
   EXPECT_EQ(FormatRankArrivals(t),
@@ -470,12 +474,8 @@ TEST(TraceFileTest, UpdateEndsNameTheRankWhoseUpdateEndsLast) {
   t.events.push_back(TraceFileEvent{.name = "early.part_done", .pid = 1, .ts_us = 50000});  // no step: left out
   const std::vector<RankArrival> u = UpdateEnds(t);
   ASSERT_EQ(u.size(), 2u);
-  EXPECT_EQ(u[0].step, 4u);
-  EXPECT_EQ(u[0].last, 0);
-  EXPECT_DOUBLE_EQ(u[0].spread_ms, 1.015);
-  EXPECT_EQ(u[1].step, 5u);
-  EXPECT_EQ(u[1].last, 1);
-  EXPECT_DOUBLE_EQ(u[1].spread_ms, 2.5);
+  ExpectArrival(u[0], 4, 0, 1.015);
+  ExpectArrival(u[1], 5, 1, 2.5);
   EXPECT_EQ(FormatRankArrivals(t), "") << "not on one clock";
   t.steady_epoch_us = 0;
   EXPECT_EQ(FormatRankArrivals(t),
