@@ -219,24 +219,30 @@ def timed_end(opt, row, sync, t0, threads0, steps):
     return iteration, stats, threads
 
 
+def collective_device(device):
+    """Where a small tensor for a collective lives: the GPU under NCCL, else the CPU."""
+    return device if dist.get_backend() == "nccl" else "cpu"
+
+
+def gather_by_rank(values, device):
+    """`values` (a few floats, the same count on every rank) of every rank, in rank order (collective)."""
+    mine = torch.tensor(values, dtype=torch.float64, device=collective_device(device))
+    every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    return [t.tolist() for t in every]
+
+
 def threads_by_rank(threads, device):
     """(this rank's bench_threads.use() dict, [[trainer ms on a CPU, ms waiting for one] per rank])."""
     trainer = threads.get("trainer", [1, 0.0, 0.0])
-    mine = torch.tensor(trainer[1:], dtype=torch.float64, device=device if dist.get_backend() == "nccl" else "cpu")
-    every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(every, mine)
-    return threads, [t.tolist() for t in every]
+    return threads, gather_by_rank(trainer[1:], device)
 
 
 def cpu_by_rank(stats, device):
     """[[CPU Adam's busy ms per step, its GB/s] per rank] from each rank's bench_report.cpu_update
     dict, or None where no rank's CPU update ran (collective: every rank calls it for every row). The
     forward of the next step runs at the pace of the rank whose update of each layer ends last."""
-    mine = torch.tensor([stats["ms"], stats["gbs"]] if stats else [0.0, 0.0], dtype=torch.float64,
-                        device=device if dist.get_backend() == "nccl" else "cpu")
-    every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(every, mine)
-    every = [t.tolist() for t in every]
+    every = gather_by_rank([stats["ms"], stats["gbs"]] if stats else [0.0, 0.0], device)
     return every if any(ms > 0 for ms, _ in every) else None
 
 
@@ -284,7 +290,7 @@ def run_row(row, args, device, rank, world, local_rank, data):
     if not profiled:
         mine, after, threads = timed_end(opt, row, sync, t0, threads0, args.steps)
     row["threads"] = threads_by_rank(threads, device)
-    slowest = torch.tensor([mine], dtype=torch.float64, device=device if dist.get_backend() == "nccl" else "cpu")
+    slowest = torch.tensor([mine], dtype=torch.float64, device=collective_device(device))
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     stats = bench_report.cpu_update(before, after, args.steps) if row["kind"] == "ferry" else None
     row["cpu_ranks"] = cpu_by_rank(stats, device)
@@ -357,7 +363,7 @@ def worker(rank, world, local_rank, args):
                 print(line, flush=True)
             if args.check_exact and row.get("same_as") in results:
                 same = torch.equal(losses, results[row["same_as"]])
-                flag = torch.tensor([0 if same else 1], device=device if dist.get_backend() == "nccl" else "cpu")
+                flag = torch.tensor([0 if same else 1], device=collective_device(device))
                 dist.all_reduce(flag)
                 ok = ok and flag.item() == 0
                 if rank == 0:
