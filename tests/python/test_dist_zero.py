@@ -376,16 +376,18 @@ def forward_ordered(rank, world, sharded, steps):
             "units": len(opt._zero.units) if sharded else 0}
 
 
-@pytest.mark.parametrize("ahead_mb,gathers", [("0", "per layer"), ("1", "one")])
-def test_zero1_forward_gathers_ahead_in_fewer_calls_bit_identical(ahead_mb, gathers, monkeypatch):
-    """A forward in layer order gathers each layer's units at its pre-hook, or with gather-ahead all
-    of them at the first (FERRY_ZERO_GATHER_AHEAD_MB=1: more than the model): the same bits as one rank."""
+@pytest.mark.parametrize("ahead_mb,after,expected", [("0", "1", 4), ("1", "0", 1), ("1", "1", 2)])
+def test_zero1_forward_gathers_ahead_in_fewer_calls_bit_identical(ahead_mb, after, expected, monkeypatch):
+    """A forward in layer order gathers each layer's units at its pre-hook (4 gathers); with gather-ahead
+    (FERRY_ZERO_GATHER_AHEAD_MB=1: more than the model) all of them at the first pre-hook
+    (FERRY_ZERO_AHEAD_AFTER=0: 1), or the first layer's at its pre-hook and the rest after its
+    forward (the default: 2). The same bits as one rank."""
     monkeypatch.setenv("FERRY_ZERO_GATHER_AHEAD_MB", ahead_mb)
+    monkeypatch.setenv("FERRY_ZERO_AHEAD_AFTER", after)
     steps = 4
     ref = dist_util.ok(dist_util.run_ranks(1, forward_ordered, False, steps, timeout=60))[0]
     for rank, res in enumerate(dist_util.ok(dist_util.run_ranks(2, forward_ordered, True, steps, timeout=120))):
         # step 0 has nothing to gather (no step before it); each later step's forward gathers them
-        expected = 1 if gathers == "one" else 4
         assert res["units"] >= 4 and res["calls"] == [0] + [expected] * (steps - 1), (rank, res["units"], res["calls"])
         for step, (a, b) in enumerate(zip(res["losses"], ref["losses"])):
             assert_same_bits(a, b, "rank %d: loss of step %d" % (rank, step))
@@ -412,6 +414,37 @@ def test_nccl_gather_runs_cover_the_units_in_order_within_the_cap():
             if end < last:  # the next unit would not have fitted
                 assert size + sizes[end + 1] > cap or size >= cap, (sizes, cap, runs)
     assert list(_zero.coalesced_runs([5, 5, 5], 1, 2, 0)) == [(1, 1), (2, 2)]
+
+
+def test_launch_ahead_waits_until_half_the_bytes_ahead_are_left():
+    """After a module's forward, the gathers ahead are launched only where those launched do not yet
+    hold every unit within half of `ahead` bytes past its units, and then through `ahead` bytes."""
+    from ferry import _zero
+
+    def within(sizes, last, budget):  # the last unit of the longest run past `last` within budget bytes
+        end = last
+        while end + 1 < len(sizes) and sum(sizes[last + 1:end + 2]) <= budget:
+            end += 1
+        return end
+
+    rng = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    launched = 0
+    for _ in range(300):
+        n = int(torch.randint(1, 40, (1,), generator=rng))
+        sizes = [int(s) for s in torch.randint(1, 300, (n,), generator=rng)]
+        ahead = int(torch.randint(0, 900, (1,), generator=rng))
+        last = int(torch.randint(0, n, (1,), generator=rng))
+        next_unit = int(torch.randint(last + 1, n + 1, (1,), generator=rng))
+        through = _zero.launch_through(sizes, next_unit, last, ahead)
+        if ahead == 0 or next_unit - 1 >= within(sizes, last, ahead // 2):
+            assert through is None, (sizes, next_unit, last, ahead, through)
+        else:
+            launched += 1
+            assert through == within(sizes, last, ahead) >= next_unit, (sizes, next_unit, last, ahead, through)
+    assert launched > 20
+    assert _zero.launch_through([10] * 8, 2, 1, 40) == 5  # nothing past unit 1 launched: through 4 units more
+    assert _zero.launch_through([10] * 8, 3, 1, 40) == 5  # 10 bytes launched, less than half of 40
+    assert _zero.launch_through([10] * 8, 4, 1, 40) is None  # 20 bytes launched: half
 
 
 def test_gather_ahead_takes_the_following_units_within_the_bytes():

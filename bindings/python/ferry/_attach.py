@@ -61,6 +61,8 @@ class ModuleWaits(_Waits):
             if ks:
                 self.owned.update(ks)
                 self.handles.append(module.register_forward_pre_hook(_pre_hook(me, ks)))
+                if optimizer._gathering() and optimizer._zero.ahead_after:
+                    self.handles.append(module.register_forward_hook(_ahead_hook(me, ks)))
         if not self.handles:
             raise ValueError("attach: no module of %s owns a param of this optimizer" % type(model).__name__)
         if optimizer._gathering():  # ZeRO-1: the units no module's forward gathered, once it returns
@@ -193,9 +195,17 @@ def _pre_hook(me, ks):
         if opt is None:
             return
         if opt._zero is not None and opt._zero.gathers_pending:
-            opt._gather_through(ks, ahead=True)
+            opt._gather_through(ks, ahead=not opt._zero.ahead_after)
         if opt._pending:
             opt._wait_units({opt._unit_of[k] for k in ks})
+    return hook
+
+
+def _ahead_hook(me, ks):
+    def hook(_module, _inputs, _output):
+        opt = me()
+        if opt is not None and opt._zero.gathers_pending:
+            opt._gather_through(ks, launch=True)
     return hook
 
 

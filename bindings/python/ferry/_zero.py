@@ -17,9 +17,10 @@ Every param is registered with the engine as a range [begin, end) of its flatten
     still update; under NCCL, runs of consecutive units of up to COALESCE_BYTES go as one NCCL
     group, each run waiting for its own uploads (on a 4-GPU host the units of 1.07B params reached
     84-85% of one all-gather of the same bytes grouped, 63-72% one by one). After a step of an
-    attached optimizer (attach()) the gathers wait for the next forward: a module's forward pre-hook gathers every unit up to the last one holding its params
-    (``Sharding.gather_through``), so the first layers run while the later ones still update and
-    gather. NCCL (the trainer's `process_group`) for CUDA params when that group's backend is NCCL,
+    attached optimizer (attach()) the gathers wait for the next forward: a module's forward pre-hook
+    gathers every unit up to the last one holding its params (``Sharding.gather_through``), so the
+    first layers run while the later ones still update and gather; its forward hook launches the
+    gathers of the units ahead (``Sharding.launch_ahead``) once the module's kernels are queued. NCCL (the trainer's `process_group`) for CUDA params when that group's backend is NCCL,
     on a side stream, nothing waited for on the host; else the optimizer's gloo group (CPU params;
     CUDA params under a gloo group: see _gather_group), each all-gather waited for.
   * a DTensor (FSDP2's fully_shard, torch >= 2.4) with placements (Shard(0),) on a 1-D mesh: its local
@@ -60,14 +61,18 @@ def _coalesce_bytes():
     return _size_from_env("FERRY_ZERO_COALESCE_MB", COALESCE_BYTES)
 
 
-# After a deferred step (attach), the forward pre-hook of a module whose units are not gathered yet
-# gathers them and the following units of up to this many bytes with them (gather_ahead), so that a
-# forward launches a few large grouped all-gathers instead of one per module: each launch, its copies
-# and the hook's bookkeeping cost the trainer's thread 0.3-0.6 ms on a host whose CPUs stream CPU Adam,
-# and the forward is paced by that thread there. 256 MiB (about two blocks of the 735M model): on the
-# 4 x H200 host, 4 GPUs, 2026-11-28, the 735M loop's ZeRO-1 iteration ran 160.6-177.5 ms against
-# 168.5-188.1 ms at 64 MiB in three pairs over two leases (200.2 ms at 0). FERRY_ZERO_GATHER_AHEAD_MB
-# overrides (0: only what the module needs).
+# After a deferred step (attach), the gathers run ahead of the forward by up to this many bytes
+# (gather_ahead), so that a forward launches a few large grouped all-gathers instead of one per module:
+# each launch, its copies and the hook's bookkeeping cost the trainer's thread 0.3-0.6 ms on a host
+# whose CPUs stream CPU Adam, and the forward is paced by that thread there. 256 MiB (about two blocks
+# of the 735M model): on the 4 x H200 host, 4 GPUs, 2026-11-28, the 735M loop's ZeRO-1 iteration ran
+# 160.6-177.5 ms against 168.5-188.1 ms at 64 MiB in three pairs over two leases (200.2 ms at 0), the
+# gathers ahead launched in the pre-hooks then. Launched after a module's forward instead (the
+# default, launch_ahead: the host waits for this rank's uploads ahead with the module's kernels queued,
+# and the stream waits only for the units its module needs), one lease, alternated: 169.6, 169.7 ms
+# against 182.8, 179.6 ms in the pre-hooks (all-GPU DDP 142.5-142.8 ms); ahead 128 / 256 / 512 / 1024
+# MiB, one run each: 167.6 / 176.5 / 173.1 / 192.9 ms. FERRY_ZERO_GATHER_AHEAD_MB overrides (0: only
+# what the module needs), FERRY_ZERO_AHEAD_AFTER=0 launches them in the pre-hooks.
 GATHER_AHEAD_BYTES = 256 << 20
 
 
@@ -93,6 +98,16 @@ def gather_ahead(sizes, last, ahead):
         end += 1
         total += sizes[end]
     return end
+
+
+def launch_through(sizes, next_unit, last, ahead):
+    """After the forward of a module whose units end at `last`, with units before `next_unit`
+    launched: the last unit to launch the gathers through (gather_ahead's of `ahead` bytes), where
+    those launched reach less than half of `ahead` bytes past `last`; else None (far enough ahead:
+    a launch then gathers half of `ahead` at least, not a module's units at a time)."""
+    if not ahead or next_unit > gather_ahead(sizes, last, ahead // 2):
+        return None
+    return gather_ahead(sizes, last, ahead)
 
 
 def coalesced_runs(sizes, first, last, cap):
@@ -252,7 +267,8 @@ class Sharding:
         self._works = []  # NCCL: (unit, work) of the all-gathers no host wait finished yet
         self._arrival = None
         self._side = None  # NCCL: the side stream of the gathers (high priority, as FSDP2's)
-        self._done = None  # NCCL: recorded on the side stream after each run of gathers
+        self._runs = []  # NCCL: (its last unit, an event recorded after it) of each run of gathers this step
+        self._waited = -1  # NCCL: the current stream waits for the gathers of units up to this one
         self._all_gather_into = getattr(dist, "all_gather_into_tensor", None) or getattr(dist, "_all_gather_base", None)
         # NCCL: runs of units of about this many bytes gathered as one group (_gather_units_coalesced)
         # where this torch has the coalescing manager of all_gather_into_tensor (2.1 on); 0: unit by
@@ -261,6 +277,10 @@ class Sharding:
         # Gathers ahead in a forward: NCCL's on a stream of their own (gloo's wait on the host: only
         # where FERRY_ZERO_GATHER_AHEAD_MB asks).
         self.ahead = _size_from_env("FERRY_ZERO_GATHER_AHEAD_MB", GATHER_AHEAD_BYTES if self.nccl else 0)
+        # Where the gathers ahead are launched: after a module's forward (launch_ahead: the host waits
+        # for the uploads ahead with the module's kernels queued), or in its pre-hook before them
+        # (FERRY_ZERO_AHEAD_AFTER=0).
+        self.ahead_after = self.ahead > 0 and os.environ.get("FERRY_ZERO_AHEAD_AFTER", "1") != "0"
 
     def _gather_group(self, process_group):
         """(group, description) of ZeRO-1's bulk all-gather of the updated params. NCCL (the trainer's
@@ -347,7 +367,7 @@ class Sharding:
         if self.nccl:
             if self._side is None:
                 self._side = torch.cuda.Stream(device=self.params[self.unit_first(0)].device, priority=-1)
-                self._done = torch.cuda.Event()
+            self._runs, self._waited = [], -1
             # The copies into the params wait for the forward and backward that read them.
             self._side.wait_stream(torch.cuda.current_stream(self._side.device))
             self.comm.check_aborts()
@@ -364,46 +384,65 @@ class Sharding:
         return self.units[j]["members"][0][0]
 
     @torch.no_grad()
-    def gather_through(self, last, wait_local, ahead=0):
+    def gather_through(self, last, wait_local, ahead=0, wait=True):
         """Gathers units next_unit..last (in order: the same collectives on every rank), and after
         `last` the units of up to `ahead` bytes (gather_ahead). Returns the units gathered (a range).
         wait_local(ks, stream): makes `stream` (a raw CUDA stream handle, 0 on the host) wait until
-        this rank's ranges of params ks hold the step's values."""
+        this rank's ranges of params ks hold the step's values. Under NCCL the current stream then
+        waits for the gathers of units up to `last` (none where wait=False), not for those ahead."""
         first = self.next_unit
-        if last < first:
-            return range(0)
-        if ahead:
-            last = gather_ahead(self.unit_sizes, last, ahead)
+        through = gather_ahead(self.unit_sizes, last, ahead) if ahead else last
         start = time.perf_counter()
         try:
             if not self.nccl:  # gloo: on the current stream, each waited for on the host
-                while self.next_unit <= last:
+                while self.next_unit <= through:
                     j = self.next_unit
                     self._gather_unit_gloo(j, wait_local)
                     self.next_unit = j + 1
                 return range(first, self.next_unit)
-            # NCCL: every unit on the side stream (one stream switch for the run), then the current
-            # stream waits once, for the last of them (the side stream runs them in order).
-            current = torch.cuda.current_stream(self._side.device)
-            try:
+            # NCCL: every unit on the side stream (one stream switch for the call), an event after
+            # each run of them; the current stream waits for the run holding `last`.
+            if through >= first:
                 with torch.cuda.stream(self._side):
-                    if not self.coalesce:
-                        while self.next_unit <= last:
-                            j = self.next_unit
-                            self._gather_unit_nccl(j, wait_local)
-                            self.next_unit = j + 1
-                    else:
+                    runs = coalesced_runs(self.unit_sizes, first, through, self.coalesce) if self.coalesce \
+                        else [(j, j) for j in range(first, through + 1)]
+                    for j, end in runs:
                         # Runs of units of about coalesce bytes: a run's gathers wait for all its
                         # uploads, the next run's uploads land meanwhile.
-                        for j, end in coalesced_runs(self.unit_sizes, self.next_unit, last, self.coalesce):
+                        if self.coalesce:
                             self._gather_units_coalesced(j, end, wait_local)
-                            self.next_unit = end + 1
-            finally:
-                self._done.record(self._side)
-                current.wait_event(self._done)
+                        else:
+                            self._gather_unit_nccl(j, wait_local)
+                        self.next_unit = end + 1
+                        done = torch.cuda.Event()
+                        done.record(self._side)
+                        self._runs.append((end, done))
+            if wait:
+                self.wait_gathered(last)
             return range(first, self.next_unit)
         finally:
             self.last_gather_seconds += time.perf_counter() - start
+
+    def wait_gathered(self, last):
+        """NCCL: the current stream waits for the gathers of units up to `last` (launched already)."""
+        if last <= self._waited:
+            return
+        for end, done in self._runs:
+            if end >= last:
+                torch.cuda.current_stream(self._side.device).wait_event(done)
+                self._waited = end
+                return
+
+    def launch_ahead(self, last, wait_local):
+        """After the forward of a module whose units end at `last`: where the units launched reach
+        less than half of `ahead` bytes past it, launches the gathers through `ahead` bytes past it
+        (launch_through). The host waits here for this rank's uploads of those units while the GPU
+        runs the forward queued so far; under NCCL the current stream does not wait for them (the
+        pre-hooks of their modules do; gloo's gathers are waited for on the host). Returns the units
+        gathered (a range)."""
+        if launch_through(self.unit_sizes, self.next_unit, last, self.ahead) is None:
+            return range(0)
+        return self.gather_through(last, wait_local, self.ahead, wait=False)
 
     def gather_rest(self, wait_local):
         return self.gather_through(len(self.units) - 1, wait_local)
@@ -579,16 +618,20 @@ class ShardedStepMixin:
         if ks:
             self._engine.wait_params_of([self._names[k] for k in ks], stream=stream)
 
-    def _gather_through(self, ks, ahead=False):
+    def _gather_through(self, ks, ahead=False, launch=False):
         """ZeRO-1 after a deferred step: the gather units up to the last one holding a param of ks
         (ahead: and the units of z.ahead bytes after it, from a forward pre-hook). The current stream
         waits for the gathers, so it waits for the buckets of their params here too, at once: the
-        later modules' pre-hooks find them done."""
+        later modules' pre-hooks find them done. launch: from a module's forward post-hook, only the
+        gathers ahead of ks (Sharding.launch_ahead), which the current stream does not wait for."""
         z = self._zero
         units = [z.unit_of[k] for k in ks if z.unit_of[k] is not None]
         if units:
             with self._engine_lock:
                 try:
+                    if launch:
+                        z.launch_ahead(max(units), self._wait_local)
+                        return
                     done = z.gather_through(max(units), self._wait_local, z.ahead if ahead else 0)
                 except BaseException as e:
                     z.abort(e)
