@@ -45,6 +45,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from . import _buckets
 from . import distributed as fdist
 
 _nothing = contextlib.nullcontext
@@ -54,6 +55,14 @@ _nothing = contextlib.nullcontext
 # (a larger unit alone): 84-85% of one all-gather of the same bytes on 4 H100s, 86-88% with every
 # unit in one group, 75-78% at 256 MiB.
 COALESCE_BYTES = 1 << 30
+
+
+def _copy_pairs(pairs):
+    """dst.copy_(src) for each (dst, src) of a gather's copies in or out: one foreach launch where
+    torch has it (the small params between two large ones: tens of copies a run, each a launch from
+    the trainer's thread otherwise)."""
+    if pairs:
+        _buckets.copy_all([dst for dst, _ in pairs], [src for _, src in pairs])
 
 
 def _coalesce_bytes():
@@ -487,24 +496,20 @@ class Sharding:
     def _gather_unit_gloo(self, j, wait_local):
         unit = self.units[j] if "ks" in self.units[j] else self._plan(j)
         wait_local(unit["ks"], torch.cuda.current_stream(unit["flat"].device).cuda_stream if self.cuda else 0)
-        for dst, src in unit["copy_in"]:
-            dst.copy_(src)
+        _copy_pairs(unit["copy_in"])
         self._all_gather_flat(unit["flat"], unit["send"], unit["piece"], self._what(j))
-        for dst, src in unit["copy_out"]:
-            dst.copy_(src)
+        _copy_pairs(unit["copy_out"])
 
     def _gather_unit_nccl(self, j, wait_local):
         """Unit j on the side stream (current): after this rank's uploads of its params, copies in,
         NCCL's all-gather (the stream waits for it, the host does not), copies out."""
         unit = self.units[j] if "ks" in self.units[j] else self._plan(j)
         wait_local(unit["ks"], self._side.cuda_stream)
-        for dst, src in unit["copy_in"]:
-            dst.copy_(src)
+        _copy_pairs(unit["copy_in"])
         work = self._all_gather_into(unit["flat"], unit["send"], group=self.gather_group, async_op=True)
         work.wait()  # NCCL: the stream waits; the host does not
         self._works.append((j, work))
-        for dst, src in unit["copy_out"]:
-            dst.copy_(src)
+        _copy_pairs(unit["copy_out"])
 
     def _gather_units_coalesced(self, first, last, wait_local):
         """Units first..last on the side stream (current) as one NCCL group: after this rank's uploads
@@ -512,17 +517,13 @@ class Sharding:
         call), then every copy out."""
         units = [self.units[j] if "ks" in self.units[j] else self._plan(j) for j in range(first, last + 1)]
         wait_local([k for unit in units for k in unit["ks"]], self._side.cuda_stream)
-        for unit in units:
-            for dst, src in unit["copy_in"]:
-                dst.copy_(src)
+        _copy_pairs([pair for unit in units for pair in unit["copy_in"]])
         with dist._coalescing_manager(group=self.gather_group, async_ops=True) as cm:
             for unit in units:
                 self._all_gather_into(unit["flat"], unit["send"], group=self.gather_group, async_op=True)
         cm.wait()  # NCCL: the stream waits; the host does not
         self._works.extend((first, work) for work in cm.works)
-        for unit in units:
-            for dst, src in unit["copy_out"]:
-                dst.copy_(src)
+        _copy_pairs([pair for unit in units for pair in unit["copy_out"]])
 
     def finish_gathers(self):
         """Waits on the host (within the timeout, naming a rank that never arrived) for the NCCL
