@@ -398,7 +398,7 @@ def test_zero1_forward_gathers_ahead_in_fewer_calls_bit_identical(ahead_mb, afte
 def test_nccl_gather_runs_cover_the_units_in_order_within_the_cap():
     """ZeRO-1's NCCL gathers group consecutive units into runs of at most the cap's bytes (a larger
     unit alone), each run as long as the cap allows, every unit of first..last once, in order."""
-    from ferry import _zero
+    from ferry import _gather_plan
     rng = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
     for _ in range(200):
         n = int(torch.randint(1, 40, (1,), generator=rng))
@@ -406,20 +406,20 @@ def test_nccl_gather_runs_cover_the_units_in_order_within_the_cap():
         cap = int(torch.randint(1, 600, (1,), generator=rng))
         first = int(torch.randint(0, n, (1,), generator=rng))
         last = int(torch.randint(first, n, (1,), generator=rng))
-        runs = list(_zero.coalesced_runs(sizes, first, last, cap))
+        runs = list(_gather_plan.coalesced_runs(sizes, first, last, cap))
         assert [j for j, end in runs for j in range(j, end + 1)] == list(range(first, last + 1)), (sizes, cap, runs)
         for j, end in runs:
             size = sum(sizes[j:end + 1])
             assert size <= cap or end == j, (sizes, cap, runs)
             if end < last:  # the next unit would not have fitted
                 assert size + sizes[end + 1] > cap or size >= cap, (sizes, cap, runs)
-    assert list(_zero.coalesced_runs([5, 5, 5], 1, 2, 0)) == [(1, 1), (2, 2)]
+    assert list(_gather_plan.coalesced_runs([5, 5, 5], 1, 2, 0)) == [(1, 1), (2, 2)]
 
 
 def test_launch_ahead_waits_until_half_the_bytes_ahead_are_left():
     """After a module's forward, the gathers ahead are launched only where those launched do not yet
     hold every unit within half of `ahead` bytes past its units, and then through `ahead` bytes."""
-    from ferry import _zero
+    from ferry import _gather_plan
 
     def within(sizes, last, budget):  # the last unit of the longest run past `last` within budget bytes
         end = last
@@ -435,51 +435,51 @@ def test_launch_ahead_waits_until_half_the_bytes_ahead_are_left():
         ahead = int(torch.randint(0, 900, (1,), generator=rng))
         last = int(torch.randint(0, n, (1,), generator=rng))
         next_unit = int(torch.randint(last + 1, n + 1, (1,), generator=rng))
-        through = _zero.launch_through(sizes, next_unit, last, ahead)
+        through = _gather_plan.launch_through(sizes, next_unit, last, ahead)
         if ahead == 0 or next_unit - 1 >= within(sizes, last, ahead // 2):
             assert through is None, (sizes, next_unit, last, ahead, through)
         else:
             launched += 1
             assert through == within(sizes, last, ahead) >= next_unit, (sizes, next_unit, last, ahead, through)
     assert launched > 20
-    assert _zero.launch_through([10] * 8, 2, 1, 40) == 5  # nothing past unit 1 launched: through 4 units more
-    assert _zero.launch_through([10] * 8, 3, 1, 40) == 5  # 10 bytes launched, less than half of 40
-    assert _zero.launch_through([10] * 8, 4, 1, 40) is None  # 20 bytes launched: half
+    assert _gather_plan.launch_through([10] * 8, 2, 1, 40) == 5  # nothing past unit 1 launched: through 4 units more
+    assert _gather_plan.launch_through([10] * 8, 3, 1, 40) == 5  # 10 bytes launched, less than half of 40
+    assert _gather_plan.launch_through([10] * 8, 4, 1, 40) is None  # 20 bytes launched: half
 
 
 def test_gather_ahead_takes_the_following_units_within_the_bytes():
     """A forward pre-hook that needs units up to `last` gathers the units after it while they add up
     to at most `ahead` bytes: the longest such run, never past the last unit."""
-    from ferry import _zero
+    from ferry import _gather_plan
     rng = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
     for _ in range(200):
         n = int(torch.randint(1, 40, (1,), generator=rng))
         sizes = [int(s) for s in torch.randint(1, 300, (n,), generator=rng)]
         ahead = int(torch.randint(0, 900, (1,), generator=rng))
         last = int(torch.randint(0, n, (1,), generator=rng))
-        end = _zero.gather_ahead(sizes, last, ahead)
+        end = _gather_plan.gather_ahead(sizes, last, ahead)
         assert last <= end < n, (sizes, last, ahead, end)
         assert sum(sizes[last + 1:end + 1]) <= ahead, (sizes, last, ahead, end)
         if end + 1 < n:
             assert sum(sizes[last + 1:end + 2]) > ahead, (sizes, last, ahead, end)
-    assert _zero.gather_ahead([5, 5, 5], 0, 0) == 0
-    assert _zero.gather_ahead([5, 5, 5], 0, 10) == 2
+    assert _gather_plan.gather_ahead([5, 5, 5], 0, 0) == 0
+    assert _gather_plan.gather_ahead([5, 5, 5], 0, 10) == 2
 
 
 @pytest.mark.parametrize("text,expected", [(None, 1 << 30), ("", 1 << 30), ("0", 0), ("64", 64 << 20),
                                            ("0.5", 1 << 19)])
 def test_gather_group_size_comes_from_the_environment(monkeypatch, text, expected):
-    from ferry import _zero
+    from ferry import _gather_plan
     if text is None:
         monkeypatch.delenv("FERRY_ZERO_COALESCE_MB", raising=False)
     else:
         monkeypatch.setenv("FERRY_ZERO_COALESCE_MB", text)
-    assert _zero._coalesce_bytes() == expected
+    assert _gather_plan.coalesce_bytes() == expected
 
 
 @pytest.mark.parametrize("text", ["-1", "lots"])
 def test_a_bad_gather_group_size_is_named(monkeypatch, text):
-    from ferry import _zero
+    from ferry import _gather_plan
     monkeypatch.setenv("FERRY_ZERO_COALESCE_MB", text)
     with pytest.raises(ValueError, match="FERRY_ZERO_COALESCE_MB=%r" % text):
-        _zero._coalesce_bytes()
+        _gather_plan.coalesce_bytes()

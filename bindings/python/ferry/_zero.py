@@ -9,20 +9,20 @@ Every param is registered with the engine as a range [begin, end) of its flatten
     param order, laid end to end. Each unit is cut into world_size pieces of ceil(n / world_size)
     elements; rank r holds piece r of every unit. A param's range on a rank is its overlap with the
     rank's piece of its unit: uneven, often empty for small params. A param of SOLO_BYTES or more
-    whose elements split evenly is a unit of its own. NCCL all-gathers a unit of one param that
-    splits evenly in place, without copies in and out (the units of the small params between two
-    large ones are often such). After each step the updated
-    pieces are all-gathered into every replica unit by unit, in unit order on every rank: each
-    unit's all-gather waits only for the uploads of its own params, so it runs while later units
-    still update; under NCCL, runs of consecutive units of up to COALESCE_BYTES go as one NCCL
-    group, each run waiting for its own uploads (on a 4-GPU host the units of 1.07B params reached
-    84-85% of one all-gather of the same bytes grouped, 63-72% one by one). After a step of an
-    attached optimizer (attach()) the gathers wait for the next forward: a module's forward pre-hook
-    gathers every unit up to the last one holding its params (``Sharding.gather_through``), so the
-    first layers run while the later ones still update and gather; its forward hook launches the
-    gathers of the units ahead (``Sharding.launch_ahead``) once the module's kernels are queued. NCCL (the trainer's `process_group`) for CUDA params when that group's backend is NCCL,
-    on a side stream, nothing waited for on the host; else the optimizer's gloo group (CPU params;
-    CUDA params under a gloo group: see _gather_group), each all-gather waited for.
+    whose elements split evenly is a unit of its own. NCCL all-gathers a unit of one param that splits
+    evenly in place, without copies in and out (the units of the small params between two large ones are
+    often such). After each step the updated pieces are all-gathered into every replica unit by unit, in
+    unit order on every rank: each unit's all-gather waits only for the uploads of its own params, so it
+    runs while later units still update; under NCCL, runs of consecutive units of up to COALESCE_BYTES
+    (_gather_plan.py) go as one NCCL group, each run waiting for its own uploads (on a 4-GPU host the
+    units of 1.07B params reached 84-85% of one all-gather of the same bytes grouped, 63-72% one by
+    one). After a step of an attached optimizer (attach()) the gathers wait for the next forward: a
+    module's forward pre-hook gathers every unit up to the last one holding its params
+    (``Sharding.gather_through``), so the first layers run while the later ones still update and gather;
+    its forward hook launches the gathers of the units ahead (``Sharding.launch_ahead``) once the
+    module's kernels are queued. NCCL (the trainer's `process_group`) for CUDA params when that group's
+    backend is NCCL, on a side stream, nothing waited for on the host; else the optimizer's gloo group
+    (CPU params; CUDA params under a gloo group: see _gather_group), each all-gather waited for.
   * a DTensor (FSDP2's fully_shard, torch >= 2.4) with placements (Shard(0),) on a 1-D mesh: its local
     rows, as torch.chunk cuts dim 0 (ceil(rows / world) rows per rank, the last ranks fewer or none).
     The range is rows [r * c, r * c + local rows) times the row's elements. FSDP2 gathers params
@@ -38,7 +38,6 @@ Both are exact: the engine's step is elementwise apart from the global clip and 
 reduces exactly across ranks, so the params are bit-identical to one rank's.
 """
 import contextlib
-import inspect
 import os
 import time
 
@@ -46,15 +45,10 @@ import torch
 import torch.distributed as dist
 
 from . import _buckets
+from . import _gather_plan as plan
 from . import distributed as fdist
 
 _nothing = contextlib.nullcontext
-
-
-# ZeRO-1's NCCL gathers: consecutive units are gathered as one NCCL group of up to this many bytes
-# (a larger unit alone): 84-85% of one all-gather of the same bytes on 4 H100s, 86-88% with every
-# unit in one group, 75-78% at 256 MiB.
-COALESCE_BYTES = 1 << 30
 
 
 def _copy_pairs(pairs):
@@ -64,85 +58,6 @@ def _copy_pairs(pairs):
     if pairs:
         _buckets.copy_all([dst for dst, _ in pairs], [src for _, src in pairs])
 
-
-def _coalesce_bytes():
-    """COALESCE_BYTES, or FERRY_ZERO_COALESCE_MB (0: every unit alone)."""
-    return _size_from_env("FERRY_ZERO_COALESCE_MB", COALESCE_BYTES)
-
-
-# After a deferred step (attach), the gathers run ahead of the forward by up to this many bytes
-# (gather_ahead), so that a forward launches a few large grouped all-gathers instead of one per module:
-# each launch, its copies and the hook's bookkeeping cost the trainer's thread 0.3-0.6 ms on a host
-# whose CPUs stream CPU Adam, and the forward is paced by that thread there. 256 MiB (about two blocks
-# of the 735M model): on the 4 x H200 host, 4 GPUs, 2026-11-28, the 735M loop's ZeRO-1 iteration ran
-# 160.6-177.5 ms against 168.5-188.1 ms at 64 MiB in three pairs over two leases (200.2 ms at 0), the
-# gathers ahead launched in the pre-hooks then. Launched after a module's forward instead (the
-# default, launch_ahead: the host waits for this rank's uploads ahead with the module's kernels queued,
-# and the stream waits only for the units its module needs), one lease, alternated: 169.6, 169.7 ms
-# against 182.8, 179.6 ms in the pre-hooks (all-GPU DDP 142.5-142.8 ms); ahead 128 / 256 / 512 / 1024
-# MiB, one run each: 167.6 / 176.5 / 173.1 / 192.9 ms. FERRY_ZERO_GATHER_AHEAD_MB overrides (0: only
-# what the module needs), FERRY_ZERO_AHEAD_AFTER=0 launches them in the pre-hooks.
-GATHER_AHEAD_BYTES = 256 << 20
-
-
-def _size_from_env(name, default):
-    """`default` bytes, or the environment variable `name` in MiB (>= 0)."""
-    text = os.environ.get(name)
-    if text is None or not text.strip():
-        return default
-    try:
-        mb = float(text)
-    except ValueError:
-        mb = -1.0
-    if mb < 0:
-        raise ValueError("%s=%r: expected a size in MiB >= 0" % (name, text))
-    return int(mb * (1 << 20))
-
-
-def gather_ahead(sizes, last, ahead):
-    """The last unit to gather when units up to `last` are needed: `last`, and the units after it
-    while they add up to at most `ahead` bytes (`sizes`: each unit's bytes)."""
-    end, total = last, 0
-    while end + 1 < len(sizes) and total + sizes[end + 1] <= ahead:
-        end += 1
-        total += sizes[end]
-    return end
-
-
-def launch_through(sizes, next_unit, last, ahead):
-    """After the forward of a module whose units end at `last`, with units before `next_unit`
-    launched: the last unit to launch the gathers through (gather_ahead's of `ahead` bytes), where
-    those launched reach less than half of `ahead` bytes past `last`; else None (far enough ahead:
-    a launch then gathers half of `ahead` at least, not a module's units at a time)."""
-    if not ahead or next_unit > gather_ahead(sizes, last, ahead // 2):
-        return None
-    return gather_ahead(sizes, last, ahead)
-
-
-def coalesced_runs(sizes, first, last, cap):
-    """(j, end) of each run of units first..last (inclusive) gathered as one NCCL group: consecutive
-    units while the run holds at most `cap` bytes (`sizes`: each unit's bytes); a unit of more than
-    `cap` is a run of its own."""
-    j = first
-    while j <= last:
-        end, size = j, sizes[j]
-        while end < last and size < cap and size + sizes[end + 1] <= cap:
-            end += 1
-            size += sizes[end]
-        yield j, end
-        j = end + 1
-
-
-def _can_coalesce():
-    """Whether torch.distributed's coalescing manager groups all_gather_into_tensor calls into one
-    collective and hands back its work (torch 2.1 on: the `async_ops` argument)."""
-    manager = getattr(dist, "_coalescing_manager", None)
-    if manager is None or not hasattr(dist, "all_gather_into_tensor"):
-        return False
-    try:
-        return "async_ops" in inspect.signature(manager).parameters
-    except (TypeError, ValueError):
-        return False
 
 
 # A replica param of at least this many bytes whose elements split evenly over the ranks is a gather
@@ -282,10 +197,10 @@ class Sharding:
         # NCCL: runs of units of about this many bytes gathered as one group (_gather_units_coalesced)
         # where this torch has the coalescing manager of all_gather_into_tensor (2.1 on); 0: unit by
         # unit (FERRY_ZERO_COALESCE_MB=0).
-        self.coalesce = _coalesce_bytes() if self.nccl and _can_coalesce() else 0
+        self.coalesce = plan.coalesce_bytes() if self.nccl and plan.can_coalesce() else 0
         # Gathers ahead in a forward: NCCL's on a stream of their own (gloo's wait on the host: only
         # where FERRY_ZERO_GATHER_AHEAD_MB asks).
-        self.ahead = _size_from_env("FERRY_ZERO_GATHER_AHEAD_MB", GATHER_AHEAD_BYTES if self.nccl else 0)
+        self.ahead = plan.size_from_env("FERRY_ZERO_GATHER_AHEAD_MB", plan.GATHER_AHEAD_BYTES if self.nccl else 0)
         # Where the gathers ahead are launched: after a module's forward (launch_ahead: the host waits
         # for the uploads ahead with the module's kernels queued), or in its pre-hook before them
         # (FERRY_ZERO_AHEAD_AFTER=0).
@@ -400,7 +315,7 @@ class Sharding:
         this rank's ranges of params ks hold the step's values. Under NCCL the current stream then
         waits for the gathers of units up to `last` (none where wait=False), not for those ahead."""
         first = self.next_unit
-        through = gather_ahead(self.unit_sizes, last, ahead) if ahead else last
+        through = plan.gather_ahead(self.unit_sizes, last, ahead) if ahead else last
         start = time.perf_counter()
         try:
             if not self.nccl:  # gloo: on the current stream, each waited for on the host
@@ -413,7 +328,7 @@ class Sharding:
             # each run of them; the current stream waits for the run holding `last`.
             if through >= first:
                 with torch.cuda.stream(self._side):
-                    runs = coalesced_runs(self.unit_sizes, first, through, self.coalesce) if self.coalesce \
+                    runs = plan.coalesced_runs(self.unit_sizes, first, through, self.coalesce) if self.coalesce \
                         else [(j, j) for j in range(first, through + 1)]
                     for j, end in runs:
                         # Runs of units of about coalesce bytes: a run's gathers wait for all its
@@ -449,7 +364,7 @@ class Sharding:
         runs the forward queued so far; under NCCL the current stream does not wait for them (the
         pre-hooks of their modules do; gloo's gathers are waited for on the host). Returns the units
         gathered (a range)."""
-        if launch_through(self.unit_sizes, self.next_unit, last, self.ahead) is None:
+        if plan.launch_through(self.unit_sizes, self.next_unit, last, self.ahead) is None:
             return range(0)
         return self.gather_through(last, wait_local, self.ahead, wait=False)
 
