@@ -190,3 +190,30 @@ def test_copy_all_copies_each_pair(device, n):
         assert torch.equal(bits(b[4:4 + s]), bits(src))
         assert torch.equal(bits(b[:4]), bits(was[:4])) and torch.equal(bits(b[4 + s:]), bits(was[4 + s:]))
     _buckets.copy_all([], [])  # nothing to copy: no launch, no error
+
+
+def test_hooks_name_their_waits_and_announcements_only_while_a_profiler_runs(device):
+    """Under torch.profiler an attached, overlapped loop's hooks leave ferry.announce and
+    ferry.wait_params ranges (ferry trace splits a stream's wait for its host by them); outside one,
+    annotate() is a no-op context and records nothing."""
+    from ferry import _buckets
+    with _buckets.annotate("ferry.nothing") as ctx:
+        assert ctx is None  # contextlib.nullcontext: no profiler
+    net = Net(seed=3).to(device)
+    opt = ferry.torch.Optimizer(net.parameters(), lr=1e-2, policy="offload_all", overlap=True,
+                                transfer_chunk_bytes=1024, bucket_mb=2e-4)
+    opt.attach(net)
+    for step in range(1, 3):  # the second step's forward waits for the first step's params
+        x, y = batches(device, step)[0]
+        if step == 2:
+            prof = torch.profiler.profile()
+            prof.__enter__()
+        loss_of(net, x, y, 2 * step + 1).backward()
+        opt.step()
+        opt.zero_grad()
+    x, y = batches(device, 3)[0]
+    loss_of(net, x, y, 7)  # a forward: the pre-hooks wait for step 2's params
+    prof.__exit__(None, None, None)
+    opt.wait_params()
+    names = {e.name for e in prof.events()}
+    assert {"ferry.announce", "ferry.wait_params"} <= names, sorted(n for n in names if n.startswith("ferry"))

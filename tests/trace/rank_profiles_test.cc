@@ -5,7 +5,9 @@
 #include <cstdint>
 #include <map>
 #include <random>
+#include <set>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -212,6 +214,80 @@ TEST(RankProfilesTest, TheComputeStreamsIdleIsSplitIntoWaitingForTheHostAndQueue
   EXPECT_NEAR(s.busy_ms, busy / 1e3, 1e-6);
   EXPECT_NEAR(s.window_ms, (t - first) / 1e3, 1e-6);
   EXPECT_TRUE(p->collectives.empty());  // one rank: nothing to match
+}
+
+TEST(RankProfilesTest, TheHostsWaitsAreSplitByTheLaunchingThreadsInnermostAnnotation) {
+  // By hand: three gaps whose host parts lie under nested annotations, NCCL's own range left out.
+  ProfileBuilder b;
+  b.Annotation("DistributedDataParallel.forward", 1000, 4000);
+  b.Annotation("ferry.wait_params", 1200, 200);
+  b.Annotation("nccl:all_gather", 2100, 800);
+  b.Annotation("ferry.gather", 2500, 700);
+  b.Kernel("void a()", 7, 1000, 100, 900);
+  b.Kernel("void b()", 7, 2000, 100, 1600);  // host [1100, 1600): DDP 300, ferry.wait_params 200
+  b.Kernel("void c()", 7, 3000, 100, 2900);  // host [2100, 2900): DDP 400, ferry.gather 400
+  b.Kernel("void d()", 7, 6000, 100, 5500);  // host [3100, 5500): ferry.gather 100, DDP 1800, none 500
+  absl::StatusOr<RankProfiles> p = AnalyzeRankProfiles({{"r.rank-0.json", b.Parse("r")}});
+  ASSERT_TRUE(p.ok()) << p.status();
+  const StreamIdle& s = p->idle.at(0);
+  EXPECT_NEAR(s.host_ms, 3.7, 1e-9);
+  std::map<std::string, double> got(s.host_by_where.begin(), s.host_by_where.end());
+  const std::map<std::string, double> want = {{"DistributedDataParallel.forward", 2.5}, {"ferry.wait_params", 0.2},
+                                              {"ferry.gather", 0.5}, {kNoAnnotation, 0.5}};
+  ASSERT_EQ(got.size(), want.size());
+  for (const auto& [name, ms] : want) EXPECT_NEAR(got[name], ms, 1e-9) << name;
+  EXPECT_EQ(s.host_by_where.front().first, "DistributedDataParallel.forward");  // the largest first
+  const std::string text = FormatRankProfiles(*p);
+  for (const char* part : {"0     DistributedDataParallel.forward 2.5 ms, ", "ferry.gather 0.5 ms", "ferry.wait_params 0.2 ms",
+                           "(no annotation) 0.5 ms"}) {
+    EXPECT_NE(text.find(part), std::string::npos) << part << " in\n" << text;
+  }
+
+  // Random annotations and waits on whole microseconds, against a microsecond-by-microsecond count:
+  // each microsecond of a host wait goes to the shortest annotation covering it (durations distinct).
+  std::mt19937_64 rng(std::random_device{}());
+  for (int round = 0; round < 20; ++round) {
+    ProfileBuilder r;
+    std::vector<std::tuple<std::string, int64_t, int64_t>> notes;  // name, start, end
+    std::set<int64_t> durations;
+    const int64_t t0 = 1000000;
+    while (notes.size() < 12) {
+      const int64_t start = t0 + static_cast<int64_t>(rng() % 20000), dur = 1 + static_cast<int64_t>(rng() % 8000);
+      if (!durations.insert(dur).second) continue;
+      const std::string name = absl::StrCat("range ", notes.size() % 5);  // names repeat: summed together
+      notes.emplace_back(name, start, start + dur);
+      r.Annotation(name, static_cast<double>(start), static_cast<double>(dur));
+    }
+    std::map<std::string, int64_t> expect;  // us
+    int64_t t = t0 - 100, host = 0;
+    r.Kernel("void k()", 7, static_cast<double>(t), 50, static_cast<double>(t - 10));
+    t += 50;
+    for (int k = 0; k < 15; ++k) {
+      const int64_t gap = 30 + static_cast<int64_t>(rng() % 3000), h = static_cast<int64_t>(rng() % (gap + 1));
+      for (int64_t u = t; u < t + h; ++u) {  // the host part [t, t + h)
+        const std::tuple<std::string, int64_t, int64_t>* inner = nullptr;
+        for (const auto& n : notes) {
+          if (std::get<1>(n) <= u && u + 1 <= std::get<2>(n) &&
+              (inner == nullptr || std::get<2>(n) - std::get<1>(n) < std::get<2>(*inner) - std::get<1>(*inner))) {
+            inner = &n;
+          }
+        }
+        ++expect[inner == nullptr ? std::string(kNoAnnotation) : std::get<0>(*inner)];
+      }
+      host += h;
+      r.Kernel("void k()", 7, static_cast<double>(t + gap), 50, static_cast<double>(t + h));
+      t += gap + 50;
+    }
+    absl::StatusOr<RankProfiles> q = AnalyzeRankProfiles({{"q.rank-1.json", r.Parse("q")}});
+    ASSERT_TRUE(q.ok()) << q.status();
+    const StreamIdle& idle = q->idle.at(0);
+    EXPECT_NEAR(idle.host_ms, static_cast<double>(host) / 1e3, 1e-6);
+    std::map<std::string, double> by(idle.host_by_where.begin(), idle.host_by_where.end());
+    for (const auto& [name, us] : expect) EXPECT_NEAR(by[name], static_cast<double>(us) / 1e3, 1e-6) << name;
+    double sum = 0;
+    for (const auto& [name, ms] : idle.host_by_where) sum += ms;
+    EXPECT_NEAR(sum, static_cast<double>(host) / 1e3, 1e-6);
+  }
 }
 
 TEST(RankProfilesTest, RefusesFerrysTracesTwoFilesOfOneRankAndMatchesKernelsByTheirEnds) {

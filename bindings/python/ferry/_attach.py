@@ -30,6 +30,7 @@ import weakref
 
 import torch
 
+from . import _buckets
 from . import _zero
 
 
@@ -264,9 +265,10 @@ class AttachMixin:
         if not need:
             return
         names = self._unit_names[need[0]] if len(need) == 1 else [n for u in need for n in self._unit_names[u]]
-        self._engine.wait_params_of(names, stream=self._stream())
-        if also is not None and also.cuda_stream != self._stream():
-            self._engine.wait_params_of(names, stream=also.cuda_stream)
+        with _buckets.annotate("ferry.wait_params"):
+            self._engine.wait_params_of(names, stream=self._stream())
+            if also is not None and also.cuda_stream != self._stream():
+                self._engine.wait_params_of(names, stream=also.cuda_stream)
         self._pending.difference_update(need)
         zero = [u for u in need if u in self._zero_pending]
         if zero:  # zero_grad() of these buckets, now ordered after the engine's reads of their grads

@@ -10,6 +10,16 @@ import torch
 from . import _zero
 
 _FOREACH_COPY = getattr(torch, "_foreach_copy_", None)  # torch >= 2.2
+_PROFILING = getattr(torch.autograd, "_profiler_enabled", None)
+
+
+def annotate(name):
+    """torch.profiler's record_function(name) while a profiler runs, else nothing (the hooks run
+    hundreds of times a step): `ferry trace` of the ranks' torch.profiler traces splits each compute
+    stream's wait for its host by the innermost such range (ferry.wait_params, ferry.gather, ...)."""
+    if _PROFILING is not None and _PROFILING():
+        return torch.autograd.profiler.record_function(name)
+    return contextlib.nullcontext()
 
 
 def copy_all(dsts, srcs):
@@ -82,8 +92,9 @@ class BucketMixin:
         if take:
             with torch.no_grad():
                 self._take_grads(ks)  # on the current stream, before the announcement
-        self._engine.grads_ready_params([self._names[k] for k in ks], group_lr=lrs, **options,
-                                        stream=self._stream())
+        with annotate("ferry.announce"):
+            self._engine.grads_ready_params([self._names[k] for k in ks], group_lr=lrs, **options,
+                                            stream=self._stream())
         self._tracker.announced.update(ks)
         if take:  # attach_ddp: the versions are recorded once DDP is done with p.grad (ferry._ddp)
             self._tracker.record_versions(ks)

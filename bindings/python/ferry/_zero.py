@@ -532,7 +532,8 @@ class ShardedStepMixin:
     def _wait_local(self, ks, stream):
         """Sharding's wait_local: `stream` waits for this rank's ranges of params ks (the last step's)."""
         if ks:
-            self._engine.wait_params_of([self._names[k] for k in ks], stream=stream)
+            with _buckets.annotate("ferry.wait_params"):
+                self._engine.wait_params_of([self._names[k] for k in ks], stream=stream)
 
     def _gather_through(self, ks, ahead=False, launch=False):
         """ZeRO-1 after a deferred step: the gather units up to the last one holding a param of ks
@@ -543,7 +544,7 @@ class ShardedStepMixin:
         z = self._zero
         units = [z.unit_of[k] for k in ks if z.unit_of[k] is not None]
         if units:
-            with self._engine_lock:
+            with self._engine_lock, _buckets.annotate("ferry.gather_ahead" if launch else "ferry.gather"):
                 try:
                     if launch:
                         z.launch_ahead(max(units), self._wait_local)

@@ -73,6 +73,31 @@ struct RankTrace {
     }
     return best == nullptr ? "" : best->name;
   }
+  // Adds [begin, end) of thread `tid` to `by`, each part under the innermost user annotation (not
+  // NCCL's own) covering it, kNoAnnotation where none does.
+  void AddByAnnotation(int tid, double begin, double end, std::map<std::string, double>* by) const {
+    std::vector<const TraceFileEvent*> over;
+    std::vector<double> cuts = {begin, end};
+    if (auto it = annotations.find(tid); it != annotations.end()) {
+      for (const TraceFileEvent* a : it->second) {
+        if (a->ts_us >= end) break;
+        if (a->ts_us + a->dur_us <= begin || a->name.rfind("nccl:", 0) == 0) continue;
+        over.push_back(a);
+        cuts.push_back(std::max(begin, a->ts_us));
+        cuts.push_back(std::min(end, a->ts_us + a->dur_us));
+      }
+    }
+    std::sort(cuts.begin(), cuts.end());
+    for (size_t i = 0; i + 1 < cuts.size(); ++i) {
+      const double lo = cuts[i], hi = cuts[i + 1];
+      if (hi <= lo) continue;
+      const TraceFileEvent* inner = nullptr;
+      for (const TraceFileEvent* a : over) {
+        if (a->ts_us <= lo && a->ts_us + a->dur_us >= hi && (inner == nullptr || a->dur_us < inner->dur_us)) inner = a;
+      }
+      (*by)[inner == nullptr ? std::string(kNoAnnotation) : inner->name] += hi - lo;
+    }
+  }
 };
 
 // Whether the last rank's host launched the collective late (its kernel started within
@@ -97,6 +122,7 @@ StreamIdle IdleOf(const RankTrace& r) {
     if (IsDeviceOp(e) && e.tid == out.stream) ops.push_back(&e);
   }
   std::sort(ops.begin(), ops.end(), [](const TraceFileEvent* a, const TraceFileEvent* b) { return a->ts_us < b->ts_us; });
+  std::map<std::string, double> by_where;  // us
   double busy_start = ops.front()->ts_us, busy_end = ops.front()->ts_us + ops.front()->dur_us;
   for (size_t i = 1; i < ops.size(); ++i) {
     const TraceFileEvent& e = *ops[i];
@@ -105,6 +131,7 @@ StreamIdle IdleOf(const RankTrace& r) {
       // Waiting for the host while its launch of this op had not returned; the rest, queued.
       const double launched = r.LaunchEnd(e);
       const double host = launched < 0 ? 0.0 : std::clamp(launched - busy_end, 0.0, gap);
+      if (host > 0) r.AddByAnnotation(r.LaunchOf(e)->tid, busy_end, busy_end + host, &by_where);
       out.host_ms += host / 1e3;
       out.other_ms += (gap - host) / 1e3;
       ++out.gaps;
@@ -117,6 +144,9 @@ StreamIdle IdleOf(const RankTrace& r) {
   }
   out.busy_ms += (busy_end - busy_start) / 1e3;
   out.window_ms = (busy_end - ops.front()->ts_us) / 1e3;
+  for (const auto& [where, us] : by_where) out.host_by_where.emplace_back(where, us / 1e3);
+  std::stable_sort(out.host_by_where.begin(), out.host_by_where.end(),
+                   [](const auto& a, const auto& b) { return a.second > b.second; });
   return out;
 }
 
@@ -335,6 +365,22 @@ std::string FormatRankProfiles(const RankProfiles& p) {
     }
     absl::StrAppend(&out, absl::StrFormat("%-5d %7d %8.1f ms %8.1f ms %10.1f ms %10.1f ms %6d\n", s.rank, s.stream,
                                           s.window_ms, s.busy_ms, s.host_ms, s.other_ms, s.gaps));
+  }
+  bool where = false;
+  for (const StreamIdle& s : p.idle) where = where || !s.host_by_where.empty();
+  if (where) {
+    absl::StrAppend(&out, "its idle waiting for the host, by what the launching thread was inside (its innermost\n"
+                          "record_function range; ferry.torch names its hooks' waits and gathers ferry.* while a\n"
+                          "profiler runs):\n");
+    for (const StreamIdle& s : p.idle) {
+      if (s.host_by_where.empty()) continue;
+      std::vector<std::string> parts;
+      for (size_t i = 0; i < std::min<size_t>(6, s.host_by_where.size()); ++i) {
+        parts.push_back(absl::StrFormat("%s %.1f ms", s.host_by_where[i].first, s.host_by_where[i].second));
+      }
+      if (s.host_by_where.size() > 6) parts.push_back(absl::StrFormat("%d more", s.host_by_where.size() - 6));
+      absl::StrAppend(&out, absl::StrFormat("%-5d %s\n", s.rank, absl::StrJoin(parts, ", ")));
+    }
   }
   for (const std::string& note : p.notes) absl::StrAppend(&out, "note: ", note, "\n");
   return out;

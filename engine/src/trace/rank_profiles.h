@@ -58,7 +58,14 @@ struct StreamIdle {
   double host_ms = 0.0;      // idle waiting for the host's launches
   double other_ms = 0.0;     // idle with the next op queued, waiting on another stream or event
   size_t gaps = 0;
+  // host_ms by what the launching thread was inside meanwhile: its innermost user annotation
+  // (record_function: "ferry.wait_params", "DistributedDataParallel.forward", ...; NCCL's own left
+  // out) over each part of each wait, kNoAnnotation where none; the largest first.
+  std::vector<std::pair<std::string, double>> host_by_where;
 };
+
+// host_by_where's name for the parts of a wait that no annotation covers.
+inline constexpr char kNoAnnotation[] = "(no annotation)";
 
 struct RankProfiles {
   std::vector<int> ranks;           // the ranks read, ascending
