@@ -59,7 +59,6 @@ def _copy_pairs(pairs):
         _buckets.copy_all([dst for dst, _ in pairs], [src for _, src in pairs])
 
 
-
 # A replica param of at least this many bytes whose elements split evenly over the ranks is a gather
 # unit of its own, all-gathered in place under NCCL (no copies in and out).
 SOLO_BYTES = 1 << 20
