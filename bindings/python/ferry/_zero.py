@@ -293,7 +293,7 @@ class Sharding:
             self._runs, self._waited = [], -1
             # The copies into the params wait for the forward and backward that read them.
             self._side.wait_stream(torch.cuda.current_stream(self._side.device))
-            self.comm.check_aborts()
+            self.comm.check_aborts(fresh=False)
             self._arrival = self.comm.arrive("z")
 
     def _in_place(self, unit):
