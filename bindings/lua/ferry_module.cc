@@ -439,6 +439,7 @@ int LEngineStats(lua_State* L) {
       {"skipped_steps", static_cast<double>(s.skipped_steps)},
       {"local_rank", static_cast<double>(s.local_rank)},
       {"local_world_size", static_cast<double>(s.local_world_size)},
+      {"transfer_chunk_bytes", static_cast<double>(s.transfer_chunk_bytes)},
       {"cpu_threads", static_cast<double>(s.cpu_threads)},
       {"numa_node", static_cast<double>(s.numa_node)},
       {"pinned_limit_bytes", static_cast<double>(s.pinned_limit_bytes)},

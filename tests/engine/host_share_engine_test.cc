@@ -3,6 +3,7 @@
 // divide the host; by default as many workers as the share gives, left free on a host not split by
 // NUMA node for 2 ranks), the shares add up, stats() shows them, and the default pinned budget is
 // divided among the local ranks. In its own binary: the budget is the process's.
+#include <algorithm>
 #include <functional>
 #include <set>
 #include <string>
@@ -164,6 +165,44 @@ TEST(HostShareEngineTest, TheProcessThreadsAreHeldToTheFirstShareWhenAsked) {
   a->reset();
   b->reset();
   ASSERT_TRUE(HoldProcessThreads(all).ok());
+  PinnedBudget::Process().set_limit(PinnedBudget::DefaultProcessLimit());
+}
+
+// The offload pipeline's chunk: the host's (kHostChunkBytes) split among its local ranks unless set,
+// and the pipeline's staging ring sized by it.
+TEST(HostShareEngineTest, TheLocalRanksSplitTheHostsPipelineChunk) {
+  std::vector<float> param(4096, 0.5f), grad(4096, 0.25f);
+  auto engine = [&](int ranks, size_t chunk) -> absl::StatusOr<std::unique_ptr<Engine>> {
+    EngineOptions o;
+    o.device = "host";
+    o.policy_path = engine_test::Policies() + "offload_all.lua";
+    o.local_rank = 0;
+    o.local_world_size = ranks;
+    o.pin_cpu_threads = 0;
+    o.transfer_chunk_bytes = chunk;
+    FERRY_ASSIGN_OR_RETURN(std::unique_ptr<Engine> e, Engine::Create(o));
+    FERRY_RETURN_IF_ERROR(e->AddParam({.name = "w", .shape = {static_cast<int64_t>(param.size())},
+                                       .dtype = DType::kF32, .param = param.data(), .grad = grad.data()}));
+    FERRY_RETURN_IF_ERROR(e->Finalize());
+    return e;
+  };
+  size_t pinned_split = 0, pinned_whole = 0;
+  for (int ranks : {1, 2, 3, 4, 16}) {
+    auto e = engine(ranks, 0);
+    ASSERT_TRUE(e.ok()) << e.status();
+    const size_t want = std::max<size_t>(size_t{1} << 20, kHostChunkBytes / static_cast<size_t>(ranks));
+    EXPECT_EQ((*e)->Stats().transfer_chunk_bytes, want) << ranks << " local ranks";
+    if (ranks == 4) pinned_split = (*e)->Stats().pinned_bytes;
+  }
+  for (int ranks : {1, 4}) {
+    auto e = engine(ranks, size_t{3} << 20);
+    ASSERT_TRUE(e.ok()) << e.status();
+    EXPECT_EQ((*e)->Stats().transfer_chunk_bytes, size_t{3} << 20) << "set: kept, " << ranks << " local ranks";
+  }
+  auto whole = engine(4, kHostChunkBytes);
+  ASSERT_TRUE(whole.ok()) << whole.status();
+  pinned_whole = (*whole)->Stats().pinned_bytes;
+  EXPECT_LT(pinned_split, pinned_whole) << "the staging ring holds chunks of the rank's size";
   PinnedBudget::Process().set_limit(PinnedBudget::DefaultProcessLimit());
 }
 

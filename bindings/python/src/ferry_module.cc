@@ -313,6 +313,7 @@ class PyEngine {
     // This rank's share of its host (engine/EMBEDDING.md, "Big hosts and ranks that share a host").
     d["local_rank"] = s.local_rank;
     d["local_world_size"] = s.local_world_size;
+    d["transfer_chunk_bytes"] = s.transfer_chunk_bytes;
     d["cpu_threads"] = s.cpu_threads;
     d["cpu_list"] = s.cpu_list;
     d["host_share"] = s.host_share;

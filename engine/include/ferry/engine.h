@@ -91,15 +91,23 @@ std::vector<std::string_view> GroupOptionNames();
 // `options` is unchanged.
 absl::Status SetGroupOption(GroupOptions& options, std::string_view name, double value);
 
+// The offload pipeline's chunk for a process that has its host to itself: 8 MiB measured best on an
+// H200 host (ferry bench step: the step costs 1.02x CPU Adam alone, vs 1.07x with 32 MiB chunks and
+// 1.22x with 4 MiB). Two ranks on a 2 x H200 host (ZeRO-1, bench_train_dist.py): 4 MiB each 148.6 and
+// 148.1 ms an iteration, 8 MiB each 156.6 and 153.3 ms (alternated, one lease).
+inline constexpr size_t kHostChunkBytes = size_t{8} << 20;
+
 struct EngineOptions {
   std::string policy_path;                        // Lua policy file; empty = every group on the GPU
   std::map<std::string, std::string> policy_args;  // the policy's ctx.args
   OptimizerOptions optimizer;
   std::string device;                             // "", "host" or "cuda" (see FERRY_DEVICE)
   int device_ordinal = 0;
-  // Chunk of the offload pipeline: 8 MiB measured best on an H200 (ferry bench step: the step costs
-  // 1.02x CPU Adam alone, vs 1.07x with 32 MiB chunks and 1.22x with 4 MiB).
-  size_t transfer_chunk_bytes = size_t{8} << 20;
+  // Chunk of the offload pipeline (grads down and params up, CPU Adam's unit of work); 0 (the
+  // default): kHostChunkBytes for a process that has its host to itself, kHostChunkBytes /
+  // local_world_size (at least 1 MiB) for each of the local ranks that share one, so that the chunks
+  // the host's ranks have in flight together stay near kHostChunkBytes. EngineStats says which.
+  size_t transfer_chunk_bytes = 0;
   // CPU Adam's worker threads; 0 = this rank's share of the host's CPUs (see local_rank), less
   // trainer_threads, less one CPU for the thread that runs a step (the trainer's, or the early-step
   // thread), which works beside them (larger shares keep an eighth free instead), and no more than
@@ -269,6 +277,7 @@ struct EngineStats {
   // This rank's share of its host (EngineOptions::local_rank).
   int local_rank = 0;
   int local_world_size = 1;
+  size_t transfer_chunk_bytes = 0;  // the offload pipeline's chunk (EngineOptions::transfer_chunk_bytes)
   size_t cpu_threads = 0;      // CPU Adam's workers (the thread running a step works beside them)
   std::string cpu_list;        // the CPUs they are pinned to, "0-15,32-47"; empty: not pinned
   std::string host_share;      // how the share and the worker count were chosen

@@ -5,6 +5,7 @@
 // (HoldThreads). See engine_impl.h.
 #include "engine/engine_impl.h"
 
+#include <algorithm>
 #include <mutex>
 
 #include "base/thread_affinity.h"
@@ -12,6 +13,11 @@
 
 namespace ferry {
 namespace engine_internal {
+
+size_t TransferChunkBytes(size_t option, int local_world_size) {
+  if (option > 0) return option;
+  return std::max<size_t>(size_t{1} << 20, kHostChunkBytes / static_cast<size_t>(std::max(1, local_world_size)));
+}
 
 WorkerPlan PlanWorkers(const EngineOptions& options, const Device& device) {
   WorkerPlan plan;
