@@ -2,8 +2,9 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <map>
-#include <string>
+#include <memory>
 #include <mutex>
 
 #include "absl/strings/str_cat.h"
@@ -11,11 +12,17 @@
 #include "base/adam_math.h"
 #include "base/thread_pool.h"
 #include "ferry/status.h"
-#include "memory/host_region.h"
 #include "optim/cpu_adam.h"
 
 namespace ferry {
 namespace {
+
+struct FreeDeleter {
+  void operator()(void* p) const { std::free(p); }
+};
+using Scratch = std::unique_ptr<void, FreeDeleter>;
+
+Scratch Allocate(size_t bytes) { return Scratch(std::aligned_alloc(4096, (bytes + 4095) / 4096 * 4096)); }
 
 double Seconds(std::chrono::steady_clock::time_point since) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - since).count();
@@ -65,45 +72,30 @@ size_t PickMostWithin(const std::vector<std::pair<size_t, double>>& rates, doubl
 namespace {
 
 // CPU Adam on scratch memory (fp32 master and moments, bf16 grads and params: the 28 bytes per element
-// of an in-place update), on the pages an arena gets where the host offers them (transparent huge
-// pages: on base pages a 4 x H200 host measured 32 workers 8% above 24, while the arena's huge pages
-// ran 32 slower than 24), first touched by the widest pool, so that its pages are spread as the
-// workers will use them.
+// of an in-place update), allocated here and first touched by the widest pool, so that its pages are
+// spread as the workers will use them.
 class KneeScratch {
  public:
   KneeScratch(int64_t elements, size_t widest, const std::vector<int>& cpus) : n_(static_cast<size_t>(elements)) {
-    const size_t align = size_t{2} << 20;  // each buffer on its own huge pages
-    const size_t widths[5] = {4, 4, 4, 2, 2};
-    size_t offsets[5], total = 0;
-    for (int i = 0; i < 5; ++i) {
-      offsets[i] = total;
-      total += (n_ * widths[i] + align - 1) / align * align;
-    }
-    std::string why;
-    const PageKind kind =
-        memory_internal::ChoosePageKind(HugePages::kTransparent, total, /*bind_node=*/-1, &why);
-    int mmap_calls = 0;
-    absl::StatusOr<memory_internal::HostRegion> region =
-        memory_internal::ReserveHostRegion(total, kind, /*fall_back=*/false, "the knee's scratch", &mmap_calls);
-    if (!region.ok()) return;  // ok() is false: the caller keeps its rule
-    region_ = *std::move(region);
-    char* base = static_cast<char*>(region_.base());
-    void** buffers[5] = {&master_, &m_, &v_, &grad_, &param_};
-    for (int i = 0; i < 5; ++i) *buffers[i] = base + offsets[i];
+    master_ = Allocate(n_ * 4);
+    m_ = Allocate(n_ * 4);
+    v_ = Allocate(n_ * 4);
+    grad_ = Allocate(n_ * 2);
+    param_ = Allocate(n_ * 2);
+    if (!ok()) return;
     ThreadPool pool(widest, 0, cpus, "ferry-knee");
     const size_t parts = widest * 4;
     pool.ParallelFor(parts, [&](size_t p) {
       const size_t lo = n_ * p / parts, hi = n_ * (p + 1) / parts;
       for (size_t i = lo; i < hi; ++i) {
-        static_cast<float*>(master_)[i] = 0.01f;
-        static_cast<float*>(m_)[i] = 0.0f;
-        static_cast<float*>(v_)[i] = 0.0f;
-        static_cast<uint16_t*>(grad_)[i] = 0x3c00;  // bf16 0.0078125
-        static_cast<uint16_t*>(param_)[i] = 0;
+        static_cast<float*>(master_.get())[i] = 0.01f;
+        static_cast<float*>(m_.get())[i] = 0.0f;
+        static_cast<float*>(v_.get())[i] = 0.0f;
+        static_cast<uint16_t*>(grad_.get())[i] = 0x3c00;  // bf16 0.0078125
       }
     });
   }
-  bool ok() const { return region_.base() != nullptr; }
+  bool ok() const { return master_ && m_ && v_ && grad_ && param_; }
 
   size_t elements() const { return n_; }
 
@@ -125,7 +117,7 @@ class KneeScratch {
     ThreadPool pool(workers, -1, cpus, "ferry-knee");
     CpuAdam adam(&pool);
     AdamScalars scalars = MakeAdamScalars(AdamHyper{}, 1);
-    CpuAdamTensor t{master_, m_, v_, grad_, param_, static_cast<int64_t>(n_),
+    CpuAdamTensor t{master_.get(), m_.get(), v_.get(), grad_.get(), param_.get(), static_cast<int64_t>(n_),
                     DType::kBF16, DType::kBF16, &scalars};
     const absl::Status warm = adam.Step({&t, 1});
     FERRY_RETURN_IF_ERROR(between());
@@ -142,12 +134,7 @@ class KneeScratch {
 
  private:
   size_t n_;
-  memory_internal::HostRegion region_;
-  void* master_ = nullptr;
-  void* m_ = nullptr;
-  void* v_ = nullptr;
-  void* grad_ = nullptr;
-  void* param_ = nullptr;
+  Scratch master_, m_, v_, grad_, param_;
 };
 
 }  // namespace
