@@ -31,6 +31,7 @@
 #include "memory/pinned_budget.h"
 #include "optim/worker_knee.h"
 #include "ferry/dtype.h"
+#include "ferry/engine.h"
 #include "ferry/status.h"
 #include "lua/commands.h"
 #include "lua/verb_flags.h"
@@ -118,10 +119,11 @@ void PrintHostShares(std::FILE* out, int local_world_size, size_t trainer_thread
             ? " (its other threads held to them; FERRY_PIN_TRAINER_THREADS=0: free)"
             : (share.split ? " (its other threads free; FERRY_PIN_TRAINER_THREADS=1: held to them)" : "");
     absl::FPrintF(out, "  local rank %d: up to %d CPU Adam workers%s %s; share: CPUs %s%s, %d CPU%s left to the trainer; "
-                  "pinned budget %s\n",
+                  "pinned budget %s; pipeline chunk %s\n",
                   r, workers, measured, where, FormatCpuList(share.cpus), held,
                   share.trainer_cpus, share.trainer_cpus == 1 ? "" : "s",
-                  HumanBytes(static_cast<int64_t>(PinnedBudget::DefaultProcessLimit() / static_cast<size_t>(ranks))));
+                  HumanBytes(static_cast<int64_t>(PinnedBudget::DefaultProcessLimit() / static_cast<size_t>(ranks))),
+                  HumanBytes(static_cast<int64_t>(TransferChunkBytes(0, ranks))));
     if (r == 0) absl::FPrintF(out, "    (%s)\n", share.reason);
   }
   absl::FPrintF(out, "  (one CPU of a share of up to %d CPUs, and of a slice of ranks that split more, is left for the "

@@ -38,7 +38,8 @@
 --   So 1 when the state fits twice, 0.5 when it fits one and a half times, 0 when the state alone
 --   does not fit (not an error: the engine's pinned memory errors decide then). The engine takes the
 --   smaller of this and EngineOptions::spare_state_fraction; the placement does not depend on it.
---   Not counted: the staging ring (4 + 4 slots of transfer_chunk_bytes, 64 MiB by default), the
+--   Not counted: the staging ring (4 + 4 slots of transfer_chunk_bytes, 64 MiB by default,
+--   divided among the local ranks of a host), the
 --   engine's rounding of each group's state to 4 KiB pages, a save's staging: leave room for them.
 -- Note for hot reload (Engine::ReloadPolicy): ctx.gpu_free_bytes is measured with the current
 -- placement's GPU state still allocated, so the rule sees less room than a fresh start would; pass

@@ -212,7 +212,11 @@ TEST(CheckCommandTest, ShowsEachLocalRanksShareOfTheHost) {
                                               " (its other threads free; FERRY_PIN_TRAINER_THREADS=1: held to them)")));
   }
   EXPECT_NE(lists[0], lists[1]) << "the two shares are disjoint";
-  EXPECT_THAT(r.out, HasSubstr("pinned budget " + HumanBytes(static_cast<int64_t>(PinnedBudget::DefaultProcessLimit() / 2))));
+  EXPECT_THAT(r.out, HasSubstr("pinned budget " + HumanBytes(static_cast<int64_t>(PinnedBudget::DefaultProcessLimit() / 2)) +
+                               "; pipeline chunk 4.0 MiB\n"));
+  Result quarter = Check({kPolicies + "offload_all.lua", "--model", "a:1000", "--local_world_size", "4"});
+  EXPECT_EQ(quarter.status, 0) << quarter.err;
+  EXPECT_THAT(quarter.out, HasSubstr("; pipeline chunk 2.0 MiB\n"));
   Result one = Check({kPolicies + "offload_all.lua", "--model", "a:1000", "--local_world_size", "1"});
   EXPECT_THAT(one.out, HasSubstr("one rank on this host: every CPU of the process"));
   // --trainer_threads: the CPUs each share leaves to its trainer (ferry.torch leaves 2 for CUDA params).

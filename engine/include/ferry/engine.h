@@ -97,6 +97,11 @@ absl::Status SetGroupOption(GroupOptions& options, std::string_view name, double
 // 148.1 ms an iteration, 8 MiB each 156.6 and 153.3 ms (alternated, one lease).
 inline constexpr size_t kHostChunkBytes = size_t{8} << 20;
 
+// The offload pipeline's chunk of a rank among `local_world_size` on its host:
+// EngineOptions::transfer_chunk_bytes `option` where set (> 0), else kHostChunkBytes / local_world_size,
+// at least 1 MiB.
+size_t TransferChunkBytes(size_t option, int local_world_size);
+
 struct EngineOptions {
   std::string policy_path;                        // Lua policy file; empty = every group on the GPU
   std::map<std::string, std::string> policy_args;  // the policy's ctx.args

@@ -68,9 +68,6 @@ struct WorkerPlan {
 };
 WorkerPlan PlanWorkers(const EngineOptions& options, const Device& device);
 
-// The offload pipeline's chunk: `option` where set, else kHostChunkBytes / local_world_size, at least
-// 1 MiB (EngineOptions::transfer_chunk_bytes).
-size_t TransferChunkBytes(size_t option, int local_world_size);
 // Holds the process's other threads to the plan's share where EngineOptions::pin_trainer_threads says
 // (HostShare::HoldsTrainer; base/thread_affinity.h), once per process: a later plan leaves the first
 // hold as it is. Returns whether the share's reason changed (it then says

@@ -2,7 +2,7 @@
 // share's CPUs, the rule without a measurement) and measured at the first Finalize that offloads
 // (TuneWorkers: one process's bandwidth knee; TuneSharedWorkers: the knee of the local ranks that
 // share a host, measured together), the process's other threads held to the share there too
-// (HoldThreads). See engine_impl.h.
+// (HoldThreads); the pipeline chunk of a rank's share (TransferChunkBytes). See engine_impl.h.
 #include "engine/engine_impl.h"
 
 #include <algorithm>
@@ -12,12 +12,13 @@
 #include "optim/worker_knee.h"
 
 namespace ferry {
-namespace engine_internal {
 
 size_t TransferChunkBytes(size_t option, int local_world_size) {
   if (option > 0) return option;
   return std::max<size_t>(size_t{1} << 20, kHostChunkBytes / static_cast<size_t>(std::max(1, local_world_size)));
 }
+
+namespace engine_internal {
 
 WorkerPlan PlanWorkers(const EngineOptions& options, const Device& device) {
   WorkerPlan plan;
@@ -75,7 +76,9 @@ void EngineImpl::TraceHostShare() {
   tracer_->Complete("host_share", "engine", now, now,
                     {{"local_rank", static_cast<double>(workers_.local.local_rank)},
                      {"local_world_size", static_cast<double>(workers_.local.local_world_size)},
-                     {"cpu_threads", static_cast<double>(pool_->num_threads())}},
+                     {"cpu_threads", static_cast<double>(pool_->num_threads())},
+                     {"transfer_chunk_bytes",
+                      static_cast<double>(TransferChunkBytes(options_.transfer_chunk_bytes, workers_.local.local_world_size))}},
                     absl::StrCat("workers on CPUs ", pool_->cpus().empty() ? "(any)" : FormatCpuList(pool_->cpus()),
                                  "; ", workers_.share.reason));
 }
