@@ -19,7 +19,8 @@ took 10-14 ms a step on 4 GPUs. Its wait is polled like any other.
 Nothing hangs, and failures are named. Every collective is started asynchronously and polled until
 its deadline (the engine passes the time left); meanwhile the store of the default group (a
 TCPStore or FileStore, under the prefix ``ferry/<n>/``) carries two things:
-  * an arrival count per rank (one ``add`` per collective): a rank that never arrives is named in the
+  * an arrival count per rank (one ``add`` per collective, made by the notes' own thread after a
+    rank's first on a channel, so that no round trip sits in the step; see ``_Notes``): a rank that never arrives is named in the
     TimeoutError the others raise ("rank 2 of 4 did not arrive"); the engine reports it as
     DeadlineExceeded (ferry.DeadlineExceededError);
   * abort notes: a rank that raises inside the optimizer (ferry.torch.Optimizer calls ``abort``)
