@@ -303,6 +303,25 @@ def run_row(row, args, device, rank, world, local_rank, data):
     return slowest.item(), torch.stack(losses).float().cpu(), stats
 
 
+def with_exact_mates(rows, rank):
+    """--check-exact compares each overlap row's losses with those of its row without overlap
+    (`same_as`), run before it: a mate the --rows left out, or put after it, runs just before it
+    (said on rank 0; else nothing would be compared). Each row runs once."""
+    out, done = [], set()
+    for row in rows:
+        mate = row.get("same_as")
+        if mate and mate not in done:
+            out.append(next(r for r in ROWS if r["name"] == mate))
+            done.add(mate)
+            if rank == 0:
+                print("--check-exact: row %d (%s) runs before %s, to be compared with it"
+                      % (ROWS.index(out[-1]), mate, row["name"]), flush=True)
+        if row["name"] not in done:
+            out.append(row)
+            done.add(row["name"])
+    return out
+
+
 def worker(rank, world, local_rank, args):
     device = dist_launch.cuda_device(local_rank) if args.device == "cuda" else torch.device("cpu")
     if args.solo_mb is not None:  # ZeRO-1's gather units: the size from which a param is gathered alone
@@ -322,6 +341,8 @@ def worker(rank, world, local_rank, args):
                                         args.size, dim, blocks, args.dtype, batch, seq, args.steps, args.warmup),
               flush=True)
     rows = ROWS if not args.rows else [ROWS[int(i)] for i in args.rows.split(",")]
+    if args.check_exact:
+        rows = with_exact_mates(rows, rank)
     rounds, ok, runs = max(1, args.repeat), True, {}  # runs: row name -> [(iteration, ratio)] per round
     for round_ in range(rounds):
         if rounds > 1 and rank == 0:
