@@ -218,11 +218,6 @@ class _Notes:
         when some rank aborted, or it is not known (the caller then reads the store itself)."""
         return self._poster is not None and self._poster.aborts == 0 and not self._aborted_here
 
-    def stop(self):
-        """Ends the poster (its arrivals posted first)."""
-        if self._poster is not None:
-            self._poster.stop(join_s=2.0)
-
     def positions(self, channel):
         self.flush()  # this rank's own arrivals, counted but not yet posted
         return [self._add("%s/seq/%d" % (channel, r), 0) for r in range(self.world_size)]

@@ -254,7 +254,7 @@ absl::StatusOr<std::unique_ptr<HybridOptimizer>> EngineImpl::BuildOptimizer(cons
   hopt.hyper.weight_decay = options_.optimizer.weight_decay;
   hopt.hyper.mode = options_.optimizer.adamw ? AdamMode::kAdamW : AdamMode::kAdamL2;
   hopt.hyper.bias_correction = options_.optimizer.bias_correction;
-  hopt.chunk_bytes = TransferChunkBytes(options_.transfer_chunk_bytes, workers_.local.local_world_size);
+  hopt.chunk_bytes = workers_.chunk_bytes;
   hopt.spare_fraction = SpareFraction(placement);
   hopt.tracer = tracer_.get();
   std::string numa = placement.numa.value_or(options_.numa);
@@ -460,7 +460,7 @@ EngineStats EngineImpl::Stats() const {
   EngineStats s;
   s.local_rank = workers_.local.local_rank;
   s.local_world_size = workers_.local.local_world_size;
-  s.transfer_chunk_bytes = TransferChunkBytes(options_.transfer_chunk_bytes, workers_.local.local_world_size);
+  s.transfer_chunk_bytes = workers_.chunk_bytes;
   s.cpu_threads = pool_->num_threads();
   s.cpu_list = FormatCpuList(pool_->cpus());
   s.host_share = workers_.share.reason;

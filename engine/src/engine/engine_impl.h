@@ -65,9 +65,9 @@ struct WorkerPlan {
   size_t threads = 1;
   std::vector<int> cpus;  // the CPUs the workers may run on; empty: any
   std::string knee;       // what TuneWorkers measured; empty: not measured
+  size_t chunk_bytes = kHostChunkBytes;  // the offload pipeline's chunk (TransferChunkBytes)
 };
 WorkerPlan PlanWorkers(const EngineOptions& options, const Device& device);
-
 // Holds the process's other threads to the plan's share where EngineOptions::pin_trainer_threads says
 // (HostShare::HoldsTrainer; base/thread_affinity.h), once per process: a later plan leaves the first
 // hold as it is. Returns whether the share's reason changed (it then says

@@ -23,6 +23,7 @@ namespace engine_internal {
 WorkerPlan PlanWorkers(const EngineOptions& options, const Device& device) {
   WorkerPlan plan;
   plan.local = DetectLocalRanks(options.local_rank, options.local_world_size);
+  plan.chunk_bytes = TransferChunkBytes(options.transfer_chunk_bytes, plan.local.local_world_size);
   // The GPU of each local rank, when this one drives GPU `local rank` (torchrun's convention): their
   // NUMA nodes let a host of several nodes be split by node.
   std::vector<int> gpu_nodes;
@@ -77,8 +78,7 @@ void EngineImpl::TraceHostShare() {
                     {{"local_rank", static_cast<double>(workers_.local.local_rank)},
                      {"local_world_size", static_cast<double>(workers_.local.local_world_size)},
                      {"cpu_threads", static_cast<double>(pool_->num_threads())},
-                     {"transfer_chunk_bytes",
-                      static_cast<double>(TransferChunkBytes(options_.transfer_chunk_bytes, workers_.local.local_world_size))}},
+                     {"transfer_chunk_bytes", static_cast<double>(workers_.chunk_bytes)}},
                     absl::StrCat("workers on CPUs ", pool_->cpus().empty() ? "(any)" : FormatCpuList(pool_->cpus()),
                                  "; ", workers_.share.reason));
 }
