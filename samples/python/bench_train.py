@@ -59,7 +59,8 @@ one announces whole groups, so fewer groups start CPU Adam later):
     python3 samples/python/bench_train.py --device cpu --size tiny --steps 2   # smoke (host backend)
 
 A benchmark, not a test: it asserts nothing about time; --check-exact exits non-zero when the losses of
-the fp32 Ferry rows differ in any bit.
+the fp32 Ferry rows differ from ferry all_gpu's in any bit (that row runs first whatever --rows picks)
+or when no row was compared.
 """
 import argparse
 import gc
@@ -253,6 +254,9 @@ def end_window(opt, is_ferry, sync, t0, threads0, steps):
     return (t1 - t0) / steps, stats, threads, time.perf_counter() - t1
 
 
+REFERENCE = "ferry all_gpu"  # --check-exact: every exact row's losses are compared with this row's
+
+
 def rows_for(args):
     rows = [
         {"name": "torch AdamW (fused)", "kind": "torch"},
@@ -284,6 +288,18 @@ def rows_for(args):
         wanted = [int(i) for i in args.rows.split(",")]
         rows = [rows[i] for i in wanted]
     return rows
+
+
+def with_reference(wanted, rows):
+    """--check-exact compares each exact row's losses with ferry all_gpu's: the row indices `wanted`
+    (of `rows`) with that row first, where --rows left it out or put it later (else nothing would be
+    compared). Every row once. ValueError: no picked row is compared."""
+    ref = next(i for i, r in enumerate(rows) if r["name"] == REFERENCE)
+    compared = [i for i, r in enumerate(rows) if r.get("exact") and i != ref]
+    if not any(i in compared for i in wanted):
+        raise ValueError("--check-exact compares none of them with %s (rows %s are)"
+                         % (REFERENCE, ",".join(map(str, compared))))
+    return [ref] + [i for i in wanted if i != ref]
 
 
 def bench_size(name, args):
@@ -456,6 +472,20 @@ def main():
     ap.add_argument("--check-exact", action="store_true",
                     help="deterministic kernels; the fp32 ferry rows' losses must be the same bits")
     args = ap.parse_args()
+    if args.rows:
+        every = rows_for(argparse.Namespace(rows=""))
+        wanted = [int(i) for i in args.rows.split(",")]
+        if any(not 0 <= i < len(every) for i in wanted):
+            ap.error("--rows %s: rows are 0 to %d" % (args.rows, len(every) - 1))
+        if args.check_exact:
+            try:
+                resolved = with_reference(wanted, every)
+            except ValueError as e:
+                ap.error("--rows %s: %s" % (args.rows, e))
+            if resolved != wanted:
+                print("--check-exact: row %d (%s) runs first: the exact rows' losses are compared with its losses"
+                      % (resolved[0], REFERENCE), flush=True)
+            args.rows = ",".join(map(str, resolved))
     if args.no_check_finite and (args.clip != "none" or args.amp != "none"):
         ap.error("--no-check-finite: clipping and GradScaler need the gradient check (use --clip none --amp none)")
     if args.check_exact:
