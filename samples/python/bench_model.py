@@ -94,9 +94,27 @@ class Loop:
         self.groups, self.clip, self.amp = args.groups, args.clip, args.amp
         self.max_norm = CLIP_NORMS[args.clip]
         self.autocast = args.amp == "fp16" and args.device == "cuda"  # on the CPU: the scaler disabled
+        self.compile = getattr(args, "compile", False)
+        self._compiled = {}  # id(model) -> torch.compile(model), made at its first forward
+
+    def run(self, model, batch):
+        """model(batch), through torch.compile(model) with --compile (one per model until fresh())."""
+        if not self.compile:
+            return model(batch)
+        if id(model) not in self._compiled:
+            self._compiled[id(model)] = torch.compile(model)
+        return self._compiled[id(model)](batch)
+
+    def fresh(self):
+        """With --compile, the next forward compiles anew: after an optimizer's attach(), whose hooks
+        a model compiled before ignores (torch.compile guards no hooks by default), as a user compiles
+        once the optimizer is attached."""
+        if self.compile:
+            torch._dynamo.reset()
+            self._compiled.clear()
 
     def label(self):
-        return "%s, clip %s, amp %s" % (self.groups, self.clip, self.amp)
+        return "%s, clip %s, amp %s%s" % (self.groups, self.clip, self.amp, ", compiled" if self.compile else "")
 
     def param_dtype(self):
         return torch.float32 if self.amp == "fp16" else torch.bfloat16
@@ -110,9 +128,9 @@ class Loop:
         scaler) of `batch`. Returns the loss."""
         if self.autocast:
             with torch.autocast(device_type="cuda", dtype=torch.float16):
-                loss = model(batch)
+                loss = self.run(model, batch)
         else:
-            loss = model(batch)
+            loss = self.run(model, batch)
         (scaler.scale(loss) if scaler is not None else loss).backward()
         return loss
 

@@ -55,6 +55,7 @@ one announces whole groups, so fewer groups start CPU Adam later):
     python3 samples/python/bench_train.py --size all             # small, medium and large
     python3 samples/python/bench_train.py --groups decay --clip reached --amp fp16   # nanoGPT's loop
     python3 samples/python/bench_train.py --check-exact          # losses bit-identical across rows
+    python3 samples/python/bench_train.py --compile --groups decay   # torch.compile(model), torch >= 2.0
     python3 samples/python/bench_train.py --groups one,decay,block --rows 1,2,3 --repeat 3   # the spread
     python3 samples/python/bench_train.py --device cpu --size tiny --steps 2   # smoke (host backend)
 
@@ -179,6 +180,7 @@ def run_row(row, model, init, data, loop, args):
     opt, announcer = make_optimizer(row, model, loop, args)
     if opt is None:
         return None, None, None, announcer
+    loop.fresh()  # --compile: compiled with this row's hooks
     scaler, kind = loop.scaler(), row["kind"]
     row["placed"] = placed_share(opt) if kind == "ferry" else None
     losses, norms = [], []
@@ -469,6 +471,9 @@ def main():
                     "with --clip none and --amp none only")
     ap.add_argument("--trace", default="", help="ferry trace (Chrome JSON) of each ferry row: PATH with the row's name before the "
                     "extension, e.g. run.offload_overlap.json")
+    ap.add_argument("--compile", action="store_true",
+                    help="the forward through torch.compile(model) (torch >= 2.0), compiled anew for each row "
+                         "once its optimizer is attached")
     ap.add_argument("--check-exact", action="store_true",
                     help="deterministic kernels; the fp32 ferry rows' losses must be the same bits")
     args = ap.parse_args()
@@ -486,6 +491,8 @@ def main():
                 print("--check-exact: row %d (%s) runs first: the exact rows' losses are compared with its losses"
                       % (resolved[0], REFERENCE), flush=True)
             args.rows = ",".join(map(str, resolved))
+    if args.compile and not hasattr(torch, "compile"):
+        ap.error("--compile: torch %s has no torch.compile (torch >= 2.0)" % torch.__version__)
     if args.no_check_finite and (args.clip != "none" or args.amp != "none"):
         ap.error("--no-check-finite: clipping and GradScaler need the gradient check (use --clip none --amp none)")
     if args.check_exact:

@@ -366,25 +366,27 @@ def test_a_dropped_optimizer_leaves_the_params(device):
 
 
 class Functional(torch.nn.Module):
-    """`b`'s weight is used only functionally: b's own forward (and its pre-hook) never runs."""
+    """`b`'s weight is used only functionally: b's own forward (and its pre-hook) never runs.
+    bypass=True: a's forward is called without a's __call__ too (as code torch.compile compiled
+    before attach() runs: without the hooks added later)."""
 
     def __init__(self):
         super().__init__()
         g = torch.Generator().manual_seed(3)
         self.a = torch.nn.Linear(8, 8)
         self.b = torch.nn.Linear(8, 8, bias=False)
+        self.bypass = False
         with torch.no_grad():
             for p in self.parameters():
                 p.copy_(torch.randn(p.shape, generator=g) * 0.3)
 
     def forward(self, x):
-        return torch.nn.functional.linear(torch.tanh(self.a(x)), self.b.weight)
+        h = self.a.forward(x) if self.bypass else self.a(x)
+        return torch.nn.functional.linear(torch.tanh(h), self.b.weight)
 
 
-def test_attach_zeroes_grads_of_a_group_its_forward_never_waited_for(device):
-    """After a deferred step zero_grad() leaves a group's grads until a stream waits for the group
-    (the engine may still read them); a param used outside its modules' forward gets them zeroed by
-    its grad hook before the backward accumulates: the same bits as without attach(), every step."""
+def functional_pair(device):
+    """Two Functional nets with an offloading optimizer each, the first attached."""
     nets, opts = [], []
     for attach in (True, False):
         net = Functional().to(device)
@@ -394,14 +396,137 @@ def test_attach_zeroes_grads_of_a_group_its_forward_never_waited_for(device):
             opt.attach(net)
         nets.append(net)
         opts.append(opt)
-    g = torch.Generator().manual_seed(5)
-    for step in range(6):
-        x = torch.randn(16, 8, generator=g).to(device)
+    return nets, opts
+
+
+def train_pair(nets, opts, steps, seed, wait=False, bypass_from=None):
+    """`steps` steps of both nets on the same batches (wait: opt.wait_params() before each forward;
+    bypass_from: the step from which the nets' forward skips a's hooks). Yields after each step."""
+    g = torch.Generator().manual_seed(seed)
+    for step in range(steps):
+        x = torch.randn(16, 8, generator=g).to(nets[0].a.weight.device)
         for net, opt in zip(nets, opts):
+            net.bypass = bypass_from is not None and step >= bypass_from
+            if wait:
+                opt.wait_params()
             net(x).square().mean().backward()
             opt.step()
             opt.zero_grad()
+        yield step
+
+
+def test_attach_zeroes_grads_of_a_group_its_forward_waited_for_by_hand(device):
+    """A param used outside the forward of its module waits by opt.wait_params() (attach()'s contract):
+    the steps are deferred, and after one zero_grad() leaves a group's grads until a stream waits for
+    the group (the engine may still read them): the same bits as without attach(), every step."""
+    nets, opts = functional_pair(device)
+    for step in train_pair(nets, opts, 6, seed=5, wait=True):
         assert opts[0].stats()["deferred_steps"] == step + 1
         for opt in opts:
-            opt.engine.synchronize()  # for reading here (not wait_params(): the next forward waits)
+            opt.engine.synchronize()  # for reading here
         assert_same_bits(nets[0], nets[1], "step %d" % step)
+
+
+def test_attach_does_not_defer_params_a_forward_reads_without_their_hooks(device):
+    """b's weight is read outside b's forward and nothing waits for it: step() sees that b's hook did
+    not run in the forward that made its grad, so it does not leave b's params (or any) to the next
+    forward, and says so once, naming the param; the same bits as without attach(), every step. The
+    same where no hook of the forward runs (a's forward bypassed from the start, as a model compiled
+    before attach() runs)."""
+    for bypass_from in (None, 0):
+        nets, opts = functional_pair(device)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for step in train_pair(nets, opts, 5, seed=6, bypass_from=bypass_from):
+                for opt in opts:
+                    opt.engine.synchronize()
+                assert_same_bits(nets[0], nets[1], "step %d" % step)
+        assert opts[0].stats()["deferred_steps"] == 0
+        said = [str(w.message) for w in caught if "pre-hooks" in str(w.message)]
+        assert len(said) == 1, said
+        assert "param 2 (param_groups[1]['params'][0])" in said[0] and "torch.compile" in said[0]
+        assert ("param 0 (param_groups[0]['params'][0])" in said[0]) == (bypass_from == 0)
+
+
+def test_attach_warns_when_a_forward_read_deferred_params_without_their_hooks(device):
+    """Steps deferred while the forward ran the hooks, the bits of a twin without attach(); then the
+    forward skips a's hook (as a model whose compiled code ignores them): it may have read a's params
+    before the update left to that hook. step() says so at that step, naming them, and from then on
+    waits for the params itself: no step after it is deferred."""
+    nets, opts = [], []
+    for attach in (True, False):
+        net = Functional().to(device)
+        net.b.weight.requires_grad_(False)
+        opt = ferry.torch.Optimizer(list(net.a.parameters()), lr=1e-2, policy="offload_all", overlap=True,
+                                    transfer_chunk_bytes=1024)
+        nets.append(net)
+        opts.append(opt.attach(net) if attach else opt)
+    for step in train_pair(nets, opts, 3, seed=7):
+        for opt in opts:
+            opt.engine.synchronize()
+        assert_same_bits(nets[0], nets[1], "step %d" % step)
+    assert opts[0].stats()["deferred_steps"] == 3
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in train_pair(nets[:1], opts[:1], 3, seed=8, bypass_from=0):
+            said = [w for w in caught if "may have read" in str(w.message)]
+            assert len(said) == 1 and said[0].category is RuntimeWarning, [str(w.message) for w in said]
+            assert "param 0 (param_groups[0]['params'][0]), param 1" in str(said[0].message)
+            assert "torch.compile" in str(said[0].message)
+    assert opts[0].stats()["deferred_steps"] == 3
+
+
+class Pair(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(8)
+        self.a = torch.nn.Linear(8, 8)
+        self.b = torch.nn.Linear(8, 8)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)))
+
+
+@pytest.mark.skipif(not hasattr(torch, "compile"), reason="torch.compile needs torch >= 2.0")
+def test_attach_and_torch_compile(device):
+    """torch.compile (backend "eager": Dynamo's graphs run as they are). A model compiled by its first
+    call before attach(): its compiled forward runs none of the hooks added later where torch guards
+    on no hooks (its default), so step() does not defer, and says so once; attach() before the first
+    call: the hooks run between Dynamo's graphs (torch.compiler.disable), and the steps are deferred.
+    The same bits as the compiled model without attach(), every step, either way."""
+    for attach_first in (False, True):
+        nets, compiled, opts = [], [], []
+        for attach in (True, False):
+            net = Pair().to(device)
+            opt = ferry.torch.Optimizer(net.parameters(), lr=1e-2, policy="offload_all", overlap=True,
+                                        transfer_chunk_bytes=1024)
+            if attach and attach_first:
+                opt.attach(net)
+            nets.append(net)
+            compiled.append(torch.compile(net, backend="eager"))
+            opts.append(opt)
+        g = torch.Generator().manual_seed(9)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for step in range(5):
+                x = torch.randn(16, 8, generator=g).to(device)
+                for i in range(2):
+                    compiled[i](x).square().mean().backward()
+                    opts[i].step()
+                    opts[i].zero_grad()
+                    if step == 0 and i == 0 and not attach_first:
+                        opts[0].attach(nets[0])  # after the compiled model's first call
+                for opt in opts:
+                    opt.engine.synchronize()
+                assert_same_bits(nets[0], nets[1], "step %d, attach first %s" % (step, attach_first))
+        said = [str(w.message) for w in caught if "pre-hooks" in str(w.message)]
+        deferred = opts[0].stats()["deferred_steps"]
+        if attach_first:
+            assert not said and deferred == 5, (said, deferred)
+        elif said:  # torch guards on no hooks (its default): the compiled forward ignores them
+            assert len(said) == 1 and "torch.compile" in said[0] and deferred == 0, (said, deferred)
+        else:  # a torch that recompiles with the hooks added: they run, from the second step
+            assert deferred == 4, deferred

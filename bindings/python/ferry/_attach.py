@@ -26,6 +26,8 @@ used outside the forward of the modules owning it).
 Under FSDP2, attach() warns when the root's unit holds a tenth or more of the offloaded params
 (_warn_if_root_unit_large: that unit is reduced last and gathered first).
 """
+import importlib
+import warnings
 import weakref
 
 import torch
@@ -36,12 +38,40 @@ from . import _zero
 
 class _Waits:
     """What the hooks of attach() share: their handles, the params some module owns, and a grad hook
-    per param (the deferred zeroing before a backward accumulates into a bucket nothing waited for)."""
+    per param (the deferred zeroing before a backward accumulates into a bucket nothing waited for).
+
+    Whether the forward ran them: since the last step, the params whose module's pre-hook ran (or
+    that wait_params() waited for), `seen`, and the owned params that got a grad, `grads`. A forward
+    that does not run the hooks (a model torch.compile compiled before attach(): by default its
+    compiled code ignores hooks added later) would read the params of a deferred step before their
+    update; verdict() tells step() not to defer then."""
+
+    def _init_seen(self):
+        self.seen = set()  # params (k) a pre-hook or wait_params() waited for since the last step
+        self.grads = set()  # owned params (k) that got a grad since the last step
+        self.deferred = False  # the last step left its params to the hooks of the next forward
+        self.steps = 0  # steps since attach()
 
     def _add_grad_hooks(self, optimizer, me, index):
         for k, p in enumerate(optimizer._params):
             if p.requires_grad and id(p) in index:
                 self.handles.append(p.register_hook(_grad_hook(me, k)))
+
+    def verdict(self, got):
+        """At step(), before the engine's step: (whether the step may leave its params to the next
+        forward's hooks, the owned params that got a grad in a forward that did not wait for them,
+        whether such a forward followed a deferred step). got: the grad tracker's (a grad since
+        zero_grad(), per param), for grads whose hooks a compiled backward may not run. Starts the
+        next step's record."""
+        grads = self.grads.union(k for k in self.owned if got[k])
+        unwaited = sorted(grads - self.seen)
+        raced = bool(unwaited) and self.deferred
+        waiting = bool(self.seen) and not unwaited
+        if self.steps == 0:  # the forward may have come before attach(): no verdict on its hooks
+            unwaited = []
+        self.seen, self.grads, self.deferred = set(), set(), False
+        self.steps += 1
+        return waiting, unwaited, raced
 
     def remove(self):
         for h in self.handles:
@@ -57,6 +87,7 @@ class ModuleWaits(_Waits):
         me = weakref.ref(optimizer)
         self.handles = []
         self.owned = set()  # params (k) some module owns
+        self._init_seen()
         for module in model.modules():
             ks = tuple(sorted({index[id(p)] for p in module.parameters(recurse=False) if id(p) in index}))
             if ks:
@@ -69,6 +100,16 @@ class ModuleWaits(_Waits):
         if optimizer._gathering():  # ZeRO-1: the units no module's forward gathered, once it returns
             self.handles.append(model.register_forward_hook(_post_hook(me)))
         self._add_grad_hooks(optimizer, me, index)
+
+
+def _eager(hook):
+    """A forward hook that torch.compile calls as it is, between graphs (torch.compiler.disable),
+    rather than tracing it: it calls into the engine and reads the optimizer's
+    state of the step, on which compiled code would otherwise guard (and recompile as it changes)."""
+    disable = getattr(getattr(torch, "compiler", None), "disable", None)  # torch >= 2.1
+    if disable is None and hasattr(torch, "compile"):  # torch 2.0
+        disable = importlib.import_module("torch._dynamo").disable
+    return hook if disable is None else disable(hook)
 
 
 def _fsdp_state(module):
@@ -103,6 +144,7 @@ class Fsdp2Waits(_Waits):
         me = weakref.ref(optimizer)
         self.handles = []
         self.owned = set()
+        self._init_seen()
         # Every module of a state: fully_shard([a, b]) gives a and b one state, whose all-gather runs
         # at the pre-forward of whichever of them runs first.
         for module in model.modules():
@@ -169,23 +211,30 @@ def _warn_if_root_unit_large(optimizer, model, index):
 def _fsdp_pre_hook(me, state, own, index):
     def hook(_module, _inputs):
         opt = me()
-        if opt is None or not opt._pending:
+        if opt is None:
             return
         ks = set(own)
         for target in getattr(state, "_states_to_forward_prefetch", ()):  # all-gathered from this pre-forward
             ks.update(index[id(p)] for p in _fsdp_params(target) if id(p) in index)
-        if not ks:
+        if opt._waits is not None:
+            opt._waits.seen.update(ks)
+        if not ks or not opt._pending:
             return
         ctx = getattr(state, "_comm_ctx", None)
         copy_in = getattr(ctx, "all_gather_copy_in_stream", None) if opt._cuda else None
         opt._wait_units({opt._unit_of[k] for k in ks}, also=copy_in)
-    return hook
+    return _eager(hook)
 
 
 def _grad_hook(me, k):
     def hook(_grad):
         opt = me()
-        if opt is not None and opt._zero_pending and opt._unit_of[k] in opt._zero_pending:
+        if opt is None:
+            return
+        waits = opt._waits
+        if waits is not None and k in waits.owned:
+            waits.grads.add(k)
+        if opt._zero_pending and opt._unit_of[k] in opt._zero_pending:
             opt._wait_units((opt._unit_of[k],))
     return hook
 
@@ -195,11 +244,13 @@ def _pre_hook(me, ks):
         opt = me()
         if opt is None:
             return
+        if opt._waits is not None:
+            opt._waits.seen.update(ks)
         if opt._zero is not None and opt._zero.gathers_pending:
             opt._gather_through(ks, ahead=not opt._zero.ahead_after)
         if opt._pending:
             opt._wait_units({opt._unit_of[k] for k in ks})
-    return hook
+    return _eager(hook)
 
 
 def _ahead_hook(me, ks):
@@ -207,7 +258,7 @@ def _ahead_hook(me, ks):
         opt = me()
         if opt is not None and opt._zero.gathers_pending:
             opt._gather_through(ks, launch=True)
-    return hook
+    return _eager(hook)
 
 
 def _post_hook(me):
@@ -215,7 +266,7 @@ def _post_hook(me):
         opt = me()
         if opt is not None and opt._zero.gathers_pending:
             opt._gather_through(range(len(opt._params)))
-    return hook
+    return _eager(hook)
 
 
 class AttachMixin:
@@ -243,11 +294,45 @@ class AttachMixin:
         if self._waits is not None:
             self._waits.remove()
             self._waits = None
-        self.wait_params()
+        self._wait_params()
 
     def wait_params(self, groups=None):
         """Makes the current stream wait for the new params of `groups` (param group indices; None:
-        all) from the last step, where it has not yet (only with attach())."""
+        all) from the last step, where it has not yet (only with attach()). With attach(), what reads
+        a param outside the forward of a module owning it calls this first."""
+        if self._waits is not None:
+            self._waits.seen.update(range(len(self._params)) if groups is None else
+                                    (k for k in range(len(self._params)) if self._group_of[k] in set(groups)))
+        self._wait_params(groups)
+
+    def _forward_waits(self):
+        """At step() with attach(): whether this step may leave its params to the hooks of the next
+        forward (the last forward ran them for every param it took a grad of). Warns where the hooks
+        did not run: once, and at every step where such a forward followed a deferred step (it may
+        have read params before their update: this step then takes grads of partly updated params)."""
+        waiting, unwaited, raced = self._waits.verdict(self._tracker.got)
+        if not unwaited:
+            return waiting
+        names = ", ".join(self._where[k] for k in unwaited[:3]) + (", ..." if len(unwaited) > 3 else "")
+        see = "engine/TROUBLESHOOTING.md#a-forward-without-attachs-hooks"
+        if raced:
+            warnings.warn(
+                "ferry.torch.Optimizer: attach(): the forward before this step read %s without the forward "
+                "pre-hook of its module while the last step's update of it was left to that hook, so it may have "
+                "read some of those params before their update, and this step's grads come from them (not the "
+                "bits of a step without attach()). step() now waits for the params itself until the hooks run "
+                "again. The hooks do not run in a model torch.compile compiled before attach() (attach() before "
+                "its first call) or for a param read outside the forward of the module owning it (call "
+                "opt.wait_params() before; %s)" % (names, see), RuntimeWarning, stacklevel=4)
+            return False
+        self._warn_once("hooks", "attach(): the forward before this step did not run the forward pre-hooks of the "
+                        "modules owning %s (a model compiled by torch.compile before attach() ignores hooks added "
+                        "later: attach() before its first call): step() waits for those params itself instead "
+                        "of leaving them to the next forward (the same bits, less overlap; %s)" % (names, see))
+        return False
+
+    def _wait_params(self, groups=None):
+        """wait_params() for Ferry's own use: not counted as the forward's wait (_Waits.seen)."""
         if self._zero is not None and self._zero.gathers_pending:
             self._gather_through(range(len(self._params)))  # ZeRO-1: every unit (they go in order)
         if self._pending:

@@ -84,7 +84,7 @@ class BucketMixin:
             return False
         if self._step_lrs is None:
             self._step_lrs = self._check_unchanged()
-            self.wait_params()  # refused once a param is announced: the uploads of the last step first
+            self._wait_params()  # refused once a param is announced: the uploads of the last step first
         self._announce(ks, self._step_lrs, self._options(None, None, None), take=take)
         return True
 
@@ -131,7 +131,7 @@ class BucketMixin:
             if not self._has_grad(k):
                 raise RuntimeError("grads_ready: %s has no grad (none produced since zero_grad())" % self._where[k])
         if not announced:
-            self.wait_params()
+            self._wait_params()
         self._announce(ks, lrs, options)
         self._by_hand.update(gs)
 

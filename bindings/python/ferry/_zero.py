@@ -517,8 +517,8 @@ class ShardedStepMixin:
                 # ZeRO-1: every rank's updated range into every replica, unit by unit as the uploads
                 # land; with attach(), in the next forward (ferry/_zero.py).
                 self._zero.begin_gathers()
-                if self._waits is None:
-                    self.wait_params()
+                if not self._left_to_forward:  # else the next forward's hooks gather
+                    self._wait_params()
             return loss
         except BaseException as e:
             self._zero.abort(e)

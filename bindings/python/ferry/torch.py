@@ -220,6 +220,7 @@ class Optimizer(StateMixin, _buckets.BucketMixin, _attach.AttachMixin, _zero.Sha
         self._by_hand = set()  # param groups grads_ready() announced in this step
         self._waits = None  # attach(): the forward pre-hooks
         self._pending = set()  # attach(): buckets whose new params no stream waited for yet
+        self._left_to_forward = False  # attach(): the last step's params are left to the forward's hooks
         self._zero_pending = set()  # of those, buckets whose grads zero_grad() left for _wait_units
         self._names = ["p%d" % k for k in range(len(self._params))]
         self._order_learned = False
@@ -320,7 +321,7 @@ class Optimizer(StateMixin, _buckets.BucketMixin, _attach.AttachMixin, _zero.Sha
     def _sync_torch(self):
         """Waits for torch's queued work on the device, and for every upload of the last step (before
         the engine reads or writes tensors outside a step)."""
-        self.wait_params()
+        self._wait_params()
         if self._cuda:
             torch.cuda.current_stream(self._device).synchronize()
 
@@ -401,6 +402,9 @@ class Optimizer(StateMixin, _buckets.BucketMixin, _attach.AttachMixin, _zero.Sha
             with torch.enable_grad():
                 loss = closure()
         tracker = self._tracker
+        # attach(): the last forward waited for its params (its modules' pre-hooks ran): this step's
+        # may be left to the next forward's hooks (_attach.py).
+        self._left_to_forward = self._waits is not None and self._forward_waits()
         lrs = self._check_unchanged()
         options = self._clip_options(self._options(loss_scale, max_grad_norm, check_finite))
         n = len(self._params)
@@ -423,7 +427,7 @@ class Optimizer(StateMixin, _buckets.BucketMixin, _attach.AttachMixin, _zero.Sha
             if bad:
                 raise RuntimeError("%s: no grad at step(), but it was announced by grads_ready()"
                                    % ", ".join(bad))
-        self.wait_params()  # the last step's uploads, before anything here reads or writes a param
+        self._wait_params()  # the last step's uploads, before anything here reads or writes a param
         if len(skipped) == n:
             if any(self._params[k].grad is self._grads[k] and self._grads[k]._version != self._zeroed[k]
                    for k in range(n)):
@@ -446,13 +450,15 @@ class Optimizer(StateMixin, _buckets.BucketMixin, _attach.AttachMixin, _zero.Sha
                             "changing grads in place, or construct it with overlap=False" % (self._where[late[1]], late[0]))
         if late is not None:
             options["discard_early"] = True
-        deferred = self._waits is not None or self._gathering()
+        deferred = self._left_to_forward or self._gathering()
         skipped_step, _ = self._engine.step(group_lr=lrs, **options, wait_for_params=not deferred,
                                             stream=self._stream())
         self._end_step(unsafe=unsafe)
         if deferred:
             self._pending = set(range(len(self._units)))
         if self._waits is not None:
+            self._waits.deferred = self._left_to_forward
+        if self._left_to_forward:
             orphans = [u for u, ks in enumerate(self._units) if not any(k in self._waits.owned for k in ks)]
             if orphans:
                 self._wait_units(orphans)
