@@ -1,6 +1,7 @@
 """The model and the loop of bench_train.py and bench_train_dist.py: a plain torch transformer
 (embeddings, pre-norm blocks, final norm, a head over a 32000-token vocabulary) and the loop shapes
 people write around it (`Loop`: --groups, --clip, --amp), the same for every row of a run."""
+import importlib
 import math
 
 import torch
@@ -110,7 +111,7 @@ class Loop:
         a model compiled before ignores (torch.compile guards no hooks by default), as a user compiles
         once the optimizer is attached."""
         if self.compile:
-            torch._dynamo.reset()
+            importlib.import_module("torch._dynamo").reset()
             self._compiled.clear()
 
     def label(self):

@@ -479,7 +479,10 @@ def main():
     args = ap.parse_args()
     if args.rows:
         every = rows_for(argparse.Namespace(rows=""))
-        wanted = [int(i) for i in args.rows.split(",")]
+        try:
+            wanted = [int(i) for i in args.rows.split(",")]
+        except ValueError:
+            ap.error("--rows %s: comma-separated row indices" % args.rows)
         if any(not 0 <= i < len(every) for i in wanted):
             ap.error("--rows %s: rows are 0 to %d" % (args.rows, len(every) - 1))
         if args.check_exact:
