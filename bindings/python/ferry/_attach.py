@@ -57,14 +57,11 @@ class _Waits:
             if p.requires_grad and id(p) in index:
                 self.handles.append(p.register_hook(_grad_hook(me, k)))
 
-    def verdict(self, got):
+    def verdict(self):
         """At step(), before the engine's step: (whether the step may leave its params to the next
         forward's hooks, the owned params that got a grad in a forward that did not wait for them,
-        whether such a forward followed a deferred step). got: the grad tracker's (a grad since
-        zero_grad(), per param), for grads whose hooks a compiled backward may not run. Starts the
-        next step's record."""
-        grads = self.grads.union(k for k in self.owned if got[k])
-        unwaited = sorted(grads - self.seen)
+        whether such a forward followed a deferred step). Starts the next step's record."""
+        unwaited = sorted(self.grads - self.seen)
         raced = bool(unwaited) and self.deferred
         waiting = bool(self.seen) and not unwaited
         if self.steps == 0:  # the forward may have come before attach(): no verdict on its hooks
@@ -301,8 +298,9 @@ class AttachMixin:
         all) from the last step, where it has not yet (only with attach()). With attach(), what reads
         a param outside the forward of a module owning it calls this first."""
         if self._waits is not None:
-            self._waits.seen.update(range(len(self._params)) if groups is None else
-                                    (k for k in range(len(self._params)) if self._group_of[k] in set(groups)))
+            picked = None if groups is None else set(groups)
+            self._waits.seen.update(k for k in range(len(self._params))
+                                    if picked is None or self._group_of[k] in picked)
         self._wait_params(groups)
 
     def _forward_waits(self):
@@ -310,7 +308,7 @@ class AttachMixin:
         forward (the last forward ran them for every param it took a grad of). Warns where the hooks
         did not run: once, and at every step where such a forward followed a deferred step (it may
         have read params before their update: this step then takes grads of partly updated params)."""
-        waiting, unwaited, raced = self._waits.verdict(self._tracker.got)
+        waiting, unwaited, raced = self._waits.verdict()
         if not unwaited:
             return waiting
         names = ", ".join(self._where[k] for k in unwaited[:3]) + (", ..." if len(unwaited) > 3 else "")
