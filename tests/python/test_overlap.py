@@ -496,8 +496,11 @@ def test_attach_and_torch_compile(device):
     call before attach(): its compiled forward runs none of the hooks added later where torch guards
     on no hooks (its default), so step() does not defer, and says so once; attach() before the first
     call: the hooks run between Dynamo's graphs (torch.compiler.disable), and the steps are deferred.
-    The same bits as the compiled model without attach(), every step, either way."""
+    The same bits as the compiled model without attach(), every step, either way. Dynamo's cache is
+    emptied before each case: its code for Pair, compiled without hooks, would serve the next Pair too
+    (torch guards on neither the module nor its hooks)."""
     for attach_first in (False, True):
+        torch._dynamo.reset()
         nets, compiled, opts = [], [], []
         for attach in (True, False):
             net = Pair().to(device)
