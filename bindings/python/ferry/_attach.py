@@ -325,7 +325,8 @@ class AttachMixin:
             return False
         self._warn_once("hooks", "attach(): the forward before this step did not run the forward pre-hooks of the "
                         "modules owning %s (a model compiled by torch.compile before attach() ignores hooks added "
-                        "later: attach() before its first call): step() waits for those params itself instead "
+                        "later: attach() before its first call, and torch._dynamo.reset() before it where another "
+                        "model of its class was compiled first): step() waits for those params itself instead "
                         "of leaving them to the next forward (the same bits, less overlap; %s)" % (names, see))
         return False
 
