@@ -6,6 +6,7 @@ tests/python/test_buckets.py groups them.
 The model (nets.Net) holds every case of the rule: a shared Parameter, a module run twice, frozen
 params, a layer without grad on some steps, a group mixing frozen and trainable params."""
 import contextlib
+import importlib
 import warnings
 
 import pytest
@@ -500,7 +501,7 @@ def test_attach_and_torch_compile(device):
     emptied before each case: its code for Pair, compiled without hooks, would serve the next Pair too
     (torch guards on neither the module nor its hooks)."""
     for attach_first in (False, True):
-        torch._dynamo.reset()
+        importlib.import_module("torch._dynamo").reset()  # loaded on first use, as bench_model.py does
         nets, compiled, opts = [], [], []
         for attach in (True, False):
             net = Pair().to(device)
