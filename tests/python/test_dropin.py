@@ -252,7 +252,7 @@ def test_trainer_threads_leave_cpus_to_the_trainer(device):
     """The share's CPUs left to the trainer: 2 for CUDA params (Python's thread and autograd's device
     thread), 1 for CPU params, or as given; stats()["host_share"] says how many."""
     params = make_params(device)
-    default = 2 if device == "cuda" else 1
+    default = 2 if device.type == "cuda" else 1
     # One rank: the share is the process's CPUs, of which all but one at most are left to the trainer.
     cpus = len(os.sched_getaffinity(0))
     for given, left in ((None, default), (0, 0), (1, 1)):
