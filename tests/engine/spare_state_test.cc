@@ -94,8 +94,16 @@ TEST(SpareStateBudgetTest, WhatStepQueuesInterleavesWithTheSpeculationByTheForwa
     for (int step = 1; step <= kSteps; ++step) {
       ref_model.SetGrads(90 + static_cast<uint64_t>(step));
       model.SetGrads(90 + static_cast<uint64_t>(step));
-      const StepOptions options{.lr = 1e-3f};
+      // No gradient check: Step decides as soon as it is called, not once every grad has come down
+      // through the staging ring (which CPU Adam drains), so the case does not hang on a race.
+      const StepOptions options{.lr = 1e-3f, .check_finite = false};
+      const uint64_t before = e->Stats().cpu_adam_bytes;
       for (size_t k = kLayers; k-- > 0;) ASSERT_OK(e->GradsReadyParams({model.name(k)}, options));
+      // CPU Adam has begun the speculation (a part or more started before Step), far from done.
+      for (int i = 0; i < 20000 && e->Stats().cpu_adam_bytes == before; ++i) {
+        std::this_thread::sleep_for(std::chrono::microseconds(100));
+      }
+      ASSERT_GT(e->Stats().cpu_adam_bytes, before) << "step " << step;
       StepOptions deferred = options;
       deferred.wait_for_params = false;
       ASSERT_OK(e->Step(deferred));
