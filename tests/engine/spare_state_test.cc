@@ -65,8 +65,8 @@ std::unique_ptr<Engine> MakeSpareEngine(Device* device, Model& model, double fra
 // rest: all of it must then go in the order the next forward needs it, the speculating parts
 // between the others by their announcement (EarlyPart::priority), not after every one of them. The
 // early thread starts a part (trace: `early.part_start`) the highest priority first once Step's
-// parts have joined, so from the first of them on, the priorities never rise. Bit-identical to Step
-// alone.
+// parts have joined, so from the first of them on, the priorities never rise. Step comes once CPU Adam
+// has begun the speculation and decides at once (no gradient check). Bit-identical to Step alone.
 TEST(SpareStateBudgetTest, WhatStepQueuesInterleavesWithTheSpeculationByTheForwardsOrder) {
   absl::StatusOr<std::unique_ptr<Device>> d = CreateDevice();
   ASSERT_TRUE(d.ok()) << d.status();
@@ -94,8 +94,9 @@ TEST(SpareStateBudgetTest, WhatStepQueuesInterleavesWithTheSpeculationByTheForwa
     for (int step = 1; step <= kSteps; ++step) {
       ref_model.SetGrads(90 + static_cast<uint64_t>(step));
       model.SetGrads(90 + static_cast<uint64_t>(step));
-      // No gradient check: Step decides as soon as it is called, not once every grad has come down
-      // through the staging ring (which CPU Adam drains), so the case does not hang on a race.
+      // No gradient check: Step decides when it is called. With one it decided after the check's pass
+      // over every grad, which the host backend's stream thread takes about as long to run as CPU Adam
+      // the speculation here, so whether a speculating part still waited was a race.
       const StepOptions options{.lr = 1e-3f, .check_finite = false};
       const uint64_t before = e->Stats().cpu_adam_bytes;
       for (size_t k = kLayers; k-- > 0;) ASSERT_OK(e->GradsReadyParams({model.name(k)}, options));
