@@ -4,6 +4,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -24,6 +25,25 @@ namespace ferry {
 namespace cpu_adam_internal {
 
 void AdamRangeScalar(const CpuAdamTensor& t, const AdamScalars& s, int64_t begin, int64_t end) {
+  if (t.param_only) {
+    // The new param alone (fp32 state, in place: Start checked); the state is read, not written.
+    const float* const master = static_cast<const float*>(t.master);
+    const float* const exp_avg = static_cast<const float*>(t.exp_avg);
+    const float* const exp_avg_sq = static_cast<const float*>(t.exp_avg_sq);
+    for (int64_t i = begin; i < end; ++i) {
+      const size_t k = static_cast<size_t>(i);
+      float p = master[k], m = exp_avg[k], v = exp_avg_sq[k];
+      AdamUpdate(s, p, m, v, LoadAsF32(t.grad, t.grad_dtype, k));
+      StoreFromF32(t.param, t.param_dtype, k, p);
+    }
+    if (t.grad_copy != nullptr && end > begin) {
+      const size_t gs = DTypeSize(t.grad_dtype);
+      std::memcpy(static_cast<char*>(t.grad_copy) + static_cast<size_t>(begin) * gs,
+                  static_cast<const char*>(t.grad) + static_cast<size_t>(begin) * gs,
+                  static_cast<size_t>(end - begin) * gs);
+    }
+    return;
+  }
   if (t.master_src != nullptr) {
     // Out of place, element by element: the old state moves to its new place, then updates there.
     const size_t ms = DTypeSize(t.state.master), vs = DTypeSize(t.state.moments);
@@ -94,6 +114,30 @@ absl::Status CheckPointer(const void* p, size_t alignment, size_t index, absl::s
     return absl::InvalidArgumentError(
         absl::StrCat(op, ": tensor ", index, " ", what, " (", absl::Hex(reinterpret_cast<uintptr_t>(p)),
                      ") is not aligned to its element size of ", alignment, " bytes"));
+  }
+  return absl::OkStatus();
+}
+
+// CpuAdamTensor::param_only and grad_copy.
+absl::Status CheckParamOnly(const CpuAdamTensor& t, size_t index) {
+  if (!t.param_only) {
+    if (t.grad_copy == nullptr) return absl::OkStatus();
+    return absl::InvalidArgumentError(
+        absl::StrCat("CpuAdam::Step: tensor ", index, " sets grad_copy without param_only"));
+  }
+  const char* wrong = !t.state.all_f32()        ? "a state that is not fp32"
+                      : t.master_src != nullptr ? "out-of-place sources (the state is not written)"
+                      : t.param == nullptr      ? "no param (it would write nothing)"
+                                                : nullptr;
+  if (wrong != nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat("CpuAdam::Step: tensor ", index, " is param_only with ", wrong));
+  }
+  if (t.grad_copy == nullptr) return absl::OkStatus();
+  FERRY_RETURN_IF_ERROR(CheckPointer(t.grad_copy, DTypeSize(t.grad_dtype), index, "grad_copy", "CpuAdam::Step"));
+  const auto at = [](const void* p) { return reinterpret_cast<uintptr_t>(p); };
+  const uintptr_t bytes = static_cast<uintptr_t>(t.numel) * DTypeSize(t.grad_dtype);
+  if (at(t.grad_copy) < at(t.grad) + bytes && at(t.grad) < at(t.grad_copy) + bytes) {
+    return absl::InvalidArgumentError(absl::StrCat("CpuAdam::Step: tensor ", index, " grad_copy overlaps its grad"));
   }
   return absl::OkStatus();
 }
@@ -403,6 +447,7 @@ absl::StatusOr<CpuAdamPending> CpuAdam::Start(absl::Span<const CpuAdamTensor> te
     if (t.param != nullptr) {
       FERRY_RETURN_IF_ERROR(CheckPointer(t.param, DTypeSize(t.param_dtype), i, "param", "CpuAdam::Step"));
     }
+    FERRY_RETURN_IF_ERROR(CheckParamOnly(t, i));
   }
   if (!(options.grad_scale >= 0.0f) || !(options.grad_scale <= 3.4028234663852886e38f)) {
     return absl::InvalidArgumentError(absl::StrCat(

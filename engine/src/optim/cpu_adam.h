@@ -55,6 +55,13 @@ struct CpuAdamTensor {
   const void* master_src = nullptr;
   const void* exp_avg_src = nullptr;
   const void* exp_avg_sq_src = nullptr;
+  // The param first, the state later (what the next forward needs, before what only the next step
+  // reads): when set, the state is read (in place; no *_src) and not written, the param (required)
+  // takes the new value, and `grad_copy` (when set; `grad_dtype`, not overlapping `grad`) the grad's
+  // bits. An in-place update of the same tensor afterwards with `grad = grad_copy` and no param then
+  // writes the state the whole update would have, bit for bit. fp32 state only.
+  bool param_only = false;
+  void* grad_copy = nullptr;
 };
 
 // One gradient tensor of a gradient check. Host memory, aligned to its element size.
@@ -126,11 +133,14 @@ struct CpuAdamStepResult {
   int64_t finished_ns = 0;
 };
 
-// The host memory one update of `t` moves: master, m and v read and written, the grad read, the param
-// (when set) written. For traces' GB/s.
+// The host memory one update of `t` moves: master, m and v read and written (read only with
+// `param_only`), the grad read, the param (when set) and the grad's copy (when set) written. For traces'
+// GB/s.
 inline double CpuAdamTrafficBytes(const CpuAdamTensor& t) {
+  const double state = static_cast<double>(t.state.bytes_per_element());
+  const double grad = static_cast<double>(DTypeSize(t.grad_dtype));
   return static_cast<double>(t.numel) *
-         (2.0 * static_cast<double>(t.state.bytes_per_element()) + static_cast<double>(DTypeSize(t.grad_dtype)) +
+         ((t.param_only ? 1.0 : 2.0) * state + grad + (t.grad_copy != nullptr ? grad : 0.0) +
           (t.param != nullptr ? static_cast<double>(DTypeSize(t.param_dtype)) : 0.0));
 }
 

@@ -209,6 +209,66 @@ void Range(const CpuAdamTensor& t, const AdamScalars& s, int64_t begin, int64_t 
   AdamRangeScalar(t, s, i, end);
 }
 
+// ---- the param alone (CpuAdamTensor::param_only; fp32 state, in place) ----
+
+// Elements i .. i+7 of `grad`, as stored, to `copy`. kStream REQUIRES copy + i aligned to the 8
+// elements' bytes.
+template <int G, bool kStream>
+inline void CopyGrad(const void* grad, void* copy, int64_t i) {
+  if constexpr (G == kF32) {
+    const __m256 x = _mm256_loadu_ps(static_cast<const float*>(grad) + i);
+    if constexpr (kStream) {
+      _mm256_stream_ps(static_cast<float*>(copy) + i, x);
+    } else {
+      _mm256_storeu_ps(static_cast<float*>(copy) + i, x);
+    }
+  } else {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(grad) + i));
+    __m128i* dst = reinterpret_cast<__m128i*>(static_cast<uint16_t*>(copy) + i);
+    if constexpr (kStream) {
+      _mm_stream_si128(dst, h);
+    } else {
+      _mm_storeu_si128(dst, h);
+    }
+  }
+}
+
+template <AdamMode M, int G, int P, bool kStream>
+inline void BlockParamOnly(const AdamCoeffs<F32x8>& c, const CpuAdamTensor& t, int64_t i) {
+  F32x8 p{_mm256_loadu_ps(static_cast<const float*>(t.master) + i)};
+  F32x8 m{_mm256_loadu_ps(static_cast<const float*>(t.exp_avg) + i)};
+  F32x8 v{_mm256_loadu_ps(static_cast<const float*>(t.exp_avg_sq) + i)};
+  const F32x8 g{LoadGrad<G>(t.grad, i)};
+  simd::AdamUpdateGeneric<M>(c, p, m, v, g);
+  StoreParam<P, kStream>(t.param, i, p.v);
+  if (t.grad_copy != nullptr) CopyGrad<G, kStream>(t.grad, t.grad_copy, i);
+}
+
+// The elements before the param's next 64-byte boundary, and the tail, through the scalar loop; then
+// streaming stores when the copy's lines are aligned there too (else ordinary stores for both).
+template <AdamMode M, int G, int P>
+void RangeParamOnly(const CpuAdamTensor& t, const AdamScalars& s, int64_t begin, int64_t end) {
+  const AdamCoeffs<F32x8> c = Broadcast(s);
+  constexpr int64_t kSize = P == kF32 ? 4 : 2;
+  constexpr int64_t kGradSize = G == kF32 ? 4 : 2;
+  int64_t i = begin;
+  const uintptr_t addr = reinterpret_cast<uintptr_t>(t.param) + static_cast<uintptr_t>(i * kSize);
+  int64_t head = static_cast<int64_t>((64 - addr % 64) % 64) / kSize;
+  if (head > end - i) head = end - i;
+  AdamRangeScalar(t, s, i, i + head);
+  i += head;
+  const bool lined = t.grad_copy == nullptr ||
+                     (reinterpret_cast<uintptr_t>(t.grad_copy) + static_cast<uintptr_t>(i * kGradSize)) %
+                             static_cast<uintptr_t>(8 * kGradSize) == 0;
+  if (lined) {
+    for (; i + 8 <= end; i += 8) BlockParamOnly<M, G, P, true>(c, t, i);
+    _mm_sfence();  // streaming stores are visible before the task ends
+  } else {
+    for (; i + 8 <= end; i += 8) BlockParamOnly<M, G, P, false>(c, t, i);
+  }
+  AdamRangeScalar(t, s, i, end);
+}
+
 // ---- typed state (bf16 master and/or moments; base/adam_state.h) ----
 
 // The state format as a template argument: which tensors are bf16 and whether rounding is stochastic.
@@ -387,6 +447,14 @@ AdamRangeFn SelectParam(const CpuAdamTensor& t);
 
 template <AdamMode M, int G>
 AdamRangeFn SelectState(const CpuAdamTensor& t) {
+  if (t.param_only) {  // fp32 state and a param (CpuAdam::Start checked)
+    switch (t.param_dtype) {
+      case DType::kF32: return &RangeParamOnly<M, G, kF32>;
+      case DType::kBF16: return &RangeParamOnly<M, G, kBF16>;
+      case DType::kF16: break;
+    }
+    return &RangeParamOnly<M, G, static_cast<int>(DType::kF16)>;
+  }
   int sf = (t.state.master == DType::kBF16 ? kMasterBf16 : 0) | (t.state.moments == DType::kBF16 ? kMomentsBf16 : 0);
   if (sf != 0 && t.state.rounding == StateRounding::kStochastic) sf |= kStochastic;
   switch (sf) {

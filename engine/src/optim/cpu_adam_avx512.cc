@@ -232,6 +232,76 @@ void Range(const CpuAdamTensor& t_in, const AdamScalars& s, int64_t begin, int64
   if constexpr (P != kNoParam) _mm_sfence();  // streaming stores are visible before the task ends
 }
 
+// ---- the param alone (CpuAdamTensor::param_only; fp32 state, in place) ----
+
+// Elements i .. i+15 of `grad`, as stored, to `copy` (lanes outside `k` untouched). kStream REQUIRES
+// copy + i aligned to the 16 elements' bytes.
+template <int G, bool kStream>
+inline void CopyGrad(const void* grad, void* copy, int64_t i, __mmask16 k) {
+  if constexpr (G == kF32) {
+    const __m512 x = _mm512_maskz_loadu_ps(k, static_cast<const float*>(grad) + i);
+    if constexpr (kStream) {
+      _mm512_stream_ps(static_cast<float*>(copy) + i, x);
+    } else {
+      _mm512_mask_storeu_ps(static_cast<float*>(copy) + i, k, x);
+    }
+  } else {
+    const __m256i h = _mm256_maskz_loadu_epi16(k, static_cast<const uint16_t*>(grad) + i);
+    if constexpr (kStream) {
+      _mm256_stream_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(copy) + i), h);
+    } else {
+      _mm256_mask_storeu_epi16(static_cast<uint16_t*>(copy) + i, k, h);
+    }
+  }
+}
+
+// The state read, the update computed, the param (and the grad's copy) written. kStream REQUIRES the
+// param's and the copy's lines aligned as StoreParamStreaming and CopyGrad say.
+template <AdamMode M, int G, int P, bool kHwBf16, bool kStream>
+inline void BlockParamOnly(const AdamCoeffs<F32x16>& c, const CpuAdamTensor& t, int64_t i, __mmask16 k) {
+  F32x16 p{_mm512_maskz_loadu_ps(k, static_cast<const float*>(t.master) + i)};
+  F32x16 m{_mm512_maskz_loadu_ps(k, static_cast<const float*>(t.exp_avg) + i)};
+  F32x16 v{_mm512_maskz_loadu_ps(k, static_cast<const float*>(t.exp_avg_sq) + i)};
+  const F32x16 g{LoadGrad<G>(t.grad, i, k)};
+  simd::AdamUpdateGeneric<M>(c, p, m, v, g);
+  if constexpr (kStream) {
+    StoreParamStreaming<P, kHwBf16>(t.param, i, p.v);
+  } else {
+    StoreParamMasked<P, kHwBf16>(t.param, i, p.v, k);
+  }
+  if (t.grad_copy != nullptr) CopyGrad<G, kStream>(t.grad, t.grad_copy, i, k);
+}
+
+// Both outputs are only written: streaming stores once the param's lines are aligned, when the copy's
+// are then too (else ordinary stores for both).
+template <AdamMode M, int G, int P, bool kHwBf16>
+void RangeParamOnly(const CpuAdamTensor& t, const AdamScalars& s, int64_t begin, int64_t end) {
+  const AdamCoeffs<F32x16> c = Broadcast(s);
+  constexpr int64_t kSize = P == kF32 ? 4 : 2;
+  constexpr int64_t kGradSize = G == kF32 ? 4 : 2;
+  int64_t i = begin;
+  const uintptr_t addr = reinterpret_cast<uintptr_t>(t.param) + static_cast<uintptr_t>(i * kSize);
+  int64_t head = static_cast<int64_t>((64 - addr % 64) % 64) / kSize;
+  if (head > end - i) head = end - i;
+  while (head > 0) {
+    const int64_t n = head < 16 ? head : 16;
+    BlockParamOnly<M, G, P, kHwBf16, false>(c, t, i, FirstLanes(n));
+    i += n;
+    head -= n;
+  }
+  const bool lined = t.grad_copy == nullptr ||
+                     (reinterpret_cast<uintptr_t>(t.grad_copy) + static_cast<uintptr_t>(i * kGradSize)) %
+                             static_cast<uintptr_t>(16 * kGradSize) == 0;
+  const __mmask16 all = static_cast<__mmask16>(0xFFFF);
+  if (lined) {
+    for (; i + 16 <= end; i += 16) BlockParamOnly<M, G, P, kHwBf16, true>(c, t, i, all);
+  } else {
+    for (; i + 16 <= end; i += 16) BlockParamOnly<M, G, P, kHwBf16, false>(c, t, i, all);
+  }
+  if (i < end) BlockParamOnly<M, G, P, kHwBf16, false>(c, t, i, FirstLanes(end - i));
+  _mm_sfence();  // streaming stores are visible before the task ends
+}
+
 // ---- typed state (bf16 master and/or moments; base/adam_state.h) ----
 
 // The state format as a template argument: which tensors are bf16 and whether rounding is stochastic.
@@ -459,6 +529,14 @@ AdamRangeFn SelectParam(const CpuAdamTensor& t);
 
 template <AdamMode M, int G, bool kHwBf16>
 AdamRangeFn SelectState(const CpuAdamTensor& t) {
+  if (t.param_only) {  // fp32 state and a param (CpuAdam::Start checked)
+    switch (t.param_dtype) {
+      case DType::kF32: return &RangeParamOnly<M, G, kF32, kHwBf16>;
+      case DType::kBF16: return &RangeParamOnly<M, G, kBF16, kHwBf16>;
+      case DType::kF16: break;
+    }
+    return &RangeParamOnly<M, G, static_cast<int>(DType::kF16), kHwBf16>;
+  }
   int sf = (t.state.master == DType::kBF16 ? kMasterBf16 : 0) | (t.state.moments == DType::kBF16 ? kMomentsBf16 : 0);
   if (sf != 0 && t.state.rounding == StateRounding::kStochastic) sf |= kStochastic;
   switch (sf) {
