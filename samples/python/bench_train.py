@@ -162,7 +162,8 @@ def make_optimizer(row, model, loop, args):
         gc.collect()
         return None, "ferry.torch does not take GradScaler's scale yet"
     if row.get("overlap") and has_overlap_option() and not args.no_attach:
-        opt.attach(model)  # each layer's forward waits only for its own group's upload
+        # Each layer's forward waits only for its own params' uploads (each block's, with --attach-units).
+        opt.attach(model, units=model.blocks) if args.attach_units else opt.attach(model)
     if row.get("overlap") and not has_overlap_option():
         if not hasattr(torch.Tensor, "register_post_accumulate_grad_hook"):
             return None, "needs torch >= 2.1 (post-accumulate-grad hooks) or ferry.torch's overlap option"
@@ -451,6 +452,9 @@ def main():
                     "ferry.torch that takes no bucket_mb)")
     ap.add_argument("--no-attach", action="store_true",
                     help="overlap rows without opt.attach(model): the next forward waits for every upload")
+    ap.add_argument("--attach-units", action="store_true",
+                    help="overlap rows attach with units=model.blocks: each block's forward waits once for all of "
+                         "its params (a hook per block, not per module: fewer splits of a --compile forward)")
     ap.add_argument("--groups", default="block", type=groupings,
                     help="the param groups of every row, torch's included. block (default; split is the same): "
                     "embeddings, a group per block, head; joined: blocks, then embeddings + head; one: "

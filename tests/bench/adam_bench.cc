@@ -572,7 +572,8 @@ int Run(int argc, char** argv) {
       PrintRow(cpu + "  same, the param first (grad kept)", n, a, 18.0, *triad, "triad");
       PrintRow(cpu + "  then the state (kept grad, no param)", n, b, 26.0, *triad, "triad");
       std::printf("  %-46s %7s %10.2fx + %.2fx = %.2fx of its time\n",
-                  (cpu + "  the two passes: of the whole").c_str(), "", a / fp32_seconds, b / fp32_seconds, (a + b) / fp32_seconds);
+                  (cpu + "  the two passes: of the whole").c_str(), "", a / fp32_seconds, b / fp32_seconds,
+                  (a + b) / fp32_seconds);
       absl::StatusOr<int64_t> bad = Verify(sample, n, history, first.master, first.exp_avg, first.exp_avg_sq,
                                            DType::kBF16, first.param, DType::kBF16, read_host);
       if (!bad.ok()) return fail(bad.status());

@@ -8,7 +8,10 @@ step, only the part of the update holding them), once per step: the first module
 later ones find it done. Buckets none of whose params a module owns are waited for right after
 step(). The hooks cost a set lookup per module and one engine call per bucket and step; no host
 synchronization. So a model in one param group starts its next forward while the params of its later
-layers still update, as one with a group per layer does.
+layers still update, as one with a group per layer does. With units= (modules of the model, e.g. a
+transformer's blocks) the pre-hook sits on each unit instead, for every param under it, and the
+modules outside the units keep theirs: fewer hooks, hence fewer splits of a forward torch.compile
+compiled (each hook runs between its graphs), each unit waiting for all of its params at its start.
 
 FSDP2 (DTensor params): FSDP2's own forward pre-hook (registered with prepend=True) all-gathers a
 module's params, and its copy-in of the local shards runs on a stream of FSDP2's (the all-gather
@@ -77,26 +80,74 @@ class _Waits:
 
 
 class ModuleWaits(_Waits):
-    """The forward pre-hooks of one attach(model)."""
+    """The forward pre-hooks of one attach(model): on each unit (units=), for every param under it,
+    and on each module outside the units that owns params, for its own."""
 
-    def __init__(self, optimizer, model, index):
+    def __init__(self, optimizer, model, index, units=None):
         """index: {id(param): its index k among the optimizer's params}."""
         me = weakref.ref(optimizer)
         self.handles = []
         self.owned = set()  # params (k) some module owns
         self._init_seen()
+        hooked = []  # (module, the params its pre-hook waits for)
+        inside = set()  # id() of every module of a unit
+        for unit in _checked_units(model, units):
+            inside.update(id(m) for m in unit.modules())
+            ks = tuple(sorted({index[id(p)] for p in unit.parameters() if id(p) in index}))
+            if ks:
+                hooked.append((unit, ks))
         for module in model.modules():
+            if id(module) in inside:
+                continue
             ks = tuple(sorted({index[id(p)] for p in module.parameters(recurse=False) if id(p) in index}))
             if ks:
-                self.owned.update(ks)
-                self.handles.append(module.register_forward_pre_hook(_pre_hook(me, ks)))
-                if optimizer._gathering() and optimizer._zero.ahead_after:
-                    self.handles.append(module.register_forward_hook(_ahead_hook(me, ks)))
+                hooked.append((module, ks))
+        for module, ks in hooked:
+            self.owned.update(ks)
+            self.handles.append(module.register_forward_pre_hook(_pre_hook(me, ks)))
+            if optimizer._gathering() and optimizer._zero.ahead_after:
+                self.handles.append(module.register_forward_hook(_ahead_hook(me, ks)))
         if not self.handles:
             raise ValueError("attach: no module of %s owns a param of this optimizer" % type(model).__name__)
         if optimizer._gathering():  # ZeRO-1: the units no module's forward gathered, once it returns
             self.handles.append(model.register_forward_hook(_post_hook(me)))
         self._add_grad_hooks(optimizer, me, index)
+
+
+def _checked_units(model, units):
+    """attach()'s units= as a list of modules of `model`, none inside another. A ModuleList or
+    Sequential stands for its modules, a ModuleDict for its values; errors name the unit at fault."""
+    if units is None:
+        return []
+    if isinstance(units, (torch.nn.ModuleList, torch.nn.Sequential)):
+        units = list(units)
+    elif isinstance(units, torch.nn.ModuleDict):
+        units = list(units.values())
+    elif isinstance(units, torch.nn.Module):
+        units = [units]
+    else:
+        try:
+            units = list(units)
+        except TypeError:
+            raise TypeError("attach: units= takes modules (a ModuleList, or an iterable of modules), got %s"
+                            % type(units).__name__) from None
+    of_model = {id(m) for m in model.modules()}
+    for i, unit in enumerate(units):
+        what = "units[%d] (%s)" % (i, type(unit).__name__)
+        if not isinstance(unit, torch.nn.Module):
+            raise TypeError("attach: %s is not a torch.nn.Module" % what)
+        if isinstance(unit, (torch.nn.ModuleList, torch.nn.ModuleDict)):
+            raise ValueError("attach: %s is a container whose forward never runs, so its pre-hook would "
+                             "never wait: pass its modules (units=model.blocks, not [model.blocks])" % what)
+        if id(unit) not in of_model:
+            raise ValueError("attach: %s is not a module of %s" % (what, type(model).__name__))
+    for i, unit in enumerate(units):
+        for j, other in enumerate(units):
+            if i != j and any(m is unit for m in other.modules()):
+                raise ValueError("attach: units[%d] (%s) is %s units[%d] (%s): units may not nest"
+                                 % (i, type(unit).__name__, "the same module as" if unit is other else "inside",
+                                    j, type(other).__name__))
+    return units
 
 
 def _eager(hook):
@@ -272,18 +323,27 @@ class AttachMixin:
     params no stream waited for yet), _zero_pending (of those, buckets whose grads zero_grad() left for
     the wait), _units, _unit_of, _unit_names, _grads, _zeroed, _engine, _stream() and _tracker."""
 
-    def attach(self, model):
+    def attach(self, model, units=None):
         """Forward pre-hooks on the modules of `model` that own params of this optimizer: step() then
         returns without waiting for the uploads of new params, and each module's forward waits only
         for the buckets holding its own params (above). The same bits as without it. Code that reads
-        a param outside the forward of a module owning it calls opt.wait_params() first. Returns self."""
+        a param outside the forward of a module owning it calls opt.wait_params() first. Returns self.
+
+        units: modules of `model` (a ModuleList such as a transformer's blocks, or an iterable of
+        modules; none inside another) whose forward waits once for every param under it, instead of
+        each of their modules that owns params waiting for its own. Fewer hooks: a forward compiled by
+        torch.compile runs each hook between its graphs, so each one splits the compiled code. Each
+        unit then waits for the update of all of its params before its first layer runs."""
         if self._waits is not None:
             raise RuntimeError("attach: the optimizer is attached already; detach() first")
         index = {id(p): k for k, p in enumerate(self._params)}
         if any(_zero.is_dtensor(p) for p in self._params):
+            if units is not None:
+                raise ValueError("attach: units= does not apply under FSDP2: its forward waits at the modules "
+                                 "fully_shard was applied to")
             self._waits = Fsdp2Waits(self, model, index)
         else:
-            self._waits = ModuleWaits(self, model, index)
+            self._waits = ModuleWaits(self, model, index, units)
         return self
 
     def detach(self):
