@@ -299,14 +299,15 @@ def mse_step(model, opt, seed, n_in, n_out):
     return loss.detach()
 
 
-def attached(rank, world, sharded, steps, root=None):
+def attached(rank, world, sharded, steps, root=None, whole=False):
+    """whole: attach(model, units=[model]): one pre-hook, the model's, gathers every unit."""
     import ferry.torch
     model = Reversed()
     kw = dict(shard=True, collective_timeout=30, bucket_mb=1024 / (1 << 20)) if sharded else {}
     opt = ferry.torch.Optimizer(model.parameters(), lr=1e-2, weight_decay=0.1, policy="offload_all",
                                 max_grad_norm=1.0, overlap=sharded, **kw)
     if sharded:
-        opt.attach(model)
+        opt.attach(model, units=[model] if whole else None)
     losses, left = [], []
     for step in range(steps):
         losses.append(mse_step(model, opt, 100 + step, 12, 6))
@@ -323,16 +324,18 @@ def attached(rank, world, sharded, steps, root=None):
             "units": len(opt._zero.units) if sharded else 0, "saved": saved if root is not None else None}
 
 
-@pytest.mark.parametrize("world,ahead_mb", [(2, None), (3, None), (2, "0.0005"), (3, "1")])
-def test_zero1_attached_gathers_in_forward_bit_identical(world, ahead_mb, tmp_path, monkeypatch):
+@pytest.mark.parametrize("world,ahead_mb,whole", [(2, None, False), (3, None, False), (2, "0.0005", False),
+                                                  (3, "1", False), (2, None, True)])
+def test_zero1_attached_gathers_in_forward_bit_identical(world, ahead_mb, whole, tmp_path, monkeypatch):
     """ahead_mb: FERRY_ZERO_GATHER_AHEAD_MB, the units a forward pre-hook gathers beyond its module's
-    (gloo gathers none ahead by default; 0.0005 MiB: a unit or two here, 1 MiB: all of them)."""
+    (gloo gathers none ahead by default; 0.0005 MiB: a unit or two here, 1 MiB: all of them). whole:
+    the model as attach()'s one unit (units=[model])."""
     if ahead_mb is not None:
         monkeypatch.setenv("FERRY_ZERO_GATHER_AHEAD_MB", ahead_mb)
     steps = 5
     ref = dist_util.ok(dist_util.run_ranks(1, attached, False, steps, str(tmp_path / "one"), timeout=60))[0]
     for rank, res in enumerate(dist_util.ok(dist_util.run_ranks(world, attached, True, steps, str(tmp_path / "w"),
-                                                                timeout=120))):
+                                                                whole, timeout=120))):
         # state_dict(), a save and a load with the step's gathers pending: the same state as one rank's
         for k, t in ref["saved"].items():
             assert_same_bits(res["saved"][k], t, "world %d rank %d: exp_avg of param %d after step 2" % (world, rank, k))
