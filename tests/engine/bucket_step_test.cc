@@ -5,7 +5,7 @@
 // scales, deferred steps whose next "forward" waits param by param, and steps whose speculation
 // fails while the trainer waits per param (deferred with the step's own scalars); a clipped step's
 // update in the order of the next forward. The misuses are clear errors. The spare state under a
-// budget: spare_state_test.cc.
+// budget: spare_state_test.cc; the order of the early work around the keep: early_order_test.cc.
 #include <algorithm>
 #include <cmath>
 #include <map>
