@@ -20,20 +20,6 @@
 namespace ferry::engine_test {
 namespace {
 
-// Each of `model`'s params, once `e` has uploaded it (WaitParamsOf), bit for bit `ref_model`'s after
-// the same step.
-::testing::AssertionResult ParamsMatchAfterStep(Engine& e, const Model& model, const Model& ref_model, int step) {
-  for (size_t k = 0; k < model.size(); ++k) {
-    if (absl::Status s = e.WaitParamsOf({model.name(k)}); !s.ok()) {
-      return ::testing::AssertionFailure() << "step " << step << ", WaitParamsOf(" << model.name(k) << "): " << s;
-    }
-    if (model.Param(k) != ref_model.Param(k)) {
-      return ::testing::AssertionFailure() << "step " << step << ", tensor " << k << " differs from Step alone's";
-    }
-  }
-  return ::testing::AssertionSuccess();
-}
-
 // Under a spare-state budget, some groups speculate and the others update once Step knows the step.
 // When CPU Adam is behind the backward, speculating parts are still waiting when Step queues the
 // rest: all of it must then go in the order the next forward needs it, the speculating parts

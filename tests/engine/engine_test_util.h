@@ -164,6 +164,21 @@ inline std::unique_ptr<Engine> MakeFinalizedEngine(const EngineOptions& o, Model
   return MakeFinalizedEngine(o, [&](Engine& e) { return model.Register(e); });
 }
 
+// Each of `model`'s params, once `e` has uploaded it (WaitParamsOf), bit for bit `ref_model`'s after
+// the same step.
+inline ::testing::AssertionResult ParamsMatchAfterStep(Engine& e, const Model& model, const Model& ref_model,
+                                                      int step) {
+  for (size_t k = 0; k < model.size(); ++k) {
+    if (absl::Status s = e.WaitParamsOf({model.name(k)}); !s.ok()) {
+      return ::testing::AssertionFailure() << "step " << step << ", WaitParamsOf(" << model.name(k) << "): " << s;
+    }
+    if (model.Param(k) != ref_model.Param(k)) {
+      return ::testing::AssertionFailure() << "step " << step << ", tensor " << k << " differs from the reference's (Step alone)";
+    }
+  }
+  return ::testing::AssertionSuccess();
+}
+
 }  // namespace ferry::engine_test
 
 #endif  // FERRY_TESTS_ENGINE_ENGINE_TEST_UTIL_H_

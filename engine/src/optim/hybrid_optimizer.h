@@ -27,6 +27,7 @@
 #include "optim/cpu_adam.h"
 #include "optim/early_step.h"
 #include "optim/state_fence.h"
+#include "optim/state_later.h"
 #include "shard/layout.h"
 #include "trace/tracer.h"
 #include "transfer/transfer.h"
@@ -437,6 +438,17 @@ class HybridOptimizer final {
   };
   absl::StatusOr<RoundInFlight> StartAdamRound(const AdamWork& work, size_t chunks);
   void FinishAdamRound(RoundInFlight& round);
+  // The state later (optim/state_later.h, hybrid_optimizer_later.cc). StageStateLater: the in-place
+  // tensors of an early-pass round that fit become param only. RunStateLater: writes the staged
+  // pieces' state in rounds; `yield` (the early thread's idle time) stops between rounds once a
+  // caller waits for the early thread or work is queued. FlushStateLater: RunStateLater on the
+  // trainer's thread between steps, the early thread quiet. DropStateLater: forgets `groups`' pieces.
+  void StageStateLater(AdamWork& work);
+  absl::Status RunStateLater(bool yield);
+  absl::Status FlushStateLater();
+  void DropStateLater(const std::vector<size_t>& groups);
+  StateLater later_;
+  std::atomic<int> early_waiters_{0};  // callers in WaitEarlyIdle, which RunStateLater yields to
   // The last FinishAdamRound's end (SteadyNs), and the sums of cpu_adam_busy_seconds() and
   // cpu_adam_bytes(): rounds run on one thread at a time (the early thread, or Step's after
   // WaitEarlyIdle); Stats() reads the sums from the trainer's thread.

@@ -304,6 +304,9 @@ void HybridOptimizer::EarlyLoop() {
     absl::Status status = early_cancel_.load(std::memory_order_relaxed)
                               ? absl::CancelledError("the step's early work was cancelled")
                               : RunEarlyPass(std::move(first));
+    // Idle time: the state of the pieces whose params went up first (until someone waits for this
+    // thread or work is queued).
+    if (status.ok()) status = RunStateLater(/*yield=*/true);
     {
       std::lock_guard<std::mutex> lock(early_mu_);
       if (!status.ok() && early_status_.ok()) early_status_ = status;
@@ -314,8 +317,10 @@ void HybridOptimizer::EarlyLoop() {
 }
 
 absl::Status HybridOptimizer::WaitEarlyIdle() {
+  early_waiters_.fetch_add(1);  // the early thread's idle-time rounds yield (RunStateLater)
   std::unique_lock<std::mutex> lock(early_mu_);
   early_cv_.wait(lock, [this] { return !early_busy_ && early_queue_.empty(); });
+  early_waiters_.fetch_sub(1);
   absl::Status status = std::move(early_status_);
   early_status_ = absl::OkStatus();
   return status;
@@ -413,6 +418,11 @@ absl::StatusOr<std::vector<size_t>> HybridOptimizer::SettleEarly(bool skipped, b
     done = early_done_;
     in_place = early_in_place_;
   }
+  std::vector<size_t> uncommitted;  // their pieces of the state later go (recomputed, or reported)
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    if (groups_[g].offloaded && !(early_.queued[g] != 0 && valid && done[g] != 0)) uncommitted.push_back(g);
+  }
+  DropStateLater(uncommitted);
   for (size_t g = 0; g < groups_.size(); ++g) {
     Group& group = groups_[g];
     if (!group.offloaded) continue;
@@ -450,7 +460,10 @@ absl::StatusOr<bool> HybridOptimizer::DeferSettle(const std::vector<size_t>& sta
 }
 
 absl::Status HybridOptimizer::Settle() {
-  if (!deferred_) return absl::OkStatus();
+  // Between steps, the state of the pieces whose params went up first (the state later) is written
+  // before anything reads it; a Step with announcements leaves them to its early pass, which writes
+  // them before its first chunk.
+  if (!deferred_) return step_in_progress() ? absl::OkStatus() : FlushStateLater();
   deferred_ = false;
   absl::Status status;
   {
@@ -476,8 +489,10 @@ absl::Status HybridOptimizer::Settle() {
   if (ordered.ok()) ordered = work_stream_->Record(*step_done_);
   if (failed.empty()) {
     if (!status.ok()) FERRY_LOG(WARNING) << "the last step's work reported an error after completing: " << status;
-    return ordered;
+    const absl::Status later = FlushStateLater();
+    return ordered.ok() ? later : ordered;
   }
+  DropStateLater(failed);  // they keep the state of the step before
   // Those groups keep the state of the step before: their step count goes back, and their params
   // (some of them already uploaded) are rewritten from the unchanged masters. A group updated in
   // place may have part of its state updated, as after a Step whose own pipeline failed.
@@ -500,6 +515,7 @@ absl::Status HybridOptimizer::Settle() {
 }
 
 absl::Status HybridOptimizer::RestoreParams(const std::vector<size_t>& groups, Stream& trainer) {
+  FERRY_RETURN_IF_ERROR(FlushStateLater());  // the masters it reads
   const PipelinePlan plan = PlanFor(groups);
   if (plan.params.empty()) return absl::OkStatus();
   FERRY_RETURN_IF_ERROR(trainer.Record(*grads_ready_));
@@ -520,6 +536,7 @@ absl::Status HybridOptimizer::AbandonEarly(Stream& trainer) {
     FERRY_LOG(WARNING) << "work started early failed: " << early_status;
   }
   early_ = EarlyStep{};
+  DropStateLater(started);  // nothing of their state changes
   return RestoreParams(started, trainer);
 }
 

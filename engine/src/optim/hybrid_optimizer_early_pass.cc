@@ -61,6 +61,8 @@ absl::Status HybridOptimizer::RunEarlyPass(EarlyItem first) {
   TraceSpan span(tracer, "early.pipeline", "optim");
   // The uploads of an earlier pass may still read the param slots this pass is about to write.
   if (last_upload_ != nullptr) FERRY_RETURN_IF_ERROR(last_upload_->Wait());
+  // The state later left by the passes before: written before this pass reads any state.
+  FERRY_RETURN_IF_ERROR(RunStateLater(/*yield=*/false));
   const size_t depth = grad_slots_.size();
   const size_t num_param_slots = param_slots_.size();
   // Per group; CPU Adam's tensors point into `scalars`, which never grows.
@@ -337,6 +339,7 @@ absl::Status HybridOptimizer::RunEarlyPass(EarlyItem first) {
                   param_slots_[d.param_slot].as<char>(), w.mode, &scalars, &steps, next->work,
                   next->regions[r]);
       }
+      StageStateLater(next->work);  // FERRY_STATE_LATER: in-place pieces write their params first
       TraceObserve(d2h_trace_, /*block=*/false);
       TraceObserve(h2d_trace_, /*block=*/false);
       absl::StatusOr<RoundInFlight> flight = StartAdamRound(next->work, landed);

@@ -1,0 +1,65 @@
+#include "optim/state_later.h"
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "base/logging.h"
+
+namespace ferry {
+
+double StateLater::FractionFromEnv() {
+  const char* env = std::getenv("FERRY_STATE_LATER");
+  if (env == nullptr || *env == '\0') return 0.0;
+  char* end = nullptr;
+  const double f = std::strtod(env, &end);
+  if (end == env || *end != '\0' || !(f > 0.0) || !(f <= 1.0)) {
+    FERRY_LOG(WARNING) << "FERRY_STATE_LATER='" << env << "' is not a fraction in (0, 1]: the state is written "
+                       << "with the params";
+    return 0.0;
+  }
+  return f;
+}
+
+absl::Status StateLater::Ensure(size_t grad_bytes) {
+  if (!on() || capacity_ != 0) return absl::OkStatus();
+  const size_t wanted = static_cast<size_t>(std::ceil(fraction_ * static_cast<double>(grad_bytes)));
+  const size_t bytes = std::max<size_t>(64, wanted / 64 * 64);
+  keep_.reset(static_cast<char*>(std::aligned_alloc(64, bytes)));
+  if (keep_ == nullptr) {
+    fraction_ = 0.0;
+    return absl::ResourceExhaustedError(
+        absl::StrCat("FERRY_STATE_LATER: could not allocate ", bytes, " bytes for the kept grads"));
+  }
+  capacity_ = bytes;
+  return absl::OkStatus();
+}
+
+bool StateLater::Stage(CpuAdamTensor& t, size_t param, size_t group, size_t e0) {
+  if (capacity_ == 0 || t.numel <= 0 || t.param == nullptr || t.master_src != nullptr || !t.state.all_f32()) {
+    return false;
+  }
+  const size_t bytes = static_cast<size_t>(t.numel) * DTypeSize(t.grad_dtype);
+  const size_t at = next_;
+  if (at + bytes > capacity_) return false;
+  next_ = std::min(capacity_, (at + bytes + 63) / 64 * 64);  // the next piece's grads start a line
+  t.param_only = true;
+  t.grad_copy = keep_.get() + at;
+  pieces_.push_back(Piece{param, group, e0, t.numel, at, *t.scalars});
+  return true;
+}
+
+void StateLater::Done(size_t count) {
+  pieces_.erase(pieces_.begin(), pieces_.begin() + static_cast<std::ptrdiff_t>(std::min(count, pieces_.size())));
+  if (pieces_.empty()) next_ = 0;
+}
+
+void StateLater::Drop(const std::vector<uint8_t>& drop) {
+  pieces_.erase(std::remove_if(pieces_.begin(), pieces_.end(),
+                               [&](const Piece& p) { return p.group < drop.size() && drop[p.group] != 0; }),
+                pieces_.end());
+  if (pieces_.empty()) next_ = 0;
+}
+
+}  // namespace ferry

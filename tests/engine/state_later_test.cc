@@ -1,0 +1,98 @@
+// The state later (FERRY_STATE_LATER, optim/state_later.h): the early pass writes the new params of a
+// decided step's in-place pieces first and their state afterwards (in its idle time, at its next
+// pass's start, or between steps before anything reads it). Over deferred and waiting steps, a
+// skipped step (its params restored from the masters, which must hold the last step's values by
+// then), a step whose clip was reached (its update recomputed in place beside the next forward) and
+// the steps after it: every param bit-identical to an engine without it after every step, the same
+// masters and the same checkpoint, and the state later ran (trace: `state_later`).
+#include <chrono>
+#include <cmath>
+#include <cstdlib>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "device/device.h"
+#include "engine/engine_test_util.h"
+#include "ferry/dtype.h"
+#include "ferry/engine.h"
+#include "gtest/gtest.h"
+#include "trace/trace_file.h"
+
+namespace ferry::engine_test {
+namespace {
+
+TEST(StateLaterTest, ParamsFirstStateAfterIsBitIdenticalThroughSkipsClipsAndSaves) {
+  absl::StatusOr<std::unique_ptr<Device>> d = CreateDevice();
+  ASSERT_TRUE(d.ok()) << d.status();
+  Device* device = d->get();
+  constexpr size_t kLayers = 12;
+  const std::vector<int64_t> sizes(kLayers, 300000);
+  TempDir tmp("ferry-state-later");
+  const std::string trace_path = tmp.path() + "/trace.json";
+  Model ref_model(device, sizes, 41), model(device, sizes, 41);
+  constexpr int kSteps = 10;  // the last one waiting: VerifyMasters and the save find its pieces pending
+  {
+    EngineOptions o;
+    o.policy_path = Policies() + "offload_all.lua";
+    o.transfer_chunk_bytes = 1 << 15;
+    o.cpu_threads = 1;  // CPU Adam behind the announcements: most params begin after Step's keep
+    o.device = std::string(BackendName(device->backend()));
+    auto ref = MakeFinalizedEngine(o, [&](Engine& x) { return ref_model.Register(x); });
+    o.trace_path = trace_path;
+    ASSERT_EQ(setenv("FERRY_STATE_LATER", "0.5", 1), 0);
+    auto e = MakeFinalizedEngine(o, [&](Engine& x) { return model.Register(x); });
+    unsetenv("FERRY_STATE_LATER");
+    ASSERT_TRUE(ref && e);
+    int skipped = 0;
+    for (int step = 1; step <= kSteps; ++step) {
+      ref_model.SetGrads(300 + static_cast<uint64_t>(step));
+      model.SetGrads(300 + static_cast<uint64_t>(step));
+      StepOptions options{.lr = 1e-3f, .check_finite = false};
+      if (step == 5) {  // a NaN: the step is skipped, its params restored from the masters
+        options.check_finite = true;
+        ref_model.PoisonGrad(3, 0x7fc0);
+        model.PoisonGrad(3, 0x7fc0);
+      } else if (step == 6 || step == 7) {  // the clip reached: the speculation fails; the update runs
+        options.check_finite = true;        // in Step (6, waiting), or in place beside the next forward
+        options.max_grad_norm = 1.0f;       // (7, deferred)
+      }
+      const uint64_t before = e->Stats().cpu_adam_bytes;
+      for (size_t k = kLayers; k-- > 0;) ASSERT_OK(e->GradsReadyParams({model.name(k)}, options));
+      // CPU Adam has begun (when the step speculates): Step decides once a part is under way.
+      for (int i = 0; i < 20000 && options.check_finite == false && e->Stats().cpu_adam_bytes == before; ++i) {
+        std::this_thread::sleep_for(std::chrono::microseconds(100));
+      }
+      StepOptions mine = options;
+      mine.wait_for_params = step % 2 == 0;
+      ASSERT_OK(e->Step(mine));
+      ASSERT_OK(ref->Step(options));
+      ASSERT_EQ(e->Stats().last_step_skipped, ref->Stats().last_step_skipped) << "step " << step;
+      skipped += e->Stats().last_step_skipped ? 1 : 0;
+      ASSERT_TRUE(ParamsMatchAfterStep(*e, model, ref_model, step));
+    }
+    EXPECT_EQ(skipped, 1);
+    EXPECT_GT(e->Stats().deferred_steps, 0);
+    ASSERT_OK(e->VerifyMasters());  // the masters, written by the state later
+    absl::StatusOr<std::string> a = ref->SaveCheckpoint(tmp.path() + "/ref", kSteps);
+    absl::StatusOr<std::string> b = e->SaveCheckpoint(tmp.path() + "/later", kSteps);
+    ASSERT_TRUE(a.ok() && b.ok()) << a.status() << " " << b.status();
+    ASSERT_EQ(ReadAll(*a), ReadAll(*b));
+  }
+  absl::StatusOr<TraceFile> trace = ReadTraceFile(trace_path);
+  ASSERT_TRUE(trace.ok()) << trace.status();
+  double elements = 0.0;
+  int idle = 0;
+  for (const TraceFileEvent& ev : trace->events) {
+    if (ev.name != "state_later") continue;
+    elements += ev.args.at("elements");
+    idle += ev.args.at("yield") != 0 && ev.args.at("elements") > 0 ? 1 : 0;
+  }
+  // Half of the grads' bytes a step at most, from the steps that kept their speculation.
+  EXPECT_GT(elements, 0.0) << "no piece's state was written later";
+  EXPECT_LE(elements, 0.5 * static_cast<double>(kLayers * 300000) * kSteps);
+  RecordProperty("state_later_idle_rounds", idle);
+}
+
+}  // namespace
+}  // namespace ferry::engine_test
