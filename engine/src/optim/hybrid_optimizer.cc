@@ -405,6 +405,8 @@ absl::StatusOr<HybridStepResult> HybridOptimizer::StepChecked(const HybridStepPa
     return result;
   }
   {
+    // The state later of the step before, where no early pass of this step wrote it.
+    FERRY_RETURN_IF_ERROR(FlushStateLater());
     TraceSpan span(options_.tracer, "cpu_pipeline", "optim");
     const PipelinePlan plan = PlanFor(cpu_groups);
     FERRY_RETURN_IF_ERROR(RunPipeline(PipelineRun{.plan = &plan, .scalars = &scalars, .ready = grads_ready_.get()}));

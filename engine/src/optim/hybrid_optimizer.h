@@ -190,7 +190,9 @@ class HybridOptimizer final {
   // Completes a deferred step (nothing otherwise). When its work failed, the groups it did not
   // finish keep their state of the step before (their params are rewritten from it and their step
   // count goes back) and the error names them.
-  absl::Status Settle();
+  // `flush_state_later` false: the state later is left to the next early pass or Step (the next
+  // step's first announcement).
+  absl::Status Settle(bool flush_state_later = true);
 
   // Re-reads the fp32 masters of `groups` (indices) from the params; with `reset_optimizer` zeroes
   // their m, v and step count.

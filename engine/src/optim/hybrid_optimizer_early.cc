@@ -82,8 +82,9 @@ absl::Status HybridOptimizer::BeginParams(absl::Span<const size_t> ps, const Hyb
 
 absl::Status HybridOptimizer::StartEarlyStep(Stream& trainer) {
   // The first announcement of a step: the last step is committed and its copies are done (the
-  // staging is free).
-  FERRY_RETURN_IF_ERROR(Settle());
+  // staging is free). The state later it left is written by the early pass before its first chunk
+  // (or by Step before its own pipeline), not here on the trainer's thread.
+  FERRY_RETURN_IF_ERROR(Settle(/*flush_state_later=*/false));
   FERRY_RETURN_IF_ERROR(WaitEarlyIdle());
   FERRY_RETURN_IF_ERROR(WaitPending());
   if (snapshot_pending_) {
@@ -459,11 +460,12 @@ absl::StatusOr<bool> HybridOptimizer::DeferSettle(const std::vector<size_t>& sta
   return true;
 }
 
-absl::Status HybridOptimizer::Settle() {
+absl::Status HybridOptimizer::Settle(bool flush_state_later) {
   // Between steps, the state of the pieces whose params went up first (the state later) is written
-  // before anything reads it; a Step with announcements leaves them to its early pass, which writes
-  // them before its first chunk.
-  if (!deferred_) return step_in_progress() ? absl::OkStatus() : FlushStateLater();
+  // before anything reads it; a step with announcements leaves them to its early pass, which writes
+  // them before its first chunk, or to Step before its own pipeline.
+  flush_state_later = flush_state_later && !step_in_progress();
+  if (!deferred_) return flush_state_later ? FlushStateLater() : absl::OkStatus();
   deferred_ = false;
   absl::Status status;
   {
@@ -489,7 +491,7 @@ absl::Status HybridOptimizer::Settle() {
   if (ordered.ok()) ordered = work_stream_->Record(*step_done_);
   if (failed.empty()) {
     if (!status.ok()) FERRY_LOG(WARNING) << "the last step's work reported an error after completing: " << status;
-    const absl::Status later = FlushStateLater();
+    const absl::Status later = flush_state_later ? FlushStateLater() : absl::OkStatus();
     return ordered.ok() ? later : ordered;
   }
   DropStateLater(failed);  // they keep the state of the step before

@@ -6,8 +6,9 @@
 // step's. Such a piece's state is read by nothing before RunStateLater writes it: the early thread
 // writes the pieces left at the start of its next pass, before any chunk, and in its idle time after a
 // pass (yielding to a caller that waits for it); the trainer's thread writes them between steps
-// (Settle, which every state read, write, save and Step runs first; RestoreParams, which reads the
-// masters). A group whose update is undone or recomputed drops its pieces first (their state is
+// (Settle, which every state read, write, save and Step runs first, but for the next step's first
+// announcement, whose early pass writes them; Step before its own pipeline; RestoreParams, which
+// reads the masters). A group whose update is undone or recomputed drops its pieces first (their state is
 // still the step before's). A param keeps its side (its update is in place), so CommitSpare may run
 // before or after its state is written.
 #include <algorithm>
