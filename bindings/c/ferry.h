@@ -220,6 +220,9 @@ typedef struct {
   /* of cpu_adam_bytes, those of early steps' speculative updates into the spare state (out of place;
    * ferry::EngineStats::cpu_adam_spare_bytes) */
   uint64_t cpu_adam_spare_bytes;
+  /* of cpu_adam_bytes, those of the rounds that wrote the state after its params (FERRY_STATE_LATER;
+   * ferry::EngineStats::cpu_adam_later_bytes) */
+  uint64_t cpu_adam_later_bytes;
 } ferry_stats;
 
 ferry_status ferry_get_stats(ferry_engine* engine, ferry_stats* out);

@@ -436,6 +436,7 @@ int LEngineStats(lua_State* L) {
       {"cpu_adam_busy_seconds", s.cpu_adam_busy_seconds},
       {"cpu_adam_bytes", static_cast<double>(s.cpu_adam_bytes)},
       {"cpu_adam_spare_bytes", static_cast<double>(s.cpu_adam_spare_bytes)},
+      {"cpu_adam_later_bytes", static_cast<double>(s.cpu_adam_later_bytes)},
       {"skipped_steps", static_cast<double>(s.skipped_steps)},
       {"local_rank", static_cast<double>(s.local_rank)},
       {"local_world_size", static_cast<double>(s.local_world_size)},

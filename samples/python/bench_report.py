@@ -34,6 +34,8 @@ def cpu_update(before, after, steps):
             "huge": after["pinned_huge_bytes"] / pinned if pinned and "pinned_huge_bytes" in after else None,
             "spare": ((after["cpu_adam_spare_bytes"] - before["cpu_adam_spare_bytes"]) / moved
                       if moved and "cpu_adam_spare_bytes" in after else None),
+            "later": ((after["cpu_adam_later_bytes"] - before["cpu_adam_later_bytes"]) / moved
+                      if moved and "cpu_adam_later_bytes" in after else None),
             "kept": after["early_groups_kept"] - before["early_groups_kept"],
             "recomputed": after["early_groups_recomputed"] - before["early_groups_recomputed"],
             "skipped": after["skipped_steps"] - before["skipped_steps"], "workers": after.get("cpu_threads")}
@@ -54,6 +56,8 @@ def cpu_text(cpu, whose="", iteration=None):
         text += ", pinned memory %.0f%% huge pages" % (100 * cpu["huge"])
     if cpu.get("spare"):
         text += ", %.0f%% of its bytes out of place" % (100 * cpu["spare"])
+    if cpu.get("later"):
+        text += ", %.0f%% in the state's rounds after the params (FERRY_STATE_LATER)" % (100 * cpu["later"])
     if cpu["kept"] or cpu["recomputed"]:
         text += "; early groups kept %d, recomputed %d" % (cpu["kept"], cpu["recomputed"])
     if cpu["skipped"]:

@@ -31,7 +31,8 @@ TEST(StateLaterTest, ParamsFirstStateAfterIsBitIdenticalThroughSkipsClipsAndSave
   TempDir tmp("ferry-state-later");
   const std::string trace_path = tmp.path() + "/trace.json";
   Model ref_model(device, sizes, 41), model(device, sizes, 41);
-  constexpr int kSteps = 10;  // the last one waiting: VerifyMasters and the save find its pieces pending
+  constexpr int kSteps = 10;
+  uint64_t later_bytes = 0;  // the last one waiting: VerifyMasters and the save find its pieces pending
   {
     EngineOptions o;
     o.policy_path = Policies() + "offload_all.lua";
@@ -73,6 +74,8 @@ TEST(StateLaterTest, ParamsFirstStateAfterIsBitIdenticalThroughSkipsClipsAndSave
     }
     EXPECT_EQ(skipped, 1);
     EXPECT_GT(e->Stats().deferred_steps, 0);
+    later_bytes = e->Stats().cpu_adam_later_bytes;
+    EXPECT_EQ(ref->Stats().cpu_adam_later_bytes, 0u);
     ASSERT_OK(e->VerifyMasters());  // the masters, written by the state later
     absl::StatusOr<std::string> a = ref->SaveCheckpoint(tmp.path() + "/ref", kSteps);
     absl::StatusOr<std::string> b = e->SaveCheckpoint(tmp.path() + "/later", kSteps);
@@ -90,6 +93,8 @@ TEST(StateLaterTest, ParamsFirstStateAfterIsBitIdenticalThroughSkipsClipsAndSave
   }
   // Half of the grads' bytes a step at most, from the steps that kept their speculation.
   EXPECT_GT(elements, 0.0) << "no piece's state was written later";
+  // The stats count the state's rounds: the fp32 state read and written, the kept bf16 grad read.
+  EXPECT_EQ(static_cast<double>(later_bytes), 26.0 * elements);
   EXPECT_LE(elements, 0.5 * static_cast<double>(kLayers * 300000) * kSteps);
   RecordProperty("state_later_idle_rounds", idle);
 }

@@ -310,6 +310,7 @@ class PyEngine {
     d["cpu_adam_busy_seconds"] = s.cpu_adam_busy_seconds;
     d["cpu_adam_bytes"] = s.cpu_adam_bytes;
     d["cpu_adam_spare_bytes"] = s.cpu_adam_spare_bytes;
+    d["cpu_adam_later_bytes"] = s.cpu_adam_later_bytes;
     // This rank's share of its host (engine/EMBEDDING.md, "Big hosts and ranks that share a host").
     d["local_rank"] = s.local_rank;
     d["local_world_size"] = s.local_world_size;

@@ -278,6 +278,9 @@ struct EngineStats {
   // rest updated in place (Step's own update, a decided step's deferred update, a param without spare
   // state).
   uint64_t cpu_adam_spare_bytes = 0;
+  // Of cpu_adam_bytes, those of the rounds that wrote the state of pieces whose params went up first
+  // (FERRY_STATE_LATER; engine/ARCHITECTURE.md, "The state later"); 0 when it is off.
+  uint64_t cpu_adam_later_bytes = 0;
 
   // This rank's share of its host (EngineOptions::local_rank).
   int local_rank = 0;

@@ -485,6 +485,7 @@ EngineStats EngineImpl::Stats() const {
     s.cpu_adam_busy_seconds = optimizer_->cpu_adam_busy_seconds();
     s.cpu_adam_bytes = optimizer_->cpu_adam_bytes();
     s.cpu_adam_spare_bytes = optimizer_->cpu_adam_spare_bytes();
+    s.cpu_adam_later_bytes = optimizer_->cpu_adam_later_bytes();
   }
   s.checkpoint_copied_aside_bytes = ckpt_copied_aside_ + (ckpt_fence_ != nullptr ? ckpt_fence_->copied_bytes() : 0);
   return s;

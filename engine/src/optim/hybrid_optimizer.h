@@ -284,6 +284,8 @@ class HybridOptimizer final {
   uint64_t cpu_adam_bytes() const { return cpu_bytes_.load(std::memory_order_relaxed); }
   // Of cpu_adam_bytes(), those of updates that wrote the spare state (speculation, out of place).
   uint64_t cpu_adam_spare_bytes() const { return cpu_spare_bytes_.load(std::memory_order_relaxed); }
+  // Of cpu_adam_bytes(), those of the rounds that wrote the state after its params (the state later).
+  uint64_t cpu_adam_later_bytes() const { return cpu_later_bytes_.load(std::memory_order_relaxed); }
   // Replaces HybridOptions::spare_fraction. It sizes the spare state when it is allocated (the
   // first early step): a spare state already allocated keeps its size. REQUIRES: between steps (no
   // early work queued), `fraction` in [0, 1].
@@ -458,6 +460,7 @@ class HybridOptimizer final {
   std::atomic<int64_t> cpu_busy_ns_{0};
   std::atomic<uint64_t> cpu_bytes_{0};
   std::atomic<uint64_t> cpu_spare_bytes_{0};  // of cpu_bytes_, those of updates into the spare state
+  std::atomic<uint64_t> cpu_later_bytes_{0};  // of cpu_bytes_, those of the state later's rounds
   // The same on the param's other side, where a speculative update writes. REQUIRES: HasSpare(p).
   char* SpareStatePtr(size_t p, StateKind kind, size_t e = 0) const;
   absl::Status SyncParamsFromModel(const std::vector<size_t>& params);

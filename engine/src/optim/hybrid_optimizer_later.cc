@@ -89,6 +89,7 @@ absl::Status HybridOptimizer::RunStateLater(bool yield) {
       break;
     }
     FinishAdamRound(*flight);
+    cpu_later_bytes_.fetch_add(static_cast<uint64_t>(flight->bytes), std::memory_order_relaxed);
     elements += static_cast<double>(round);
     done = end;
   }
