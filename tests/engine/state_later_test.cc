@@ -16,6 +16,7 @@
 #include "engine/engine_test_util.h"
 #include "ferry/dtype.h"
 #include "ferry/engine.h"
+#include "ferry/status.h"
 #include "gtest/gtest.h"
 #include "trace/trace_file.h"
 
@@ -97,6 +98,62 @@ TEST(StateLaterTest, ParamsFirstStateAfterIsBitIdenticalThroughSkipsClipsAndSave
   EXPECT_EQ(static_cast<double>(later_bytes), 26.0 * elements);
   EXPECT_LE(elements, 0.5 * static_cast<double>(kLayers * 300000) * kSteps);
   RecordProperty("state_later_idle_rounds", idle);
+}
+
+// Without spare state every update is Step's (the early pass runs a deferred step's in place, its
+// pieces split). A step announced right after a deferred one, before that step's pass has ended,
+// makes the early thread leave its pieces (it yields to the announcement's wait), and a waiting Step
+// with no early pass then writes them before its own pipeline reads the state: bit-identical to the
+// engine without the state later, step by step, and the same checkpoint.
+TEST(StateLaterTest, AStepWithoutAnEarlyPassWritesTheStateLeftBeforeItsPipeline) {
+  absl::StatusOr<std::unique_ptr<Device>> d = CreateDevice();
+  ASSERT_TRUE(d.ok()) << d.status();
+  Device* device = d->get();
+  constexpr size_t kLayers = 12;
+  const std::vector<int64_t> sizes(kLayers, 300000);
+  TempDir tmp("ferry-state-later-step");
+  Model ref_model(device, sizes, 43), model(device, sizes, 43);
+  EngineOptions o;
+  o.policy_path = Policies() + "offload_all.lua";
+  o.transfer_chunk_bytes = 1 << 15;
+  o.cpu_threads = 1;
+  o.spare_state_fraction = 0.0;  // nothing speculates: an announcement alone starts no pass
+  o.device = std::string(BackendName(device->backend()));
+  auto ref = MakeFinalizedEngine(o, [&](Engine& x) { return ref_model.Register(x); });
+  ASSERT_EQ(setenv("FERRY_STATE_LATER", "1", 1), 0);
+  auto e = MakeFinalizedEngine(o, [&](Engine& x) { return model.Register(x); });
+  unsetenv("FERRY_STATE_LATER");
+  ASSERT_TRUE(ref && e);
+  const StepOptions options{.lr = 1e-3f, .check_finite = false};
+  auto announce = [&](Engine& x, Model& m) -> absl::Status {
+    for (size_t k = kLayers; k-- > 0;) FERRY_RETURN_IF_ERROR(x.GradsReadyParams({m.name(k)}, options));
+    return absl::OkStatus();
+  };
+  uint64_t later_before = 0;
+  for (int pair = 1; pair <= 3; ++pair) {
+    ref_model.SetGrads(500 + static_cast<uint64_t>(pair));
+    model.SetGrads(500 + static_cast<uint64_t>(pair));
+    // A deferred step (its update in place on the early thread, its pieces split), then at once the
+    // next one on the same grads, waiting: its Step runs its own pipeline.
+    StepOptions deferred = options;
+    deferred.wait_for_params = false;
+    ASSERT_OK(announce(*e, model));
+    ASSERT_OK(e->Step(deferred));
+    ASSERT_OK(announce(*e, model));
+    ASSERT_OK(e->Step(options));
+    for (int k = 0; k < 2; ++k) {
+      ASSERT_OK(announce(*ref, ref_model));
+      ASSERT_OK(ref->Step(options));
+    }
+    ASSERT_TRUE(ParamsMatchAfterStep(*e, model, ref_model, 2 * pair));
+    const uint64_t later = e->Stats().cpu_adam_later_bytes;
+    EXPECT_GT(later, later_before) << "pair " << pair << ": no state written later";
+    later_before = later;
+  }
+  absl::StatusOr<std::string> a = ref->SaveCheckpoint(tmp.path() + "/ref", 6);
+  absl::StatusOr<std::string> b = e->SaveCheckpoint(tmp.path() + "/later", 6);
+  ASSERT_TRUE(a.ok() && b.ok()) << a.status() << " " << b.status();
+  ASSERT_EQ(ReadAll(*a), ReadAll(*b));
 }
 
 }  // namespace

@@ -1,7 +1,7 @@
 // StateLater's bookkeeping: what it stages (in-place fp32 updates with a param, while the kept grads'
 // buffer has room; each piece's grads on a line of its own), what it refuses (leaving the tensor
-// as it was), pieces done and dropped by group, the buffer handed out again once empty, and
-// FERRY_STATE_LATER's parsing.
+// as it was), pieces done, and dropped by group only in their own step, the buffer handed out again
+// once empty, and FERRY_STATE_LATER's parsing.
 #include "optim/state_later.h"
 
 #include <cstdint>
@@ -73,11 +73,22 @@ TEST(StateLaterTest, StagesWhatFitsAndRefusesTheRest) {
   EXPECT_EQ(first.keep_at, 0u);
   EXPECT_EQ(second.keep_at, 640u);  // 600 bytes, rounded up to a line
   EXPECT_EQ(later.grads(second), tc.grad_copy);
-  // Dropping group 1 leaves the piece of group 2; once it is done the buffer starts over.
+  // A step's settling drops its own pieces only. In the next step (NextStep), dropping groups 1 and
+  // 2 leaves both (a step before's, still to be written); a piece of group 1 staged now goes.
+  later.NextStep();
+  later.Drop({0, 1, 1});
+  ASSERT_EQ(later.pieces().size(), 2u);
+  Tensor d(50);
+  CpuAdamTensor td = d.Args();
+  ASSERT_TRUE(later.Stage(td, 7, 1, 0));
+  EXPECT_EQ(later.pieces()[2].step, later.step_id());
+  EXPECT_EQ(later.pieces()[0].step + 1, later.step_id());
   later.Drop({0, 1, 0});
-  ASSERT_EQ(later.pieces().size(), 1u);
-  EXPECT_EQ(later.pieces()[0].param, 6u);
-  later.Done(1);
+  ASSERT_EQ(later.pieces().size(), 2u);
+  EXPECT_EQ(later.pieces()[0].param, 4u);
+  EXPECT_EQ(later.pieces()[1].param, 6u);
+  // Once every piece is done the buffer starts over.
+  later.Done(2);
   EXPECT_TRUE(later.empty());
   CpuAdamTensor again = b.Args();  // 1400 bytes fit an empty buffer
   ASSERT_TRUE(later.Stage(again, 5, 2, 0));

@@ -86,6 +86,7 @@ absl::Status HybridOptimizer::StartEarlyStep(Stream& trainer) {
   // (or by Step before its own pipeline), not here on the trainer's thread.
   FERRY_RETURN_IF_ERROR(Settle(/*flush_state_later=*/false));
   FERRY_RETURN_IF_ERROR(WaitEarlyIdle());
+  later_.NextStep();  // the early thread is idle: this step's pieces are told from those left
   FERRY_RETURN_IF_ERROR(WaitPending());
   if (snapshot_pending_) {
     // A checkpoint's copies of the params go before any of this step's uploads.

@@ -8,8 +8,8 @@
 // pass (yielding to a caller that waits for it); the trainer's thread writes them between steps
 // (Settle, which every state read, write, save and Step runs first, but for the next step's first
 // announcement, whose early pass writes them; Step before its own pipeline; RestoreParams, which
-// reads the masters). A group whose update is undone or recomputed drops its pieces first (their state is
-// still the step before's). A param keeps its side (its update is in place), so CommitSpare may run
+// reads the masters). A group whose update is undone or recomputed drops its pieces of that step
+// first (their state is still the step before's); pieces a step before left are never dropped. A param keeps its side (its update is in place), so CommitSpare may run
 // before or after its state is written.
 #include <algorithm>
 #include <utility>

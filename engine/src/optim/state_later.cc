@@ -46,7 +46,7 @@ bool StateLater::Stage(CpuAdamTensor& t, size_t param, size_t group, size_t e0) 
   next_ = std::min(capacity_, (at + bytes + 63) / 64 * 64);  // the next piece's grads start a line
   t.param_only = true;
   t.grad_copy = keep_.get() + at;
-  pieces_.push_back(Piece{param, group, e0, t.numel, at, *t.scalars});
+  pieces_.push_back(Piece{param, group, e0, t.numel, at, *t.scalars, step_});
   return true;
 }
 
@@ -57,7 +57,9 @@ void StateLater::Done(size_t count) {
 
 void StateLater::Drop(const std::vector<uint8_t>& drop) {
   pieces_.erase(std::remove_if(pieces_.begin(), pieces_.end(),
-                               [&](const Piece& p) { return p.group < drop.size() && drop[p.group] != 0; }),
+                               [&](const Piece& p) {
+                                 return p.step == step_ && p.group < drop.size() && drop[p.group] != 0;
+                               }),
                 pieces_.end());
   if (pieces_.empty()) next_ = 0;
 }

@@ -30,6 +30,7 @@ class StateLater {
     int64_t n = 0;        // elements
     size_t keep_at = 0;   // byte offset of its grads in the kept buffer
     AdamScalars scalars;  // the step's
+    uint64_t step = 0;    // step_id() when it was staged
   };
 
   // `fraction` of the offloaded fp32 grads' bytes (0: off). FractionFromEnv: FERRY_STATE_LATER, 0 when
@@ -50,10 +51,15 @@ class StateLater {
 
   const std::vector<Piece>& pieces() const { return pieces_; }
   bool empty() const { return pieces_.empty(); }
+  // The step whose early work stages pieces now: NextStep at each step's first announcement, so that
+  // a step's settling drops its own pieces only, never those a step before left to be written.
+  uint64_t step_id() const { return step_; }
+  void NextStep() { ++step_; }
   // The first `count` pieces are written: they go (the buffer is handed out from its start again once
   // no piece is left).
   void Done(size_t count);
-  // Forgets the pieces of the groups `drop[g] != 0` (their update is undone or recomputed).
+  // Forgets the pieces of step_id() of the groups `drop[g] != 0` (their update is undone or
+  // recomputed).
   void Drop(const std::vector<uint8_t>& drop);
 
  private:
@@ -63,6 +69,7 @@ class StateLater {
   double fraction_ = 0.0;
   size_t capacity_ = 0;  // bytes of keep_ (0: not allocated)
   size_t next_ = 0;      // bytes handed out since the buffer was last empty
+  uint64_t step_ = 0;
   std::unique_ptr<char, Free> keep_;
   std::vector<Piece> pieces_;
 };
