@@ -353,6 +353,8 @@ class HybridOptimizer final {
   // returns the first error of the work since the last call.
   void EarlyLoop();
   absl::Status WaitEarlyIdle();
+  // The same wait under `lock` (on early_mu_), leaving the status for WaitEarlyIdle.
+  void WaitEarlyQuiet(std::unique_lock<std::mutex>& lock);
   absl::Status EnsureSpareState();
   // The first announcement of a step: settles the last one, resets the step's bookkeeping.
   absl::Status StartEarlyStep(Stream& trainer);

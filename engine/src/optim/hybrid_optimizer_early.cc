@@ -318,11 +318,15 @@ void HybridOptimizer::EarlyLoop() {
   }
 }
 
-absl::Status HybridOptimizer::WaitEarlyIdle() {
+void HybridOptimizer::WaitEarlyQuiet(std::unique_lock<std::mutex>& lock) {
   early_waiters_.fetch_add(1);  // the early thread's idle-time rounds yield (RunStateLater)
-  std::unique_lock<std::mutex> lock(early_mu_);
   early_cv_.wait(lock, [this] { return !early_busy_ && early_queue_.empty(); });
   early_waiters_.fetch_sub(1);
+}
+
+absl::Status HybridOptimizer::WaitEarlyIdle() {
+  std::unique_lock<std::mutex> lock(early_mu_);
+  WaitEarlyQuiet(lock);
   absl::Status status = std::move(early_status_);
   early_status_ = absl::OkStatus();
   return status;
@@ -420,11 +424,13 @@ absl::StatusOr<std::vector<size_t>> HybridOptimizer::SettleEarly(bool skipped, b
     done = early_done_;
     in_place = early_in_place_;
   }
-  std::vector<size_t> uncommitted;  // their pieces of the state later go (recomputed, or reported)
-  for (size_t g = 0; g < groups_.size(); ++g) {
-    if (groups_[g].offloaded && !(early_.queued[g] != 0 && valid && done[g] != 0)) uncommitted.push_back(g);
+  if (!later_.empty()) {
+    std::vector<size_t> uncommitted;  // their pieces of the state later go (recomputed, or reported)
+    for (size_t g = 0; g < groups_.size(); ++g) {
+      if (groups_[g].offloaded && !(early_.queued[g] != 0 && valid && done[g] != 0)) uncommitted.push_back(g);
+    }
+    DropStateLater(uncommitted);
   }
-  DropStateLater(uncommitted);
   for (size_t g = 0; g < groups_.size(); ++g) {
     Group& group = groups_[g];
     if (!group.offloaded) continue;

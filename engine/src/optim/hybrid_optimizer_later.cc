@@ -9,8 +9,9 @@
 // (Settle, which every state read, write, save and Step runs first, but for the next step's first
 // announcement, whose early pass writes them; Step before its own pipeline; RestoreParams, which
 // reads the masters). A group whose update is undone or recomputed drops its pieces of that step
-// first (their state is still the step before's); pieces a step before left are never dropped. A param keeps its side (its update is in place), so CommitSpare may run
-// before or after its state is written.
+// first (their state is still the step before's); pieces a step before left are never dropped. A
+// param keeps its side (its update is in place), so CommitSpare may run before or after its state
+// is written.
 #include <algorithm>
 #include <utility>
 
@@ -43,7 +44,8 @@ void HybridOptimizer::StageStateLater(AdamWork& work) {
   for (size_t i = 0; i < work.tensors.size(); ++i) {
     CpuAdamTensor& t = work.tensors[i];
     const size_t p = work.params[i];
-    if (t.master_src != nullptr || t.param == nullptr || !t.state.all_f32()) continue;  // out of place
+    // Out of place, `master` is not on the param's side (Stage checks the rest).
+    if (t.master_src != nullptr) continue;
     const size_t e0 = static_cast<size_t>(static_cast<char*>(t.master) - StatePtr(p, StateKind::kMaster)) /
                       DTypeSize(t.state.master);
     later_.Stage(t, p, params_[p].group, e0);
@@ -107,10 +109,8 @@ absl::Status HybridOptimizer::FlushStateLater() {
   {
     // Between steps the early thread runs only the idle-time rounds of RunStateLater (or nothing): it
     // yields to this wait.
-    early_waiters_.fetch_add(1);
     std::unique_lock<std::mutex> lock(early_mu_);
-    early_cv_.wait(lock, [this] { return !early_busy_ && early_queue_.empty(); });
-    early_waiters_.fetch_sub(1);
+    WaitEarlyQuiet(lock);
   }
   return RunStateLater(/*yield=*/false);
 }
