@@ -173,7 +173,8 @@ inline ::testing::AssertionResult ParamsMatchAfterStep(Engine& e, const Model& m
       return ::testing::AssertionFailure() << "step " << step << ", WaitParamsOf(" << model.name(k) << "): " << s;
     }
     if (model.Param(k) != ref_model.Param(k)) {
-      return ::testing::AssertionFailure() << "step " << step << ", tensor " << k << " differs from the reference's (Step alone)";
+      return ::testing::AssertionFailure() << "step " << step << ", tensor " << k
+                                           << " differs from the reference's (Step alone)";
     }
   }
   return ::testing::AssertionSuccess();
