@@ -5,6 +5,7 @@
 // then), a step whose clip was reached (its update recomputed in place beside the next forward) and
 // the steps after it: every param bit-identical to an engine without it after every step, the same
 // masters and the same checkpoint, and the state later ran (trace: `state_later`).
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
@@ -12,6 +13,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "device/device.h"
 #include "engine/engine_test_util.h"
 #include "ferry/dtype.h"
@@ -23,7 +25,13 @@
 namespace ferry::engine_test {
 namespace {
 
-TEST(StateLaterTest, ParamsFirstStateAfterIsBitIdenticalThroughSkipsClipsAndSaves) {
+// FERRY_STATE_LATER: half the grads' bytes, or `auto` (a quarter, the bytes a cycle stages following
+// what the idle time held).
+class StateLaterModeTest : public testing::TestWithParam<const char*> {};
+
+TEST_P(StateLaterModeTest, ParamsFirstStateAfterIsBitIdenticalThroughSkipsClipsAndSaves) {
+  const bool automatic = std::string(GetParam()) == "auto";
+  const double fraction = automatic ? 0.25 : 0.5;
   absl::StatusOr<std::unique_ptr<Device>> d = CreateDevice();
   ASSERT_TRUE(d.ok()) << d.status();
   Device* device = d->get();
@@ -42,7 +50,7 @@ TEST(StateLaterTest, ParamsFirstStateAfterIsBitIdenticalThroughSkipsClipsAndSave
     o.device = std::string(BackendName(device->backend()));
     auto ref = MakeFinalizedEngine(o, [&](Engine& x) { return ref_model.Register(x); });
     o.trace_path = trace_path;
-    ASSERT_EQ(setenv("FERRY_STATE_LATER", "0.5", 1), 0);
+    ASSERT_EQ(setenv("FERRY_STATE_LATER", GetParam(), 1), 0);
     auto e = MakeFinalizedEngine(o, [&](Engine& x) { return model.Register(x); });
     unsetenv("FERRY_STATE_LATER");
     ASSERT_TRUE(ref && e);
@@ -85,20 +93,32 @@ TEST(StateLaterTest, ParamsFirstStateAfterIsBitIdenticalThroughSkipsClipsAndSave
   }
   absl::StatusOr<TraceFile> trace = ReadTraceFile(trace_path);
   ASSERT_TRUE(trace.ok()) << trace.status();
-  double elements = 0.0;
+  double elements = 0.0, least_limit = 1e300, most_limit = 0.0;
   int idle = 0;
   for (const TraceFileEvent& ev : trace->events) {
     if (ev.name != "state_later") continue;
     elements += ev.args.at("elements");
     idle += ev.args.at("yield") != 0 && ev.args.at("elements") > 0 ? 1 : 0;
+    least_limit = std::min(least_limit, ev.args.at("limit"));
+    most_limit = std::max(most_limit, ev.args.at("limit"));
   }
-  // Half of the grads' bytes a step at most, from the steps that kept their speculation.
+  // The fraction of the grads' bytes a step at most, from the steps that kept their speculation.
   EXPECT_GT(elements, 0.0) << "no piece's state was written later";
   // The stats count the state's rounds: the fp32 state read and written, the kept bf16 grad read.
   EXPECT_EQ(static_cast<double>(later_bytes), 26.0 * elements);
-  EXPECT_LE(elements, 0.5 * static_cast<double>(kLayers * 300000) * kSteps);
+  const double grad_bytes = 2.0 * static_cast<double>(kLayers * 300000);
+  EXPECT_LE(elements, fraction * grad_bytes / 2.0 * kSteps);
+  // A cycle stages at most the buffer (`auto`: within a step of a 32nd of it and the buffer).
+  EXPECT_LE(most_limit, fraction * grad_bytes);
+  EXPECT_GE(least_limit, automatic ? std::floor(fraction * grad_bytes / 32 / 64) * 64 : fraction * grad_bytes - 64);
   RecordProperty("state_later_idle_rounds", idle);
+  RecordProperty("state_later_limits", absl::StrCat(least_limit, "-", most_limit));
 }
+
+INSTANTIATE_TEST_SUITE_P(Modes, StateLaterModeTest, testing::Values("0.5", "auto"),
+                         [](const testing::TestParamInfo<const char*>& mode) {
+                           return std::string(mode.param) == "auto" ? "Auto" : "Half";
+                         });
 
 // Without spare state every update is Step's (the early pass runs a deferred step's in place, its
 // pieces split). A step announced right after a deferred one, before that step's pass has ended,

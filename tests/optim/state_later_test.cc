@@ -1,7 +1,7 @@
 // StateLater's bookkeeping: what it stages (in-place fp32 updates with a param, while the kept grads'
 // buffer has room; each piece's grads on a line of its own), what it refuses (leaving the tensor
 // as it was), pieces done, and dropped by group only in their own step, the buffer handed out again
-// once empty, and FERRY_STATE_LATER's parsing.
+// once empty, `auto`'s limit following what the idle time held, and FERRY_STATE_LATER's parsing.
 #include "optim/state_later.h"
 
 #include <cstdint>
@@ -35,7 +35,7 @@ struct Tensor {
 };
 
 TEST(StateLaterTest, StagesWhatFitsAndRefusesTheRest) {
-  StateLater later(0.5);
+  StateLater later({.fraction = 0.5});
   ASSERT_TRUE(later.on());
   ASSERT_TRUE(later.Ensure(4000).ok());  // half of it, in whole lines: 1984 bytes
   ASSERT_TRUE(later.allocated());
@@ -88,22 +88,86 @@ TEST(StateLaterTest, StagesWhatFitsAndRefusesTheRest) {
   EXPECT_EQ(later.pieces()[0].param, 4u);
   EXPECT_EQ(later.pieces()[1].param, 6u);
   // Once every piece is done the buffer starts over.
-  later.Done(2);
+  later.Done(2, /*idle=*/true);
   EXPECT_TRUE(later.empty());
   CpuAdamTensor again = b.Args();  // 1400 bytes fit an empty buffer
   ASSERT_TRUE(later.Stage(again, 5, 2, 0));
   EXPECT_EQ(later.pieces()[0].keep_at, 0u);
 }
 
-TEST(StateLaterTest, OffUnlessTheEnvironmentGivesAFraction) {
-  for (const char* bad : {"", "0", "-0.5", "1.5", "half", "0.5x"}) {
+TEST(StateLaterTest, AutoLimitFollowsWhatTheIdleTimeHeld) {
+  constexpr size_t kCap = 64 * 1024;  // a step of kCap / 32: 2048 bytes
+  // Some spilled: what the idle time held, in whole lines, at least a step.
+  EXPECT_EQ(StateLater::AutoLimit(20000, kCap, 9000, 100, true), 8960u);
+  EXPECT_EQ(StateLater::AutoLimit(20000, kCap, 0, 5000, false), 2048u);
+  // None spilled: a step more where room was short, up to the buffer; else the same.
+  EXPECT_EQ(StateLater::AutoLimit(20000, kCap, 20000, 0, true), 22048u);
+  EXPECT_EQ(StateLater::AutoLimit(kCap - 1000, kCap, kCap - 1000, 0, true), kCap);
+  EXPECT_EQ(StateLater::AutoLimit(20000, kCap, 12000, 0, false), 20000u);
+  // A buffer smaller than a line's step still stages.
+  EXPECT_EQ(StateLater::AutoLimit(64, 64, 0, 64, true), 64u);
+}
+
+TEST(StateLaterTest, AutoStagesUnderItsLimitAndAdaptsOncePerCycle) {
+  StateLater later({.fraction = StateLater::kAutoFraction, .automatic = true});
+  ASSERT_TRUE(later.on() && later.automatic());
+  ASSERT_TRUE(later.Ensure(1 << 20).ok());  // a buffer of 256 KiB, a limit of a quarter of it
+  ASSERT_EQ(later.limit(), 64u * 1024);
+  Tensor a(16 * 1024), b(16 * 1024), c(8 * 1024);  // 32 KiB, 32 KiB, 16 KiB of bf16 grads
+  CpuAdamTensor ta = a.Args(), tb = b.Args(), tc = c.Args();
+  ASSERT_TRUE(later.Stage(ta, 0, 0, 0));
+  ASSERT_TRUE(later.Stage(tb, 1, 0, 0));
+  EXPECT_FALSE(later.Stage(tc, 2, 0, 0));  // past the limit, though the buffer has room
+  EXPECT_FALSE(tc.param_only);
+  // Both written in idle time, and room was short: a step (8 KiB) more, once the buffer is empty.
+  later.Done(1, /*idle=*/true);
+  EXPECT_EQ(later.limit(), 64u * 1024);
+  later.Done(1, /*idle=*/true);
+  EXPECT_EQ(later.limit(), 72u * 1024);
+  // Next cycle: one piece written in idle time, the other at the next pass's start: the limit is
+  // what the idle time held.
+  ta = a.Args();
+  tb = b.Args();
+  ASSERT_TRUE(later.Stage(ta, 0, 0, 0));
+  ASSERT_TRUE(later.Stage(tb, 1, 0, 0));
+  later.Done(1, /*idle=*/true);
+  later.Done(1, /*idle=*/false);
+  EXPECT_EQ(later.limit(), 32u * 1024);
+  // A cycle ended by a drop (an undone step) leaves it; one that fit without want of room too.
+  later.NextStep();
+  tc = c.Args();
+  ASSERT_TRUE(later.Stage(tc, 2, 1, 0));
+  later.Drop({0, 1});
+  EXPECT_TRUE(later.empty());
+  EXPECT_EQ(later.limit(), 32u * 1024);
+  tc = c.Args();
+  ASSERT_TRUE(later.Stage(tc, 2, 1, 0));
+  later.Done(1, /*idle=*/true);
+  EXPECT_EQ(later.limit(), 32u * 1024);
+  // A fixed fraction stages up to its whole buffer, whatever was spilled.
+  StateLater fixed({.fraction = 0.25});
+  ASSERT_TRUE(fixed.Ensure(1 << 20).ok());
+  EXPECT_EQ(fixed.limit(), 256u * 1024);
+  ta = a.Args();
+  ASSERT_TRUE(fixed.Stage(ta, 0, 0, 0));
+  fixed.Done(1, /*idle=*/false);
+  EXPECT_EQ(fixed.limit(), 256u * 1024);
+}
+
+TEST(StateLaterTest, OffUnlessTheEnvironmentGivesAFractionOrAuto) {
+  for (const char* bad : {"", "0", "-0.5", "1.5", "half", "0.5x", "Auto", "auto "}) {
     ASSERT_EQ(setenv("FERRY_STATE_LATER", bad, 1), 0);
-    EXPECT_EQ(StateLater::FractionFromEnv(), 0.0) << bad;
+    EXPECT_EQ(StateLater::FromEnv().fraction, 0.0) << bad;
+    EXPECT_FALSE(StateLater::FromEnv().automatic) << bad;
   }
   ASSERT_EQ(setenv("FERRY_STATE_LATER", "0.25", 1), 0);
-  EXPECT_EQ(StateLater::FractionFromEnv(), 0.25);
+  EXPECT_EQ(StateLater::FromEnv().fraction, 0.25);
+  EXPECT_FALSE(StateLater::FromEnv().automatic);
+  ASSERT_EQ(setenv("FERRY_STATE_LATER", "auto", 1), 0);
+  EXPECT_TRUE(StateLater::FromEnv().automatic);
+  EXPECT_EQ(StateLater::FromEnv().fraction, StateLater::kAutoFraction);
   unsetenv("FERRY_STATE_LATER");
-  EXPECT_EQ(StateLater::FractionFromEnv(), 0.0);
+  EXPECT_EQ(StateLater::FromEnv().fraction, 0.0);
   StateLater off;
   EXPECT_FALSE(off.on());
   ASSERT_TRUE(off.Ensure(1 << 20).ok());

@@ -99,8 +99,9 @@ absl::Status HybridOptimizer::RunStateLater(bool yield) {
     span.Arg("elements", elements);
     span.Arg("left", static_cast<double>(pieces.size() - done));
     span.Arg("yield", yield ? 1.0 : 0.0);
+    span.Arg("limit", static_cast<double>(later_.limit()));  // bytes of kept grads a cycle may stage
   }
-  later_.Done(done);
+  later_.Done(done, /*idle=*/yield);
   return status;
 }
 

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <string>
 
 #include "absl/strings/str_cat.h"
@@ -9,17 +10,21 @@
 
 namespace ferry {
 
-double StateLater::FractionFromEnv() {
+StateLater::StateLater(Setting setting)
+    : fraction_(setting.automatic ? kAutoFraction : setting.fraction), automatic_(setting.automatic) {}
+
+StateLater::Setting StateLater::FromEnv() {
   const char* env = std::getenv("FERRY_STATE_LATER");
-  if (env == nullptr || *env == '\0') return 0.0;
+  if (env == nullptr || *env == '\0') return {};
+  if (std::strcmp(env, "auto") == 0) return {.fraction = kAutoFraction, .automatic = true};
   char* end = nullptr;
   const double f = std::strtod(env, &end);
   if (end == env || *end != '\0' || !(f > 0.0) || !(f <= 1.0)) {
-    FERRY_LOG(WARNING) << "FERRY_STATE_LATER='" << env << "' is not a fraction in (0, 1]: the state is written "
-                       << "with the params";
-    return 0.0;
+    FERRY_LOG(WARNING) << "FERRY_STATE_LATER='" << env << "' is neither a fraction in (0, 1] nor 'auto': the state "
+                       << "is written with the params";
+    return {};
   }
-  return f;
+  return {.fraction = f};
 }
 
 absl::Status StateLater::Ensure(size_t grad_bytes) {
@@ -33,6 +38,8 @@ absl::Status StateLater::Ensure(size_t grad_bytes) {
         absl::StrCat("FERRY_STATE_LATER: could not allocate ", bytes, " bytes for the kept grads"));
   }
   capacity_ = bytes;
+  // `auto` starts at a quarter of its buffer (about 6% of the grads' bytes) and moves from there.
+  limit_ = automatic_ ? std::max<size_t>(64, bytes / 4 / 64 * 64) : bytes;
   return absl::OkStatus();
 }
 
@@ -42,17 +49,40 @@ bool StateLater::Stage(CpuAdamTensor& t, size_t param, size_t group, size_t e0) 
   }
   const size_t bytes = static_cast<size_t>(t.numel) * DTypeSize(t.grad_dtype);
   const size_t at = next_;
-  if (at + bytes > capacity_) return false;
+  if (at + bytes > limit_) {
+    cycle_limited_ = true;
+    return false;
+  }
   next_ = std::min(capacity_, (at + bytes + 63) / 64 * 64);  // the next piece's grads start a line
   t.param_only = true;
   t.grad_copy = keep_.get() + at;
-  pieces_.push_back(Piece{param, group, e0, t.numel, at, *t.scalars, step_});
+  pieces_.push_back(Piece{param, group, e0, t.numel, at, next_ - at, *t.scalars, step_});
   return true;
 }
 
-void StateLater::Done(size_t count) {
-  pieces_.erase(pieces_.begin(), pieces_.begin() + static_cast<std::ptrdiff_t>(std::min(count, pieces_.size())));
-  if (pieces_.empty()) next_ = 0;
+void StateLater::Done(size_t count, bool idle) {
+  count = std::min(count, pieces_.size());
+  for (size_t i = 0; i < count; ++i) (idle ? cycle_idle_ : cycle_spilled_) += pieces_[i].kept;
+  pieces_.erase(pieces_.begin(), pieces_.begin() + static_cast<std::ptrdiff_t>(count));
+  if (pieces_.empty()) EndCycle(/*adapt=*/true);
+}
+
+size_t StateLater::AutoLimit(size_t limit, size_t capacity, size_t idle, size_t spilled, bool limited) {
+  const size_t step = std::max<size_t>(64, capacity / 32 / 64 * 64);
+  size_t next = limit;
+  if (spilled > 0) {
+    next = idle / 64 * 64;
+  } else if (limited) {
+    next = limit + step;
+  }
+  return std::min(capacity, std::max(std::min(step, capacity), next));
+}
+
+void StateLater::EndCycle(bool adapt) {
+  next_ = 0;
+  if (adapt && automatic_) limit_ = AutoLimit(limit_, capacity_, cycle_idle_, cycle_spilled_, cycle_limited_);
+  cycle_idle_ = cycle_spilled_ = 0;
+  cycle_limited_ = false;
 }
 
 void StateLater::Drop(const std::vector<uint8_t>& drop) {
@@ -61,7 +91,7 @@ void StateLater::Drop(const std::vector<uint8_t>& drop) {
                                  return p.step == step_ && p.group < drop.size() && drop[p.group] != 0;
                                }),
                 pieces_.end());
-  if (pieces_.empty()) next_ = 0;
+  if (pieces_.empty()) EndCycle(/*adapt=*/false);  // an undone step tells nothing of the idle time
 }
 
 }  // namespace ferry
