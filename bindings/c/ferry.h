@@ -223,6 +223,11 @@ typedef struct {
   /* of cpu_adam_bytes, those of the rounds that wrote the state after its params (FERRY_STATE_LATER;
    * ferry::EngineStats::cpu_adam_later_bytes) */
   uint64_t cpu_adam_later_bytes;
+  /* the state later's kept grads' buffer (host memory) and the bytes of it a cycle may stage now
+   * (FERRY_STATE_LATER=auto: the limit measured so far); 0 when it is off
+   * (ferry::EngineStats::state_later_kept_bytes, state_later_limit_bytes) */
+  uint64_t state_later_kept_bytes;
+  uint64_t state_later_limit_bytes;
 } ferry_stats;
 
 ferry_status ferry_get_stats(ferry_engine* engine, ferry_stats* out);

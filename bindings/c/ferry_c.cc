@@ -374,6 +374,8 @@ ferry_status ferry_get_stats_sized(ferry_engine* engine, void* out_bytes, size_t
   out->cpu_adam_bytes = s.cpu_adam_bytes;
   out->cpu_adam_spare_bytes = s.cpu_adam_spare_bytes;
   out->cpu_adam_later_bytes = s.cpu_adam_later_bytes;
+  out->state_later_kept_bytes = s.state_later_kept_bytes;
+  out->state_later_limit_bytes = s.state_later_limit_bytes;
   // The caller's struct may be an older (shorter) or newer (longer) version: its prefix is ours.
   const size_t n = std::min(out_size, sizeof(full));
   std::memcpy(out_bytes, &full, n);

@@ -437,6 +437,8 @@ int LEngineStats(lua_State* L) {
       {"cpu_adam_bytes", static_cast<double>(s.cpu_adam_bytes)},
       {"cpu_adam_spare_bytes", static_cast<double>(s.cpu_adam_spare_bytes)},
       {"cpu_adam_later_bytes", static_cast<double>(s.cpu_adam_later_bytes)},
+      {"state_later_kept_bytes", static_cast<double>(s.state_later_kept_bytes)},
+      {"state_later_limit_bytes", static_cast<double>(s.state_later_limit_bytes)},
       {"skipped_steps", static_cast<double>(s.skipped_steps)},
       {"local_rank", static_cast<double>(s.local_rank)},
       {"local_world_size", static_cast<double>(s.local_world_size)},

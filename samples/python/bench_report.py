@@ -36,6 +36,7 @@ def cpu_update(before, after, steps):
                       if moved and "cpu_adam_spare_bytes" in after else None),
             "later": ((after["cpu_adam_later_bytes"] - before["cpu_adam_later_bytes"]) / moved
                       if moved and "cpu_adam_later_bytes" in after else None),
+            "later_limit": after.get("state_later_limit_bytes"), "later_kept": after.get("state_later_kept_bytes"),
             "kept": after["early_groups_kept"] - before["early_groups_kept"],
             "recomputed": after["early_groups_recomputed"] - before["early_groups_recomputed"],
             "skipped": after["skipped_steps"] - before["skipped_steps"], "workers": after.get("cpu_threads")}
@@ -57,7 +58,11 @@ def cpu_text(cpu, whose="", iteration=None):
     if cpu.get("spare"):
         text += ", %.0f%% of its bytes out of place" % (100 * cpu["spare"])
     if cpu.get("later"):
-        text += ", %.0f%% in the state's rounds after the params (FERRY_STATE_LATER)" % (100 * cpu["later"])
+        text += ", %.0f%% in the state's rounds after the params (FERRY_STATE_LATER" % (100 * cpu["later"])
+        if cpu.get("later_kept"):
+            text += ": up to %.0f MB of grads a step, of a %.0f MB buffer" % (cpu["later_limit"] / 1e6,
+                                                                             cpu["later_kept"] / 1e6)
+        text += ")"
     if cpu["kept"] or cpu["recomputed"]:
         text += "; early groups kept %d, recomputed %d" % (cpu["kept"], cpu["recomputed"])
     if cpu["skipped"]:

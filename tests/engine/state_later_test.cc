@@ -85,6 +85,18 @@ TEST_P(StateLaterModeTest, ParamsFirstStateAfterIsBitIdenticalThroughSkipsClipsA
     EXPECT_GT(e->Stats().deferred_steps, 0);
     later_bytes = e->Stats().cpu_adam_later_bytes;
     EXPECT_EQ(ref->Stats().cpu_adam_later_bytes, 0u);
+    // The kept grads' buffer: the fraction of the bf16 grads' bytes, in whole lines; what a cycle may
+    // stage: all of it, or with `auto` a 32nd of it to all of it.
+    const EngineStats s = e->Stats();
+    const size_t kept = static_cast<size_t>(std::ceil(fraction * 2.0 * kLayers * 300000)) / 64 * 64;
+    EXPECT_EQ(s.state_later_kept_bytes, kept);
+    if (automatic) {
+      EXPECT_GE(s.state_later_limit_bytes, kept / 32 / 64 * 64);
+      EXPECT_LE(s.state_later_limit_bytes, kept);
+    } else {
+      EXPECT_EQ(s.state_later_limit_bytes, kept);
+    }
+    EXPECT_EQ(ref->Stats().state_later_kept_bytes + ref->Stats().state_later_limit_bytes, 0u);
     ASSERT_OK(e->VerifyMasters());  // the masters, written by the state later
     absl::StatusOr<std::string> a = ref->SaveCheckpoint(tmp.path() + "/ref", kSteps);
     absl::StatusOr<std::string> b = e->SaveCheckpoint(tmp.path() + "/later", kSteps);

@@ -311,6 +311,8 @@ class PyEngine {
     d["cpu_adam_bytes"] = s.cpu_adam_bytes;
     d["cpu_adam_spare_bytes"] = s.cpu_adam_spare_bytes;
     d["cpu_adam_later_bytes"] = s.cpu_adam_later_bytes;
+    d["state_later_kept_bytes"] = s.state_later_kept_bytes;
+    d["state_later_limit_bytes"] = s.state_later_limit_bytes;
     // This rank's share of its host (engine/EMBEDDING.md, "Big hosts and ranks that share a host").
     d["local_rank"] = s.local_rank;
     d["local_world_size"] = s.local_world_size;

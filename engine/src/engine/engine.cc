@@ -486,6 +486,8 @@ EngineStats EngineImpl::Stats() const {
     s.cpu_adam_bytes = optimizer_->cpu_adam_bytes();
     s.cpu_adam_spare_bytes = optimizer_->cpu_adam_spare_bytes();
     s.cpu_adam_later_bytes = optimizer_->cpu_adam_later_bytes();
+    s.state_later_kept_bytes = optimizer_->state_later_kept_bytes();
+    s.state_later_limit_bytes = optimizer_->state_later_limit_bytes();
   }
   s.checkpoint_copied_aside_bytes = ckpt_copied_aside_ + (ckpt_fence_ != nullptr ? ckpt_fence_->copied_bytes() : 0);
   return s;

@@ -286,6 +286,10 @@ class HybridOptimizer final {
   uint64_t cpu_adam_spare_bytes() const { return cpu_spare_bytes_.load(std::memory_order_relaxed); }
   // Of cpu_adam_bytes(), those of the rounds that wrote the state after its params (the state later).
   uint64_t cpu_adam_later_bytes() const { return cpu_later_bytes_.load(std::memory_order_relaxed); }
+  // The state later's kept grads' buffer and the bytes of it a cycle may stage now (0: off or not
+  // allocated yet).
+  size_t state_later_kept_bytes() const { return later_kept_bytes_.load(std::memory_order_relaxed); }
+  size_t state_later_limit_bytes() const { return later_limit_bytes_.load(std::memory_order_relaxed); }
   // Replaces HybridOptions::spare_fraction. It sizes the spare state when it is allocated (the
   // first early step): a spare state already allocated keeps its size. REQUIRES: between steps (no
   // early work queued), `fraction` in [0, 1].
@@ -463,6 +467,8 @@ class HybridOptimizer final {
   std::atomic<uint64_t> cpu_bytes_{0};
   std::atomic<uint64_t> cpu_spare_bytes_{0};  // of cpu_bytes_, those of updates into the spare state
   std::atomic<uint64_t> cpu_later_bytes_{0};  // of cpu_bytes_, those of the state later's rounds
+  // later_'s buffer and limit as Stats() reads them (later_ itself is the early thread's).
+  std::atomic<size_t> later_kept_bytes_{0}, later_limit_bytes_{0};
   // The same on the param's other side, where a speculative update writes. REQUIRES: HasSpare(p).
   char* SpareStatePtr(size_t p, StateKind kind, size_t e = 0) const;
   absl::Status SyncParamsFromModel(const std::vector<size_t>& params);

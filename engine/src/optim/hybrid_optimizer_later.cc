@@ -40,6 +40,8 @@ void HybridOptimizer::StageStateLater(AdamWork& work) {
       FERRY_LOG(WARNING) << s << "; the state is written with the params";
       return;
     }
+    later_kept_bytes_.store(later_.capacity(), std::memory_order_relaxed);
+    later_limit_bytes_.store(later_.limit(), std::memory_order_relaxed);
   }
   for (size_t i = 0; i < work.tensors.size(); ++i) {
     CpuAdamTensor& t = work.tensors[i];
@@ -102,6 +104,7 @@ absl::Status HybridOptimizer::RunStateLater(bool yield) {
     span.Arg("limit", static_cast<double>(later_.limit()));  // bytes of kept grads a cycle may stage
   }
   later_.Done(done, /*idle=*/yield);
+  later_limit_bytes_.store(later_.limit(), std::memory_order_relaxed);
   return status;
 }
 

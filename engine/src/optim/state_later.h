@@ -50,6 +50,7 @@ class StateLater {
   bool on() const { return fraction_ > 0.0; }
   bool automatic() const { return automatic_; }
   bool allocated() const { return capacity_ != 0; }
+  size_t capacity() const { return capacity_; }  // bytes of the kept grads' buffer (0: not allocated)
   // Bytes of the buffer a cycle may stage: its capacity, or with `auto` the adapted limit.
   size_t limit() const { return limit_; }
 
