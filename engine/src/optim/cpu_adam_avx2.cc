@@ -195,10 +195,7 @@ void Range(const CpuAdamTensor& t, const AdamScalars& s, int64_t begin, int64_t 
     // The param is only written: streaming stores skip reading its lines first (2-4 bytes per element
     // of memory traffic). They need aligned lines: the elements before the param's next 64-byte
     // boundary go through the scalar loop.
-    constexpr int64_t kSize = P == kF32 ? 4 : 2;
-    const uintptr_t addr = reinterpret_cast<uintptr_t>(t.param) + static_cast<uintptr_t>(i * kSize);
-    int64_t head = static_cast<int64_t>((64 - addr % 64) % 64) / kSize;
-    if (head > end - i) head = end - i;
+    int64_t head = ElementsBeforeLine(t.param, P == kF32 ? 4 : 2, i, end);
     AdamRangeScalar(t, s, i, i + head);
     i += head;
   }
@@ -249,12 +246,9 @@ inline void BlockParamOnly(const AdamCoeffs<F32x8>& c, const CpuAdamTensor& t, i
 template <AdamMode M, int G, int P>
 void RangeParamOnly(const CpuAdamTensor& t, const AdamScalars& s, int64_t begin, int64_t end) {
   const AdamCoeffs<F32x8> c = Broadcast(s);
-  constexpr int64_t kSize = P == kF32 ? 4 : 2;
   constexpr int64_t kGradSize = G == kF32 ? 4 : 2;
   int64_t i = begin;
-  const uintptr_t addr = reinterpret_cast<uintptr_t>(t.param) + static_cast<uintptr_t>(i * kSize);
-  int64_t head = static_cast<int64_t>((64 - addr % 64) % 64) / kSize;
-  if (head > end - i) head = end - i;
+  int64_t head = ElementsBeforeLine(t.param, P == kF32 ? 4 : 2, i, end);
   AdamRangeScalar(t, s, i, i + head);
   i += head;
   const bool lined = t.grad_copy == nullptr ||
@@ -403,10 +397,7 @@ void RangeTyped(const CpuAdamTensor& t, const AdamScalars& s, int64_t begin, int
     if constexpr (P != kNoParam) {
       // Streaming stores need aligned lines: the elements before the param's next 64-byte boundary
       // go through the scalar loop.
-      constexpr int64_t kSize = P == kF32 ? 4 : 2;
-      const uintptr_t addr = reinterpret_cast<uintptr_t>(t.param) + static_cast<uintptr_t>(i * kSize);
-      int64_t head = static_cast<int64_t>((64 - addr % 64) % 64) / kSize;
-      if (head > stop - i) head = stop - i;
+      int64_t head = ElementsBeforeLine(t.param, P == kF32 ? 4 : 2, i, stop);
       AdamRangeScalar(t, s, i, i + head);
       i += head;
     }

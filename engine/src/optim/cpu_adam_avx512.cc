@@ -216,10 +216,7 @@ void Range(const CpuAdamTensor& t_in, const AdamScalars& s, int64_t begin, int64
     // The param is only written: streaming stores skip reading its lines first (2-4 bytes per element
     // of memory traffic). They need aligned lines, so the elements up to the param's next 64-byte
     // boundary take ordinary masked stores.
-    constexpr int64_t kSize = P == kF32 ? 4 : 2;
-    const uintptr_t addr = reinterpret_cast<uintptr_t>(t.param) + static_cast<uintptr_t>(i * kSize);
-    int64_t head = static_cast<int64_t>((64 - addr % 64) % 64) / kSize;
-    if (head > end - i) head = end - i;
+    int64_t head = ElementsBeforeLine(t.param, P == kF32 ? 4 : 2, i, end);
     while (head > 0) {
       const int64_t n = head < 16 ? head : 16;
       Block<M, G, P, kHwBf16, false>(c, t, i, FirstLanes(n));
@@ -277,12 +274,9 @@ inline void BlockParamOnly(const AdamCoeffs<F32x16>& c, const CpuAdamTensor& t, 
 template <AdamMode M, int G, int P, bool kHwBf16>
 void RangeParamOnly(const CpuAdamTensor& t, const AdamScalars& s, int64_t begin, int64_t end) {
   const AdamCoeffs<F32x16> c = Broadcast(s);
-  constexpr int64_t kSize = P == kF32 ? 4 : 2;
   constexpr int64_t kGradSize = G == kF32 ? 4 : 2;
   int64_t i = begin;
-  const uintptr_t addr = reinterpret_cast<uintptr_t>(t.param) + static_cast<uintptr_t>(i * kSize);
-  int64_t head = static_cast<int64_t>((64 - addr % 64) % 64) / kSize;
-  if (head > end - i) head = end - i;
+  int64_t head = ElementsBeforeLine(t.param, P == kF32 ? 4 : 2, i, end);
   while (head > 0) {
     const int64_t n = head < 16 ? head : 16;
     BlockParamOnly<M, G, P, kHwBf16, false>(c, t, i, FirstLanes(n));
@@ -487,10 +481,7 @@ void RangeTyped(const CpuAdamTensor& t_in, const AdamScalars& s, int64_t begin, 
     if constexpr (P != kNoParam) {
       // Streaming stores need aligned lines: the elements up to the param's next 64-byte boundary take
       // ordinary masked stores.
-      constexpr int64_t kSize = P == kF32 ? 4 : 2;
-      const uintptr_t addr = reinterpret_cast<uintptr_t>(t.param) + static_cast<uintptr_t>(at * kSize);
-      int64_t head = static_cast<int64_t>((64 - addr % 64) % 64) / kSize;
-      if (head > stop - at) head = stop - at;
+      int64_t head = ElementsBeforeLine(t.param, P == kF32 ? 4 : 2, at, stop);
       while (head > 0) {
         const int64_t n = head < 16 ? head : 16;
         BlockTyped<M, G, P, SF, kHwBf16, false>(c, t, at, FirstLanes(n), lo_at(at), keys);

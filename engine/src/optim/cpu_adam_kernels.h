@@ -30,6 +30,14 @@ inline CpuAdamTensor WithSources(const CpuAdamTensor& t) {
   return r;
 }
 
+// Of elements [i, end) of an array of `size`-byte elements at `base`, those before its next 64-byte
+// line: streaming stores need whole lines, so these take ordinary stores.
+inline int64_t ElementsBeforeLine(const void* base, int64_t size, int64_t i, int64_t end) {
+  const uintptr_t addr = reinterpret_cast<uintptr_t>(base) + static_cast<uintptr_t>(i * size);
+  const int64_t head = static_cast<int64_t>((64 - addr % 64) % 64) / size;
+  return head < end - i ? head : end - i;
+}
+
 // Defined only on x86-64 builds; REQUIRE the CPU features their names say.
 void AdamRangeAvx2(const CpuAdamTensor& t, const AdamScalars& s, int64_t begin, int64_t end);
 void AdamRangeAvx512(const CpuAdamTensor& t, const AdamScalars& s, int64_t begin, int64_t end);
