@@ -40,6 +40,7 @@ TEST(SpareStateBudgetTest, WhatStepQueuesInterleavesWithTheSpeculationByTheForwa
   {
     auto make = [&](Model& m, double fraction, const std::string& trace) -> std::unique_ptr<Engine> {
       EngineOptions o;
+      o.state_later = "off";  // the bytes counted below are whole updates'
       o.policy_path = Policies() + "offload_all.lua";
       o.transfer_chunk_bytes = 1 << 15;
       o.cpu_threads = 1;  // CPU Adam far behind the "backward", which announces at once
@@ -138,6 +139,7 @@ TEST_P(KeptInPlaceTest, ParamsBegunAfterAKeptStepRunInPlace) {
   constexpr int kSteps = 6;
   {
     EngineOptions o;
+    o.state_later = "off";  // the bytes counted below are whole updates'
     o.policy_path = Policies() + "offload_all.lua";
     o.transfer_chunk_bytes = 1 << 15;
     o.cpu_threads = 1;
@@ -216,6 +218,7 @@ TEST(SpareStateBudgetTest, ABegunParamGoesDownWholeBeforeTheKeep) {
   const std::vector<int64_t> sizes = {2000000, 3000, 5000, 7000};
   Model ref_model(device, sizes, 37), model(device, sizes, 37);
   EngineOptions o;
+  o.state_later = "off";  // the bytes counted below are whole updates'
   o.policy_path = Policies() + "offload_all.lua";
   o.transfer_chunk_bytes = 1 << 15;
   o.cpu_threads = 1;

@@ -30,6 +30,7 @@ const std::vector<int64_t> kSizes = {1000, 7, 4099, 65, 3, 20000, 513, 3000, 777
 std::unique_ptr<Engine> MakeSpareEngine(Device* device, Model& model, double fraction, const std::string& policy,
                                         std::map<std::string, std::string> args = {}, size_t groups = 0) {
   EngineOptions o;
+  o.state_later = "off";  // the bytes counted are whole updates'
   o.policy_path = policy;
   o.policy_args = std::move(args);
   o.optimizer.lr = 1e-3f;

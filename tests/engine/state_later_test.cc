@@ -1,4 +1,4 @@
-// The state later (FERRY_STATE_LATER, optim/state_later.h): the early pass writes the new params of a
+// The state later (EngineOptions::state_later, optim/state_later.h): the early pass writes the new params of a
 // decided step's in-place pieces first and their state afterwards (in its idle time, at its next
 // pass's start, or between steps before anything reads it). Over deferred and waiting steps, a
 // skipped step (its params restored from the masters, which must hold the last step's values by
@@ -19,13 +19,14 @@
 #include "ferry/dtype.h"
 #include "ferry/engine.h"
 #include "ferry/status.h"
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "trace/trace_file.h"
 
 namespace ferry::engine_test {
 namespace {
 
-// FERRY_STATE_LATER: half the grads' bytes, or `auto` (a quarter, the bytes a cycle stages following
+// EngineOptions::state_later: half the grads' bytes, or `auto` (a quarter, the bytes a cycle stages following
 // what the idle time held).
 class StateLaterModeTest : public testing::TestWithParam<const char*> {};
 
@@ -48,11 +49,11 @@ TEST_P(StateLaterModeTest, ParamsFirstStateAfterIsBitIdenticalThroughSkipsClipsA
     o.transfer_chunk_bytes = 1 << 15;
     o.cpu_threads = 1;  // CPU Adam behind the announcements: most params begin after Step's keep
     o.device = std::string(BackendName(device->backend()));
+    o.state_later = "off";  // whatever FERRY_STATE_LATER says
     auto ref = MakeFinalizedEngine(o, [&](Engine& x) { return ref_model.Register(x); });
     o.trace_path = trace_path;
-    ASSERT_EQ(setenv("FERRY_STATE_LATER", GetParam(), 1), 0);
+    o.state_later = GetParam();
     auto e = MakeFinalizedEngine(o, [&](Engine& x) { return model.Register(x); });
-    unsetenv("FERRY_STATE_LATER");
     ASSERT_TRUE(ref && e);
     int skipped = 0;
     for (int step = 1; step <= kSteps; ++step) {
@@ -151,10 +152,10 @@ TEST(StateLaterTest, AStepWithoutAnEarlyPassWritesTheStateLeftBeforeItsPipeline)
   o.cpu_threads = 1;
   o.spare_state_fraction = 0.0;  // nothing speculates: an announcement alone starts no pass
   o.device = std::string(BackendName(device->backend()));
+  o.state_later = "off";
   auto ref = MakeFinalizedEngine(o, [&](Engine& x) { return ref_model.Register(x); });
-  ASSERT_EQ(setenv("FERRY_STATE_LATER", "1", 1), 0);
+  o.state_later = "1";
   auto e = MakeFinalizedEngine(o, [&](Engine& x) { return model.Register(x); });
-  unsetenv("FERRY_STATE_LATER");
   ASSERT_TRUE(ref && e);
   const StepOptions options{.lr = 1e-3f, .check_finite = false};
   auto announce = [&](Engine& x, Model& m) -> absl::Status {
@@ -186,6 +187,23 @@ TEST(StateLaterTest, AStepWithoutAnEarlyPassWritesTheStateLeftBeforeItsPipeline)
   absl::StatusOr<std::string> b = e->SaveCheckpoint(tmp.path() + "/later", 6);
   ASSERT_TRUE(a.ok() && b.ok()) << a.status() << " " << b.status();
   ASSERT_EQ(ReadAll(*a), ReadAll(*b));
+}
+
+TEST(StateLaterOptionTest, ABadValueIsRefusedNamingTheField) {
+  for (const char* bad : {"half", "2", "-0.1", "Auto"}) {
+    EngineOptions o;
+    o.state_later = bad;
+    absl::StatusOr<std::unique_ptr<Engine>> e = Engine::Create(o);
+    ASSERT_FALSE(e.ok()) << bad;
+    EXPECT_EQ(e.status().code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_THAT(std::string(e.status().message()),
+                testing::HasSubstr(std::string("EngineOptions::state_later is '") + bad + "'"));
+  }
+  for (const char* good : {"off", "auto", "0.1", "1", ""}) {
+    EngineOptions o;
+    o.state_later = good;
+    EXPECT_TRUE(Engine::Create(o).ok()) << good;
+  }
 }
 
 }  // namespace

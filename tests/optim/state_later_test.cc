@@ -1,14 +1,18 @@
 // StateLater's bookkeeping: what it stages (in-place fp32 updates with a param, while the kept grads'
 // buffer has room; each piece's grads on a line of its own), what it refuses (leaving the tensor
 // as it was), pieces done, and dropped by group only in their own step, the buffer handed out again
-// once empty, `auto`'s limit following what the idle time held, and FERRY_STATE_LATER's parsing.
+// once empty, `auto`'s limit following what the idle time held, and the setting's parsing (the
+// engine's option, else FERRY_STATE_LATER).
 #include "optim/state_later.h"
 
 #include <cstdint>
 #include <cstdlib>
+#include <initializer_list>
+#include <string>
 #include <vector>
 
 #include "base/adam_math.h"
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
 namespace ferry {
@@ -154,20 +158,71 @@ TEST(StateLaterTest, AutoStagesUnderItsLimitAndAdaptsOncePerCycle) {
   EXPECT_EQ(fixed.limit(), 256u * 1024);
 }
 
-TEST(StateLaterTest, OffUnlessTheEnvironmentGivesAFractionOrAuto) {
-  for (const char* bad : {"", "0", "-0.5", "1.5", "half", "0.5x", "Auto", "auto "}) {
-    ASSERT_EQ(setenv("FERRY_STATE_LATER", bad, 1), 0);
-    EXPECT_EQ(StateLater::FromEnv().fraction, 0.0) << bad;
-    EXPECT_FALSE(StateLater::FromEnv().automatic) << bad;
+TEST(StateLaterTest, ParsesOffAutoOrAFractionAndNamesABadValue) {
+  for (const char* bad : {"", "-0.5", "1.5", "half", "0.5x", "Auto", "auto ", "nan", "1e400"}) {
+    absl::StatusOr<StateLater::Setting> s = StateLater::Parse(bad, "the field");
+    ASSERT_FALSE(s.ok()) << bad;
+    EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(std::string(s.status().message()), ::testing::HasSubstr(std::string("the field is '") + bad + "'"));
   }
+  for (const char* off : {"off", "0"}) {
+    absl::StatusOr<StateLater::Setting> s = StateLater::Parse(off, "x");
+    ASSERT_TRUE(s.ok()) << off;
+    EXPECT_EQ(s->fraction, 0.0);
+    EXPECT_FALSE(s->automatic);
+  }
+  absl::StatusOr<StateLater::Setting> s = StateLater::Parse("0.25", "x");
+  ASSERT_TRUE(s.ok());
+  EXPECT_EQ(s->fraction, 0.25);
+  EXPECT_FALSE(s->automatic);
+  s = StateLater::Parse("auto", "x");
+  ASSERT_TRUE(s.ok());
+  EXPECT_TRUE(s->automatic);
+  EXPECT_EQ(s->fraction, StateLater::kAutoFraction);
+  EXPECT_TRUE(StateLater::Parse("1", "x").ok());
+}
+
+TEST(StateLaterTest, TheOptionBeforeTheEnvironmentBeforeTheFallback) {
+  const StateLater::Setting fallback{.fraction = 0.5};
+  for (const char* bad : {"-1", "half", "Auto"}) {  // warned and off, whatever the fallback
+    ASSERT_EQ(setenv("FERRY_STATE_LATER", bad, 1), 0);
+    EXPECT_EQ(StateLater::FromEnv(fallback).fraction, 0.0) << bad;
+    EXPECT_FALSE(StateLater::FromEnv(fallback).automatic) << bad;
+  }
+  ASSERT_EQ(setenv("FERRY_STATE_LATER", "off", 1), 0);
+  EXPECT_EQ(StateLater::FromEnv(fallback).fraction, 0.0);
   ASSERT_EQ(setenv("FERRY_STATE_LATER", "0.25", 1), 0);
-  EXPECT_EQ(StateLater::FromEnv().fraction, 0.25);
-  EXPECT_FALSE(StateLater::FromEnv().automatic);
+  EXPECT_EQ(StateLater::FromEnv(fallback).fraction, 0.25);
   ASSERT_EQ(setenv("FERRY_STATE_LATER", "auto", 1), 0);
-  EXPECT_TRUE(StateLater::FromEnv().automatic);
-  EXPECT_EQ(StateLater::FromEnv().fraction, StateLater::kAutoFraction);
-  unsetenv("FERRY_STATE_LATER");
-  EXPECT_EQ(StateLater::FromEnv().fraction, 0.0);
+  EXPECT_TRUE(StateLater::FromEnv(fallback).automatic);
+  // The engine's option wins over the environment, which fills in only where the option is empty.
+  absl::StatusOr<StateLater::Setting> r = StateLater::Resolve("0.125");
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(r->fraction, 0.125);
+  EXPECT_FALSE(r->automatic);
+  r = StateLater::Resolve("off");
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(r->fraction, 0.0);
+  r = StateLater::Resolve("");
+  ASSERT_TRUE(r.ok());
+  EXPECT_TRUE(r->automatic);
+  r = StateLater::Resolve("0.5x");
+  ASSERT_FALSE(r.ok());
+  EXPECT_THAT(std::string(r.status().message()), ::testing::HasSubstr("EngineOptions::state_later is '0.5x'"));
+  for (const char* empty : std::initializer_list<const char*>{"", nullptr}) {
+    if (empty == nullptr) {
+      unsetenv("FERRY_STATE_LATER");
+    } else {
+      ASSERT_EQ(setenv("FERRY_STATE_LATER", empty, 1), 0);
+    }
+    EXPECT_EQ(StateLater::FromEnv(fallback).fraction, 0.5);
+    r = StateLater::Resolve("");
+    ASSERT_TRUE(r.ok());
+    EXPECT_EQ(r->fraction, 0.0);  // off by default
+  }
+}
+
+TEST(StateLaterTest, OffStagesNothing) {
   StateLater off;
   EXPECT_FALSE(off.on());
   ASSERT_TRUE(off.Ensure(1 << 20).ok());

@@ -56,6 +56,25 @@ def check_arguments(lr, betas, eps, weight_decay, cpu_threads, transfer_chunk_by
             raise ValueError("%s must be a str, got %r" % (name, value))
 
 
+def overlap_arguments(bucket_mb, spare_state, state_later):
+    """The overlap's arguments as the engine takes them: (bytes per bucket, spare state fraction, the
+    state later's text: "" for None, which leaves it to FERRY_STATE_LATER)."""
+    if not (_real(bucket_mb) and bucket_mb > 0):
+        raise ValueError("bucket_mb must be a number > 0 (MiB of grads per bucket), not %r" % (bucket_mb,))
+    if not (_real(spare_state) and 0.0 <= spare_state <= 1.0):
+        raise ValueError("spare_state must be a fraction in [0, 1] of the offloaded state, not %r" % (spare_state,))
+    if state_later is None:
+        later = ""
+    elif state_later in ("off", "auto"):
+        later = state_later
+    elif _real(state_later) and 0.0 < state_later <= 1.0:
+        later = repr(float(state_later))
+    else:
+        raise ValueError("state_later must be None, 'off', 'auto' or a fraction in (0, 1] of the offloaded fp32 "
+                         "grads' bytes, not %r" % (state_later,))
+    return max(1, int(float(bucket_mb) * (1 << 20))), float(spare_state), later
+
+
 def check_group(gi, group):
     """A param group's own settings (those given in its dict)."""
     check_betas(group["betas"], "param_groups[%d]['betas']" % gi)

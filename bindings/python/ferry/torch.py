@@ -131,6 +131,9 @@ class Optimizer(StateMixin, _buckets.BucketMixin, _attach.AttachMixin, _zero.Sha
         over the model, whatever the param groups) speculate during the backward and the others
         update once step() knows the step (beside the next forward with attach()). stats()["spare_state_bytes"]
         shows what was taken.
+      state_later: "off", "auto", or a fraction in (0, 1] of the offloaded fp32 grads' bytes
+        (EngineOptions::state_later): part of each decided fp32 update writes its params first and its
+        state in the CPU's idle time before the next backward. None: FERRY_STATE_LATER, else off.
       bucket_mb: MiB of grads per bucket, the unit of overlap (announced together, waited for together
         by attach()'s forward pre-hooks). The buckets follow the order in which the first backward
         finished the grads (before it: the reverse of the params' order).
@@ -142,15 +145,10 @@ class Optimizer(StateMixin, _buckets.BucketMixin, _attach.AttachMixin, _zero.Sha
                  policy_args=None, loss_scale=1.0, max_grad_norm=0.0, check_finite=True, transfer_chunk_bytes=0,
                  cpu_threads=0, numa="", trace_path="", overlap=None, process_group=None, shard=False,
                  collective_timeout=300.0, checkpoint_timeout=3600.0, local_rank=None, local_world_size=None,
-                 bucket_mb=BUCKET_MB, spare_state=1.0, trainer_threads=None):
+                 bucket_mb=BUCKET_MB, spare_state=1.0, trainer_threads=None, state_later=None):
         _checks.check_arguments(lr, betas, eps, weight_decay, cpu_threads, transfer_chunk_bytes, overlap, numa,
                                 trace_path)
-        if not (isinstance(bucket_mb, (int, float)) and not isinstance(bucket_mb, bool) and bucket_mb > 0):
-            raise ValueError("bucket_mb must be a number > 0 (MiB of grads per bucket), not %r" % (bucket_mb,))
-        self._bucket_bytes = max(1, int(float(bucket_mb) * (1 << 20)))
-        if not (isinstance(spare_state, (int, float)) and not isinstance(spare_state, bool) and
-                0.0 <= spare_state <= 1.0):
-            raise ValueError("spare_state must be a fraction in [0, 1] of the offloaded state, not %r" % (spare_state,))
+        self._bucket_bytes, spare_state, state_later = _checks.overlap_arguments(bucket_mb, spare_state, state_later)
         self._engine = None
         self._ddp = None  # attach_ddp(): the DDP comm hook's bridge (ferry._ddp)
         self._engine_lock = threading.RLock()  # engine calls from DDP's comm threads (attach_ddp) and hooks
@@ -193,8 +191,8 @@ class Optimizer(StateMixin, _buckets.BucketMixin, _attach.AttachMixin, _zero.Sha
                               cpu_threads=int(cpu_threads), numa=numa, trace_path=trace_path,
                               local_rank=-1 if local_rank is None else int(local_rank),
                               local_world_size=-1 if local_world_size is None else int(local_world_size),
-                              spare_state_fraction=float(spare_state), trainer_threads=int(trainer_threads),
-                              **dist_args)
+                              spare_state_fraction=spare_state, trainer_threads=int(trainer_threads),
+                              state_later=state_later, **dist_args)
         try:
             self._register(engine, group_of)
         except BaseException as e:

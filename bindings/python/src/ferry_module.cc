@@ -87,7 +87,8 @@ class PyEngine {
            float beta2, float eps, float weight_decay, bool adamw, const std::string& device, int device_ordinal,
            size_t transfer_chunk_bytes, size_t cpu_threads, const std::string& numa, const std::string& trace_path,
            py::object comm, int rank, int world_size, double collective_timeout_s, double checkpoint_timeout_s,
-           int local_rank, int local_world_size, double spare_state_fraction, size_t trainer_threads) {
+           int local_rank, int local_world_size, double spare_state_fraction, size_t trainer_threads,
+           const std::string& state_later) {
     EngineOptions o;
     o.policy_path = policy;
     o.policy_args = policy_args;
@@ -109,6 +110,7 @@ class PyEngine {
     o.local_rank = local_rank;
     o.local_world_size = local_world_size;
     o.spare_state_fraction = spare_state_fraction;
+    o.state_later = state_later;
     if (collective_timeout_s > 0) o.collective_timeout = absl::Seconds(collective_timeout_s);
     if (checkpoint_timeout_s > 0) o.checkpoint_timeout = absl::Seconds(checkpoint_timeout_s);
     if (!comm.is_none()) o.comm = Check(MakeCallbackComm(Check(MakePyCallbacks(std::move(comm), rank, world_size))));
@@ -433,7 +435,7 @@ PYBIND11_MODULE(_ferry, m) {
   py::class_<PyEngine>(m, "Engine")
       .def(py::init<const std::string&, const std::map<std::string, std::string>&, float, float, float, float, float,
                     bool, const std::string&, int, size_t, size_t, const std::string&, const std::string&, py::object,
-                    int, int, double, double, int, int, double, size_t>(),
+                    int, int, double, double, int, int, double, size_t, const std::string&>(),
            py::kw_only(), py::arg("policy") = "", py::arg("policy_args") = std::map<std::string, std::string>{},
            py::arg("lr") = 1e-3f, py::arg("beta1") = 0.9f, py::arg("beta2") = 0.999f, py::arg("eps") = 1e-8f,
            py::arg("weight_decay") = 0.0f, py::arg("adamw") = true, py::arg("device") = "",
@@ -441,11 +443,12 @@ PYBIND11_MODULE(_ferry, m) {
            py::arg("numa") = "", py::arg("trace_path") = "", py::arg("comm") = py::none(), py::arg("rank") = 0,
            py::arg("world_size") = 1, py::arg("collective_timeout") = 0.0, py::arg("checkpoint_timeout") = 0.0,
            py::arg("local_rank") = -1, py::arg("local_world_size") = -1, py::arg("spare_state_fraction") = 1.0,
-           py::arg("trainer_threads") = ferry::EngineOptions{}.trainer_threads,
+           py::arg("trainer_threads") = ferry::EngineOptions{}.trainer_threads, py::arg("state_later") = "",
            "comm (with rank, world_size): the ranks' collectives (see the module comment); timeouts in seconds, "
            "0: the engine's defaults; local_rank, local_world_size: this process's place among the ranks of "
            "its host (-1: from the launcher's environment); trainer_threads: CPUs of the share left to the "
-           "trainer's own threads when cpu_threads is 0.")
+           "trainer's own threads when cpu_threads is 0; state_later: 'off', 'auto' or a fraction of the offloaded "
+           "fp32 grads' bytes ('': FERRY_STATE_LATER, else off).")
       .def("add_param", &PyEngine::AddParam, py::arg("name"), py::arg("group"), py::arg("shape"), py::arg("dtype"),
            py::arg("param"), py::arg("grad"), py::arg("grad_dtype") = py::none(),
            py::arg("tags") = std::vector<std::string>{}, py::arg("shard_begin") = 0, py::arg("shard_end") = -1,

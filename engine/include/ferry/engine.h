@@ -143,6 +143,14 @@ struct EngineOptions {
   // bound that changes later (ReloadPolicy with the same placement) applies at that next allocation
   // and leaves a spare state already allocated as it is.
   double spare_state_fraction = 1.0;
+  // The state later (engine/ARCHITECTURE.md, "The state later"): the early pass writes the new params
+  // of part of a decided fp32 update first and its state in the CPU's idle time before the next
+  // backward's first grads, from grads kept aside in host memory (not pinned). "off"; "auto" (a
+  // buffer of a quarter of the offloaded fp32 grads' bytes, of which each step stages what the idle
+  // time was measured to hold); or a fraction in (0, 1] of those bytes, staged every step. Empty: the
+  // FERRY_STATE_LATER environment variable (the same values), else off. Bit-identical either way;
+  // EngineStats::cpu_adam_later_bytes and state_later_*_bytes show what it did.
+  std::string state_later;
   // Several ranks on one host (torchrun --nproc-per-node, mpirun -np): this process's place among
   // them, which gives its share of the host: a disjoint slice of the CPUs it may run on (whole
   // cores, on the NUMA node of its GPU where the host has several) for its workers, and 1 /

@@ -256,6 +256,7 @@ absl::StatusOr<std::unique_ptr<HybridOptimizer>> EngineImpl::BuildOptimizer(cons
   hopt.hyper.bias_correction = options_.optimizer.bias_correction;
   hopt.chunk_bytes = workers_.chunk_bytes;
   hopt.spare_fraction = SpareFraction(placement);
+  FERRY_ASSIGN_OR_RETURN(hopt.state_later, StateLater::Resolve(options_.state_later));
   hopt.tracer = tracer_.get();
   std::string numa = placement.numa.value_or(options_.numa);
   std::string numa_policy = numa;
@@ -532,6 +533,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& opti
   FERRY_RETURN_IF_ERROR(engine_internal::ValidateGroupOptions(
       GroupOptions{.weight_decay = opt.weight_decay, .beta1 = opt.beta1, .beta2 = opt.beta2, .eps = opt.eps},
       "EngineOptions::optimizer"));
+  FERRY_RETURN_IF_ERROR(StateLater::Resolve(options.state_later).status());
   DeviceOptions dopt;
   dopt.backend = options.device;
   dopt.ordinal = options.device_ordinal;

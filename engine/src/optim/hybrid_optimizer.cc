@@ -53,7 +53,7 @@ HybridOptimizer::HybridOptimizer(Device* device, ThreadPool* pool, HybridOptions
   kept_in_place_on_ = kept == nullptr || std::string_view(kept) != "0";
   const char* param_first = std::getenv("FERRY_PARAM_FIRST");
   param_first_on_ = param_first == nullptr || std::string_view(param_first) != "0";
-  later_ = StateLater(StateLater::FromEnv());
+  later_ = StateLater(options_.state_later);
   if (options_.tracer != nullptr) {
     cpu_adam_.set_tracer(options_.tracer);
     d2h_trace_.lane = options_.tracer->Lane("d2h stream (observed)");

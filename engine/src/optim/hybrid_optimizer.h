@@ -75,6 +75,7 @@ struct HybridOptions {
   Tracer* tracer = nullptr;      // borrowed; null: no tracing (see trace/tracer.h)
   uint64_t rounding_seed = 0;    // seed of the stochastic rounding of bf16 state (base/adam_state.h)
   double spare_fraction = 1.0;   // the spare state's bytes, a fraction of the offloaded state's (EngineOptions)
+  StateLater::Setting state_later;  // the state later (EngineOptions::state_later): off by default
 };
 
 // The inputs of one step besides the grads.

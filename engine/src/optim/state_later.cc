@@ -2,10 +2,10 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "base/absl_compat.h"
 #include "base/logging.h"
 
 namespace ferry {
@@ -13,18 +13,33 @@ namespace ferry {
 StateLater::StateLater(Setting setting)
     : fraction_(setting.automatic ? kAutoFraction : setting.fraction), automatic_(setting.automatic) {}
 
-StateLater::Setting StateLater::FromEnv() {
-  const char* env = std::getenv("FERRY_STATE_LATER");
-  if (env == nullptr || *env == '\0') return {};
-  if (std::strcmp(env, "auto") == 0) return {.fraction = kAutoFraction, .automatic = true};
+absl::StatusOr<StateLater::Setting> StateLater::Parse(std::string_view text, std::string_view what) {
+  if (text == "off" || text == "0") return Setting{};
+  if (text == "auto") return Setting{.fraction = kAutoFraction, .automatic = true};
+  const std::string copy(text);
   char* end = nullptr;
-  const double f = std::strtod(env, &end);
-  if (end == env || *end != '\0' || !(f > 0.0) || !(f <= 1.0)) {
-    FERRY_LOG(WARNING) << "FERRY_STATE_LATER='" << env << "' is neither a fraction in (0, 1] nor 'auto': the state "
-                       << "is written with the params";
+  const double f = std::strtod(copy.c_str(), &end);
+  if (copy.empty() || end != copy.c_str() + copy.size() || !(f > 0.0) || !(f <= 1.0)) {
+    return absl::InvalidArgumentError(absl::StrCat(ToAbsl(what), " is '", copy,
+                                                   "': it must be 'off', 'auto' or a fraction in (0, 1]"));
+  }
+  return Setting{.fraction = f};
+}
+
+StateLater::Setting StateLater::FromEnv(Setting fallback) {
+  const char* env = std::getenv("FERRY_STATE_LATER");
+  if (env == nullptr || *env == '\0') return fallback;
+  absl::StatusOr<Setting> setting = Parse(env, "FERRY_STATE_LATER");
+  if (!setting.ok()) {
+    FERRY_LOG(WARNING) << setting.status().message() << "; the state is written with the params";
     return {};
   }
-  return {.fraction = f};
+  return *setting;
+}
+
+absl::StatusOr<StateLater::Setting> StateLater::Resolve(std::string_view option) {
+  if (option.empty()) return FromEnv(Setting{});
+  return Parse(option, "EngineOptions::state_later");
 }
 
 absl::Status StateLater::Ensure(size_t grad_bytes) {

@@ -5,6 +5,7 @@
 // the next backward's first grads), or before anything reads that state. Off unless
 // FERRY_STATE_LATER gives a fraction of the offloaded fp32 grads' bytes to keep, or `auto`: then the
 // bytes staged a cycle (from an empty buffer to the next) follow what the idle time held (AutoLimit).
+// EngineOptions::state_later sets it per engine (Parse), the environment variable where that is empty.
 // `ferry bench adam` times the two passes. Pure bookkeeping: no CUDA, no threads.
 #ifndef FERRY_OPTIM_STATE_LATER_H_
 #define FERRY_OPTIM_STATE_LATER_H_
@@ -13,9 +14,11 @@
 #include <cstdint>
 #include <cstdlib>
 #include <memory>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "base/adam_math.h"
 #include "optim/cpu_adam.h"
 
@@ -45,8 +48,12 @@ class StateLater {
 
   StateLater() = default;
   explicit StateLater(Setting setting);
-  // FERRY_STATE_LATER: a number in (0, 1], or `auto`; off (with a warning for anything else) otherwise.
-  static Setting FromEnv();
+  // "off" (or "0"), "auto", or a fraction in (0, 1]. Errors quote the text; `what` names its source.
+  static absl::StatusOr<Setting> Parse(std::string_view text, std::string_view what);
+  // FERRY_STATE_LATER parsed (a bad value warns and is off); unset or empty: `fallback`.
+  static Setting FromEnv(Setting fallback);
+  // What an engine runs: `option` (EngineOptions::state_later) where it is not empty, else FromEnv.
+  static absl::StatusOr<Setting> Resolve(std::string_view option);
   bool on() const { return fraction_ > 0.0; }
   bool automatic() const { return automatic_; }
   bool allocated() const { return capacity_ != 0; }
