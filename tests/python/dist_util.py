@@ -1,7 +1,9 @@
 """Several ranks in one test: `run_ranks(world, fn, *args)` forks `world` processes that join a gloo
 process group (a FileStore in a temporary directory: nothing leaves the machine), run
 fn(rank, world, *args) and hand back its (picklable) result, or the exception it raised as a dict
-{"error": class name, "mro": [class names], "message": str}.
+{"error": class name, "mro": [class names], "message": str}. Each rank is told that the others share
+its host (LOCAL_RANK, LOCAL_WORLD_SIZE, as torchrun's workers are), unless the environment says so
+already.
 
 Bounded: the whole group gets `timeout` seconds; a rank still running then is killed and the test
 fails naming it (a hang fails, it never blocks CI). Children end with os._exit after reporting, so
@@ -39,6 +41,10 @@ def _child(fn, rank, world, store, out, args, parent):
     code = 0
     try:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
+        # The ranks share this host, as torchrun tells its workers: each engine takes its share of the
+        # host's CPUs (and pinned budget), not all of them.
+        os.environ.setdefault("LOCAL_RANK", str(rank))
+        os.environ.setdefault("LOCAL_WORLD_SIZE", str(world))
         import torch
         import torch.distributed as dist
         torch.set_num_threads(1)
