@@ -42,7 +42,7 @@ def test_state_later_gives_the_same_bits(device, state_later, spare_state, attac
     """With attach() (deferred steps) and spare_state=0 nothing speculates: every update runs in place
     beside the next forward once step() has decided, and the state later takes its share of each;
     with 1.0 the speculated updates are never split, those begun after step() kept the speculation
-    are. Without attach() step() waits for its update and nothing is split."""
+    are. Without attach() and spare state step() runs the update itself and nothing is split."""
     net, opt = make(device, state_later, spare_state, attach)
     plain_net, plain = make(device, "off", spare_state, attach)
     for step in range(1, STEPS + 1):
@@ -58,7 +58,7 @@ def test_state_later_gives_the_same_bits(device, state_later, spare_state, attac
         assert 0 < s["state_later_limit_bytes"] <= s["state_later_kept_bytes"]
         assert s["cpu_adam_later_bytes"] > 0  # the state's rounds ran
         assert s["cpu_adam_later_bytes"] % 28 == 0  # 24 B of state read and written, the kept fp32 grad read
-    else:  # step() waits for its update: nothing to write later (Step's own pipeline never splits)
+    elif spare_state == 0.0:  # step() runs the whole update in its own pipeline, which splits nothing
         assert s["cpu_adam_later_bytes"] == 0
     a, b = opt.state_dict(), plain.state_dict()  # reads the state: what is left of it is written first
     for k in b["state"]:

@@ -2,8 +2,8 @@
 // of a decided step's in-place pieces first and their state afterwards.
 //
 // Only decided updates are split: a piece updated in place by the early pass (begun after Step kept
-// the speculation, a param without spare state, or Step's own in-place parts), whose scalars are the
-// step's. Such a piece's state is read by nothing before RunStateLater writes it: the early thread
+// the speculation, a param without spare state, or a part Step queued once it decided), whose
+// scalars are the step's; Step's own pipeline splits nothing. Such a piece's state is read by nothing before RunStateLater writes it: the early thread
 // writes the pieces left at the start of its next pass, before any chunk, and in its idle time after a
 // pass (yielding to a caller that waits for it); the trainer's thread writes them between steps
 // (Settle, which every state read, write, save and Step runs first, but for the next step's first
