@@ -3,9 +3,10 @@
 //
 // Only decided updates are split: a piece updated in place by the early pass (begun after Step kept
 // the speculation, a param without spare state, or a part Step queued once it decided), whose
-// scalars are the step's; Step's own pipeline splits nothing. Such a piece's state is read by nothing before RunStateLater writes it: the early thread
-// writes the pieces left at the start of its next pass, before any chunk, and in its idle time after a
-// pass (yielding to a caller that waits for it); the trainer's thread writes them between steps
+// scalars are the step's; Step's own pipeline splits nothing. Such a piece's state is read by
+// nothing before RunStateLater writes it: the early thread writes the pieces left at the start of its
+// next pass, before any chunk, and in its idle time after a pass (yielding to a caller that waits for
+// it); the trainer's thread writes them between steps
 // (Settle, which every state read, write, save and Step runs first, but for the next step's first
 // announcement, whose early pass writes them; Step before its own pipeline; RestoreParams, which
 // reads the masters). A group whose update is undone or recomputed drops its pieces of that step
