@@ -58,7 +58,7 @@ def cpu_text(cpu, whose="", iteration=None):
     if cpu.get("spare"):
         text += ", %.0f%% of its bytes out of place" % (100 * cpu["spare"])
     if cpu.get("later"):
-        text += ", %.0f%% in the state's rounds after the params (FERRY_STATE_LATER" % (100 * cpu["later"])
+        text += ", %.0f%% in the state's rounds after the params (state_later" % (100 * cpu["later"])
         if cpu.get("later_kept"):
             text += ": up to %.0f MB of grads a step, of a %.0f MB buffer" % (cpu["later_limit"] / 1e6,
                                                                              cpu["later_kept"] / 1e6)

@@ -87,6 +87,19 @@ def has_option(name):
     return name in inspect.signature(ferry.torch.Optimizer.__init__).parameters
 
 
+def state_later_arg(text):
+    """--state-later: 'off', 'auto' or a fraction in (0, 1] (ferry.torch's state_later=)."""
+    if text in ("off", "auto"):
+        return text
+    try:
+        value = float(text)
+    except ValueError:
+        value = None
+    if value is None or not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError("'%s' is not off, auto or a fraction in (0, 1]" % text)
+    return value
+
+
 def has_overlap_option():
     return has_option("overlap")
 
@@ -149,6 +162,8 @@ def make_optimizer(row, model, loop, args):
         extra["transfer_chunk_bytes"] = args.chunk_bytes
     if args.spare is not None and row.get("overlap") and has_option("spare_state"):
         extra["spare_state"] = args.spare
+    if args.state_later is not None and has_option("state_later"):
+        extra["state_later"] = args.state_later
     if args.bucket_mb and has_option("bucket_mb"):
         extra["bucket_mb"] = args.bucket_mb
     if args.no_check_finite:
@@ -332,6 +347,10 @@ def bench_size(name, args):
     if args.bucket_mb:
         print("   bucket_mb=%d %s" % (args.bucket_mb, "passed to ferry.torch.Optimizer" if has_option("bucket_mb")
                                       else "ignored: ferry.torch.Optimizer takes no bucket_mb"), flush=True)
+    later = args.state_later if args.state_later is not None else os.environ.get("FERRY_STATE_LATER") or None
+    if later is not None:
+        print("   the state later: %s (%s)" % (later, "--state-later" if args.state_later is not None
+                                            else "FERRY_STATE_LATER"), flush=True)
     # The bounds do not depend on the grouping: the passes run without an optimizer.
     fwd_bwd, wait, tail = compute_alone(model, data, loop, args)
     print("   forward + backward alone: %.1f ms" % (fwd_bwd * 1e3), flush=True)
@@ -447,6 +466,9 @@ def main():
     ap.add_argument("--spare", type=float, default=None,
                     help="the overlap rows' spare state, a fraction of the offloaded state (ferry.torch's spare_state=; "
                          "default: Ferry's, 1)")
+    ap.add_argument("--state-later", default=None, type=state_later_arg,
+                    help="ferry.torch's state_later= for every ferry row: off, auto or a fraction of the offloaded "
+                         "fp32 grads' bytes (default: the FERRY_STATE_LATER environment variable, else off)")
     ap.add_argument("--bucket-mb", type=int, default=0,
                     help="ferry.torch.Optimizer's bucket_mb (0: its default; ignored, with a note, by a "
                     "ferry.torch that takes no bucket_mb)")
