@@ -178,7 +178,7 @@ void PrintPlacementTable(std::FILE* out, const std::vector<GroupInfo>& groups,
   const int w = static_cast<int>(width);
   absl::FPrintF(out, "  %-*s %14s %-5s %-6s %16s %16s %s\n", w, "group", "numel", "dtype", "device",
                 "gpu_bytes", "cpu_bytes", "master/moments");
-  int64_t numel = 0, gpu = 0, cpu = 0, gpu_state = 0, cpu_groups = 0;
+  int64_t numel = 0, gpu = 0, cpu = 0, gpu_state = 0, cpu_groups = 0, cpu_fp32_grads = 0;
   for (size_t i = 0; i < groups.size(); ++i) {
     const GroupInfo& g = groups[i];
     const bool on_cpu = kinds[i] == PlaceKind::kCpu;
@@ -192,6 +192,7 @@ void PrintPlacementTable(std::FILE* out, const std::vector<GroupInfo>& groups,
     cpu += g_cpu;
     gpu_state += on_cpu ? 0 : state;
     cpu_groups += on_cpu ? 1 : 0;
+    cpu_fp32_grads += on_cpu && formats[i].all_f32() ? g.bytes : 0;  // the grads have the params' dtype
   }
   absl::FPrintF(out, "  %-*s %14d %-5s %-6s %16d %16d\n", w, "total", numel, "",
                 absl::StrCat(cpu_groups, "/", groups.size()), gpu, cpu);
@@ -234,6 +235,14 @@ void PrintPlacementTable(std::FILE* out, const std::vector<GroupInfo>& groups,
                   *spare_state, HumanBytes(bound));
   } else if (cpu > 0) {
     absl::FPrintF(out, "  spare_state: (no bound from the policy)\n");
+  }
+  if (cpu_fp32_grads > 0) {
+    // EngineOptions::state_later keeps grads aside in ordinary host memory: a quarter of the offloaded
+    // fp32-state groups' grads with "auto" (StateLater::kAutoFraction), that fraction with a number.
+    absl::FPrintF(out,
+                  "  state_later (EngineOptions::state_later, ferry.torch's state_later=; off unless set): "
+                  "\"auto\" keeps up to %s of grads in host memory, not pinned; a fraction F keeps F x %s\n",
+                  HumanBytes(cpu_fp32_grads / 4), HumanBytes(cpu_fp32_grads));
   }
 }
 

@@ -180,6 +180,15 @@ TEST(CheckCommandTest, PrintsThePolicysSpareStateBound) {
   r = Check({kPolicies + "memory_budget.lua", "--model", "a:1000", "--arg", "budget=0", "--arg", "reserve=0"});
   EXPECT_EQ(r.status, 0) << r.err;
   EXPECT_THAT(r.out, HasSubstr("  spare_state: (no bound from the policy)\n"));
+  // The state later's kept grads: a quarter of the offloaded fp32-state groups' grads (2000 bf16 bytes).
+  EXPECT_THAT(r.out, HasSubstr("\"auto\" keeps up to 500 B of grads in host memory, not pinned; a fraction F "
+                               "keeps F x 2.0 KiB\n"));
+  r = Check({kPolicies + "offload_bf16_moments.lua", "--model", "a:1000"});
+  EXPECT_EQ(r.status, 0) << r.err;
+  EXPECT_THAT(r.out, Not(HasSubstr("state_later")));  // bf16 moments: nothing to split
+  r = Check({kPolicies + "all_gpu.lua", "--model", "a:1000"});
+  EXPECT_EQ(r.status, 0) << r.err;
+  EXPECT_THAT(r.out, Not(HasSubstr("state_later")));  // nothing offloaded
 }
 
 TEST(CheckCommandTest, WarnsWhenTheStateDoesNotFit) {
