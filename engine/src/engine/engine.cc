@@ -533,7 +533,9 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& opti
   FERRY_RETURN_IF_ERROR(engine_internal::ValidateGroupOptions(
       GroupOptions{.weight_decay = opt.weight_decay, .beta1 = opt.beta1, .beta2 = opt.beta2, .eps = opt.eps},
       "EngineOptions::optimizer"));
-  FERRY_RETURN_IF_ERROR(StateLater::Resolve(options.state_later).status());
+  if (!options.state_later.empty()) {  // (the environment's value, read per optimizer, only warns)
+    FERRY_RETURN_IF_ERROR(StateLater::Parse(options.state_later, "EngineOptions::state_later").status());
+  }
   DeviceOptions dopt;
   dopt.backend = options.device;
   dopt.ordinal = options.device_ordinal;
