@@ -220,11 +220,11 @@ typedef struct {
   /* of cpu_adam_bytes, those of early steps' speculative updates into the spare state (out of place;
    * ferry::EngineStats::cpu_adam_spare_bytes) */
   uint64_t cpu_adam_spare_bytes;
-  /* of cpu_adam_bytes, those of the rounds that wrote the state after its params (FERRY_STATE_LATER;
+  /* of cpu_adam_bytes, those of the rounds that wrote the state after its params (the state later;
    * ferry::EngineStats::cpu_adam_later_bytes) */
   uint64_t cpu_adam_later_bytes;
   /* the state later's kept grads' buffer (host memory) and the bytes of it a cycle may stage now
-   * (FERRY_STATE_LATER=auto: the limit measured so far); 0 when it is off
+   * ("auto": the limit measured so far); 0 when it is off
    * (ferry::EngineStats::state_later_kept_bytes, state_later_limit_bytes) */
   uint64_t state_later_kept_bytes;
   uint64_t state_later_limit_bytes;

@@ -332,7 +332,7 @@ static void check_buckets(const char* policy) {
   EXPECT(stats.cpu_adam_busy_seconds > 0.0 && stats.cpu_adam_bytes > 0);
   EXPECT(stats.pinned_huge_bytes <= stats.pinned_bytes);
   EXPECT(stats.cpu_adam_spare_bytes <= stats.cpu_adam_bytes);
-  EXPECT(stats.cpu_adam_later_bytes == 0); /* FERRY_STATE_LATER unset */
+  EXPECT(stats.cpu_adam_later_bytes == 0); /* the state later off (its default) */
   EXPECT(stats.state_later_kept_bytes == 0 && stats.state_later_limit_bytes == 0);
   /* The spare state the announcements allocated: the offloaded group's fp32 state again (12 B per
    * element, offload_all), in whole pages; none for the engine that never announced. */

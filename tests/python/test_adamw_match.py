@@ -182,7 +182,7 @@ def test_stats_count_the_cpu_update(device):
     s = opt.stats()
     assert s["cpu_adam_bytes"] == 5 * 32 * numel
     assert s["cpu_adam_spare_bytes"] == 0 and s["cpu_adam_later_bytes"] == 0
-    assert s["state_later_kept_bytes"] == 0 and s["state_later_limit_bytes"] == 0  # FERRY_STATE_LATER unset
+    assert s["state_later_kept_bytes"] == 0 and s["state_later_limit_bytes"] == 0  # the state later off
     assert s["cpu_adam_busy_seconds"] > 0
     assert 0 <= s["pinned_huge_bytes"] <= s["pinned_bytes"]  # what huge pages back of it
     _, _, resident = run(device, torch.float32, None, steps=5)

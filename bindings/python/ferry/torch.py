@@ -563,7 +563,7 @@ class Optimizer(StateMixin, _buckets.BucketMixin, _attach.AttachMixin, _zero.Sha
         before their offloaded update finished: attach() with overlap), cpu_adam_busy_seconds and
         cpu_adam_bytes (the offloaded update's CPU Adam over all steps: the time it ran, the bytes it
         moved), cpu_adam_spare_bytes (of those, the bytes updated out of place into the spare state),
-        cpu_adam_later_bytes (of those, the state written after its params: FERRY_STATE_LATER),
+        cpu_adam_later_bytes (of those, the state written after its params: state_later=),
         state_later_kept_bytes and state_later_limit_bytes (its buffer, and what a step may stage), ...,
         last_step_seconds (the host wall time of the engine's last step call) and, on several ranks,
         last_gather_seconds (ZeRO-1's all-gather after it)."""

@@ -287,11 +287,11 @@ struct EngineStats {
   // state).
   uint64_t cpu_adam_spare_bytes = 0;
   // Of cpu_adam_bytes, those of the rounds that wrote the state of pieces whose params went up first
-  // (FERRY_STATE_LATER; engine/ARCHITECTURE.md, "The state later"); 0 when it is off.
+  // (EngineOptions::state_later; engine/ARCHITECTURE.md, "The state later"); 0 when it is off.
   uint64_t cpu_adam_later_bytes = 0;
   // The state later's buffer of kept grads (host memory, not pinned; allocated at the first early
   // pass that splits a piece), and the bytes of it a cycle may stage now: the whole buffer with a
-  // fraction, the limit measured so far with FERRY_STATE_LATER=auto. Both 0 when it is off.
+  // fraction, the limit measured so far with "auto". Both 0 when it is off.
   size_t state_later_kept_bytes = 0;
   size_t state_later_limit_bytes = 0;
 

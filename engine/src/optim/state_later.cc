@@ -50,7 +50,7 @@ absl::Status StateLater::Ensure(size_t grad_bytes) {
   if (keep_ == nullptr) {
     fraction_ = 0.0;
     return absl::ResourceExhaustedError(
-        absl::StrCat("FERRY_STATE_LATER: could not allocate ", bytes, " bytes for the kept grads"));
+        absl::StrCat("the state later: could not allocate ", bytes, " bytes for the kept grads"));
   }
   capacity_ = bytes;
   // `auto` starts at a quarter of its buffer (about 6% of the grads' bytes) and moves from there.

@@ -2,10 +2,10 @@
 // early pass writes the new params of some of a decided step's in-place pieces first, with their
 // grads kept aside here, and their state afterwards (HybridOptimizer::RunStateLater): in the early
 // thread's idle time after the pass (the fp32 loop's CPU waits there from the last layer's update to
-// the next backward's first grads), or before anything reads that state. Off unless
-// FERRY_STATE_LATER gives a fraction of the offloaded fp32 grads' bytes to keep, or `auto`: then the
-// bytes staged a cycle (from an empty buffer to the next) follow what the idle time held (AutoLimit).
-// EngineOptions::state_later sets it per engine (Parse), the environment variable where that is empty.
+// the next backward's first grads), or before anything reads that state. Off unless the setting
+// (EngineOptions::state_later, else FERRY_STATE_LATER: Resolve) gives a fraction of the offloaded fp32
+// grads' bytes to keep, or `auto`: then the bytes staged a cycle (from an empty buffer to the next)
+// follow what the idle time held (AutoLimit).
 // `ferry bench adam` times the two passes. Pure bookkeeping: no CUDA, no threads.
 #ifndef FERRY_OPTIM_STATE_LATER_H_
 #define FERRY_OPTIM_STATE_LATER_H_
@@ -38,7 +38,7 @@ class StateLater {
     uint64_t step = 0;    // step_id() when it was staged
   };
 
-  // What FERRY_STATE_LATER asks: a fraction of the offloaded fp32 grads' bytes, or `auto`.
+  // What the setting asks: a fraction of the offloaded fp32 grads' bytes, or `auto`.
   struct Setting {
     double fraction = 0.0;  // 0: off
     bool automatic = false;
