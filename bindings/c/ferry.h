@@ -82,15 +82,38 @@ typedef struct {
   const ferry_comm_callbacks* comm_callbacks;
   double collective_timeout_s;          /* 0: the default (300 s) */
   double checkpoint_timeout_s;          /* 0: the default (3600 s) */
+  /* The rest of ferry::EngineOptions (engine/include/ferry/engine.h says what each does), appended after
+   * the fields above; ferry_engine_options_init gives each the engine's default. */
+  int bias_correction;                  /* 1: Adam's bias correction (the default); 0: none */
+  int device_ordinal;                   /* the CUDA device, >= 0 (0) */
+  size_t cpu_threads;                   /* CPU Adam's workers; 0: this rank's share of the host, less the trainer's */
+  size_t trainer_threads;               /* CPUs of the share left to the trainer's threads (1) */
+  size_t cpu_threads_max;               /* the most workers cpu_threads = 0 takes; 0: FERRY_CPU_THREADS_MAX,
+                                         * else measured */
+  double spare_state_fraction;          /* the early steps' spare state, a fraction in [0, 1] of the offloaded
+                                         * state (1) */
+  const char* state_later;              /* NULL or "": FERRY_STATE_LATER, else off; "off", "auto" or a fraction
+                                         * in (0, 1] */
+  int local_rank, local_world_size;     /* this process among the ranks on its host; -1, -1: the launcher's
+                                         * environment */
+  int pin_cpu_threads;                  /* workers held to the rank's CPUs: -1 the engine's rule, 0 never, 1 always */
+  int pin_trainer_threads;              /* the process's other threads held to them: -1, 0 or 1, as above */
+  const char* numa;                     /* NULL or "": the engine's choice; "interleave", "bind", "preferred",
+                                         * "local" */
+  const char* trace_path;               /* NULL or "": FERRY_TRACE, else no trace */
 } ferry_engine_options;
 
 enum { FERRY_COMM_SINGLE = 0, FERRY_COMM_MPI = 1, FERRY_COMM_CALLBACKS = 2 };
 
 /* Fills `options` with the defaults of ferry::EngineOptions. */
 void ferry_engine_options_init(ferry_engine_options* options);
-/* sizeof(ferry_engine_options) in this library: bindings that mirror the struct (ctypes, LuaJIT's
- * FFI) check theirs against it. */
+/* sizeof(ferry_engine_options) in this library. Its fields are only ever appended, never reordered or
+ * removed. Code that may meet a newer library than its header (a binary built once, bindings that
+ * mirror the struct: ctypes, LuaJIT's FFI) passes the size of its own struct to the _sized calls: the
+ * library reads and writes that many bytes (the fields the caller knows) and gives every later field its
+ * default. A struct larger than the library's is refused (its later fields would be ignored). */
 size_t ferry_engine_options_size(void);
+void ferry_engine_options_init_sized(void* options, size_t options_size);
 
 /* The library's version, e.g. "0.1.0" (FERRY_VERSION_STRING of <ferry/version.h> when it was built).
  * Static storage; never NULL. */
@@ -100,6 +123,7 @@ const char* ferry_version(void);
 const char* ferry_last_error(void);
 
 ferry_status ferry_engine_create(const ferry_engine_options* options, ferry_engine** out);
+ferry_status ferry_engine_create_sized(const void* options, size_t options_size, ferry_engine** out);
 void ferry_engine_destroy(ferry_engine* engine); /* NULL is allowed */
 
 /* `group` NULL or "" = the param's own name. */
@@ -228,6 +252,15 @@ typedef struct {
    * (ferry::EngineStats::state_later_kept_bytes, state_later_limit_bytes) */
   uint64_t state_later_kept_bytes;
   uint64_t state_later_limit_bytes;
+  /* this rank's share of its host (ferry::EngineStats, engine/EMBEDDING.md "Big hosts and ranks that
+   * share a host"): its place among the local ranks, CPU Adam's workers, the pipeline's chunk, the
+   * process's pinned budget, and the NUMA node of the offloaded state's pages (-1: not bound) */
+  int32_t local_rank;
+  int32_t local_world_size;
+  uint64_t cpu_threads;
+  uint64_t transfer_chunk_bytes;
+  uint64_t pinned_limit_bytes;
+  int32_t numa_node;
 } ferry_stats;
 
 ferry_status ferry_get_stats(ferry_engine* engine, ferry_stats* out);

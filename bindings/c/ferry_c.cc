@@ -2,13 +2,17 @@
 #include "c/c_comm.h"
 
 #include <algorithm>
+#include <cmath>
+#include <cstddef>
 #include <cstring>
 #include <deque>
 #include <map>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "ferry/engine.h"
 #include "ferry/version.h"
 
@@ -28,6 +32,9 @@ ferry_status Report(const absl::Status& s) {
   last_error = s.ok() ? std::string() : std::string(s.message());
   return static_cast<ferry_status>(s.code());
 }
+
+// The ferry_engine_options of the oldest layout this library reads: its fields up to checkpoint_timeout_s.
+constexpr size_t kOldestOptionsSize = offsetof(ferry_engine_options, bias_correction);
 
 ferry_status NullHandle(const char* fn) {
   last_error = std::string(fn) + ": engine handle is NULL";
@@ -49,16 +56,32 @@ absl::Status CopyOut(const char* fn, const std::string& text, char* out, size_t 
 
 extern "C" {
 
-void ferry_engine_options_init(ferry_engine_options* o) {
-  ferry::EngineOptions d;
-  std::memset(o, 0, sizeof(*o));
-  o->lr = d.optimizer.lr;
-  o->beta1 = d.optimizer.beta1;
-  o->beta2 = d.optimizer.beta2;
-  o->eps = d.optimizer.eps;
-  o->weight_decay = d.optimizer.weight_decay;
-  o->adamw = d.optimizer.adamw ? 1 : 0;
-  o->transfer_chunk_bytes = d.transfer_chunk_bytes;
+void ferry_engine_options_init(ferry_engine_options* o) { ferry_engine_options_init_sized(o, sizeof(*o)); }
+
+void ferry_engine_options_init_sized(void* options, size_t options_size) {
+  if (options == nullptr) return;
+  const ferry::EngineOptions d;
+  ferry_engine_options o;
+  std::memset(&o, 0, sizeof(o));
+  o.lr = d.optimizer.lr;
+  o.beta1 = d.optimizer.beta1;
+  o.beta2 = d.optimizer.beta2;
+  o.eps = d.optimizer.eps;
+  o.weight_decay = d.optimizer.weight_decay;
+  o.adamw = d.optimizer.adamw ? 1 : 0;
+  o.transfer_chunk_bytes = d.transfer_chunk_bytes;
+  o.bias_correction = d.optimizer.bias_correction ? 1 : 0;
+  o.device_ordinal = d.device_ordinal;
+  o.cpu_threads = d.cpu_threads;
+  o.trainer_threads = d.trainer_threads;
+  o.cpu_threads_max = d.cpu_threads_max;
+  o.spare_state_fraction = d.spare_state_fraction;
+  o.local_rank = d.local_rank;
+  o.local_world_size = d.local_world_size;
+  o.pin_cpu_threads = d.pin_cpu_threads;
+  o.pin_trainer_threads = d.pin_trainer_threads;
+  std::memcpy(options, &o, std::min(options_size, sizeof(o)));
+  if (options_size > sizeof(o)) std::memset(static_cast<char*>(options) + sizeof(o), 0, options_size - sizeof(o));
 }
 
 const char* ferry_version(void) { return FERRY_VERSION_STRING; }
@@ -70,10 +93,33 @@ size_t ferry_stats_size(void) { return sizeof(ferry_stats); }
 const char* ferry_last_error(void) { return last_error.c_str(); }
 
 ferry_status ferry_engine_create(const ferry_engine_options* options, ferry_engine** out) {
-  if (options == nullptr || out == nullptr) {
+  return ferry_engine_create_sized(options, sizeof(ferry_engine_options), out);
+}
+
+ferry_status ferry_engine_create_sized(const void* options_bytes, size_t options_size, ferry_engine** out) {
+  if (options_bytes == nullptr || out == nullptr) {
     return Report(absl::InvalidArgumentError("ferry_engine_create: options and out must not be NULL"));
   }
   *out = nullptr;
+  if (options_size < kOldestOptionsSize || options_size > sizeof(ferry_engine_options)) {
+    return Report(absl::InvalidArgumentError(absl::StrCat(
+        "ferry_engine_create_sized: options_size is ", options_size,
+        " bytes; this library reads a ferry_engine_options of ", kOldestOptionsSize,
+        " (its fields up to checkpoint_timeout_s) to ", sizeof(ferry_engine_options),
+        " bytes (all of them): a larger one is from a newer header than this library's")));
+  }
+  ferry_engine_options full;  // the fields the caller's struct lacks keep their defaults
+  ferry_engine_options_init(&full);
+  std::memcpy(&full, options_bytes, options_size);
+  const ferry_engine_options* options = &full;
+  using Timeout = std::pair<const char*, double>;
+  for (const auto& [field, seconds] : {Timeout{"collective_timeout_s", options->collective_timeout_s},
+                                       Timeout{"checkpoint_timeout_s", options->checkpoint_timeout_s}}) {
+    if (!(seconds >= 0.0 && std::isfinite(seconds))) {
+      return Report(absl::InvalidArgumentError(absl::StrCat("ferry_engine_create: ferry_engine_options.", field, " is ",
+                                                            seconds, "; it must be >= 0 (0: the default)")));
+    }
+  }
   ferry::EngineOptions o;
   if (options->policy_path != nullptr) o.policy_path = options->policy_path;
   for (size_t i = 0; i < options->num_policy_args; ++i) {
@@ -93,6 +139,19 @@ ferry_status ferry_engine_create(const ferry_engine_options* options, ferry_engi
   if (options->transfer_chunk_bytes != 0) o.transfer_chunk_bytes = options->transfer_chunk_bytes;
   if (options->collective_timeout_s > 0) o.collective_timeout = absl::Seconds(options->collective_timeout_s);
   if (options->checkpoint_timeout_s > 0) o.checkpoint_timeout = absl::Seconds(options->checkpoint_timeout_s);
+  o.optimizer.bias_correction = options->bias_correction != 0;
+  o.device_ordinal = options->device_ordinal;
+  o.cpu_threads = options->cpu_threads;
+  o.trainer_threads = options->trainer_threads;
+  o.cpu_threads_max = options->cpu_threads_max;
+  o.spare_state_fraction = options->spare_state_fraction;
+  if (options->state_later != nullptr) o.state_later = options->state_later;
+  o.local_rank = options->local_rank;
+  o.local_world_size = options->local_world_size;
+  o.pin_cpu_threads = options->pin_cpu_threads;
+  o.pin_trainer_threads = options->pin_trainer_threads;
+  if (options->numa != nullptr) o.numa = options->numa;
+  if (options->trace_path != nullptr) o.trace_path = options->trace_path;
   switch (options->comm_kind) {
     case FERRY_COMM_SINGLE:
       break;
@@ -376,6 +435,12 @@ ferry_status ferry_get_stats_sized(ferry_engine* engine, void* out_bytes, size_t
   out->cpu_adam_later_bytes = s.cpu_adam_later_bytes;
   out->state_later_kept_bytes = s.state_later_kept_bytes;
   out->state_later_limit_bytes = s.state_later_limit_bytes;
+  out->local_rank = s.local_rank;
+  out->local_world_size = s.local_world_size;
+  out->cpu_threads = s.cpu_threads;
+  out->transfer_chunk_bytes = s.transfer_chunk_bytes;
+  out->pinned_limit_bytes = s.pinned_limit_bytes;
+  out->numa_node = s.numa_node;
   // The caller's struct may be an older (shorter) or newer (longer) version: its prefix is ours.
   const size_t n = std::min(out_size, sizeof(full));
   std::memcpy(out_bytes, &full, n);

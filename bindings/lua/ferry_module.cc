@@ -1,5 +1,6 @@
 #include "lua/ferry_module.h"
 
+#include <cstdint>
 #include <cstring>
 #include <initializer_list>
 #include <map>
@@ -77,9 +78,48 @@ std::map<std::string, std::string> OptArgs(lua_State* L, int t, const char* who)
   return args;
 }
 
-// ferry.engine{ policy=, args={}, lr=, beta1=, beta2=, eps=, weight_decay=, adamw=, chunk_bytes=, threads= }
+// An integer field of an option table, in [lo, hi]; `def` when absent. Errors name the field.
+int64_t OptInteger(lua_State* L, int t, const char* key, int64_t def, int64_t lo, int64_t hi) {
+  const double v = OptNumber(L, t, key, static_cast<double>(def));
+  const bool in_range = v >= static_cast<double>(lo) && v <= static_cast<double>(hi);
+  if (!in_range || v != static_cast<double>(static_cast<int64_t>(v))) {
+    luaL_error(L, "field '%s' must be an integer in [%s, %s], not %s", key, std::to_string(lo).c_str(),
+               std::to_string(hi).c_str(), absl::StrCat(v).c_str());
+  }
+  return static_cast<int64_t>(v);
+}
+
+// The fields ferry.engine{} takes, EngineOptions' names where the module has no shorter one of its own.
+constexpr const char* kEngineFields[] = {
+    "policy", "args", "lr", "beta1", "beta2", "eps", "weight_decay", "adamw", "bias_correction", "chunk_bytes",
+    "threads", "threads_max", "trainer_threads", "spare_state", "state_later", "local_rank", "local_world_size",
+    "pin_cpu_threads", "pin_trainer_threads", "numa", "trace_path"};
+
+// A field of the table at `t` that ferry.engine{} does not take: an error naming it (a typo is never ignored).
+void CheckEngineFields(lua_State* L, int t) {
+  lua_pushnil(L);
+  while (lua_next(L, t) != 0) {
+    lua_pop(L, 1);  // the value; the key stays for lua_next
+    const char* key = lua_type(L, -1) == LUA_TSTRING ? lua_tostring(L, -1) : nullptr;
+    bool known = false;
+    for (const char* f : kEngineFields) known = known || (key != nullptr && std::strcmp(key, f) == 0);
+    if (!known) {
+      std::string list;
+      for (const char* f : kEngineFields) absl::StrAppend(&list, list.empty() ? "" : ", ", f);
+      luaL_error(L, "ferry.engine: unknown field '%s' (known: %s)", key != nullptr ? key : luaL_typename(L, -1),
+                 list.c_str());
+    }
+  }
+}
+
+// ferry.engine{ policy=, args={}, lr=, beta1=, beta2=, eps=, weight_decay=, adamw=, bias_correction=,
+// chunk_bytes=, threads=, threads_max=, trainer_threads=, spare_state=, state_later=, local_rank=,
+// local_world_size=, pin_cpu_threads=, pin_trainer_threads=, numa=, trace_path= }: EngineOptions
+// (engine/EMBEDDING.md, "The Lua module").
 int LEngine(lua_State* L) {
   luaL_checktype(L, 1, LUA_TTABLE);
+  CheckEngineFields(L, 1);
+  constexpr int64_t kMaxCount = int64_t{1} << 40;
   EngineOptions o;
   o.policy_path = OptString(L, 1, "policy", "");
   o.policy_args = OptArgs(L, 1, "ferry.engine");
@@ -89,8 +129,19 @@ int LEngine(lua_State* L) {
   o.optimizer.eps = static_cast<float>(OptNumber(L, 1, "eps", o.optimizer.eps));
   o.optimizer.weight_decay = static_cast<float>(OptNumber(L, 1, "weight_decay", o.optimizer.weight_decay));
   o.optimizer.adamw = OptBool(L, 1, "adamw", o.optimizer.adamw);
-  o.transfer_chunk_bytes = static_cast<size_t>(OptNumber(L, 1, "chunk_bytes", static_cast<double>(o.transfer_chunk_bytes)));
-  o.cpu_threads = static_cast<size_t>(OptNumber(L, 1, "threads", 0));
+  o.optimizer.bias_correction = OptBool(L, 1, "bias_correction", o.optimizer.bias_correction);
+  o.transfer_chunk_bytes = static_cast<size_t>(OptInteger(L, 1, "chunk_bytes", 0, 0, kMaxCount));
+  o.cpu_threads = static_cast<size_t>(OptInteger(L, 1, "threads", 0, 0, kMaxCount));
+  o.cpu_threads_max = static_cast<size_t>(OptInteger(L, 1, "threads_max", 0, 0, kMaxCount));
+  o.trainer_threads = static_cast<size_t>(OptInteger(L, 1, "trainer_threads", 1, 0, kMaxCount));
+  o.spare_state_fraction = OptNumber(L, 1, "spare_state", o.spare_state_fraction);
+  o.state_later = OptString(L, 1, "state_later", "");
+  o.local_rank = static_cast<int>(OptInteger(L, 1, "local_rank", -1, -1, INT32_MAX));
+  o.local_world_size = static_cast<int>(OptInteger(L, 1, "local_world_size", -1, -1, INT32_MAX));
+  o.pin_cpu_threads = static_cast<int>(OptInteger(L, 1, "pin_cpu_threads", -1, -1, 1));
+  o.pin_trainer_threads = static_cast<int>(OptInteger(L, 1, "pin_trainer_threads", -1, -1, 1));
+  o.numa = OptString(L, 1, "numa", "");
+  o.trace_path = OptString(L, 1, "trace_path", "");
   o.device = std::string(BackendName(ModuleDevice(L)->backend()));  // same backend as the tensors
   absl::StatusOr<std::unique_ptr<Engine>> e = Engine::Create(o);
   if (!e.ok()) RaiseStatus(L, e.status());

@@ -211,11 +211,13 @@ static void free_bucket_model(bucket_model* m) {
   }
 }
 
-/* Every param in the one group "all", offloaded by `policy`; small chunks, so a bucket spans several. */
-static ferry_engine* make_bucket_engine(bucket_model* m, const char* policy) {
+/* Every param in the one group "all", offloaded by `policy`; small chunks, so a bucket spans several.
+ * `state_later`: ferry_engine_options.state_later, whatever FERRY_STATE_LATER says. */
+static ferry_engine* make_bucket_engine(bucket_model* m, const char* policy, const char* state_later) {
   ferry_engine_options o;
   ferry_engine_options_init(&o);
   o.device = "host";
+  o.state_later = state_later;
   o.policy_path = policy;
   o.lr = 0.01f;
   o.weight_decay = 0.1f;
@@ -247,8 +249,8 @@ static void expect_same_param(const bucket_model* a, const bucket_model* b, int 
 static void check_buckets(const char* policy) {
   bucket_model pm, bm;
   new_bucket_models(&pm, &bm);
-  ferry_engine* plain = make_bucket_engine(&pm, policy);
-  ferry_engine* buckets = make_bucket_engine(&bm, policy);
+  ferry_engine* plain = make_bucket_engine(&pm, policy, "off");
+  ferry_engine* buckets = make_bucket_engine(&bm, policy, "1"); /* the state later: the same bits */
 
   /* The misuses: nothing started by any of them. */
   ferry_step_options so;
@@ -332,8 +334,14 @@ static void check_buckets(const char* policy) {
   EXPECT(stats.cpu_adam_busy_seconds > 0.0 && stats.cpu_adam_bytes > 0);
   EXPECT(stats.pinned_huge_bytes <= stats.pinned_bytes);
   EXPECT(stats.cpu_adam_spare_bytes <= stats.cpu_adam_bytes);
-  EXPECT(stats.cpu_adam_later_bytes == 0); /* the state later off (its default) */
-  EXPECT(stats.state_later_kept_bytes == 0 && stats.state_later_limit_bytes == 0);
+  /* The state later ran (all the offloaded fp32 grads' bytes kept: 4 B per element, in whole lines). */
+  {
+    int64_t numel = 0;
+    for (int i = 0; i < NBUCKET; ++i) numel += kBucketNumel[i];
+    EXPECT(stats.cpu_adam_later_bytes > 0 && stats.cpu_adam_later_bytes < stats.cpu_adam_bytes);
+    EXPECT(stats.state_later_kept_bytes >= (uint64_t)(4 * numel) - 64);
+    EXPECT(stats.state_later_kept_bytes <= (uint64_t)(4 * numel));
+  }
   /* The spare state the announcements allocated: the offloaded group's fp32 state again (12 B per
    * element, offload_all), in whole pages; none for the engine that never announced. */
   {
@@ -363,6 +371,7 @@ static void check_buckets(const char* policy) {
   ferry_stats plain_stats;
   CHECK(ferry_get_stats(plain, &plain_stats));
   EXPECT(plain_stats.spare_state_bytes == 0 && plain_stats.step == 12);
+  EXPECT(plain_stats.cpu_adam_later_bytes == 0 && plain_stats.state_later_kept_bytes == 0); /* "off" */
   EXPECT(ferry_stats_size() == sizeof(ferry_stats));
   CHECK(ferry_verify_masters(buckets));
   ferry_engine_destroy(buckets);

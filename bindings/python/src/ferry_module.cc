@@ -88,7 +88,8 @@ class PyEngine {
            size_t transfer_chunk_bytes, size_t cpu_threads, const std::string& numa, const std::string& trace_path,
            py::object comm, int rank, int world_size, double collective_timeout_s, double checkpoint_timeout_s,
            int local_rank, int local_world_size, double spare_state_fraction, size_t trainer_threads,
-           const std::string& state_later) {
+           const std::string& state_later, size_t cpu_threads_max, int pin_cpu_threads, int pin_trainer_threads,
+           bool bias_correction) {
     EngineOptions o;
     o.policy_path = policy;
     o.policy_args = policy_args;
@@ -98,11 +99,15 @@ class PyEngine {
     o.optimizer.eps = eps;
     o.optimizer.weight_decay = weight_decay;
     o.optimizer.adamw = adamw;
+    o.optimizer.bias_correction = bias_correction;
     o.device = device;
     o.device_ordinal = device_ordinal;
     if (transfer_chunk_bytes > 0) o.transfer_chunk_bytes = transfer_chunk_bytes;
     o.cpu_threads = cpu_threads;
     o.trainer_threads = trainer_threads;
+    o.cpu_threads_max = cpu_threads_max;
+    o.pin_cpu_threads = pin_cpu_threads;
+    o.pin_trainer_threads = pin_trainer_threads;
     o.numa = numa;
     o.trace_path = trace_path;
     o.rank = rank;
@@ -435,7 +440,7 @@ PYBIND11_MODULE(_ferry, m) {
   py::class_<PyEngine>(m, "Engine")
       .def(py::init<const std::string&, const std::map<std::string, std::string>&, float, float, float, float, float,
                     bool, const std::string&, int, size_t, size_t, const std::string&, const std::string&, py::object,
-                    int, int, double, double, int, int, double, size_t, const std::string&>(),
+                    int, int, double, double, int, int, double, size_t, const std::string&, size_t, int, int, bool>(),
            py::kw_only(), py::arg("policy") = "", py::arg("policy_args") = std::map<std::string, std::string>{},
            py::arg("lr") = 1e-3f, py::arg("beta1") = 0.9f, py::arg("beta2") = 0.999f, py::arg("eps") = 1e-8f,
            py::arg("weight_decay") = 0.0f, py::arg("adamw") = true, py::arg("device") = "",
@@ -444,11 +449,15 @@ PYBIND11_MODULE(_ferry, m) {
            py::arg("world_size") = 1, py::arg("collective_timeout") = 0.0, py::arg("checkpoint_timeout") = 0.0,
            py::arg("local_rank") = -1, py::arg("local_world_size") = -1, py::arg("spare_state_fraction") = 1.0,
            py::arg("trainer_threads") = ferry::EngineOptions{}.trainer_threads, py::arg("state_later") = "",
+           py::arg("cpu_threads_max") = 0, py::arg("pin_cpu_threads") = -1, py::arg("pin_trainer_threads") = -1,
+           py::arg("bias_correction") = true,
            "comm (with rank, world_size): the ranks' collectives (see the module comment); timeouts in seconds, "
            "0: the engine's defaults; local_rank, local_world_size: this process's place among the ranks of "
            "its host (-1: from the launcher's environment); trainer_threads: CPUs of the share left to the "
            "trainer's own threads when cpu_threads is 0; state_later: 'off', 'auto' or a fraction of the offloaded "
-           "fp32 grads' bytes ('': FERRY_STATE_LATER, else off).")
+           "fp32 grads' bytes ('': FERRY_STATE_LATER, else off); cpu_threads_max, pin_cpu_threads, "
+           "pin_trainer_threads, bias_correction: EngineOptions' (engine/include/ferry/engine.h). A value out of "
+           "range raises ValueError naming the EngineOptions field.")
       .def("add_param", &PyEngine::AddParam, py::arg("name"), py::arg("group"), py::arg("shape"), py::arg("dtype"),
            py::arg("param"), py::arg("grad"), py::arg("grad_dtype") = py::none(),
            py::arg("tags") = std::vector<std::string>{}, py::arg("shard_begin") = 0, py::arg("shard_end") = -1,

@@ -340,7 +340,9 @@ class Engine {
   virtual ~Engine() = default;
 
   // Creates an engine: picks the device (CUDA when present, else the host backend), loads the policy.
-  // Errors: the policy file cannot be loaded (file:line), the device cannot be opened.
+  // Errors: a field of `options` out of its range (InvalidArgument naming the field and its value,
+  // checked before anything else, so a refused Create changes nothing of the process), the policy file
+  // cannot be loaded (file:line), the device cannot be opened.
   static absl::StatusOr<std::unique_ptr<Engine>> Create(const EngineOptions& options);
 
   // Registers a parameter. Errors (nothing registered): after Finalize, duplicate or empty name,

@@ -1,61 +1,10 @@
 // Engine: wires device, memory, transfer, optim, ckpt and policy together behind ferry/engine.h.
 // The class is in engine_impl.h; checkpoints are in engine_checkpoint.cc, CPU Adam's workers in
-// engine_workers.cc.
+// engine_workers.cc, the options' checks and the groups' settings text in engine_options.cc.
 #include "engine/engine_impl.h"
-
-#include <charconv>
-#include <cmath>
 
 namespace ferry {
 namespace engine_internal {
-namespace {
-
-// The range of each optimizer setting; `where` prefixes the message. Checks only the fields set.
-absl::Status ValidateGroupOptions(const GroupOptions& o, std::string_view where) {
-  auto bad = [&](const char* field, float v, const char* want) {
-    return absl::InvalidArgumentError(absl::StrCat(ToAbsl(where), ": ", field, " is ", v, "; it must be ", want));
-  };
-  if (o.lr_scale && !(std::isfinite(*o.lr_scale) && *o.lr_scale >= 0.0f)) return bad("lr_scale", *o.lr_scale, ">= 0 and finite");
-  if (o.weight_decay && !(std::isfinite(*o.weight_decay) && *o.weight_decay >= 0.0f)) {
-    return bad("weight_decay", *o.weight_decay, ">= 0 and finite");
-  }
-  if (o.beta1 && !(*o.beta1 >= 0.0f && *o.beta1 < 1.0f)) return bad("beta1", *o.beta1, "in [0, 1)");
-  if (o.beta2 && !(*o.beta2 >= 0.0f && *o.beta2 < 1.0f)) return bad("beta2", *o.beta2, "in [0, 1)");
-  if (o.eps && !(std::isfinite(*o.eps) && *o.eps > 0.0f)) return bad("eps", *o.eps, "> 0 and finite");
-  return absl::OkStatus();
-}
-
-}  // namespace
-
-std::string FormatGroupSettings(const GroupOptions& o, bool bias_correction) {
-  auto f = [](std::optional<float> v) {  // the shortest text that reads back as the same float
-    char buf[32];
-    const std::to_chars_result r = std::to_chars(buf, buf + sizeof(buf), v.value_or(0.0f));
-    return std::string(buf, r.ptr);
-  };
-  return absl::StrCat("adamw=", o.adamw.value_or(true) ? 1 : 0, " lr_scale=", f(o.lr_scale),
-                      " weight_decay=", f(o.weight_decay), " beta1=", f(o.beta1), " beta2=", f(o.beta2),
-                      " eps=", f(o.eps), " bias_correction=", bias_correction ? 1 : 0);
-}
-
-std::vector<std::array<std::string, 3>> DiffGroupSettings(std::string_view a, std::string_view b) {
-  auto fields = [](std::string_view text) {
-    std::vector<std::pair<std::string, std::string>> out;
-    for (absl::string_view kv : absl::StrSplit(ToAbsl(text), ' ', absl::SkipEmpty())) {
-      std::pair<std::string, std::string> p = absl::StrSplit(kv, absl::MaxSplits('=', 1));
-      out.push_back(std::move(p));
-    }
-    return out;
-  };
-  std::vector<std::array<std::string, 3>> out;
-  const std::vector<std::pair<std::string, std::string>> fb = fields(b);
-  for (const auto& [key, value] : fields(a)) {
-    for (const auto& [kb, vb] : fb) {
-      if (kb == key && vb != value) out.push_back({key, value, vb});
-    }
-  }
-  return out;
-}
 
 absl::Status EngineImpl::AddGroup(const std::string& group, const GroupOptions& options) {
   const std::string where = absl::StrCat("AddGroup('", group, "')");
@@ -496,46 +445,8 @@ EngineStats EngineImpl::Stats() const {
 
 }  // namespace engine_internal
 
-std::vector<std::string_view> GroupOptionNames() {
-  return {"lr_scale", "weight_decay", "beta1", "beta2", "eps", "adamw"};
-}
-
-absl::Status SetGroupOption(GroupOptions& options, std::string_view name, double value) {
-  GroupOptions o = options;
-  const float f = static_cast<float>(value);
-  if (name == "lr_scale") {
-    o.lr_scale = f;
-  } else if (name == "weight_decay") {
-    o.weight_decay = f;
-  } else if (name == "beta1") {
-    o.beta1 = f;
-  } else if (name == "beta2") {
-    o.beta2 = f;
-  } else if (name == "eps") {
-    o.eps = f;
-  } else if (name == "adamw") {
-    if (value != 0.0 && value != 1.0) {
-      return absl::InvalidArgumentError(absl::StrCat("group option adamw is ", value, "; it must be 0 or 1"));
-    }
-    o.adamw = value != 0.0;
-  } else {
-    std::string known;
-    for (std::string_view n : GroupOptionNames()) absl::StrAppend(&known, known.empty() ? "" : ", ", ToAbsl(n));
-    return absl::InvalidArgumentError(absl::StrCat("unknown group option '", ToAbsl(name), "' (known: ", known, ")"));
-  }
-  FERRY_RETURN_IF_ERROR(engine_internal::ValidateGroupOptions(o, absl::StrCat("group option ", ToAbsl(name))));
-  options = o;
-  return absl::OkStatus();
-}
-
 absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& options) {
-  const OptimizerOptions& opt = options.optimizer;
-  FERRY_RETURN_IF_ERROR(engine_internal::ValidateGroupOptions(
-      GroupOptions{.weight_decay = opt.weight_decay, .beta1 = opt.beta1, .beta2 = opt.beta2, .eps = opt.eps},
-      "EngineOptions::optimizer"));
-  if (!options.state_later.empty()) {  // (the environment's value, read per optimizer, only warns)
-    FERRY_RETURN_IF_ERROR(StateLater::Parse(options.state_later, "EngineOptions::state_later").status());
-  }
+  FERRY_RETURN_IF_ERROR(engine_internal::ValidateEngineOptions(options));
   DeviceOptions dopt;
   dopt.backend = options.device;
   dopt.ordinal = options.device_ordinal;

@@ -76,6 +76,11 @@ bool HoldTrainerThreads(const EngineOptions& options, WorkerPlan& plan);
 
 inline std::string StateTensorName(const std::string& param, const char* kind) { return absl::StrCat(param, ":", kind); }
 
+// Every EngineOptions field in its range (Engine::Create); the error names the field and its value.
+absl::Status ValidateEngineOptions(const EngineOptions& options);
+// The range of each optimizer setting; `where` prefixes the message. Checks only the fields set.
+absl::Status ValidateGroupOptions(const GroupOptions& o, std::string_view where);
+
 // A group's optimizer settings as text, recorded per group in checkpoints (metadata key
 // "ferry.group.<group>.optimizer") and compared across ranks at Finalize: "adamw=1 lr_scale=1
 // weight_decay=0.01 beta1=0.9 beta2=0.999 eps=1e-08 bias_correction=1", each float as the shortest
