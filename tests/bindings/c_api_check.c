@@ -16,36 +16,8 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "c/ferry.h"
-
-#define CHECK(call)                                                                      \
-  do {                                                                                   \
-    ferry_status st_ = (call);                                                           \
-    if (st_ != FERRY_OK) {                                                               \
-      fprintf(stderr, "c_api_check:%d: %s failed (%d): %s\n", __LINE__, #call, (int)st_, \
-              ferry_last_error());                                                       \
-      exit(1);                                                                           \
-    }                                                                                    \
-  } while (0)
-
-#define EXPECT(cond)                                                        \
-  do {                                                                      \
-    if (!(cond)) {                                                          \
-      fprintf(stderr, "c_api_check:%d: expected %s\n", __LINE__, #cond);    \
-      exit(1);                                                              \
-    }                                                                       \
-  } while (0)
-
-/* The call fails with `code` and a message containing `text`. */
-#define EXPECT_ERROR(call, code, text)                                                                  \
-  do {                                                                                                  \
-    ferry_status st_ = (call);                                                                          \
-    if (st_ != (code) || strstr(ferry_last_error(), (text)) == NULL) {                                  \
-      fprintf(stderr, "c_api_check:%d: %s returned %d (%s); expected %d with \"%s\"\n", __LINE__, #call, \
-              (int)st_, ferry_last_error(), (int)(code), (text));                                       \
-      exit(1);                                                                                          \
-    }                                                                                                   \
-  } while (0)
+#define C_CHECK_NAME "c_api_check"
+#include "c_check.h"
 
 enum { NPARAMS = 3 };
 static const char* const kNames[NPARAMS] = {"w", "b", "norm"};

@@ -11,25 +11,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "c/ferry.h"
-
-#define CHECK(call)                                                                                    \
-  do {                                                                                                 \
-    ferry_status st_ = (call);                                                                         \
-    if (st_ != FERRY_OK) {                                                                             \
-      fprintf(stderr, "c_options_check:%d: %s failed (%d): %s\n", __LINE__, #call, (int)st_,           \
-              ferry_last_error());                                                                     \
-      exit(1);                                                                                         \
-    }                                                                                                  \
-  } while (0)
-
-#define EXPECT(cond)                                                          \
-  do {                                                                        \
-    if (!(cond)) {                                                            \
-      fprintf(stderr, "c_options_check:%d: expected %s\n", __LINE__, #cond);  \
-      exit(1);                                                                \
-    }                                                                         \
-  } while (0)
+#define C_CHECK_NAME "c_options_check"
+#include "c_check.h"
 
 /* `options` refused with FERRY_INVALID_ARGUMENT and `text` in the message, no engine made. */
 static void expect_refused(int line, const ferry_engine_options* options, const char* text) {
