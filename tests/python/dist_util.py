@@ -9,10 +9,14 @@ Bounded: the whole group gets `timeout` seconds; a rank still running then is ki
 fails naming it (a hang fails, it never blocks CI). Children end with os._exit after reporting, so
 no process-group teardown can hang either.
 
-spawn (not fork: a fork of a process whose earlier tests started threads can crash). The parent
-must not have joined a process group: tests that use this module do all their ferry work in the
-children. A rank dies with its parent (PR_SET_PDEATHSIG): a runner killed by its timeout leaves no
-rank running to slow what comes after it.
+The ranks are forked from a fork server (multiprocessing's "forkserver": a fresh single-threaded
+process that imported torch, torch.distributed and ferry once), not from the runner: a fork of a
+process whose earlier tests started threads can crash, and a rank spawned afresh imports torch
+again (on the 2-CPU VM a case of 2 ranks that does nothing took 0.59 s spawned). Each rank takes the
+runner's environment as it is at the call (a test's monkeypatch.setenv included), not the server's.
+The parent must not have joined a process group: tests that use this module do all their ferry work
+in the children. A rank dies with the server, which ends with the runner (PR_SET_PDEATHSIG): a
+runner killed by its timeout leaves no rank running to slow what comes after it.
 """
 import datetime
 import multiprocessing
@@ -24,8 +28,9 @@ import time
 import traceback
 
 
-def _die_with_parent(parent):
-    """Linux: SIGKILL this process when its parent exits (a killed test runner)."""
+def _die_with_parent():
+    """Linux: SIGKILL this process when its parent (the fork server) exits."""
+    parent = os.getppid()
     try:
         import ctypes
         import signal
@@ -36,8 +41,10 @@ def _die_with_parent(parent):
         os._exit(5)
 
 
-def _child(fn, rank, world, store, out, args, parent):
-    _die_with_parent(parent)
+def _child(fn, rank, world, store, out, args, env):
+    _die_with_parent()
+    os.environ.clear()
+    os.environ.update(env)
     code = 0
     try:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -64,12 +71,26 @@ def _child(fn, rank, world, store, out, args, parent):
     os._exit(code)
 
 
+_FORK_SERVER = None
+
+
+def _context():
+    """The fork server's context, made once per runner (the server starts at its first Process)."""
+    global _FORK_SERVER
+    if _FORK_SERVER is None:
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "ferry", "ferry.torch"])
+        _FORK_SERVER = ctx
+    return _FORK_SERVER
+
+
 def run_ranks(world, fn, *args, timeout=60.0):
     """[result of rank 0, ..., rank world-1] (see the module's documentation)."""
     tmp = tempfile.mkdtemp(prefix="ferry-dist-")
     try:
-        ctx = multiprocessing.get_context("spawn")  # a fork of a process with threads (earlier suites) can crash
-        procs = [ctx.Process(target=_child, args=(fn, r, world, os.path.join(tmp, "store"), tmp, args, os.getpid()),
+        ctx = _context()
+        env = dict(os.environ)
+        procs = [ctx.Process(target=_child, args=(fn, r, world, os.path.join(tmp, "store"), tmp, args, env),
                              daemon=True)
                  for r in range(world)]
         for p in procs:
