@@ -133,7 +133,8 @@ int LEngine(lua_State* L) {
   o.transfer_chunk_bytes = static_cast<size_t>(OptInteger(L, 1, "chunk_bytes", 0, 0, kMaxCount));
   o.cpu_threads = static_cast<size_t>(OptInteger(L, 1, "threads", 0, 0, kMaxCount));
   o.cpu_threads_max = static_cast<size_t>(OptInteger(L, 1, "threads_max", 0, 0, kMaxCount));
-  o.trainer_threads = static_cast<size_t>(OptInteger(L, 1, "trainer_threads", 1, 0, kMaxCount));
+  o.trainer_threads =
+      static_cast<size_t>(OptInteger(L, 1, "trainer_threads", static_cast<int64_t>(o.trainer_threads), 0, kMaxCount));
   o.spare_state_fraction = OptNumber(L, 1, "spare_state", o.spare_state_fraction);
   o.state_later = OptString(L, 1, "state_later", "");
   o.local_rank = static_cast<int>(OptInteger(L, 1, "local_rank", -1, -1, INT32_MAX));
