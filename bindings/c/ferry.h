@@ -317,6 +317,12 @@ ferry_status ferry_load_differences(ferry_engine* engine, char* out, size_t out_
 /* The device in words into name_out (NUL-terminated) when not NULL; *on_gpu (when not NULL) = 1 on the
  * CUDA backend, 0 on the host backend. */
 ferry_status ferry_device_info(ferry_engine* engine, char* name_out, size_t name_out_size, int* on_gpu);
+/* This rank's share of its host in words (ferry::EngineStats::cpu_list and host_share), each
+ * NUL-terminated when its buffer is not NULL: the CPUs CPU Adam's workers are held to ("0-15,32-47";
+ * "" when they are not held), and how the share and the worker count were chosen. The numbers are in
+ * ferry_stats. FERRY_INVALID_ARGUMENT when a buffer is too small. */
+ferry_status ferry_host_share(ferry_engine* engine, char* cpus_out, size_t cpus_out_size, char* reason_out,
+                              size_t reason_out_size);
 
 #ifdef __cplusplus
 }

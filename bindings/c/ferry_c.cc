@@ -532,4 +532,13 @@ ferry_status ferry_device_info(ferry_engine* engine, char* name_out, size_t name
   return Report(CopyOut("ferry_device_info", engine->engine->DeviceName(), name_out, name_out_size));
 }
 
+ferry_status ferry_host_share(ferry_engine* engine, char* cpus_out, size_t cpus_out_size, char* reason_out,
+                              size_t reason_out_size) {
+  if (engine == nullptr) return NullHandle("ferry_host_share");
+  const ferry::EngineStats s = engine->engine->Stats();
+  const absl::Status cpus = CopyOut("ferry_host_share (cpus_out)", s.cpu_list, cpus_out, cpus_out_size);
+  if (!cpus.ok()) return Report(cpus);
+  return Report(CopyOut("ferry_host_share (reason_out)", s.host_share, reason_out, reason_out_size));
+}
+
 }  // extern "C"

@@ -133,6 +133,11 @@ int main(int argc, char** argv) {
     CHECK(ferry_get_stats(e, &s));
     EXPECT(s.cpu_threads == 1 && s.transfer_chunk_bytes == 4096);
     EXPECT(s.local_rank == 0 && s.local_world_size >= 1 && s.pinned_limit_bytes > 0 && s.numa_node >= -1);
+    char cpus[256], tiny[2];
+    CHECK(ferry_host_share(e, NULL, 0, NULL, 0));
+    EXPECT(ferry_host_share(e, cpus, sizeof(cpus), tiny, sizeof(tiny)) == FERRY_INVALID_ARGUMENT);
+    EXPECT(strstr(ferry_last_error(), "ferry_host_share (reason_out)") != NULL);
+    EXPECT(ferry_host_share(NULL, NULL, 0, NULL, 0) == FERRY_INVALID_ARGUMENT);
     ferry_engine_destroy(e);
     FILE* f = fopen(trace, "r");
     EXPECT(f != NULL); /* written at destruction */
@@ -177,13 +182,16 @@ int main(int argc, char** argv) {
     ferry_engine_options o = d;
     o.local_rank = 1;
     o.local_world_size = 2;
-    o.pin_cpu_threads = 0;
-    o.pin_trainer_threads = 0;
+    o.pin_cpu_threads = 1;     /* the workers held to the rank's slice */
+    o.pin_trainer_threads = 0; /* this process's other threads left free */
     ferry_engine* e = NULL;
     CHECK(ferry_engine_create(&o, &e));
     ferry_stats s;
     CHECK(ferry_get_stats(e, &s));
     EXPECT(s.local_rank == 1 && s.local_world_size == 2);
+    char cpus[256], reason[1024];
+    CHECK(ferry_host_share(e, cpus, sizeof(cpus), reason, sizeof(reason)));
+    EXPECT(strstr(reason, "local rank 1 of 2 (options)") != NULL && strlen(cpus) > 0);
     ferry_engine_destroy(e);
   }
   printf("c_options_check: OK\n");
