@@ -111,7 +111,9 @@ void ferry_engine_options_init(ferry_engine_options* options);
  * removed. Code that may meet a newer library than its header (a binary built once, bindings that
  * mirror the struct: ctypes, LuaJIT's FFI) passes the size of its own struct to the _sized calls: the
  * library reads and writes that many bytes (the fields the caller knows) and gives every later field its
- * default. A struct larger than the library's is refused (its later fields would be ignored). */
+ * default. init_sized zeroes what it has no field for; create_sized refuses a struct larger than the
+ * library's (fields it does not know would be ignored) and one shorter than the fields up to
+ * checkpoint_timeout_s. */
 size_t ferry_engine_options_size(void);
 void ferry_engine_options_init_sized(void* options, size_t options_size);
 
