@@ -263,3 +263,21 @@ def test_trainer_threads_leave_cpus_to_the_trainer(device):
             assert "left to the trainer" not in share, share
         else:
             assert "%d CPU%s of it left to the trainer's threads" % (expect, "" if expect == 1 else "s") in share, share
+
+
+def test_pins_and_the_worker_cap_reach_the_engine(device):
+    """pin_cpu_threads=True holds CPU Adam's workers to the rank's slice of the host (stats()["cpu_list"]),
+    False leaves them free; pin_trainer_threads=False leaves this process's threads alone. Bad values name
+    the argument. (cpu_threads_max changes nothing a host of 2 CPUs can show: one worker either way.)"""
+    params = make_params(device)
+    share = dict(policy="offload_all", local_rank=0, local_world_size=2, pin_trainer_threads=False, cpu_threads_max=1)
+    held = ferry.torch.Optimizer(params, pin_cpu_threads=True, **share).stats()
+    free = ferry.torch.Optimizer(params, pin_cpu_threads=False, **share).stats()
+    assert held["cpu_list"] != "" and free["cpu_list"] == "", (held["cpu_list"], free["cpu_list"])
+    assert held["local_world_size"] == 2 and held["cpu_threads"] == 1
+    with pytest.raises(ValueError, match=r"pin_cpu_threads must be None \(the engine's rule\), True or False, not 2"):
+        ferry.torch.Optimizer(params, pin_cpu_threads=2)
+    with pytest.raises(ValueError, match=r"pin_trainer_threads must be None .*not 'yes'"):
+        ferry.torch.Optimizer(params, pin_trainer_threads="yes")
+    with pytest.raises(ValueError, match=r"cpu_threads_max must be an int >= 0 .*got -1"):
+        ferry.torch.Optimizer(params, cpu_threads_max=-1)

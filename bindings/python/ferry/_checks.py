@@ -56,6 +56,17 @@ def check_arguments(lr, betas, eps, weight_decay, cpu_threads, transfer_chunk_by
             raise ValueError("%s must be a str, got %r" % (name, value))
 
 
+def host_arguments(cpu_threads_max, pin_cpu_threads, pin_trainer_threads):
+    """The share's arguments as ferry.Engine takes them: pins None (the engine's rule) -> -1, False -> 0, True -> 1."""
+    _count("cpu_threads_max", cpu_threads_max)
+    out = {"cpu_threads_max": int(cpu_threads_max)}
+    for name, value in (("pin_cpu_threads", pin_cpu_threads), ("pin_trainer_threads", pin_trainer_threads)):
+        if value is not None and value not in (True, False):
+            raise ValueError("%s must be None (the engine's rule), True or False, not %r" % (name, value))
+        out[name] = -1 if value is None else int(bool(value))
+    return out
+
+
 def overlap_arguments(bucket_mb, spare_state, state_later):
     """The overlap's arguments as the engine takes them: (bytes per bucket, spare state fraction, the
     state later's text: "" for None, which leaves it to FERRY_STATE_LATER)."""

@@ -149,6 +149,33 @@ class StateMixin:
         names = [] if groups is None else [self._groups[gi] for gi in groups]
         self._engine.sync_from_model(names, reset_optimizer)
 
+    # ---- a step that skips params without grads (torch.py's _step) ----
+
+    def _save_skipped(self, skipped):
+        """What a step would change of the params without grads: values, state, and the step count of
+        groups with no grad at all. Their grad buffers are zeroed (the step reads them)."""
+        self._sync_torch()
+        saved = {"params": [], "steps": {}}
+        for k in skipped:
+            p = self._params[k]
+            self._grads[k].zero_()
+            state = {kind: self._read(k, kind) for kind in ("master", "exp_avg", "exp_avg_sq")}
+            saved["params"].append((k, p.detach().clone(), state))
+        skipped_set = set(skipped)
+        for gi, n in enumerate(self._group_sizes):
+            k = self._group_start[gi]
+            if all(j in skipped_set for j in range(k, k + n)):
+                saved["steps"][self._groups[gi]] = self._engine.group_step(self._groups[gi])
+        return saved
+
+    def _restore_skipped(self, saved):
+        for k, value, state in saved["params"]:
+            for kind, t in state.items():
+                self._engine.write_state("p%d" % k, kind, t.data_ptr())
+            self._params[k].copy_(value)
+        for group, step in saved["steps"].items():
+            self._engine.set_group_step(group, step)
+
 
 _live = weakref.WeakSet()  # optimizers whose engine may have a save in flight
 

@@ -126,6 +126,9 @@ class Optimizer(StateMixin, _buckets.BucketMixin, _attach.AttachMixin, _zero.Sha
       local_rank, local_world_size: this process's place among the ranks of its host, which gives its
         share of the host's CPUs and pinned budget (None: from torchrun's, Open MPI's, MPICH's or
         Slurm's environment; engine/EMBEDDING.md, "Big hosts and ranks that share a host"). stats() shows the share.
+      cpu_threads_max, pin_cpu_threads, pin_trainer_threads: EngineOptions' (the most workers cpu_threads=0
+        takes, 0: measured; whether the workers and this process's other threads are held to the share: None
+        the engine's rule or FERRY_PIN_CPU_THREADS / FERRY_PIN_TRAINER_THREADS, True always, False never).
       spare_state: the pinned memory overlap may take for its spare state, a fraction of the offloaded
         state (0 to 1; EngineOptions::spare_state_fraction): below 1 the params that fit (spread
         over the model, whatever the param groups) speculate during the backward and the others
@@ -145,10 +148,12 @@ class Optimizer(StateMixin, _buckets.BucketMixin, _attach.AttachMixin, _zero.Sha
                  policy_args=None, loss_scale=1.0, max_grad_norm=0.0, check_finite=True, transfer_chunk_bytes=0,
                  cpu_threads=0, numa="", trace_path="", overlap=None, process_group=None, shard=False,
                  collective_timeout=300.0, checkpoint_timeout=3600.0, local_rank=None, local_world_size=None,
-                 bucket_mb=BUCKET_MB, spare_state=1.0, trainer_threads=None, state_later=None):
+                 bucket_mb=BUCKET_MB, spare_state=1.0, trainer_threads=None, state_later=None, cpu_threads_max=0,
+                 pin_cpu_threads=None, pin_trainer_threads=None):
         _checks.check_arguments(lr, betas, eps, weight_decay, cpu_threads, transfer_chunk_bytes, overlap, numa,
                                 trace_path)
         self._bucket_bytes, spare_state, state_later = _checks.overlap_arguments(bucket_mb, spare_state, state_later)
+        host = _checks.host_arguments(cpu_threads_max, pin_cpu_threads, pin_trainer_threads)
         self._engine = None
         self._ddp = None  # attach_ddp(): the DDP comm hook's bridge (ferry._ddp)
         self._engine_lock = threading.RLock()  # engine calls from DDP's comm threads (attach_ddp) and hooks
@@ -192,7 +197,7 @@ class Optimizer(StateMixin, _buckets.BucketMixin, _attach.AttachMixin, _zero.Sha
                               local_rank=-1 if local_rank is None else int(local_rank),
                               local_world_size=-1 if local_world_size is None else int(local_world_size),
                               spare_state_fraction=spare_state, trainer_threads=int(trainer_threads),
-                              state_later=state_later, **dist_args)
+                              state_later=state_later, **host, **dist_args)
         try:
             self._register(engine, group_of)
         except BaseException as e:
@@ -493,31 +498,6 @@ class Optimizer(StateMixin, _buckets.BucketMixin, _attach.AttachMixin, _zero.Sha
         self._by_hand = set()
         tracker.hook_missing()  # params unfrozen since
         self._step_lrs = None
-
-    def _save_skipped(self, skipped):
-        """What a step would change of the params without grads: values, state, and the step count of
-        groups with no grad at all. Their grad buffers are zeroed (the step reads them)."""
-        self._sync_torch()
-        saved = {"params": [], "steps": {}}
-        for k in skipped:
-            p = self._params[k]
-            self._grads[k].zero_()
-            state = {kind: self._read(k, kind) for kind in ("master", "exp_avg", "exp_avg_sq")}
-            saved["params"].append((k, p.detach().clone(), state))
-        skipped_set = set(skipped)
-        for gi, n in enumerate(self._group_sizes):
-            k = self._group_start[gi]
-            if all(j in skipped_set for j in range(k, k + n)):
-                saved["steps"][self._groups[gi]] = self._engine.group_step(self._groups[gi])
-        return saved
-
-    def _restore_skipped(self, saved):
-        for k, value, state in saved["params"]:
-            for kind, t in state.items():
-                self._engine.write_state("p%d" % k, kind, t.data_ptr())
-            self._params[k].copy_(value)
-        for group, step in saved["steps"].items():
-            self._engine.set_group_step(group, step)
 
     def zero_grad(self, set_to_none=False):
         """Zeroes the grads in place (the default here, unlike torch 2.x's): the engine reads the
