@@ -128,3 +128,12 @@ def test_engine_bias_correction_reaches_the_step():
             m, v = m / 0.1, v / 0.001
         want = 1.0 - 0.01 * m / (v ** 0.5 + 1e-8)
         assert abs(float(p[0]) - want) < 1e-6, (bias_correction, float(p[0]), want)
+
+
+@pytest.mark.parametrize("field", ["collective_timeout", "checkpoint_timeout"])
+@pytest.mark.parametrize("value, text", [(-1.0, "-1"), (float("nan"), "nan"), (float("inf"), "inf")])
+def test_engine_timeouts_out_of_range_are_refused(field, value, text):
+    """0 is the engine's default; a negative or non-finite one fell back to it silently before."""
+    with pytest.raises(ValueError, match="%s is %s s; it must be >= 0" % (field, text)):
+        ferry.Engine(device="host", **{field: value})
+    ferry.Engine(device="host", **{field: 0.0})

@@ -21,6 +21,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <stdexcept>
 #include <cstdint>
@@ -32,6 +33,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "ferry/comm.h"
 #include "ferry/engine.h"
 #include "ferry/version.h"
@@ -116,6 +118,12 @@ class PyEngine {
     o.local_world_size = local_world_size;
     o.spare_state_fraction = spare_state_fraction;
     o.state_later = state_later;
+    for (const auto& [name, seconds] : {std::pair<const char*, double>{"collective_timeout", collective_timeout_s},
+                                        std::pair<const char*, double>{"checkpoint_timeout", checkpoint_timeout_s}}) {
+      if (!(seconds >= 0.0 && std::isfinite(seconds))) {
+        throw py::value_error(absl::StrCat(name, " is ", seconds, " s; it must be >= 0 (0: the engine's default)"));
+      }
+    }
     if (collective_timeout_s > 0) o.collective_timeout = absl::Seconds(collective_timeout_s);
     if (checkpoint_timeout_s > 0) o.checkpoint_timeout = absl::Seconds(checkpoint_timeout_s);
     if (!comm.is_none()) o.comm = Check(MakeCallbackComm(Check(MakePyCallbacks(std::move(comm), rank, world_size))));
