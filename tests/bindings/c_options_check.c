@@ -63,36 +63,23 @@ int main(int argc, char** argv) {
   EXPECT(d.local_rank == -1 && d.local_world_size == -1 && d.pin_cpu_threads == -1 && d.pin_trainer_threads == -1);
   EXPECT(d.numa == NULL && d.trace_path == NULL && ferry_engine_options_size() == sizeof(ferry_engine_options));
 
-  /* Each appended field reaches the engine's checks, which name it. */
-  {
-    ferry_engine_options o = d;
-    o.spare_state_fraction = 1.5;
-    expect_refused(__LINE__, &o, "EngineOptions::spare_state_fraction is 1.5");
-    o = d;
-    o.state_later = "half";
-    expect_refused(__LINE__, &o, "EngineOptions::state_later is 'half'");
-    o = d;
-    o.local_rank = 1;
-    expect_refused(__LINE__, &o, "EngineOptions::local_rank is 1 and local_world_size is -1");
-    o = d;
-    o.pin_cpu_threads = 2;
-    expect_refused(__LINE__, &o, "EngineOptions::pin_cpu_threads is 2");
-    o = d;
-    o.pin_trainer_threads = 5;
-    expect_refused(__LINE__, &o, "EngineOptions::pin_trainer_threads is 5");
-    o = d;
-    o.numa = "nearest";
-    expect_refused(__LINE__, &o, "EngineOptions::numa: unknown NUMA policy 'nearest'");
-    o = d;
-    o.device_ordinal = -1;
-    expect_refused(__LINE__, &o, "EngineOptions::device_ordinal is -1");
-    o = d;
-    o.collective_timeout_s = -1.0;
-    expect_refused(__LINE__, &o, "ferry_engine_options.collective_timeout_s is -1; it must be >= 0");
-    o = d;
-    o.checkpoint_timeout_s = NAN;
-    expect_refused(__LINE__, &o, "ferry_engine_options.checkpoint_timeout_s is nan");
-  }
+  /* Each appended field reaches the engine's checks, which name it: `d` with `field` set to `value`. */
+#define EXPECT_REFUSED(field, value, text)          \
+  do {                                              \
+    ferry_engine_options o_ = d;                    \
+    o_.field = (value);                             \
+    expect_refused(__LINE__, &o_, (text));          \
+  } while (0)
+  EXPECT_REFUSED(spare_state_fraction, 1.5, "EngineOptions::spare_state_fraction is 1.5");
+  EXPECT_REFUSED(state_later, "half", "EngineOptions::state_later is 'half'");
+  EXPECT_REFUSED(local_rank, 1, "EngineOptions::local_rank is 1 and local_world_size is -1");
+  EXPECT_REFUSED(pin_cpu_threads, 2, "EngineOptions::pin_cpu_threads is 2");
+  EXPECT_REFUSED(pin_trainer_threads, 5, "EngineOptions::pin_trainer_threads is 5");
+  EXPECT_REFUSED(numa, "nearest", "EngineOptions::numa: unknown NUMA policy 'nearest'");
+  EXPECT_REFUSED(device_ordinal, -1, "EngineOptions::device_ordinal is -1");
+  EXPECT_REFUSED(collective_timeout_s, -1.0, "ferry_engine_options.collective_timeout_s is -1; it must be >= 0");
+  EXPECT_REFUSED(checkpoint_timeout_s, NAN, "ferry_engine_options.checkpoint_timeout_s is nan");
+#undef EXPECT_REFUSED
 
   /* bias_correction: the first step against float64 Adam with and without it (they differ ~3x here). */
   {
