@@ -311,7 +311,9 @@ void HybridOptimizer::EarlyLoop() {
     if (status.ok()) status = RunStateLater(/*yield=*/true);
     {
       std::lock_guard<std::mutex> lock(early_mu_);
-      if (!status.ok() && early_status_.ok()) early_status_ = status;
+      // Moved, not copied: the error then has one owner at a time, and no reference count is shared
+      // between this thread and WaitEarlyIdle's reader (Abseil's, which ThreadSanitizer cannot see).
+      if (!status.ok() && early_status_.ok()) early_status_ = std::move(status);
       early_busy_ = false;
     }
     early_cv_.notify_all();
