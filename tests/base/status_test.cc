@@ -1,5 +1,5 @@
 // Tests of ferry/status.h (FERRY_RETURN_IF_ERROR, FERRY_ASSIGN_OR_RETURN) and base/errors.h
-// (PosixError).
+// (PosixError, UnsharedCopy).
 #include "ferry/status.h"
 
 #include <fcntl.h>
@@ -14,6 +14,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/cord.h"
 #include "base/errors.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -204,6 +205,23 @@ TEST(PosixError, FromARealFailedCall) {
   EXPECT_EQ(s.code(), absl::StatusCode::kNotFound);
   EXPECT_THAT(Message(s), HasSubstr(path));
   EXPECT_THAT(Message(s), HasSubstr(std::strerror(ENOENT)));
+}
+
+// ---- UnsharedCopy ----------------------------------------------------------------------------------
+
+TEST(UnsharedCopy, EqualButSharingNoText) {
+  EXPECT_TRUE(UnsharedCopy(absl::OkStatus()).ok());
+  absl::Status original = absl::DeadlineExceededError("Barrier: timed out after 2s; had not arrived: 3");
+  original.SetPayload("type.ferry/rank", absl::Cord("3"));
+  const absl::Status copy = UnsharedCopy(original);
+  EXPECT_EQ(copy, original);  // code, message and payloads
+  EXPECT_NE(copy.message().data(), original.message().data());
+  const absl::Status plain = original;  // what UnsharedCopy avoids: the same text, shared
+  EXPECT_EQ(plain.message().data(), original.message().data());
+  original = absl::OkStatus();  // the copy outlives the original intact
+  EXPECT_EQ(copy.code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_EQ(Message(copy), "Barrier: timed out after 2s; had not arrived: 3");
+  EXPECT_EQ(copy.GetPayload("type.ferry/rank"), absl::Cord("3"));
 }
 
 }  // namespace

@@ -2,7 +2,9 @@
 
 #include <cerrno>
 #include <cstring>
+#include <string>
 
+#include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
 
 namespace ferry {
@@ -22,6 +24,15 @@ absl::Status PosixError(std::string_view context, int err) {
     case EINVAL: return absl::InvalidArgumentError(msg);
     default: return absl::InternalError(msg);
   }
+}
+
+absl::Status UnsharedCopy(const absl::Status& status) {
+  if (status.ok()) return absl::OkStatus();
+  absl::Status copy(status.code(), std::string(status.message()));
+  status.ForEachPayload([&copy](absl::string_view type_url, const absl::Cord& payload) {
+    copy.SetPayload(type_url, absl::Cord(std::string(payload)));
+  });
+  return copy;
 }
 
 }  // namespace ferry

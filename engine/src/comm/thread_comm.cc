@@ -27,6 +27,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "base/absl_compat.h"
+#include "base/errors.h"
 #include "comm/comm_internal.h"
 #include "ferry/comm.h"
 
@@ -90,9 +91,7 @@ class Group {
               absl::StrCat(where, ": timed out after ", absl::FormatDuration(timeout),
                            "; had not arrived: ", RankList(missing)));
           cv_.notify_all();
-          // A fresh copy, not one sharing poisoned_'s payload: the payload's reference count lives in
-          // Debian's uninstrumented absl, so TSan would see the other ranks' copies racing on it.
-          return absl::Status(poisoned_.code(), std::string(poisoned_.message()));
+          return UnsharedCopy(poisoned_);  // each rank's thread drops its own
         }
       }
     }

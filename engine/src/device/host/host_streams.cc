@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "base/errors.h"
 #include "base/thread_affinity.h"
 #include "ferry/status.h"
 
@@ -48,7 +49,7 @@ class EventState {
     std::unique_lock<std::mutex> lock(mu_);
     completed_.wait(
         lock, [this, gen]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !pending_.contains(gen); });
-    return error_;
+    return UnsharedCopy(error_);  // the caller's thread drops it
   }
 
  private:
@@ -108,11 +109,11 @@ class QueueCore {
     std::unique_lock<std::mutex> lock(mu_);
     done_.wait(lock,
                [this, ticket]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return completed_ >= ticket; });
-    return error_;
+    return UnsharedCopy(error_);  // the caller's thread drops it
   }
   absl::Status error() const {
     std::lock_guard<std::mutex> lock(mu_);
-    return error_;
+    return UnsharedCopy(error_);  // the caller's thread drops it
   }
   void Stop() {
     {
@@ -270,7 +271,7 @@ class HostInlineStream final : public HostStreamBase {
  private:
   absl::Status error() const {
     std::lock_guard<std::mutex> lock(mu_);
-    return error_;
+    return UnsharedCopy(error_);  // the caller's thread drops it
   }
   mutable std::mutex mu_;
   absl::Status error_ ABSL_GUARDED_BY(mu_);
