@@ -7,7 +7,6 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "base/errors.h"
 #include "base/thread_affinity.h"
 #include "ferry/status.h"
 
@@ -49,7 +48,7 @@ class EventState {
     std::unique_lock<std::mutex> lock(mu_);
     completed_.wait(
         lock, [this, gen]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !pending_.contains(gen); });
-    return UnsharedCopy(error_);  // the caller's thread drops it
+    return error_;
   }
 
  private:
@@ -109,11 +108,11 @@ class QueueCore {
     std::unique_lock<std::mutex> lock(mu_);
     done_.wait(lock,
                [this, ticket]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return completed_ >= ticket; });
-    return UnsharedCopy(error_);  // the caller's thread drops it
+    return error_;
   }
   absl::Status error() const {
     std::lock_guard<std::mutex> lock(mu_);
-    return UnsharedCopy(error_);  // the caller's thread drops it
+    return error_;
   }
   void Stop() {
     {
@@ -271,7 +270,7 @@ class HostInlineStream final : public HostStreamBase {
  private:
   absl::Status error() const {
     std::lock_guard<std::mutex> lock(mu_);
-    return UnsharedCopy(error_);  // the caller's thread drops it
+    return error_;
   }
   mutable std::mutex mu_;
   absl::Status error_ ABSL_GUARDED_BY(mu_);
