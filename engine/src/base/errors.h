@@ -1,4 +1,4 @@
-// System errors become a Status in one place each.
+// System errors become a Status in one place each; a Status copied for another thread.
 #ifndef FERRY_BASE_ERRORS_H_
 #define FERRY_BASE_ERRORS_H_
 
