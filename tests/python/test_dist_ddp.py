@@ -13,6 +13,11 @@ processes, on the tensors of FERRY_TEST_DEVICE (CPU: the host backend; CUDA: bot
     GradsReady call) is the all-reduced average of the ranks' grads, computed here by hand, never a
     rank's own grad; announcements come during the backward (before it returns); on CUDA each is
     made on the bridge's high-priority side stream, never on the comm hook's pool stream;
+  * the loops people write: the params in one group (model.parameters()) or in weight-decay and
+    no-decay groups, clipped with opt.clip_grad_norm_ between the backward and step(), ZeRO-1 and
+    unsharded: the same bits as DDP with overlap=False and the same clip, every step, with the clip
+    reached on some steps and not on others; the norms returned are the reference's and torch's
+    clip_grad_norm_'s, and the steps that did not clip kept their early work;
   * misuse: a second backward outside no_sync() after the announcements raises naming the param;
     find_unused_parameters=True is refused.
 
@@ -144,6 +149,61 @@ def test_overlap_bit_identical_to_ddp_without_it(shard, gabv, overlap):
         if shard:  # every gather unit of each step was left for the next forward's pre-hooks
             assert r["units"] >= 3 and r["left"] == [r["units"]] * STEPS, (rank, r["units"], r["left"])
     assert results[0]["sum"] == results[1]["sum"]  # the replicas agree
+
+
+def user_groups(model, grouping):
+    params = list(model.parameters())
+    if grouping == "one":
+        return params
+    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+
+
+CLIP = 0.5  # the global norm of these grads lies between 0.4 and 0.7: some steps clip, some do not
+
+
+def clipped(rank, world, grouping, shard):
+    import ferry.torch
+    mine, ref = make_model(), make_model()
+    ddp_mine, ddp_ref = wrap(mine, True), wrap(ref, True)
+    kw = dict(shard=True, collective_timeout=30, bucket_mb=GATHER_MB) if shard else {}
+    opt = ferry.torch.Optimizer(user_groups(mine, grouping), lr=1e-2, policy="offload_all", overlap=True,
+                                **kw).attach_ddp(ddp_mine).attach(mine)
+    ref_opt = ferry.torch.Optimizer(user_groups(ref, grouping), lr=1e-2, policy="offload_all", overlap=False, **kw)
+    norms, ref_norms, torch_norms = [], [], []
+    for step in range(STEPS):
+        loss = loss_of(ddp_mine, rank, step, 0)
+        loss.backward()
+        norms.append(opt.clip_grad_norm_(CLIP).item())
+        opt.step()
+        opt.zero_grad()
+        ref_loss = loss_of(ddp_ref, rank, step, 0)
+        ref_loss.backward()
+        torch_norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), float("inf")).item())  # changes no grad
+        ref_norms.append(ref_opt.clip_grad_norm_(CLIP).item())
+        ref_opt.step()
+        ref_opt.zero_grad()
+        if not torch.equal(bits(loss), bits(ref_loss)):
+            raise AssertionError("rank %d step %d: loss %r, overlap=False %r" % (rank, step, loss.item(), ref_loss.item()))
+    opt.wait_params()
+    for i, (a, b) in enumerate(zip(mine.parameters(), ref.parameters())):
+        if not torch.equal(bits(a), bits(b)):
+            raise AssertionError("rank %d param %d differs from overlap=False after %d steps" % (rank, i, STEPS))
+    stats = opt.stats()
+    return {"norms": norms, "ref_norms": ref_norms, "torch_norms": torch_norms, "kept": stats["early_groups_kept"],
+            "deferred": stats["deferred_steps"]}
+
+
+@pytest.mark.parametrize("grouping,shard", [("one", False), ("one", True), ("decay", False), ("decay", True)])
+def test_one_or_two_groups_clipped_by_the_optimizer(grouping, shard):
+    results = dist_util.ok(dist_util.run_ranks(2, clipped, grouping, shard, timeout=120))
+    for rank, r in enumerate(results):
+        assert r["norms"] == r["ref_norms"], (rank, r["norms"], r["ref_norms"])
+        assert r["norms"] == pytest.approx(r["torch_norms"], rel=1e-6), (rank, r["norms"], r["torch_norms"])
+        over = [n > CLIP for n in r["norms"]]
+        assert any(over) and not all(over), (rank, r["norms"])
+        assert r["kept"] > 0 and r["deferred"] == STEPS, (rank, r["kept"], r["deferred"])
+    assert results[0]["norms"] == results[1]["norms"]
 
 
 class Recorder:

@@ -282,7 +282,7 @@ def _grad_hook(me, k):
         waits = opt._waits
         if waits is not None and k in waits.owned:
             waits.grads.add(k)
-        if opt._zero_pending and opt._unit_of[k] in opt._zero_pending:
+        if opt._pending and opt._unit_of[k] in opt._pending:  # the engine may still read the buffer
             opt._wait_units((opt._unit_of[k],))
     return hook
 
@@ -413,6 +413,9 @@ class AttachMixin:
             self._engine.wait_params_of(names, stream=self._stream())
             if also is not None and also.cuda_stream != self._stream():
                 self._engine.wait_params_of(names, stream=also.cuda_stream)
+        # A grad buffer changed in place since the step (not by Ferry: it changes none of them until
+        # this wait) may have been read changed by the step's update, which runs beside the forward.
+        changed = sorted(k for u in need for k in self._units[u] if self._grads[k]._version != self._step_versions[k])
         self._pending.difference_update(need)
         zero = [u for u in need if u in self._zero_pending]
         if zero:  # zero_grad() of these buckets, now ordered after the engine's reads of their grads
@@ -429,3 +432,14 @@ class AttachMixin:
                 self._zeroed[k] = self._grads[k]._version
         if self._tracker.trace is not None:
             self._tracker.trace.append(("wait", tuple(need)))
+        if changed:
+            names = ", ".join(self._where[k] for k in changed[:3]) + (", ..." if len(changed) > 3 else "")
+            raise RuntimeError(
+                "ferry.torch.Optimizer: the %s of %s changed in place after step() while that step's update, "
+                "left to the next forward by attach(), could still read %s: the step may have used the changed "
+                "values (not the bits of torch's loop). model.zero_grad() with set_to_none=False (torch 1.13's "
+                "default) does this. Zero the grads with opt.zero_grad() (each bucket is zeroed once its update "
+                "has read it) or model.zero_grad(set_to_none=True), or call opt.wait_params() before changing a "
+                "grad after step() (engine/TROUBLESHOOTING.md#a-grad-changed-after-step)"
+                % ("grads" if len(changed) > 1 else "grad", names + (" were" if len(changed) > 1 else " was"),
+                   "them" if len(changed) > 1 else "it"))

@@ -225,6 +225,7 @@ class Optimizer(StateMixin, _buckets.BucketMixin, _attach.AttachMixin, _zero.Sha
         self._pending = set()  # attach(): buckets whose new params no stream waited for yet
         self._left_to_forward = False  # attach(): the last step's params are left to the forward's hooks
         self._zero_pending = set()  # of those, buckets whose grads zero_grad() left for _wait_units
+        self._step_versions = []  # the grad buffers' versions when _pending was set (_wait_units checks them)
         self._names = ["p%d" % k for k in range(len(self._params))]
         self._order_learned = False
         self._set_units(range(len(self._params) - 1, -1, -1), tracker=False)
@@ -459,6 +460,7 @@ class Optimizer(StateMixin, _buckets.BucketMixin, _attach.AttachMixin, _zero.Sha
         self._end_step(unsafe=unsafe)
         if deferred:
             self._pending = set(range(len(self._units)))
+            self._step_versions = [buf._version for buf in self._grads]
         if self._waits is not None:
             self._waits.deferred = self._left_to_forward
         if self._left_to_forward:
