@@ -256,6 +256,10 @@ def _warn_if_root_unit_large(optimizer, model, index):
         % (name, 100 * share, listed, ", ..." if len(held) > 3 else ""))
 
 
+def _names_of(where, ks):
+    return ", ".join(where[k] for k in ks[:3]) + (", ..." if len(ks) > 3 else "")
+
+
 def _fsdp_pre_hook(me, state, own, index):
     def hook(_module, _inputs):
         opt = me()
@@ -416,6 +420,9 @@ class AttachMixin:
         # A grad buffer changed in place since the step (not by Ferry: it changes none of them until
         # this wait) may have been read changed by the step's update, which runs beside the forward.
         changed = sorted(k for u in need for k in self._units[u] if self._grads[k]._version != self._step_versions[k])
+        # So would a param written in place since (model.load_state_dict): the update's upload lands on it.
+        written = sorted(k for u in need for k in self._units[u]
+                         if self._watch_params and self._params[k]._version != self._param_versions[k])
         self._pending.difference_update(need)
         zero = [u for u in need if u in self._zero_pending]
         if zero:  # zero_grad() of these buckets, now ordered after the engine's reads of their grads
@@ -432,14 +439,22 @@ class AttachMixin:
                 self._zeroed[k] = self._grads[k]._version
         if self._tracker.trace is not None:
             self._tracker.trace.append(("wait", tuple(need)))
+        if written:
+            raise RuntimeError(
+                "ferry.torch.Optimizer: %s changed in place after step() while that step's update, left to the "
+                "next forward by attach(), was still writing %s: the update's upload may land on it. Call "
+                "opt.wait_params() before writing params after step() (model.load_state_dict included); Ferry "
+                "then refreshes the masters from them (engine/TROUBLESHOOTING.md#a-grad-or-param-changed-after-step)"
+                % (_names_of(self._where, written) + (" were" if len(written) > 1 else " was"),
+                   "them" if len(written) > 1 else "it"))
         if changed:
-            names = ", ".join(self._where[k] for k in changed[:3]) + (", ..." if len(changed) > 3 else "")
+            names = _names_of(self._where, changed)
             raise RuntimeError(
                 "ferry.torch.Optimizer: the %s of %s changed in place after step() while that step's update, "
                 "left to the next forward by attach(), could still read %s: the step may have used the changed "
                 "values (not the bits of torch's loop). model.zero_grad() with set_to_none=False (torch 1.13's "
                 "default) does this. Zero the grads with opt.zero_grad() (each bucket is zeroed once its update "
                 "has read it) or model.zero_grad(set_to_none=True), or call opt.wait_params() before changing a "
-                "grad after step() (engine/TROUBLESHOOTING.md#a-grad-changed-after-step)"
+                "grad after step() (engine/TROUBLESHOOTING.md#a-grad-or-param-changed-after-step)"
                 % ("grads" if len(changed) > 1 else "grad", names + (" were" if len(changed) > 1 else " was"),
                    "them" if len(changed) > 1 else "it"))

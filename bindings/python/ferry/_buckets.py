@@ -85,6 +85,7 @@ class BucketMixin:
         if self._step_lrs is None:
             self._step_lrs = self._check_unchanged()
             self._wait_params()  # refused once a param is announced: the uploads of the last step first
+            self._sync_changed_params()  # so is reading masters: params the trainer wrote first
         self._announce(ks, self._step_lrs, self._options(None, None, None), take=take)
         return True
 
@@ -132,6 +133,7 @@ class BucketMixin:
                 raise RuntimeError("grads_ready: %s has no grad (none produced since zero_grad())" % self._where[k])
         if not announced:
             self._wait_params()
+            self._sync_changed_params()
         self._announce(ks, lrs, options)
         self._by_hand.update(gs)
 

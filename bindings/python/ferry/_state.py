@@ -22,6 +22,44 @@ FIXED = ("betas", "eps", "weight_decay")
 
 
 class StateMixin:
+    # ---- params the trainer changed in place (model.load_state_dict, a copy_ into a param) ----
+
+    def _record_param_versions(self):
+        """What Ferry last saw of each param (torch's version counter: every in-place write bumps it;
+        the engine's own uploads write the memory without it)."""
+        self._param_versions = [p._version for p in self._params]
+
+    def _changed_params(self):
+        if not self._watch_params:
+            return []
+        return [k for k, p in enumerate(self._params) if p._version != self._param_versions[k]]
+
+    def _sync_changed_params(self):
+        """Refreshes the masters of params the trainer wrote in place since Ferry last saw them: each
+        element whose value is not its master rounded to the param's dtype takes the param's value as
+        its master; the others keep theirs (a param restored to the same values, an EMA swapped out and
+        back, loses no master bit). The moments and steps stay, as torch's AdamW keeps its state when
+        the trainer writes params. Returns the params refreshed. One process or unsharded ranks
+        (_watch_params); under ZeRO-1 and FSDP2 the trainer calls sync_from_model()."""
+        changed = self._changed_params()
+        if not changed:
+            return []
+        self._sync_torch()
+        synced = []
+        for k in changed:
+            p = self._params[k]
+            master = self._read(k, "master")
+            value = p.detach().reshape(master.shape).float().cpu()
+            kept = value == (master if p.dtype == torch.float32 else master.to(p.dtype).float())
+            if bool(kept.all()):
+                continue
+            new = torch.where(kept, master, value).contiguous()
+            self._engine.write_state("p%d" % k, "master", new.data_ptr())
+            synced.append(k)
+        self._record_param_versions()
+        self._params_synced += len(synced)
+        return synced
+
     def _read(self, k, kind):
         if self._zero is not None:  # this rank's range, flattened
             t = torch.empty(self._zero.local_numel(k), dtype=torch.float32)
@@ -40,6 +78,7 @@ class StateMixin:
         from the ranks' ranges), the same dict as one rank would have: it loads with any world size and
         into torch.optim.AdamW. Ferry checkpoints (save_checkpoint) are the scalable per-rank form."""
         self._sync_torch()
+        self._sync_changed_params()
         if self._zero is not None:
             full = {kind: self._zero.gather_state(lambda k, kind=kind: self._read(k, kind))
                     for kind in ("exp_avg", "exp_avg_sq", "master")}
@@ -106,6 +145,7 @@ class StateMixin:
             steps.append(max(group_steps) if group_steps else 0)
         self._sync_torch()
         self._engine.sync_from_model(reset_optimizer=False)
+        self._record_param_versions()
         for k, entry in plan:
             numel = self._params[k].numel()
             for kind in ("exp_avg", "exp_avg_sq", "master"):
@@ -127,6 +167,7 @@ class StateMixin:
         checkpoint() hook decides async and retention); returns the directory. Asynchronous saves
         are committed once wait_checkpoint() returns."""
         self._sync_torch()
+        self._sync_changed_params()
         return self._engine.save_checkpoint(str(root), int(step))
 
     def wait_checkpoint(self):
@@ -139,6 +180,7 @@ class StateMixin:
         self._engine.load_checkpoint(str(path), fall_back_to_previous=fall_back_to_previous)
         if self._zero is not None:
             self._zero.gather_params()  # each rank loaded its range of the params
+        self._record_param_versions()
         return self._engine.last_load()["dir"]
 
     def sync_from_model(self, groups=None, reset_optimizer=False):
@@ -148,6 +190,8 @@ class StateMixin:
         self._sync_torch()
         names = [] if groups is None else [self._groups[gi] for gi in groups]
         self._engine.sync_from_model(names, reset_optimizer)
+        if groups is None:
+            self._record_param_versions()
 
     # ---- a step that skips params without grads (torch.py's _step) ----
 
@@ -173,6 +217,7 @@ class StateMixin:
             for kind, t in state.items():
                 self._engine.write_state("p%d" % k, kind, t.data_ptr())
             self._params[k].copy_(value)
+            self._param_versions[k] = self._params[k]._version
         for group, step in saved["steps"].items():
             self._engine.set_group_step(group, step)
 

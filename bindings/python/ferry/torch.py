@@ -226,6 +226,12 @@ class Optimizer(StateMixin, _buckets.BucketMixin, _attach.AttachMixin, _zero.Sha
         self._left_to_forward = False  # attach(): the last step's params are left to the forward's hooks
         self._zero_pending = set()  # of those, buckets whose grads zero_grad() left for _wait_units
         self._step_versions = []  # the grad buffers' versions when _pending was set (_wait_units checks them)
+        # Params the trainer writes in place (model.load_state_dict) refresh their masters at the next
+        # step (_state.py); ZeRO-1's gathers and FSDP2 write params themselves: sync_from_model() there.
+        self._watch_params = self._zero is None or not any(
+            _zero.is_dtensor(p) or self._zero.range(k) != (0, p.numel()) for k, p in enumerate(self._params))
+        self._params_synced = 0
+        self._record_param_versions()
         self._names = ["p%d" % k for k in range(len(self._params))]
         self._order_learned = False
         self._set_units(range(len(self._params) - 1, -1, -1), tracker=False)
@@ -432,6 +438,8 @@ class Optimizer(StateMixin, _buckets.BucketMixin, _attach.AttachMixin, _zero.Sha
                 raise RuntimeError("%s: no grad at step(), but it was announced by grads_ready()"
                                    % ", ".join(bad))
         self._wait_params()  # the last step's uploads, before anything here reads or writes a param
+        if not announced_ks:  # else the first announcement did (the engine's state is refused now)
+            self._sync_changed_params()
         if len(skipped) == n:
             if any(self._params[k].grad is self._grads[k] and self._grads[k]._version != self._zeroed[k]
                    for k in range(n)):
@@ -547,9 +555,11 @@ class Optimizer(StateMixin, _buckets.BucketMixin, _attach.AttachMixin, _zero.Sha
         moved), cpu_adam_spare_bytes (of those, the bytes updated out of place into the spare state),
         cpu_adam_later_bytes (of those, the state written after its params: state_later=),
         state_later_kept_bytes and state_later_limit_bytes (its buffer, and what a step may stage), ...,
-        last_step_seconds (the host wall time of the engine's last step call) and, on several ranks,
-        last_gather_seconds (ZeRO-1's all-gather after it)."""
+        last_step_seconds (the host wall time of the engine's last step call), params_synced (params
+        whose masters were refreshed because the trainer wrote them: model.load_state_dict) and, on
+        several ranks, last_gather_seconds (ZeRO-1's all-gather after it)."""
         stats = self._engine.stats()
+        stats["params_synced"] = self._params_synced
         if self._zero is not None:
             stats["last_gather_seconds"] = self._zero.last_gather_seconds
         return stats
