@@ -18,6 +18,10 @@ processes, on the tensors of FERRY_TEST_DEVICE (CPU: the host backend; CUDA: bot
     unsharded: the same bits as DDP with overlap=False and the same clip, every step, with the clip
     reached on some steps and not on others; the norms returned are the reference's and torch's
     clip_grad_norm_'s, and the steps that did not clip kept their early work;
+  * a model-only load between steps (model.load_state_dict on every rank, after opt.wait_params()),
+    ZeRO-1 and unsharded, attached: every rank's masters take the loaded weights (its range of them),
+    and the params stay within test_adamw_match's ULP bound of DDP + torch.optim.AdamW given the same
+    load;
   * misuse: a second backward outside no_sync() after the announcements raises naming the param;
     find_unused_parameters=True is refused.
 
@@ -204,6 +208,40 @@ def test_one_or_two_groups_clipped_by_the_optimizer(grouping, shard):
         assert any(over) and not all(over), (rank, r["norms"])
         assert r["kept"] > 0 and r["deferred"] == STEPS, (rank, r["kept"], r["deferred"])
     assert results[0]["norms"] == results[1]["norms"]
+
+
+def loaded(rank, world, shard):
+    import ferry.torch
+    from nets import assert_close_to
+    mine, ref = make_model(), make_model()
+    ddp_mine, ddp_ref = wrap(mine, True), wrap(ref, True)
+    kw = dict(shard=True, collective_timeout=30, bucket_mb=GATHER_MB) if shard else {}
+    opt = ferry.torch.Optimizer(mine.parameters(), lr=1e-2, weight_decay=0.1, policy="offload_all", overlap=True,
+                                **kw).attach_ddp(ddp_mine).attach(mine)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+    other = make_model(seed=7).state_dict()
+    for step in range(STEPS):
+        if step == 3:
+            opt.wait_params()
+            mine.load_state_dict(other)
+            ref.load_state_dict(other)
+        for m, o in ((ddp_mine, opt), (ddp_ref, ref_opt)):
+            loss_of(m, rank, step, 0).backward()
+            o.step()
+            o.zero_grad()
+        opt.wait_params()
+        assert_close_to(mine, ref, "rank %d step %d" % (rank, step))
+    return opt.stats()["params_synced"]
+
+
+@pytest.mark.parametrize("shard", [True, False])
+def test_a_model_load_between_steps_reaches_every_ranks_masters(shard):
+    synced = dist_util.ok(dist_util.run_ranks(2, loaded, shard, timeout=120))
+    params = 2 * (len(DIMS) - 1)
+    if shard:  # each rank refreshed the params it holds elements of: every param, between the two
+        assert 0 < min(synced) and max(synced) < params <= sum(synced), synced
+    else:
+        assert synced == [params, params], synced
 
 
 class Recorder:

@@ -39,8 +39,9 @@ class StateMixin:
         element whose value is not its master rounded to the param's dtype takes the param's value as
         its master; the others keep theirs (a param restored to the same values, an EMA swapped out and
         back, loses no master bit). The moments and steps stay, as torch's AdamW keeps its state when
-        the trainer writes params. Returns the params refreshed. One process or unsharded ranks
-        (_watch_params); under ZeRO-1 and FSDP2 the trainer calls sync_from_model()."""
+        the trainer writes params. Returns the params refreshed. One process or several ranks
+        (_watch_params: not FSDP2's DTensors; ZeRO-1's gathers write through .data, which bumps no
+        version) and this rank's range of each; under FSDP2 the trainer calls sync_from_model()."""
         changed = self._changed_params()
         if not changed:
             return []
@@ -48,8 +49,11 @@ class StateMixin:
         synced = []
         for k in changed:
             p = self._params[k]
-            master = self._read(k, "master")
-            value = p.detach().reshape(master.shape).float().cpu()
+            b, e = self._grad_range(k)
+            if e == b:
+                continue  # no elements of it on this rank
+            master = self._read(k, "master").reshape(-1)
+            value = p.detach().reshape(-1)[b:e].float().cpu()
             kept = value == (master if p.dtype == torch.float32 else master.to(p.dtype).float())
             if bool(kept.all()):
                 continue

@@ -227,9 +227,8 @@ class Optimizer(StateMixin, _buckets.BucketMixin, _attach.AttachMixin, _zero.Sha
         self._zero_pending = set()  # of those, buckets whose grads zero_grad() left for _wait_units
         self._step_versions = []  # the grad buffers' versions when _pending was set (_wait_units checks them)
         # Params the trainer writes in place (model.load_state_dict) refresh their masters at the next
-        # step (_state.py); ZeRO-1's gathers and FSDP2 write params themselves: sync_from_model() there.
-        self._watch_params = self._zero is None or not any(
-            _zero.is_dtensor(p) or self._zero.range(k) != (0, p.numel()) for k, p in enumerate(self._params))
+        # step (_state.py); FSDP2 writes its DTensors' shards itself: sync_from_model() there.
+        self._watch_params = not any(_zero.is_dtensor(p) for p in self._params)
         self._params_synced = 0
         self._record_param_versions()
         self._names = ["p%d" % k for k in range(len(self._params))]
