@@ -420,8 +420,9 @@ def test_fsdp2_overlap_and_attach_bit_identical_to_no_overlap():
             assert run["kept"] == 18 and run["recomputed"] == 0, (rank, run["kept"], run["recomputed"])
         assert off["announced"] == [0] * 6
         # attach(): a pre-hook on each FSDP2 module (l1, l2, l3 and the root, which holds no param), a
-        # grad hook per param; every step deferred.
-        assert attached["hooks"] == 4 + 6 and attached["deferred"] == 6, (attached["hooks"], attached["deferred"])
+        # grad hook per param, a state_dict and a load_state_dict hook on the root and on each module
+        # owning params (l1, l2, l3); every step deferred.
+        assert attached["hooks"] == 4 + 6 + 2 * 4 and attached["deferred"] == 6, (attached["hooks"], attached["deferred"])
         assert on["deferred"] == 0 and off["deferred"] == 0
         for name, run in (("attach", attached), ("overlap", on)):
             assert run["losses"] == off["losses"], "rank %d, %s: %s vs %s" % (rank, name, run["losses"], off["losses"])

@@ -123,8 +123,9 @@ def train(attach, plural, monkeypatch):
 def test_hooks_wait_before_fsdp2_all_gathers_own_and_prefetched(monkeypatch, plural):
     run = train(True, plural, monkeypatch)
     assert run["deferred"] == STEPS, "every step returned before its update"
-    # A pre-hook per FSDP2 module (l1, l2, l3, the root) and a grad hook per param (6).
-    assert run["hooks"] == 4 + 6
+    # A pre-hook per FSDP2 module (l1, l2, l3, the root), a grad hook per param (6), and a state_dict and
+    # a load_state_dict hook on the root and each module owning params (l1, l2, l3).
+    assert run["hooks"] == 4 + 6 + 2 * 4
     u = run["units"]
     assert all(len(u[n]) == 2 for n in u), u  # a weight and a bias each, a bucket each
     forwards = [run["seen"][i:i + 4] for i in range(0, len(run["seen"]), 4)]

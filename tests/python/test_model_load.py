@@ -9,9 +9,10 @@ torch's AdamW, whose params are its masters, trains on what was loaded. The mome
   * bf16 params (fp32 masters): a param swapped out and back (an EMA's eval swap) keeps every master
     bit; one element written takes the new value as its master and the others keep theirs;
     state_dict() after a load, before any step, holds the loaded values as masters;
-  * attach(): a load after a deferred step without opt.wait_params() raises at the next forward's
-    wait, naming the params (the update's upload may land on them); with wait_params() it trains on
-    the loaded weights.
+  * attach(): model.state_dict() right after a deferred step holds the step's new params (it waits
+    for their upload, as torch.save reads them next); model.load_state_dict() waits for it before
+    writing; any other write before the forward's wait raises there, naming the params (the upload
+    may land on them).
 """
 import pytest
 import torch
@@ -61,7 +62,8 @@ def test_a_model_load_between_steps_trains_on_the_loaded_weights(device, policy,
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
     for step in range(6):
         if step in (0, 3):  # right after construction, and between steps
-            opt.wait_params()  # attach(): the last step's uploads before writing params
+            if how == "copy_":
+                opt.wait_params()  # attach(): the last step's uploads before writing a param (a load waits itself)
             load(model, how, seed=step + 1)
             load(ref, how, seed=step + 1)
         train(model, opt, step, device)
@@ -110,15 +112,31 @@ def test_bf16_masters_keep_their_bits_where_the_params_did(device):
         assert torch.equal(m, p.detach().float().cpu())
 
 
-def test_a_load_while_the_update_writes_the_params_raises(device):
+def test_attach_orders_model_state_dict_and_load_after_the_update_and_refuses_other_writes(device):
     model = make_model(device)
     opt = ferry.torch.Optimizer(model.parameters(), lr=1e-2, policy="offload_all", overlap=True,
                                 bucket_mb=1e-7, transfer_chunk_bytes=1024).attach(model)
-    for step in range(2):
+    other = make_model(device, seed=3).state_dict()
+    for step in range(4):
         train(model, opt, step, device)
-    assert opt.stats()["deferred_steps"] == 2
-    load(model, "load_state_dict", seed=3)  # no wait_params(): the deferred update may still upload
-    x, _ = batch(device, 2)
+        # state_dict() right after a deferred step, copied as torch.save would read it: the new params
+        saved = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        opt.wait_params()
+        for k, v in model.state_dict().items():
+            assert torch.equal(saved[k], v), "step %d: state_dict() read %s before its update" % (step, k)
+    assert opt.stats()["deferred_steps"] == 4
+    # A load right after a deferred step, no wait_params(): it waits for the upload, then writes.
+    train(model, opt, 4, device)
+    model.load_state_dict(other)
+    opt.wait_params()
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, other[k]), "%s: the step's upload landed on the loaded value" % k
+    # Any other write before the forward's wait: refused there, naming the params.
+    train(model, opt, 5, device)
+    with torch.no_grad():
+        model[0].weight.mul_(0.5)
+        model[0].bias.zero_()
+    x, _ = batch(device, 6)
     with pytest.raises(RuntimeError, match=r"param 0 \(param_groups\[0\]\['params'\]\[0\]\), param 1 .* were "
                                            r"changed in place after step\(\) .* opt.wait_params\(\)"):
         model(x)

@@ -60,6 +60,21 @@ class _Waits:
             if p.requires_grad and id(p) in index:
                 self.handles.append(p.register_hook(_grad_hook(me, k)))
 
+    def _add_state_dict_hooks(self, model, me, index):
+        """model.state_dict() and model.load_state_dict(), over the model or any module of it owning a
+        param of the optimizer, first wait for the last step's uploads: state_dict() hands out the
+        params' memory (torch.save reads it next) and a load writes it, while after a deferred step
+        the update still uploads into it. torch's post-hook of state_dict and pre-hook of the load
+        (the underscored names: torch 1.13 has no public ones; 2.x keeps them)."""
+        def wait(*_args):
+            opt = me()
+            if opt is not None and opt._pending:
+                opt._wait_params()
+        for module in model.modules():
+            if module is model or any(id(p) in index for p in module.parameters(recurse=False)):
+                self.handles.append(module._register_state_dict_hook(wait))
+                self.handles.append(module._register_load_state_dict_pre_hook(wait))
+
     def verdict(self):
         """At step(), before the engine's step: (whether the step may leave its params to the next
         forward's hooks, the owned params that got a grad in a forward that did not wait for them,
@@ -112,6 +127,7 @@ class ModuleWaits(_Waits):
         if optimizer._gathering():  # ZeRO-1: the units no module's forward gathered, once it returns
             self.handles.append(model.register_forward_hook(_post_hook(me)))
         self._add_grad_hooks(optimizer, me, index)
+        self._add_state_dict_hooks(model, me, index)
 
 
 def _checked_units(model, units):
@@ -211,6 +227,7 @@ class Fsdp2Waits(_Waits):
             raise ValueError("attach: %s has DTensor params but no module of it is an FSDP2 module (fully_shard)"
                              % type(model).__name__)
         self._add_grad_hooks(optimizer, me, index)
+        self._add_state_dict_hooks(model, me, index)
         _warn_if_root_unit_large(optimizer, model, index)
 
 
