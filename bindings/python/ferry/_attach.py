@@ -437,7 +437,7 @@ class AttachMixin:
         # A grad buffer changed in place since the step (not by Ferry: it changes none of them until
         # this wait) may have been read changed by the step's update, which runs beside the forward.
         changed = sorted(k for u in need for k in self._units[u] if self._grads[k]._version != self._step_versions[k])
-        # So would a param written in place since (model.load_state_dict): the update's upload lands on it.
+        # So would a param written in place since (a copy_ into it): the update's upload may land on it.
         written = sorted(k for u in need for k in self._units[u]
                          if self._watch_params and self._params[k]._version != self._param_versions[k])
         self._pending.difference_update(need)
@@ -460,8 +460,8 @@ class AttachMixin:
             raise RuntimeError(
                 "ferry.torch.Optimizer: %s changed in place after step() while that step's update, left to the "
                 "next forward by attach(), was still writing %s: the update's upload may land on it. Call "
-                "opt.wait_params() before writing params after step() (model.load_state_dict included); Ferry "
-                "then refreshes the masters from them (engine/TROUBLESHOOTING.md#a-grad-or-param-changed-after-step)"
+                "opt.wait_params() before writing params after step() (model.load_state_dict() waits itself); "
+                "Ferry then refreshes the masters from them (engine/TROUBLESHOOTING.md#a-grad-or-param-changed-after-step)"
                 % (_names_of(self._where, written) + (" were" if len(written) > 1 else " was"),
                    "them" if len(written) > 1 else "it"))
         if changed:
