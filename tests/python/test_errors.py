@@ -77,6 +77,20 @@ def test_fixed_group_settings_changed(device):
         opt.step()
     for p, b in zip(params, before):
         assert torch.equal(p.detach(), b)
+    # OneCycleLR cycles beta1 by default: the error says how to keep it still.
+    opt = ferry.torch.Optimizer(groups_of(params))
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=10)
+    set_grads(params, grads_for(params, 2))
+    with pytest.raises(ValueError, match=r"\['betas'\] changed from \(0.9, 0.999\) to \(0.95, 0.999\) .* "
+                                         r"OneCycleLR .* cycle_momentum=False"):
+        opt.step()
+    opt = ferry.torch.Optimizer(groups_of(params))
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=10, cycle_momentum=False)
+    for step in range(3):
+        set_grads(params, grads_for(params, 3 + step))
+        opt.step()
+        sched.step()
+    assert opt.stats()["step"] == 3
 
 
 def test_engine_errors_map_to_python_exceptions(device, tmp_path):

@@ -314,9 +314,11 @@ class Optimizer(StateMixin, _buckets.BucketMixin, _attach.AttachMixin, _zero.Sha
                 k += 1
             for key in FIXED:
                 if group[key] != self._fixed[gi][key]:
+                    cycling = (" (a scheduler that cycles momentum does this: OneCycleLR and CyclicLR by default; "
+                               "pass them cycle_momentum=False)" if key == "betas" else "")
                     raise ValueError("param_groups[%d]['%s'] changed from %r to %r after construction: Ferry fixes "
                                      "a group's betas, eps and weight_decay when the optimizer is built (only lr "
-                                     "may change per step)" % (gi, key, self._fixed[gi][key], group[key]))
+                                     "may change per step)%s" % (gi, key, self._fixed[gi][key], group[key], cycling))
             lrs.append((self._groups[gi], float(group["lr"])))
         return lrs
 
