@@ -1,12 +1,16 @@
-// Absolute per-group learning rates (StepOptions::group_lr) and per-param state access
-// (Engine::ReadState/WriteState, GroupStep/SetGroupStep), which the Python binding builds torch's
-// param groups and state_dict on. Every placement (all offloaded, all on the device, mixed).
+// Absolute per-group learning rates (StepOptions::group_lr), a step's own betas (group_betas) and
+// per-param state access (Engine::ReadState/WriteState, GroupStep/SetGroupStep), which the Python
+// binding builds torch's param groups and state_dict on. Every placement (all offloaded, all on the
+// device, mixed).
 #include <algorithm>
+#include <cmath>
+#include <tuple>
 #include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "device/adam_reference.h"
 #include "device/device.h"
 #include "engine/engine_test_util.h"
 #include "ferry/engine.h"
@@ -85,6 +89,71 @@ TEST_P(GroupLrTest, BadGroupRatesAreRefusedWithNothingStepped) {
   ASSERT_OK(e->Synchronize());
   EXPECT_EQ(model.Params(), before);
   EXPECT_EQ(e->Stats().step, 0);
+  EXPECT_EQ(*e->GroupStep("g0"), 0);
+}
+
+// A scheduler that cycles momentum (torch's OneCycleLR) gives a group other betas at every step: the
+// masters and moments follow the float64 reference (tests/device/adam_reference.h) with each step's
+// betas, bias corrections included (1 - beta1^t with this step's beta1), within its bounds; the group
+// without them keeps its own. Fresh random grads every step.
+TEST_P(GroupLrTest, GroupBetasOfAStepFollowTheFloat64Reference) {
+  Model model(device_.get(), kSizes, 11);
+  auto e = Make(model);
+  ASSERT_TRUE(e);
+  constexpr float kLr = 1e-2f;
+  std::vector<RefState> ref(kSizes.size());
+  for (size_t i = 0; i < kSizes.size(); ++i) {
+    std::vector<float> master(static_cast<size_t>(kSizes[i]));
+    ASSERT_OK(e->ReadState(model.name(i), "master", master.data()));
+    ref[i].p.assign(master.begin(), master.end());
+    ref[i].m.assign(master.size(), 0.0);
+    ref[i].v.assign(master.size(), 0.0);
+  }
+  for (int step = 1; step <= 8; ++step) {
+    const std::pair<float, float> g0_betas{0.95f - 0.02f * static_cast<float>(step % 5), 0.99f};
+    model.SetGrads(300 + static_cast<uint64_t>(step));
+    ASSERT_OK(e->Step({.lr = kLr, .group_betas = {{"g0", g0_betas}}}));
+    for (size_t i = 0; i < kSizes.size(); ++i) {
+      AdamHyper h{.lr = kLr, .weight_decay = 0.05f};
+      if (i % kGroups == 0) std::tie(h.beta1, h.beta2) = g0_betas;
+      const std::vector<uint16_t> grad = model.Grad(i);
+      for (size_t j = 0; j < grad.size(); ++j) {
+        RefUpdate(h, 1.0, step, ref[i].p[j], ref[i].m[j], ref[i].v[j], BF16ToF32(grad[j]));
+      }
+    }
+  }
+  ASSERT_OK(e->Synchronize());
+  for (size_t i = 0; i < kSizes.size(); ++i) {
+    std::vector<float> master(static_cast<size_t>(kSizes[i])), m(master.size());
+    ASSERT_OK(e->ReadState(model.name(i), "master", master.data()));
+    ASSERT_OK(e->ReadState(model.name(i), "exp_avg", m.data()));
+    for (size_t j = 0; j < master.size(); ++j) {
+      ASSERT_LE(std::abs(master[j] - ref[i].p[j]), 1e-4 * std::abs(ref[i].p[j]) + 1e-3 * kLr)
+          << "param " << i << " element " << j;
+      ASSERT_LE(std::abs(m[j] - ref[i].m[j]), 1e-5 * std::abs(ref[i].m[j]) + 1e-6) << "param " << i << " element " << j;
+    }
+  }
+}
+
+TEST_P(GroupLrTest, BadGroupBetasAreRefusedWithNothingStepped) {
+  Model model(device_.get(), kSizes, 12);
+  auto e = Make(model);
+  ASSERT_TRUE(e);
+  model.SetGrads(6);
+  const auto before = model.Params();
+  absl::Status s = e->Step({.group_betas = {{"nope", {0.9f, 0.999f}}}});
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("group_betas names no parameter group 'nope'"));
+  s = e->Step({.group_betas = {{"g1", {0.9f, 0.999f}}, {"g1", {0.8f, 0.999f}}}});
+  EXPECT_THAT(std::string(s.message()), HasSubstr("names group 'g1' twice"));
+  for (const std::pair<float, float>& bad : {std::pair{1.0f, 0.999f}, std::pair{0.9f, -0.1f},
+                                            std::pair{std::nanf(""), 0.999f}}) {
+    s = e->Step({.group_betas = {{"g1", bad}}});
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(std::string(s.message()), HasSubstr("the betas of group 'g1'"));
+  }
+  ASSERT_OK(e->Synchronize());
+  EXPECT_EQ(model.Params(), before);
   EXPECT_EQ(*e->GroupStep("g0"), 0);
 }
 

@@ -1,13 +1,14 @@
 """A training loop that uses the torch idioms people combine, all at once, with overlap (attached and
 not) against the same loop without overlap: decay / no-decay param groups, OneCycleLR stepping the lr
-every step (cycle_momentum=False: Ferry fixes betas), model.zero_grad(set_to_none=True) at the top
+and beta1 every step (its default cycle_momentum), model.zero_grad(set_to_none=True) at the top
 of each step, two micro-batches (the first in opt.accumulate()), opt.clip_grad_norm_, a layer frozen
 for the first steps, an EMA of model.state_dict() after every step (as timm's ModelEmaV2 keeps it),
 torch.save(model.state_dict()) and an evaluation forward every 7 steps.
 
 Every param, EMA tensor, saved checkpoint, evaluation output and returned norm is the same bits; with
 a clip that is never reached each step keeps its early work (every group, every step), and with one
-reached at every step none does.
+reached at every step none does. And the same loop's schedule against torch.optim.AdamW: within
+test_adamw_match's FP32_ULPS after every step.
 """
 import io
 
@@ -15,6 +16,7 @@ import pytest
 import torch
 
 import ferry.torch
+from nets import assert_close_to
 
 STEPS = 30
 
@@ -34,7 +36,7 @@ def run(device, overlap, attach, clip):
                                 transfer_chunk_bytes=1024)
     if attach:
         opt.attach(model)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=STEPS + 1, cycle_momentum=False)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=STEPS + 1)
     ema = {k: v.detach().clone() for k, v in model.state_dict().items()}
     gen = torch.Generator().manual_seed(1)
     model[0].weight.requires_grad_(False)
@@ -89,3 +91,30 @@ def test_the_idioms_together_keep_the_bits_and_the_overlap(device, clip):
         stats = got["stats"]
         assert stats["early_groups_kept"] == (2 * STEPS if clip > 1 else 0), (what, stats["early_groups_kept"])
         assert stats["deferred_steps"] == (STEPS if attach else 0), (what, stats["deferred_steps"])
+
+
+@pytest.mark.parametrize("overlap,attach", [(False, False), (True, True)])
+def test_a_schedule_that_cycles_momentum_matches_torch_adamw(device, overlap, attach):
+    """OneCycleLR changes lr and beta1 at every step: each step takes both, bias corrections included."""
+    model, ref = build().to(device), build().to(device)
+    opt = ferry.torch.Optimizer(model.parameters(), lr=3e-3, weight_decay=0.1, policy="offload_all",
+                                overlap=overlap, bucket_mb=1e-3, transfer_chunk_bytes=1024)
+    if attach:
+        opt.attach(model)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.1, foreach=False)
+    scheds = [torch.optim.lr_scheduler.OneCycleLR(o, max_lr=1e-2, total_steps=STEPS + 1) for o in (opt, ref_opt)]
+    gen = torch.Generator().manual_seed(2)
+    betas = set()
+    for step in range(STEPS):
+        x, y = torch.randn(8, 16, generator=gen).to(device), torch.randn(8, 4, generator=gen).to(device)
+        betas.add(opt.param_groups[0]["betas"])
+        for m, o, sched in ((model, opt, scheds[0]), (ref, ref_opt, scheds[1])):
+            torch.nn.functional.mse_loss(m(x), y).backward()
+            o.step()
+            o.zero_grad()
+            sched.step()
+        opt.wait_params()
+        assert_close_to(model, ref, "step %d" % step)
+    assert len(betas) > STEPS // 2, betas  # beta1 moved at most steps
+    if overlap:  # the announcements carried each step's betas: every step kept its early work
+        assert opt.stats()["early_groups_kept"] == STEPS

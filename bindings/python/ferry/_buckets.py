@@ -34,7 +34,7 @@ def copy_all(dsts, srcs):
 
 class BucketMixin:
     """Uses the optimizer's _params, _names, _group_of, _groups, _bucket_bytes, _tracker, _engine,
-    _step_lrs, _by_hand, _check_unchanged(), _options(), _take_grads(), _has_grad(), _stream() and
+    _step_options, _by_hand, _check_unchanged(), _options(), _take_grads(), _has_grad(), _stream() and
     wait_params()."""
 
     # ---- buckets --------------------------------------------------------------------------------------
@@ -82,19 +82,19 @@ class BucketMixin:
         ks = [k for k in ks if k not in self._tracker.announced]  # by hand already
         if not ks:
             return False
-        if self._step_lrs is None:
-            self._step_lrs = self._check_unchanged()
+        if self._step_options is None:
+            self._step_options = self._check_unchanged()
             self._wait_params()  # refused once a param is announced: the uploads of the last step first
             self._sync_changed_params()  # so is reading masters: params the trainer wrote first
-        self._announce(ks, self._step_lrs, self._options(None, None, None), take=take)
+        self._announce(ks, self._step_options, self._options(None, None, None), take=take)
         return True
 
-    def _announce(self, ks, lrs, options, take=True):
+    def _announce(self, ks, per_step, options, take=True):
         if take:
             with torch.no_grad():
                 self._take_grads(ks)  # on the current stream, before the announcement
         with annotate("ferry.announce"):
-            self._engine.grads_ready_params([self._names[k] for k in ks], group_lr=lrs, **options,
+            self._engine.grads_ready_params([self._names[k] for k in ks], **per_step, **options,
                                             stream=self._stream())
         self._tracker.announced.update(ks)
         if take:  # attach_ddp: the versions are recorded once DDP is done with p.grad (ferry._ddp)
@@ -126,7 +126,7 @@ class BucketMixin:
         if not ks:
             self._by_hand.update(gs)
             return  # the hooks were first: nothing to do
-        lrs = self._check_unchanged()
+        per_step = self._check_unchanged()
         options = self._options(loss_scale, max_grad_norm, check_finite)
         for k in ks:
             if not self._has_grad(k):
@@ -134,7 +134,7 @@ class BucketMixin:
         if not announced:
             self._wait_params()
             self._sync_changed_params()
-        self._announce(ks, lrs, options)
+        self._announce(ks, per_step, options)
         self._by_hand.update(gs)
 
     @contextlib.contextmanager

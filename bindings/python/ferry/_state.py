@@ -18,7 +18,7 @@ import torch
 
 from . import _zero
 
-FIXED = ("betas", "eps", "weight_decay")
+FIXED = ("eps", "weight_decay")  # betas may change per step (schedulers that cycle momentum)
 
 
 class StateMixin:

@@ -38,7 +38,7 @@ What differs from torch.optim.AdamW, on purpose:
   * A skipped param's bias-correction step is its group's, so when only part of a group is skipped,
     that param's later steps use a step count one higher than torch's per-param count would be (a
     whole group skipped keeps its count). A step with skipped params synchronizes the host once.
-  * betas, eps and weight_decay of a group are fixed at construction (the engine's group settings);
+  * eps and weight_decay of a group are fixed at construction (the engine's group settings);
     changing them in param_groups raises ValueError at step(). lr may change at every step (schedulers).
   * state_dict() holds fp32 CPU tensors: 'exp_avg', 'exp_avg_sq', 'step' (a float tensor), and
     'master' for params that are not fp32. self.state stays empty: the state lives in the engine.
@@ -219,7 +219,7 @@ class Optimizer(StateMixin, _buckets.BucketMixin, _attach.AttachMixin, _zero.Sha
         self._overlap = overlap
         self._overlap_off = False  # overlap=None: turned off for good by a step that was not safe
         self._warned = set()
-        self._step_lrs = None  # the lrs of the announcements of this step (checked once per step)
+        self._step_options = None  # the per-group lrs and betas of this step's announcements (checked once)
         self._by_hand = set()  # param groups grads_ready() announced in this step
         self._waits = None  # attach(): the forward pre-hooks
         self._pending = set()  # attach(): buckets whose new params no stream waited for yet
@@ -244,11 +244,13 @@ class Optimizer(StateMixin, _buckets.BucketMixin, _attach.AttachMixin, _zero.Sha
         """Adds the groups and params (on several ranks: each param's range) to `engine`, finalizes it."""
         self._groups = ["group%d" % gi for gi in range(len(self.param_groups))]
         self._fixed = []
+        self._betas = []  # each group's betas at construction (the engine's); others pass per step
         for gi, group in enumerate(self.param_groups):
             b1, b2 = group["betas"]
             engine.add_group(self._groups[gi], weight_decay=float(group["weight_decay"]), beta1=float(b1),
                              beta2=float(b2), eps=float(group["eps"]))
             self._fixed.append({k: group[k] for k in FIXED})
+            self._betas.append((float(b1), float(b2)))
         # The grad buffers the engine reads: p.grad of each param that requires grad points at its
         # buffer once the engine is built (nothing changes when building it fails).
         self._grads = []
@@ -289,12 +291,14 @@ class Optimizer(StateMixin, _buckets.BucketMixin, _attach.AttachMixin, _zero.Sha
 
     def _check_unchanged(self):
         """RuntimeError when the params changed since construction; ValueError when a group's fixed
-        settings did. Returns [(group name, lr)] of this step."""
+        settings did, or its betas are not a pair in [0, 1). Returns this step's per-group options for
+        the engine: {"group_lr": [(group name, lr)], "group_betas": [(group name, (beta1, beta2))] of
+        the groups whose betas differ from construction (a scheduler cycling momentum)}."""
         groups = self.param_groups
         if len(groups) != len(self._group_sizes):
             raise RuntimeError("ferry.torch.Optimizer: param_groups has %d groups, the optimizer was built with %d"
                                % (len(groups), len(self._group_sizes)))
-        lrs = []
+        lrs, betas = [], []
         k = 0
         for gi, group in enumerate(groups):
             ps = group["params"]
@@ -314,13 +318,22 @@ class Optimizer(StateMixin, _buckets.BucketMixin, _attach.AttachMixin, _zero.Sha
                 k += 1
             for key in FIXED:
                 if group[key] != self._fixed[gi][key]:
-                    cycling = (" (a scheduler that cycles momentum does this: OneCycleLR and CyclicLR by default; "
-                               "pass them cycle_momentum=False)" if key == "betas" else "")
                     raise ValueError("param_groups[%d]['%s'] changed from %r to %r after construction: Ferry fixes "
-                                     "a group's betas, eps and weight_decay when the optimizer is built (only lr "
-                                     "may change per step)%s" % (gi, key, self._fixed[gi][key], group[key], cycling))
+                                     "a group's eps and weight_decay when the optimizer is built (lr and betas "
+                                     "may change per step)" % (gi, key, self._fixed[gi][key], group[key]))
             lrs.append((self._groups[gi], float(group["lr"])))
-        return lrs
+            b = group["betas"]
+            if b != self._betas[gi]:
+                try:
+                    b = (float(b[0]), float(b[1])) if len(b) == 2 else None
+                except (TypeError, ValueError):
+                    b = None
+                if b is None or not all(0.0 <= x < 1.0 for x in b):
+                    raise ValueError("param_groups[%d]['betas'] is %r: a pair (beta1, beta2), each in [0, 1)"
+                                     % (gi, group["betas"]))
+                if b != self._betas[gi]:
+                    betas.append((self._groups[gi], b))
+        return {"group_lr": lrs, "group_betas": betas}
 
     def _grad_range(self, k):
         """[begin, end) of param k's flattened elements that this rank's engine reads from its grad buffer."""
@@ -416,7 +429,7 @@ class Optimizer(StateMixin, _buckets.BucketMixin, _attach.AttachMixin, _zero.Sha
         # attach(): the last forward waited for its params (its modules' pre-hooks ran): this step's
         # may be left to the next forward's hooks (_attach.py).
         self._left_to_forward = self._waits is not None and self._forward_waits()
-        lrs = self._check_unchanged()
+        per_step = self._check_unchanged()
         options = self._clip_options(self._options(loss_scale, max_grad_norm, check_finite))
         n = len(self._params)
         has = [self._has_grad(k) for k in range(n)]
@@ -464,7 +477,7 @@ class Optimizer(StateMixin, _buckets.BucketMixin, _attach.AttachMixin, _zero.Sha
         if late is not None:
             options["discard_early"] = True
         deferred = self._left_to_forward or self._gathering()
-        skipped_step, _ = self._engine.step(group_lr=lrs, **options, wait_for_params=not deferred,
+        skipped_step, _ = self._engine.step(**per_step, **options, wait_for_params=not deferred,
                                             stream=self._stream())
         self._end_step(unsafe=unsafe)
         if deferred:
@@ -508,7 +521,7 @@ class Optimizer(StateMixin, _buckets.BucketMixin, _attach.AttachMixin, _zero.Sha
         tracker.end_step()
         self._by_hand = set()
         tracker.hook_missing()  # params unfrozen since
-        self._step_lrs = None
+        self._step_options = None
 
     def zero_grad(self, set_to_none=False):
         """Zeroes the grads in place (the default here, unlike torch 2.x's): the engine reads the

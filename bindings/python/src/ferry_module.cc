@@ -365,10 +365,14 @@ class PyEngine {
   double last_step_seconds_ = 0.0;  // Step's host wall time (see Stats); guarded by mu_
 };
 
-StepOptions MakeStepOptions(std::optional<float> lr, const std::vector<std::pair<std::string, float>>& group_lr,
+using GroupLrs = std::vector<std::pair<std::string, float>>;
+using GroupBetas = std::vector<std::pair<std::string, std::pair<float, float>>>;
+
+StepOptions MakeStepOptions(std::optional<float> lr, const GroupLrs& group_lr, const GroupBetas& group_betas,
                             float loss_scale, float max_grad_norm, bool check_finite, bool wait_for_params = true,
                             bool discard_early = false) {
-  return StepOptions{.lr = lr, .group_lr = group_lr, .loss_scale = loss_scale, .max_grad_norm = max_grad_norm,
+  return StepOptions{.lr = lr, .group_lr = group_lr, .group_betas = group_betas, .loss_scale = loss_scale,
+                     .max_grad_norm = max_grad_norm,
                      .check_finite = check_finite, .wait_for_params = wait_for_params,
                      .discard_early = discard_early};
 }
@@ -477,41 +481,44 @@ PYBIND11_MODULE(_ferry, m) {
       .def("finalize", &PyEngine::Finalize)
       .def(
           "step",
-          [](PyEngine& e, std::optional<float> lr, const std::vector<std::pair<std::string, float>>& group_lr,
+          [](PyEngine& e, std::optional<float> lr, const GroupLrs& group_lr, const GroupBetas& group_betas,
              float loss_scale, float max_grad_norm, bool check_finite, bool wait_for_params, bool discard_early,
              uintptr_t stream) {
-            return e.Step(MakeStepOptions(lr, group_lr, loss_scale, max_grad_norm, check_finite, wait_for_params,
-                                          discard_early),
+            return e.Step(MakeStepOptions(lr, group_lr, group_betas, loss_scale, max_grad_norm, check_finite,
+                                          wait_for_params, discard_early),
                           stream);
           },
-          py::kw_only(), py::arg("lr") = py::none(),
-          py::arg("group_lr") = std::vector<std::pair<std::string, float>>{}, py::arg("loss_scale") = 1.0f,
+          py::kw_only(), py::arg("lr") = py::none(), py::arg("group_lr") = GroupLrs{},
+          py::arg("group_betas") = GroupBetas{}, py::arg("loss_scale") = 1.0f,
           py::arg("max_grad_norm") = 0.0f, py::arg("check_finite") = true, py::arg("wait_for_params") = true,
           py::arg("discard_early") = false, py::arg("stream") = 0,
-          "One step; returns (skipped, grad_norm). discard_early: recompute the groups announced by grads_ready "
-          "(their grads changed after the announcement).")
+          "One step; returns (skipped, grad_norm). group_lr / group_betas: [(group, lr)] / [(group, (beta1, "
+          "beta2))] of this step. discard_early: recompute the groups announced by grads_ready (their grads "
+          "changed after the announcement).")
       .def(
           "grads_ready",
-          [](PyEngine& e, const std::vector<std::string>& groups, std::optional<float> lr,
-             const std::vector<std::pair<std::string, float>>& group_lr, float loss_scale, float max_grad_norm,
-             bool check_finite, uintptr_t stream) {
-            e.GradsReady(groups, MakeStepOptions(lr, group_lr, loss_scale, max_grad_norm, check_finite), stream);
+          [](PyEngine& e, const std::vector<std::string>& groups, std::optional<float> lr, const GroupLrs& group_lr,
+             const GroupBetas& group_betas, float loss_scale, float max_grad_norm, bool check_finite,
+             uintptr_t stream) {
+            e.GradsReady(groups, MakeStepOptions(lr, group_lr, group_betas, loss_scale, max_grad_norm, check_finite),
+                         stream);
           },
-          py::arg("groups"), py::kw_only(), py::arg("lr") = py::none(),
-          py::arg("group_lr") = std::vector<std::pair<std::string, float>>{}, py::arg("loss_scale") = 1.0f,
+          py::arg("groups"), py::kw_only(), py::arg("lr") = py::none(), py::arg("group_lr") = GroupLrs{},
+          py::arg("group_betas") = GroupBetas{}, py::arg("loss_scale") = 1.0f,
           py::arg("max_grad_norm") = 0.0f, py::arg("check_finite") = true, py::arg("stream") = 0,
           "The grads of `groups` are final on `stream`: their step starts now (Engine::GradsReady); the "
           "options are the coming step's.")
       .def(
           "grads_ready_params",
-          [](PyEngine& e, const std::vector<std::string>& params, std::optional<float> lr,
-             const std::vector<std::pair<std::string, float>>& group_lr, float loss_scale, float max_grad_norm,
-             bool check_finite, uintptr_t stream) {
-            e.GradsReadyParams(params, MakeStepOptions(lr, group_lr, loss_scale, max_grad_norm, check_finite),
+          [](PyEngine& e, const std::vector<std::string>& params, std::optional<float> lr, const GroupLrs& group_lr,
+             const GroupBetas& group_betas, float loss_scale, float max_grad_norm, bool check_finite,
+             uintptr_t stream) {
+            e.GradsReadyParams(params,
+                               MakeStepOptions(lr, group_lr, group_betas, loss_scale, max_grad_norm, check_finite),
                                stream);
           },
-          py::arg("params"), py::kw_only(), py::arg("lr") = py::none(),
-          py::arg("group_lr") = std::vector<std::pair<std::string, float>>{}, py::arg("loss_scale") = 1.0f,
+          py::arg("params"), py::kw_only(), py::arg("lr") = py::none(), py::arg("group_lr") = GroupLrs{},
+          py::arg("group_betas") = GroupBetas{}, py::arg("loss_scale") = 1.0f,
           py::arg("max_grad_norm") = 0.0f, py::arg("check_finite") = true, py::arg("stream") = 0,
           "The grads of `params` (names, of any groups: a bucket) are final on `stream`: their part of the "
           "step starts now (Engine::GradsReadyParams).")
@@ -526,7 +533,7 @@ PYBIND11_MODULE(_ferry, m) {
           [](PyEngine& e, int64_t steps, std::optional<float> lr,
              const std::vector<std::pair<std::string, float>>& group_lr, float loss_scale, float max_grad_norm,
              bool check_finite, uintptr_t stream) {
-            return e.RunSteps(steps, MakeStepOptions(lr, group_lr, loss_scale, max_grad_norm, check_finite), stream);
+            return e.RunSteps(steps, MakeStepOptions(lr, group_lr, {}, loss_scale, max_grad_norm, check_finite), stream);
           },
           py::arg("steps"), py::kw_only(), py::arg("lr") = py::none(),
           py::arg("group_lr") = std::vector<std::pair<std::string, float>>{}, py::arg("loss_scale") = 1.0f,

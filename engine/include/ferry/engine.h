@@ -204,6 +204,11 @@ struct StepOptions {
   // every group's). Each >= 0 and finite. Errors (nothing stepped): InvalidArgument naming an unknown
   // group, a group named twice or a bad value.
   std::vector<std::pair<std::string, float>> group_lr;
+  // This step's (beta1, beta2) of the named groups, replacing their GroupOptions' for this step only:
+  // schedulers that cycle momentum (torch's OneCycleLR and CyclicLR change beta1 at every step). The
+  // bias corrections take this step's betas, as torch's AdamW does (1 - beta1^t). Each in [0, 1).
+  // Errors as group_lr's. A group's own betas (checkpoints, Placement) stay its GroupOptions'.
+  std::vector<std::pair<std::string, std::pair<float, float>>> group_betas;
   // Mixed precision: the grads carry this loss scale and are divided by it (> 0, finite).
   float loss_scale = 1.0f;
   // > 0: clip the global L2 norm of the unscaled grads of every group to this, computed across all

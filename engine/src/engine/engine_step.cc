@@ -116,30 +116,41 @@ absl::Status EngineImpl::RequireBetweenSteps(std::string_view what) {
 
 absl::StatusOr<HybridStepParams> EngineImpl::StepParams(const StepOptions& options) const {
   FERRY_ASSIGN_OR_RETURN(std::vector<std::optional<float>> group_lr, GroupLrs(options));
+  FERRY_ASSIGN_OR_RETURN(auto group_betas, ByGroup(options.group_betas, "group_betas"));
   return HybridStepParams{.lr = options.lr.value_or(options_.optimizer.lr), .group_lr = std::move(group_lr),
+                          .group_betas = std::move(group_betas),
                           .loss_scale = options.loss_scale, .max_grad_norm = options.max_grad_norm,
                           .check_finite = options.check_finite, .wait_for_params = options.wait_for_params,
                           .discard_early = options.discard_early};
 }
 
-absl::StatusOr<std::vector<std::optional<float>>> EngineImpl::GroupLrs(const StepOptions& options) const {
-  std::vector<std::optional<float>> out;
-  if (options.group_lr.empty()) return out;
+template <typename T>
+absl::StatusOr<std::vector<std::optional<T>>> EngineImpl::ByGroup(const std::vector<std::pair<std::string, T>>& named,
+                                                                  const char* field) const {
+  std::vector<std::optional<T>> out;
+  if (named.empty()) return out;
   out.resize(group_names_.size());
-  for (const auto& [name, lr] : options.group_lr) {
+  for (const auto& [name, value] : named) {
     auto it = group_index_.find(name);
     if (it == group_index_.end()) {
-      return absl::InvalidArgumentError(absl::StrCat("Step: group_lr names no parameter group '", name, "' (groups: ",
-                                                     absl::StrJoin(group_names_, ", "), ")"));
+      return absl::InvalidArgumentError(absl::StrCat("Step: ", field, " names no parameter group '", name,
+                                                     "' (groups: ", absl::StrJoin(group_names_, ", "), ")"));
     }
     if (out[it->second].has_value()) {
-      return absl::InvalidArgumentError(absl::StrCat("Step: group_lr names group '", name, "' twice"));
+      return absl::InvalidArgumentError(absl::StrCat("Step: ", field, " names group '", name, "' twice"));
     }
+    out[it->second] = value;
+  }
+  return out;  // the values are checked by the optimizer (HybridOptimizer::CheckStepParams)
+}
+
+absl::StatusOr<std::vector<std::optional<float>>> EngineImpl::GroupLrs(const StepOptions& options) const {
+  FERRY_ASSIGN_OR_RETURN(std::vector<std::optional<float>> out, ByGroup(options.group_lr, "group_lr"));
+  for (const auto& [name, lr] : options.group_lr) {
     if (!(std::isfinite(lr) && lr >= 0.0f)) {
       return absl::InvalidArgumentError(absl::StrCat("Step: group_lr of group '", name, "' is ", lr,
                                                      "; it must be >= 0 and finite"));
     }
-    out[it->second] = lr;
   }
   return out;
 }

@@ -24,6 +24,8 @@ static_assert(sizeof(GradStats) <= kStatsPage);
 
 size_t AlignUp(size_t n, size_t a) { return (n + a - 1) / a * a; }
 
+bool BetaInRange(float beta) { return beta >= 0.0f && beta < 1.0f; }  // NaN is not
+
 bool InArena(const PinnedArena* arena, const HostSpan& span) {
   if (arena == nullptr) return false;
   const char* base = static_cast<const char*>(arena->base());
@@ -317,6 +319,17 @@ absl::Status HybridOptimizer::CheckStepParams(const HybridStepParams& params) co
                                                      *lr, "; it must be >= 0 and finite"));
     }
   }
+  if (params.group_betas.size() > groups_.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("Step: ", params.group_betas.size(), " group betas for ",
+                                                   groups_.size(), " groups"));
+  }
+  for (size_t gi = 0; gi < params.group_betas.size(); ++gi) {
+    const auto& betas = params.group_betas[gi];
+    if (betas && !(BetaInRange(betas->first) && BetaInRange(betas->second))) {
+      return absl::InvalidArgumentError(absl::StrCat("Step: the betas of group '", groups_[gi].name, "' are (",
+                                                     betas->first, ", ", betas->second, "); each must be in [0, 1)"));
+    }
+  }
   return absl::OkStatus();
 }
 
@@ -325,6 +338,10 @@ AdamScalars HybridOptimizer::GroupScalars(size_t g, const HybridStepParams& para
   AdamHyper h = groups_[g].hyper;
   const bool own = g < params.group_lr.size() && params.group_lr[g].has_value();
   h.lr = own ? *params.group_lr[g] : GroupLr(params.lr, groups_[g].lr_scale);
+  if (g < params.group_betas.size() && params.group_betas[g].has_value()) {
+    h.beta1 = params.group_betas[g]->first;  // this step's (a scheduler cycling momentum)
+    h.beta2 = params.group_betas[g]->second;
+  }
   return MakeAdamScalars(h, groups_[g].step + 1, grad_multiplier);
 }
 absl::StatusOr<HybridStepResult> HybridOptimizer::Step(const HybridStepParams& params, Stream& trainer) {

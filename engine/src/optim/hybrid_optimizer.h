@@ -84,6 +84,8 @@ struct HybridStepParams {
   // Empty, or one entry per group: a set entry is that group's learning rate at this step, replacing
   // GroupLr(lr, lr_scale) (torch-style absolute per-group rates, set by a scheduler each step).
   std::vector<std::optional<float>> group_lr;
+  // Empty, or one entry per group: a set entry is that group's (beta1, beta2) at this step.
+  std::vector<std::optional<std::pair<float, float>>> group_betas;
   float loss_scale = 1.0f;    // grads are divided by it
   float max_grad_norm = 0.0f; // > 0: global-norm clipping across every group
   bool check_finite = true;   // NaN/Inf in any grad skips the whole step
