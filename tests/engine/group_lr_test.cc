@@ -6,6 +6,7 @@
 #include <cmath>
 #include <tuple>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <string>
 #include <vector>
@@ -92,11 +93,12 @@ TEST_P(GroupLrTest, BadGroupRatesAreRefusedWithNothingStepped) {
   EXPECT_EQ(*e->GroupStep("g0"), 0);
 }
 
-// A scheduler that cycles momentum (torch's OneCycleLR) gives a group other betas at every step: the
-// masters and moments follow the float64 reference (tests/device/adam_reference.h) with each step's
-// betas, bias corrections included (1 - beta1^t with this step's beta1), within its bounds; the group
-// without them keeps its own. Fresh random grads every step.
-TEST_P(GroupLrTest, GroupBetasOfAStepFollowTheFloat64Reference) {
+// A scheduler that cycles momentum (torch's OneCycleLR) gives a group other betas at every step, and
+// one that schedules weight decay (DINO's) the other group another decay: the masters and moments
+// follow the float64 reference (tests/device/adam_reference.h) with each step's values, bias
+// corrections included (1 - beta1^t with this step's beta1), within its bounds. Fresh random grads
+// every step.
+TEST_P(GroupLrTest, GroupBetasAndDecayOfAStepFollowTheFloat64Reference) {
   Model model(device_.get(), kSizes, 11);
   auto e = Make(model);
   ASSERT_TRUE(e);
@@ -111,11 +113,13 @@ TEST_P(GroupLrTest, GroupBetasOfAStepFollowTheFloat64Reference) {
   }
   for (int step = 1; step <= 8; ++step) {
     const std::pair<float, float> g0_betas{0.95f - 0.02f * static_cast<float>(step % 5), 0.99f};
+    const float g1_decay = 0.5f / static_cast<float>(step);
     model.SetGrads(300 + static_cast<uint64_t>(step));
-    ASSERT_OK(e->Step({.lr = kLr, .group_betas = {{"g0", g0_betas}}}));
+    ASSERT_OK(e->Step({.lr = kLr, .group_betas = {{"g0", g0_betas}}, .group_weight_decay = {{"g1", g1_decay}}}));
     for (size_t i = 0; i < kSizes.size(); ++i) {
       AdamHyper h{.lr = kLr, .weight_decay = 0.05f};
       if (i % kGroups == 0) std::tie(h.beta1, h.beta2) = g0_betas;
+      if (i % kGroups == 1) h.weight_decay = g1_decay;
       const std::vector<uint16_t> grad = model.Grad(i);
       for (size_t j = 0; j < grad.size(); ++j) {
         RefUpdate(h, 1.0, step, ref[i].p[j], ref[i].m[j], ref[i].v[j], BF16ToF32(grad[j]));
@@ -135,7 +139,7 @@ TEST_P(GroupLrTest, GroupBetasOfAStepFollowTheFloat64Reference) {
   }
 }
 
-TEST_P(GroupLrTest, BadGroupBetasAreRefusedWithNothingStepped) {
+TEST_P(GroupLrTest, BadGroupBetasOrDecayAreRefusedWithNothingStepped) {
   Model model(device_.get(), kSizes, 12);
   auto e = Make(model);
   ASSERT_TRUE(e);
@@ -152,6 +156,13 @@ TEST_P(GroupLrTest, BadGroupBetasAreRefusedWithNothingStepped) {
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
     EXPECT_THAT(std::string(s.message()), HasSubstr("the betas of group 'g1'"));
   }
+  for (const float bad : {-0.1f, std::nanf(""), std::numeric_limits<float>::infinity()}) {
+    s = e->Step({.group_weight_decay = {{"g0", bad}}});
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(std::string(s.message()), HasSubstr("the weight decay of group 'g0'"));
+  }
+  s = e->Step({.group_weight_decay = {{"g2", 0.1f}}});
+  EXPECT_THAT(std::string(s.message()), HasSubstr("group_weight_decay names no parameter group 'g2'"));
   ASSERT_OK(e->Synchronize());
   EXPECT_EQ(model.Params(), before);
   EXPECT_EQ(*e->GroupStep("g0"), 0);

@@ -70,18 +70,23 @@ def test_params_changed_after_construction(device):
 def test_fixed_group_settings_changed(device):
     params = make_params(device)
     opt = ferry.torch.Optimizer(groups_of(params))
-    opt.param_groups[1]["weight_decay"] = 0.5
+    opt.param_groups[1]["eps"] = 1e-6
     set_grads(params, grads_for(params, 1))
     before = [p.detach().clone() for p in params]
-    with pytest.raises(ValueError, match=r"param_groups\[1\]\['weight_decay'\] changed from 0.0 to 0.5"):
+    with pytest.raises(ValueError, match=r"param_groups\[1\]\['eps'\] changed from 1e-08 to 1e-06"):
         opt.step()
     for p, b in zip(params, before):
         assert torch.equal(p.detach(), b)
-    # betas may change per step (a scheduler cycling momentum), but only to a pair in [0, 1)
+    # betas and weight decay may change per step (schedulers), to values in their ranges only
     opt = ferry.torch.Optimizer(groups_of(params))
     for bad in ((1.0, 0.999), (0.9,), "x"):
         opt.param_groups[1]["betas"] = bad
-        with pytest.raises(ValueError, match=r"param_groups\[1\]\['betas'\] is .*: a pair \(beta1, beta2\), each in \[0, 1\)"):
+        with pytest.raises(ValueError, match=r"param_groups\[1\]\['betas'\]"):
+            opt.step()
+    opt.param_groups[1]["betas"] = (0.9, 0.999)
+    for bad in (-0.1, float("nan"), "x"):
+        opt.param_groups[2]["weight_decay"] = bad
+        with pytest.raises(ValueError, match=r"param_groups\[2\]\['weight_decay'\] must be a number >= 0, got"):
             opt.step()
     for p, b in zip(params, before):
         assert torch.equal(p.detach(), b)

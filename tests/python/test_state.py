@@ -80,8 +80,8 @@ def test_load_state_dict_refuses_mismatches_and_changes_nothing(device):
     with pytest.raises(ValueError, match="number of parameter groups"):
         opt.load_state_dict(bad)
     bad = roundtrip(sd)
-    bad["param_groups"][2]["weight_decay"] = 0.5
-    with pytest.raises(ValueError, match=r"param_groups\[2\]\['weight_decay'\]"):
+    bad["param_groups"][2]["eps"] = 1e-5  # fixed at construction (lr, betas and weight decay are not)
+    with pytest.raises(ValueError, match=r"param_groups\[2\]\['eps'\]"):
         opt.load_state_dict(bad)
     bad = roundtrip(sd)
     bad["state"][3]["exp_avg"] = torch.zeros(7)

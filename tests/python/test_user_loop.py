@@ -11,6 +11,7 @@ reached at every step none does. And the same loop's schedule against torch.opti
 test_adamw_match's FP32_ULPS after every step.
 """
 import io
+import math
 
 import pytest
 import torch
@@ -94,8 +95,10 @@ def test_the_idioms_together_keep_the_bits_and_the_overlap(device, clip):
 
 
 @pytest.mark.parametrize("overlap,attach", [(False, False), (True, True)])
-def test_a_schedule_that_cycles_momentum_matches_torch_adamw(device, overlap, attach):
-    """OneCycleLR changes lr and beta1 at every step: each step takes both, bias corrections included."""
+def test_schedules_of_lr_momentum_and_decay_match_torch_adamw(device, overlap, attach):
+    """OneCycleLR changes lr and beta1 at every step, and a cosine schedule of the weight decay (as DINO
+    writes it, param_groups[i]['weight_decay'] set each step) the decay: each step takes all three,
+    bias corrections included."""
     model, ref = build().to(device), build().to(device)
     opt = ferry.torch.Optimizer(model.parameters(), lr=3e-3, weight_decay=0.1, policy="offload_all",
                                 overlap=overlap, bucket_mb=1e-3, transfer_chunk_bytes=1024)
@@ -108,6 +111,8 @@ def test_a_schedule_that_cycles_momentum_matches_torch_adamw(device, overlap, at
     for step in range(STEPS):
         x, y = torch.randn(8, 16, generator=gen).to(device), torch.randn(8, 4, generator=gen).to(device)
         betas.add(opt.param_groups[0]["betas"])
+        for o in (opt, ref_opt):
+            o.param_groups[0]["weight_decay"] = 0.04 + 0.2 * (1 + math.cos(math.pi * step / STEPS))
         for m, o, sched in ((model, opt, scheds[0]), (ref, ref_opt, scheds[1])):
             torch.nn.functional.mse_loss(m(x), y).backward()
             o.step()

@@ -1,5 +1,6 @@
 """The argument and param checks of ferry.torch.Optimizer's construction: each error names the
 argument, param group or param at fault, and is raised before anything was built."""
+import math
 import numbers
 
 import torch
@@ -86,12 +87,14 @@ def overlap_arguments(bucket_mb, spare_state, state_later):
     return max(1, int(float(bucket_mb) * (1 << 20))), float(spare_state), later
 
 
-def check_group(gi, group):
-    """A param group's own settings (those given in its dict)."""
-    check_betas(group["betas"], "param_groups[%d]['betas']" % gi)
-    for key in ("lr", "eps", "weight_decay"):
-        if not _real(group[key]) or group[key] < 0:
+def check_group(gi, group, keys=("lr", "eps", "weight_decay")):
+    """A param group's own settings (those given in its dict; at each step, those a scheduler may
+    change: keys=("weight_decay",)). Returns its betas as a pair of floats."""
+    betas = check_betas(group["betas"], "param_groups[%d]['betas']" % gi)
+    for key in keys:
+        if not _real(group[key]) or not group[key] >= 0 or math.isinf(group[key]):
             raise ValueError("param_groups[%d]['%s'] must be a number >= 0, got %r" % (gi, key, group[key]))
+    return tuple(float(b) for b in betas)
 
 
 def check_params(params, wheres):

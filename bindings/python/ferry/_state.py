@@ -18,7 +18,7 @@ import torch
 
 from . import _zero
 
-FIXED = ("eps", "weight_decay")  # betas may change per step (schedulers that cycle momentum)
+FIXED = ("eps",)  # lr, betas and weight_decay may change per step (schedulers)
 
 
 class StateMixin:
@@ -124,8 +124,8 @@ class StateMixin:
             for key in FIXED:
                 if key in saved and tuple(_aslist(saved[key])) != tuple(_aslist(group[key])):
                     raise ValueError("loaded state dict's param_groups[%d]['%s'] is %r, this optimizer's %r: Ferry "
-                                     "fixes betas, eps and weight_decay at construction; build the optimizer with "
-                                     "the checkpoint's settings" % (gi, key, saved[key], group[key]))
+                                     "fixes eps at construction; build the optimizer with the checkpoint's settings"
+                                     % (gi, key, saved[key], group[key]))
             group_steps = []
             for index, p in zip(saved["params"], group["params"]):
                 entry = saved_state.get(index)

@@ -38,7 +38,7 @@ What differs from torch.optim.AdamW, on purpose:
   * A skipped param's bias-correction step is its group's, so when only part of a group is skipped,
     that param's later steps use a step count one higher than torch's per-param count would be (a
     whole group skipped keeps its count). A step with skipped params synchronizes the host once.
-  * eps and weight_decay of a group are fixed at construction (the engine's group settings);
+  * eps of a group is fixed at construction (the engine's group setting);
     changing them in param_groups raises ValueError at step(). lr may change at every step (schedulers).
   * state_dict() holds fp32 CPU tensors: 'exp_avg', 'exp_avg_sq', 'step' (a float tensor), and
     'master' for params that are not fp32. self.state stays empty: the state lives in the engine.
@@ -244,13 +244,14 @@ class Optimizer(StateMixin, _buckets.BucketMixin, _attach.AttachMixin, _zero.Sha
         """Adds the groups and params (on several ranks: each param's range) to `engine`, finalizes it."""
         self._groups = ["group%d" % gi for gi in range(len(self.param_groups))]
         self._fixed = []
-        self._betas = []  # each group's betas at construction (the engine's); others pass per step
+        self._betas, self._wd = [], []  # each group's betas and weight decay at construction (the engine's)
         for gi, group in enumerate(self.param_groups):
             b1, b2 = group["betas"]
             engine.add_group(self._groups[gi], weight_decay=float(group["weight_decay"]), beta1=float(b1),
                              beta2=float(b2), eps=float(group["eps"]))
             self._fixed.append({k: group[k] for k in FIXED})
             self._betas.append((float(b1), float(b2)))
+            self._wd.append(float(group["weight_decay"]))
         # The grad buffers the engine reads: p.grad of each param that requires grad points at its
         # buffer once the engine is built (nothing changes when building it fails).
         self._grads = []
@@ -291,14 +292,15 @@ class Optimizer(StateMixin, _buckets.BucketMixin, _attach.AttachMixin, _zero.Sha
 
     def _check_unchanged(self):
         """RuntimeError when the params changed since construction; ValueError when a group's fixed
-        settings did, or its betas are not a pair in [0, 1). Returns this step's per-group options for
-        the engine: {"group_lr": [(group name, lr)], "group_betas": [(group name, (beta1, beta2))] of
-        the groups whose betas differ from construction (a scheduler cycling momentum)}."""
+        settings did, or its betas are not a pair in [0, 1), or its weight decay is not >= 0. Returns
+        this step's per-group options for the engine: {"group_lr": [(group name, lr)], "group_betas":
+        [(group name, (beta1, beta2))] and "group_weight_decay": [(group name, wd)] of the groups whose
+        values differ from construction (schedulers: OneCycleLR's momentum, DINO's weight decay)}."""
         groups = self.param_groups
         if len(groups) != len(self._group_sizes):
             raise RuntimeError("ferry.torch.Optimizer: param_groups has %d groups, the optimizer was built with %d"
                                % (len(groups), len(self._group_sizes)))
-        lrs, betas = [], []
+        lrs, betas, wds = [], [], []
         k = 0
         for gi, group in enumerate(groups):
             ps = group["params"]
@@ -319,21 +321,16 @@ class Optimizer(StateMixin, _buckets.BucketMixin, _attach.AttachMixin, _zero.Sha
             for key in FIXED:
                 if group[key] != self._fixed[gi][key]:
                     raise ValueError("param_groups[%d]['%s'] changed from %r to %r after construction: Ferry fixes "
-                                     "a group's eps and weight_decay when the optimizer is built (lr and betas "
-                                     "may change per step)" % (gi, key, self._fixed[gi][key], group[key]))
+                                     "a group's eps when the optimizer is built (lr, betas and weight_decay may "
+                                     "change per step)" % (gi, key, self._fixed[gi][key], group[key]))
             lrs.append((self._groups[gi], float(group["lr"])))
-            b = group["betas"]
-            if b != self._betas[gi]:
-                try:
-                    b = (float(b[0]), float(b[1])) if len(b) == 2 else None
-                except (TypeError, ValueError):
-                    b = None
-                if b is None or not all(0.0 <= x < 1.0 for x in b):
-                    raise ValueError("param_groups[%d]['betas'] is %r: a pair (beta1, beta2), each in [0, 1)"
-                                     % (gi, group["betas"]))
+            if group["betas"] != self._betas[gi] or group["weight_decay"] != self._wd[gi]:
+                b = _checks.check_group(gi, group, keys=("weight_decay",))  # set by a scheduler
                 if b != self._betas[gi]:
                     betas.append((self._groups[gi], b))
-        return {"group_lr": lrs, "group_betas": betas}
+                if float(group["weight_decay"]) != self._wd[gi]:
+                    wds.append((self._groups[gi], float(group["weight_decay"])))
+        return {"group_lr": lrs, "group_betas": betas, "group_weight_decay": wds}
 
     def _grad_range(self, k):
         """[begin, end) of param k's flattened elements that this rank's engine reads from its grad buffer."""

@@ -369,9 +369,10 @@ using GroupLrs = std::vector<std::pair<std::string, float>>;
 using GroupBetas = std::vector<std::pair<std::string, std::pair<float, float>>>;
 
 StepOptions MakeStepOptions(std::optional<float> lr, const GroupLrs& group_lr, const GroupBetas& group_betas,
-                            float loss_scale, float max_grad_norm, bool check_finite, bool wait_for_params = true,
-                            bool discard_early = false) {
-  return StepOptions{.lr = lr, .group_lr = group_lr, .group_betas = group_betas, .loss_scale = loss_scale,
+                            const GroupLrs& group_weight_decay, float loss_scale, float max_grad_norm,
+                            bool check_finite, bool wait_for_params = true, bool discard_early = false) {
+  return StepOptions{.lr = lr, .group_lr = group_lr, .group_betas = group_betas,
+                     .group_weight_decay = group_weight_decay, .loss_scale = loss_scale,
                      .max_grad_norm = max_grad_norm,
                      .check_finite = check_finite, .wait_for_params = wait_for_params,
                      .discard_early = discard_early};
@@ -482,44 +483,49 @@ PYBIND11_MODULE(_ferry, m) {
       .def(
           "step",
           [](PyEngine& e, std::optional<float> lr, const GroupLrs& group_lr, const GroupBetas& group_betas,
-             float loss_scale, float max_grad_norm, bool check_finite, bool wait_for_params, bool discard_early,
-             uintptr_t stream) {
-            return e.Step(MakeStepOptions(lr, group_lr, group_betas, loss_scale, max_grad_norm, check_finite,
-                                          wait_for_params, discard_early),
+             const GroupLrs& group_weight_decay, float loss_scale, float max_grad_norm, bool check_finite,
+             bool wait_for_params, bool discard_early, uintptr_t stream) {
+            return e.Step(MakeStepOptions(lr, group_lr, group_betas, group_weight_decay, loss_scale, max_grad_norm,
+                                          check_finite, wait_for_params, discard_early),
                           stream);
           },
           py::kw_only(), py::arg("lr") = py::none(), py::arg("group_lr") = GroupLrs{},
-          py::arg("group_betas") = GroupBetas{}, py::arg("loss_scale") = 1.0f,
-          py::arg("max_grad_norm") = 0.0f, py::arg("check_finite") = true, py::arg("wait_for_params") = true,
-          py::arg("discard_early") = false, py::arg("stream") = 0,
-          "One step; returns (skipped, grad_norm). group_lr / group_betas: [(group, lr)] / [(group, (beta1, "
-          "beta2))] of this step. discard_early: recompute the groups announced by grads_ready (their grads "
-          "changed after the announcement).")
+          py::arg("group_betas") = GroupBetas{}, py::arg("group_weight_decay") = GroupLrs{},
+          py::arg("loss_scale") = 1.0f, py::arg("max_grad_norm") = 0.0f, py::arg("check_finite") = true,
+          py::arg("wait_for_params") = true, py::arg("discard_early") = false, py::arg("stream") = 0,
+          "One step; returns (skipped, grad_norm). group_lr / group_betas / group_weight_decay: [(group, lr)] / "
+          "[(group, (beta1, beta2))] / [(group, weight_decay)] of this step. discard_early: recompute the groups "
+          "announced by grads_ready (their grads changed after the announcement).")
       .def(
           "grads_ready",
           [](PyEngine& e, const std::vector<std::string>& groups, std::optional<float> lr, const GroupLrs& group_lr,
-             const GroupBetas& group_betas, float loss_scale, float max_grad_norm, bool check_finite,
-             uintptr_t stream) {
-            e.GradsReady(groups, MakeStepOptions(lr, group_lr, group_betas, loss_scale, max_grad_norm, check_finite),
+             const GroupBetas& group_betas, const GroupLrs& group_weight_decay, float loss_scale,
+             float max_grad_norm, bool check_finite, uintptr_t stream) {
+            e.GradsReady(groups,
+                         MakeStepOptions(lr, group_lr, group_betas, group_weight_decay, loss_scale, max_grad_norm,
+                                         check_finite),
                          stream);
           },
           py::arg("groups"), py::kw_only(), py::arg("lr") = py::none(), py::arg("group_lr") = GroupLrs{},
-          py::arg("group_betas") = GroupBetas{}, py::arg("loss_scale") = 1.0f,
-          py::arg("max_grad_norm") = 0.0f, py::arg("check_finite") = true, py::arg("stream") = 0,
+          py::arg("group_betas") = GroupBetas{}, py::arg("group_weight_decay") = GroupLrs{},
+          py::arg("loss_scale") = 1.0f, py::arg("max_grad_norm") = 0.0f, py::arg("check_finite") = true,
+          py::arg("stream") = 0,
           "The grads of `groups` are final on `stream`: their step starts now (Engine::GradsReady); the "
           "options are the coming step's.")
       .def(
           "grads_ready_params",
           [](PyEngine& e, const std::vector<std::string>& params, std::optional<float> lr, const GroupLrs& group_lr,
-             const GroupBetas& group_betas, float loss_scale, float max_grad_norm, bool check_finite,
-             uintptr_t stream) {
+             const GroupBetas& group_betas, const GroupLrs& group_weight_decay, float loss_scale,
+             float max_grad_norm, bool check_finite, uintptr_t stream) {
             e.GradsReadyParams(params,
-                               MakeStepOptions(lr, group_lr, group_betas, loss_scale, max_grad_norm, check_finite),
+                               MakeStepOptions(lr, group_lr, group_betas, group_weight_decay, loss_scale,
+                                               max_grad_norm, check_finite),
                                stream);
           },
           py::arg("params"), py::kw_only(), py::arg("lr") = py::none(), py::arg("group_lr") = GroupLrs{},
-          py::arg("group_betas") = GroupBetas{}, py::arg("loss_scale") = 1.0f,
-          py::arg("max_grad_norm") = 0.0f, py::arg("check_finite") = true, py::arg("stream") = 0,
+          py::arg("group_betas") = GroupBetas{}, py::arg("group_weight_decay") = GroupLrs{},
+          py::arg("loss_scale") = 1.0f, py::arg("max_grad_norm") = 0.0f, py::arg("check_finite") = true,
+          py::arg("stream") = 0,
           "The grads of `params` (names, of any groups: a bucket) are final on `stream`: their part of the "
           "step starts now (Engine::GradsReadyParams).")
       .def("wait_params_of", &PyEngine::WaitParamsOf, py::arg("params"), py::kw_only(), py::arg("stream") = 0,
@@ -533,7 +539,8 @@ PYBIND11_MODULE(_ferry, m) {
           [](PyEngine& e, int64_t steps, std::optional<float> lr,
              const std::vector<std::pair<std::string, float>>& group_lr, float loss_scale, float max_grad_norm,
              bool check_finite, uintptr_t stream) {
-            return e.RunSteps(steps, MakeStepOptions(lr, group_lr, {}, loss_scale, max_grad_norm, check_finite), stream);
+            return e.RunSteps(steps, MakeStepOptions(lr, group_lr, {}, {}, loss_scale, max_grad_norm, check_finite),
+                              stream);
           },
           py::arg("steps"), py::kw_only(), py::arg("lr") = py::none(),
           py::arg("group_lr") = std::vector<std::pair<std::string, float>>{}, py::arg("loss_scale") = 1.0f,

@@ -209,6 +209,9 @@ struct StepOptions {
   // bias corrections take this step's betas, as torch's AdamW does (1 - beta1^t). Each in [0, 1).
   // Errors as group_lr's. A group's own betas (checkpoints, Placement) stay its GroupOptions'.
   std::vector<std::pair<std::string, std::pair<float, float>>> group_betas;
+  // This step's weight decay of the named groups (schedules that move it, as DINO's cosine one), for
+  // this step only. Each >= 0 and finite. Errors as group_lr's.
+  std::vector<std::pair<std::string, float>> group_weight_decay;
   // Mixed precision: the grads carry this loss scale and are divided by it (> 0, finite).
   float loss_scale = 1.0f;
   // > 0: clip the global L2 norm of the unscaled grads of every group to this, computed across all

@@ -117,8 +117,9 @@ absl::Status EngineImpl::RequireBetweenSteps(std::string_view what) {
 absl::StatusOr<HybridStepParams> EngineImpl::StepParams(const StepOptions& options) const {
   FERRY_ASSIGN_OR_RETURN(std::vector<std::optional<float>> group_lr, GroupLrs(options));
   FERRY_ASSIGN_OR_RETURN(auto group_betas, ByGroup(options.group_betas, "group_betas"));
+  FERRY_ASSIGN_OR_RETURN(auto group_weight_decay, ByGroup(options.group_weight_decay, "group_weight_decay"));
   return HybridStepParams{.lr = options.lr.value_or(options_.optimizer.lr), .group_lr = std::move(group_lr),
-                          .group_betas = std::move(group_betas),
+                          .group_betas = std::move(group_betas), .group_weight_decay = std::move(group_weight_decay),
                           .loss_scale = options.loss_scale, .max_grad_norm = options.max_grad_norm,
                           .check_finite = options.check_finite, .wait_for_params = options.wait_for_params,
                           .discard_early = options.discard_early};

@@ -330,6 +330,17 @@ absl::Status HybridOptimizer::CheckStepParams(const HybridStepParams& params) co
                                                      betas->first, ", ", betas->second, "); each must be in [0, 1)"));
     }
   }
+  if (params.group_weight_decay.size() > groups_.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("Step: ", params.group_weight_decay.size(),
+                                                   " group weight decays for ", groups_.size(), " groups"));
+  }
+  for (size_t gi = 0; gi < params.group_weight_decay.size(); ++gi) {
+    const std::optional<float>& wd = params.group_weight_decay[gi];
+    if (wd && !(std::isfinite(*wd) && *wd >= 0.0f)) {
+      return absl::InvalidArgumentError(absl::StrCat("Step: the weight decay of group '", groups_[gi].name, "' is ",
+                                                     *wd, "; it must be >= 0 and finite"));
+    }
+  }
   return absl::OkStatus();
 }
 
@@ -341,6 +352,9 @@ AdamScalars HybridOptimizer::GroupScalars(size_t g, const HybridStepParams& para
   if (g < params.group_betas.size() && params.group_betas[g].has_value()) {
     h.beta1 = params.group_betas[g]->first;  // this step's (a scheduler cycling momentum)
     h.beta2 = params.group_betas[g]->second;
+  }
+  if (g < params.group_weight_decay.size() && params.group_weight_decay[g].has_value()) {
+    h.weight_decay = *params.group_weight_decay[g];
   }
   return MakeAdamScalars(h, groups_[g].step + 1, grad_multiplier);
 }

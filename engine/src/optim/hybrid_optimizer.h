@@ -86,6 +86,8 @@ struct HybridStepParams {
   std::vector<std::optional<float>> group_lr;
   // Empty, or one entry per group: a set entry is that group's (beta1, beta2) at this step.
   std::vector<std::optional<std::pair<float, float>>> group_betas;
+  // Empty, or one entry per group: a set entry is that group's weight decay at this step.
+  std::vector<std::optional<float>> group_weight_decay;
   float loss_scale = 1.0f;    // grads are divided by it
   float max_grad_norm = 0.0f; // > 0: global-norm clipping across every group
   bool check_finite = true;   // NaN/Inf in any grad skips the whole step
