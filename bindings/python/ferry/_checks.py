@@ -1,5 +1,6 @@
-"""The argument and param checks of ferry.torch.Optimizer's construction: each error names the
-argument, param group or param at fault, and is raised before anything was built."""
+"""The argument and param checks of ferry.torch.Optimizer's construction (each error names the
+argument, param group or param at fault, and is raised before anything was built), and at each step
+that its params and fixed settings did not change (unchanged), with the step's per-group options."""
 import math
 import numbers
 
@@ -145,3 +146,50 @@ def _check_disjoint(params, wheres):
                                 "it" if same else "the shared elements"))
         if reach is None or end > reach[0]:
             reach = (end, k)
+
+
+FIXED = ("eps",)  # lr, betas and weight_decay may change per step (schedulers)
+
+
+def unchanged(opt):
+    """At each step of `opt` (a ferry.torch.Optimizer): RuntimeError when its params changed since
+    construction; ValueError when a group's fixed
+    settings did, or its betas are not a pair in [0, 1), or its weight decay is not >= 0. Returns
+    this step's per-group options for the engine: {"group_lr": [(group name, lr)], "group_betas":
+    [(group name, (beta1, beta2))] and "group_weight_decay": [(group name, wd)] of the groups whose
+    values differ from construction (schedulers: OneCycleLR's momentum, DINO's weight decay)}."""
+    groups = opt.param_groups
+    if len(groups) != len(opt._group_sizes):
+        raise RuntimeError("ferry.torch.Optimizer: param_groups has %d groups, the optimizer was built with %d"
+                           % (len(groups), len(opt._group_sizes)))
+    lrs, betas, wds = [], [], []
+    k = 0
+    for gi, group in enumerate(groups):
+        ps = group["params"]
+        if len(ps) != opt._group_sizes[gi]:
+            raise RuntimeError("ferry.torch.Optimizer: param_groups[%d] has %d params, the optimizer was built "
+                               "with %d" % (gi, len(ps), opt._group_sizes[gi]))
+        for p in ps:
+            sig = opt._signature[k]
+            ptr = _zero.local(p).data_ptr()
+            if p is opt._params[k] and ptr != sig[0] and _zero.is_dtensor(p):
+                raise RuntimeError(_zero.moved_shard_message(opt._where[k]))
+            if p is not opt._params[k] or ptr != sig[0] or p.shape != sig[1] or p.dtype != sig[2]:
+                raise RuntimeError(
+                    "%s changed after the optimizer was constructed (now %s %s at 0x%x; registered %s %s at "
+                    "0x%x): Ferry registered its memory; build a new optimizer after replacing, moving or "
+                    "resizing params" % (opt._where[k], tuple(p.shape), p.dtype, ptr, sig[1], sig[2], sig[0]))
+            k += 1
+        for key in FIXED:
+            if group[key] != opt._fixed[gi][key]:
+                raise ValueError("param_groups[%d]['%s'] changed from %r to %r after construction: Ferry fixes "
+                                 "a group's eps when the optimizer is built (lr, betas and weight_decay may "
+                                 "change per step)" % (gi, key, opt._fixed[gi][key], group[key]))
+        lrs.append((opt._groups[gi], float(group["lr"])))
+        if group["betas"] != opt._betas[gi] or group["weight_decay"] != opt._wd[gi]:
+            b = check_group(gi, group, keys=("weight_decay",))  # set by a scheduler
+            if b != opt._betas[gi]:
+                betas.append((opt._groups[gi], b))
+            if float(group["weight_decay"]) != opt._wd[gi]:
+                wds.append((opt._groups[gi], float(group["weight_decay"])))
+    return {"group_lr": lrs, "group_betas": betas, "group_weight_decay": wds}

@@ -17,8 +17,8 @@ import weakref
 import torch
 
 from . import _zero
+from ._checks import FIXED
 
-FIXED = ("eps",)  # lr, betas and weight_decay may change per step (schedulers)
 
 
 class StateMixin:

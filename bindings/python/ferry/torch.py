@@ -59,7 +59,8 @@ import torch
 import ferry
 from . import _amp, _attach, _buckets, _checks, _clip, _ddp, _hooks
 from . import _state
-from ._state import FIXED, StateMixin
+from ._checks import FIXED
+from ._state import StateMixin
 from . import _zero
 
 
@@ -291,46 +292,9 @@ class Optimizer(StateMixin, _buckets.BucketMixin, _attach.AttachMixin, _zero.Sha
         self.__getstate__()
 
     def _check_unchanged(self):
-        """RuntimeError when the params changed since construction; ValueError when a group's fixed
-        settings did, or its betas are not a pair in [0, 1), or its weight decay is not >= 0. Returns
-        this step's per-group options for the engine: {"group_lr": [(group name, lr)], "group_betas":
-        [(group name, (beta1, beta2))] and "group_weight_decay": [(group name, wd)] of the groups whose
-        values differ from construction (schedulers: OneCycleLR's momentum, DINO's weight decay)}."""
-        groups = self.param_groups
-        if len(groups) != len(self._group_sizes):
-            raise RuntimeError("ferry.torch.Optimizer: param_groups has %d groups, the optimizer was built with %d"
-                               % (len(groups), len(self._group_sizes)))
-        lrs, betas, wds = [], [], []
-        k = 0
-        for gi, group in enumerate(groups):
-            ps = group["params"]
-            if len(ps) != self._group_sizes[gi]:
-                raise RuntimeError("ferry.torch.Optimizer: param_groups[%d] has %d params, the optimizer was built "
-                                   "with %d" % (gi, len(ps), self._group_sizes[gi]))
-            for p in ps:
-                sig = self._signature[k]
-                ptr = _zero.local(p).data_ptr()
-                if p is self._params[k] and ptr != sig[0] and _zero.is_dtensor(p):
-                    raise RuntimeError(_zero.moved_shard_message(self._where[k]))
-                if p is not self._params[k] or ptr != sig[0] or p.shape != sig[1] or p.dtype != sig[2]:
-                    raise RuntimeError(
-                        "%s changed after the optimizer was constructed (now %s %s at 0x%x; registered %s %s at "
-                        "0x%x): Ferry registered its memory; build a new optimizer after replacing, moving or "
-                        "resizing params" % (self._where[k], tuple(p.shape), p.dtype, ptr, sig[1], sig[2], sig[0]))
-                k += 1
-            for key in FIXED:
-                if group[key] != self._fixed[gi][key]:
-                    raise ValueError("param_groups[%d]['%s'] changed from %r to %r after construction: Ferry fixes "
-                                     "a group's eps when the optimizer is built (lr, betas and weight_decay may "
-                                     "change per step)" % (gi, key, self._fixed[gi][key], group[key]))
-            lrs.append((self._groups[gi], float(group["lr"])))
-            if group["betas"] != self._betas[gi] or group["weight_decay"] != self._wd[gi]:
-                b = _checks.check_group(gi, group, keys=("weight_decay",))  # set by a scheduler
-                if b != self._betas[gi]:
-                    betas.append((self._groups[gi], b))
-                if float(group["weight_decay"]) != self._wd[gi]:
-                    wds.append((self._groups[gi], float(group["weight_decay"])))
-        return {"group_lr": lrs, "group_betas": betas, "group_weight_decay": wds}
+        """This step's per-group options for the engine, once the params and fixed settings are checked
+        unchanged since construction (_checks.unchanged)."""
+        return _checks.unchanged(self)
 
     def _grad_range(self, k):
         """[begin, end) of param k's flattened elements that this rank's engine reads from its grad buffer."""

@@ -223,29 +223,6 @@ absl::Status HybridOptimizer::Init(std::vector<OptimParam> params, std::vector<O
   return SyncFromModel(all, /*reset_optimizer=*/true);
 }
 
-char* HybridOptimizer::StatePtr(size_t p, StateKind kind, size_t e) const {
-  const Group& g = groups_[params_[p].group];
-  const size_t es = DTypeSize(kind == StateKind::kMaster ? g.format.master : g.format.moments);
-  if (state_side_[p] != 0) return g.state(kind, /*spare=*/true) + (static_cast<size_t>(spare_slot_[p]) + e) * es;
-  return g.state(kind) + (static_cast<size_t>(param_slot_[p]) + e) * es;
-}
-
-bool HybridOptimizer::HasSpare(size_t p) const { return spare_slot_[p] >= 0; }
-
-bool HybridOptimizer::AllSpare(size_t g) const {
-  for (size_t p : groups_[g].params) {
-    if (!HasSpare(p)) return false;
-  }
-  return true;
-}
-
-void HybridOptimizer::CommitSpare(size_t g) {
-  for (size_t p : groups_[g].params) {
-    if (HasSpare(p) && (kept_in_place_.empty() || kept_in_place_[p] == 0)) state_side_[p] ^= 1;
-    if (!kept_in_place_.empty()) kept_in_place_[p] = 0;
-  }
-}
-
 StateRoundingKey HybridOptimizer::RoundingKey(size_t p, size_t e0, int64_t step) const {
   const Group& g = groups_[params_[p].group];
   StateRoundingKey key;
@@ -254,13 +231,6 @@ StateRoundingKey HybridOptimizer::RoundingKey(size_t p, size_t e0, int64_t step)
     key.tensor_key = RoundingTensorKey(options_.rounding_seed, param_ids_[p], step > 0 ? step : g.step + 1);
   }
   return key;
-}
-
-char* HybridOptimizer::SpareStatePtr(size_t p, StateKind kind, size_t e) const {
-  const Group& g = groups_[params_[p].group];
-  const size_t es = DTypeSize(kind == StateKind::kMaster ? g.format.master : g.format.moments);
-  if (state_side_[p] != 0) return g.state(kind) + (static_cast<size_t>(param_slot_[p]) + e) * es;
-  return g.state(kind, /*spare=*/true) + (static_cast<size_t>(spare_slot_[p]) + e) * es;
 }
 
 absl::Status HybridOptimizer::WaitPending() {

@@ -1,7 +1,9 @@
 // HybridOptimizer's spare state for early steps (see BeginGroups in hybrid_optimizer.h): the second
 // side of the state that a speculative update writes, allocated once, at the first announcement, and
 // under a budget (EngineOptions::spare_state_fraction, a policy's spare_state) given to params spread
-// over the model (SpareSpread); the others update once Step knows the step.
+// over the model (SpareSpread); the others update once Step knows the step. And each param's side:
+// where its state lives now (StatePtr), its other side (SpareStatePtr), the swap of a kept group's
+// (CommitSpare).
 #include <algorithm>
 #include <utility>
 
@@ -134,6 +136,38 @@ absl::Status HybridOptimizer::EnsureSpareState() {
   spare_slot_ = std::move(slot);
   spare_arena_ = std::move(arena);
   return absl::OkStatus();
+}
+
+// ---- each param's side of its state (state_side_) ----
+
+char* HybridOptimizer::StatePtr(size_t p, StateKind kind, size_t e) const {
+  const Group& g = groups_[params_[p].group];
+  const size_t es = DTypeSize(kind == StateKind::kMaster ? g.format.master : g.format.moments);
+  if (state_side_[p] != 0) return g.state(kind, /*spare=*/true) + (static_cast<size_t>(spare_slot_[p]) + e) * es;
+  return g.state(kind) + (static_cast<size_t>(param_slot_[p]) + e) * es;
+}
+
+bool HybridOptimizer::HasSpare(size_t p) const { return spare_slot_[p] >= 0; }
+
+bool HybridOptimizer::AllSpare(size_t g) const {
+  for (size_t p : groups_[g].params) {
+    if (!HasSpare(p)) return false;
+  }
+  return true;
+}
+
+void HybridOptimizer::CommitSpare(size_t g) {
+  for (size_t p : groups_[g].params) {
+    if (HasSpare(p) && (kept_in_place_.empty() || kept_in_place_[p] == 0)) state_side_[p] ^= 1;
+    if (!kept_in_place_.empty()) kept_in_place_[p] = 0;
+  }
+}
+
+char* HybridOptimizer::SpareStatePtr(size_t p, StateKind kind, size_t e) const {
+  const Group& g = groups_[params_[p].group];
+  const size_t es = DTypeSize(kind == StateKind::kMaster ? g.format.master : g.format.moments);
+  if (state_side_[p] != 0) return g.state(kind) + (static_cast<size_t>(param_slot_[p]) + e) * es;
+  return g.state(kind, /*spare=*/true) + (static_cast<size_t>(spare_slot_[p]) + e) * es;
 }
 
 }  // namespace ferry
