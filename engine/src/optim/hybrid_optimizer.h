@@ -81,12 +81,10 @@ struct HybridOptions {
 // The inputs of one step besides the grads.
 struct HybridStepParams {
   float lr = 1e-3f;
-  // Empty, or one entry per group: a set entry is that group's learning rate at this step, replacing
-  // GroupLr(lr, lr_scale) (torch-style absolute per-group rates, set by a scheduler each step).
+  // Each empty, or one entry per group: a set entry is that group's value at this step (a scheduler's),
+  // replacing GroupLr(lr, lr_scale) (group_lr: torch-style absolute rates) or the group's own setting.
   std::vector<std::optional<float>> group_lr;
-  // Empty, or one entry per group: a set entry is that group's (beta1, beta2) at this step.
-  std::vector<std::optional<std::pair<float, float>>> group_betas;
-  // Empty, or one entry per group: a set entry is that group's weight decay at this step.
+  std::vector<std::optional<std::pair<float, float>>> group_betas;  // (beta1, beta2)
   std::vector<std::optional<float>> group_weight_decay;
   float loss_scale = 1.0f;    // grads are divided by it
   float max_grad_norm = 0.0f; // > 0: global-norm clipping across every group
