@@ -175,6 +175,18 @@ typedef struct {
   int check_finite;    /* 1 (default): a NaN/Inf grad skips the whole step (see ferry_stats) */
   int wait_for_params; /* 1 (default): the stream waits in the step for every new param; 0: call
                           ferry_wait_params before each group's params are used */
+  /* This step's own values of some groups (ferry::StepOptions::group_lr, group_betas,
+   * group_weight_decay), for schedulers: the `num_groups` groups named in `group_names`, and for
+   * group_names[i] entry i of each array that is not NULL; a NaN entry (or a NULL array) keeps that
+   * value as configured. group_lr replaces the global lr times the group's lr_scale; a group given
+   * one beta keeps its other one. Errors (nothing stepped): an unknown or repeated group, a value
+   * out of its range (as ferry_add_group's). Default: none. */
+  const char* const* group_names;
+  size_t num_groups;
+  const float* group_lr;
+  const float* group_beta1;
+  const float* group_beta2;
+  const float* group_weight_decay;
 } ferry_step_options;
 
 /* Fills `options` with the defaults of ferry::StepOptions. */

@@ -14,6 +14,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "ferry/engine.h"
+#include "ferry/status.h"
 #include "ferry/version.h"
 
 struct ferry_engine {
@@ -338,7 +339,38 @@ void ferry_step_options_init(ferry_step_options* o) {
 
 namespace {
 
-ferry::StepOptions StepOptionsOf(const ferry_step_options* options) {
+// `options`' per-group values (NaN or a NULL array: none) as StepOptions' lists; a group given one beta
+// takes its other one from its settings (Placement).
+absl::Status GroupValuesOf(ferry::Engine& engine, const ferry_step_options& o, const char* fn,
+                           ferry::StepOptions& so) {
+  if (o.num_groups == 0) return absl::OkStatus();
+  if (o.group_names == nullptr) return absl::InvalidArgumentError(absl::StrCat(fn, ": group_names is NULL"));
+  std::vector<ferry::GroupPlacement> placement;
+  for (size_t i = 0; i < o.num_groups; ++i) {
+    if (o.group_names[i] == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat(fn, ": group_names[", i, "] is NULL"));
+    }
+    const std::string name = o.group_names[i];
+    auto given = [&](const float* values) { return values != nullptr && !std::isnan(values[i]); };
+    if (given(o.group_lr)) so.group_lr.emplace_back(name, o.group_lr[i]);
+    if (given(o.group_weight_decay)) so.group_weight_decay.emplace_back(name, o.group_weight_decay[i]);
+    if (!given(o.group_beta1) && !given(o.group_beta2)) continue;
+    if (placement.empty()) placement = engine.Placement();
+    auto it = std::find_if(placement.begin(), placement.end(),
+                           [&](const ferry::GroupPlacement& g) { return g.group == name; });
+    if (it == placement.end()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(fn, ": group_names[", i, "] names no parameter group '", name, "'"));
+    }
+    const float beta1 = given(o.group_beta1) ? o.group_beta1[i] : *it->options.beta1;
+    const float beta2 = given(o.group_beta2) ? o.group_beta2[i] : *it->options.beta2;
+    so.group_betas.emplace_back(name, std::pair<float, float>{beta1, beta2});
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<ferry::StepOptions> StepOptionsOf(ferry::Engine& engine, const ferry_step_options* options,
+                                                 const char* fn) {
   ferry::StepOptions so;
   if (options != nullptr) {
     if (options->has_lr != 0) so.lr = options->lr;
@@ -346,6 +378,7 @@ ferry::StepOptions StepOptionsOf(const ferry_step_options* options) {
     so.max_grad_norm = options->max_grad_norm;
     so.check_finite = options->check_finite != 0;
     so.wait_for_params = options->wait_for_params != 0;
+    FERRY_RETURN_IF_ERROR(GroupValuesOf(engine, *options, fn, so));
   }
   return so;
 }
@@ -366,7 +399,9 @@ absl::StatusOr<std::vector<std::string>> Names(const char* fn, const char* list,
 
 ferry_status ferry_step_with(ferry_engine* engine, const ferry_step_options* options, void* stream) {
   if (engine == nullptr) return NullHandle("ferry_step_with");
-  return Report(engine->engine->Step(StepOptionsOf(options), stream));
+  absl::StatusOr<ferry::StepOptions> so = StepOptionsOf(*engine->engine, options, "ferry_step_with");
+  if (!so.ok()) return Report(so.status());
+  return Report(engine->engine->Step(*so, stream));
 }
 
 ferry_status ferry_grads_ready(ferry_engine* engine, const char* const* groups, size_t num_groups,
@@ -374,7 +409,9 @@ ferry_status ferry_grads_ready(ferry_engine* engine, const char* const* groups, 
   if (engine == nullptr) return NullHandle("ferry_grads_ready");
   absl::StatusOr<std::vector<std::string>> names = Names("ferry_grads_ready", "groups", groups, num_groups);
   if (!names.ok()) return Report(names.status());
-  return Report(engine->engine->GradsReady(*names, StepOptionsOf(options), stream));
+  absl::StatusOr<ferry::StepOptions> so = StepOptionsOf(*engine->engine, options, "ferry_grads_ready");
+  if (!so.ok()) return Report(so.status());
+  return Report(engine->engine->GradsReady(*names, *so, stream));
 }
 
 ferry_status ferry_wait_params(ferry_engine* engine, const char* const* groups, size_t num_groups, void* stream) {
@@ -389,7 +426,9 @@ ferry_status ferry_grads_ready_params(ferry_engine* engine, const char* const* p
   if (engine == nullptr) return NullHandle("ferry_grads_ready_params");
   absl::StatusOr<std::vector<std::string>> names = Names("ferry_grads_ready_params", "params", params, num_params);
   if (!names.ok()) return Report(names.status());
-  return Report(engine->engine->GradsReadyParams(*names, StepOptionsOf(options), stream));
+  absl::StatusOr<ferry::StepOptions> so = StepOptionsOf(*engine->engine, options, "ferry_grads_ready_params");
+  if (!so.ok()) return Report(so.status());
+  return Report(engine->engine->GradsReadyParams(*names, *so, stream));
 }
 
 ferry_status ferry_wait_params_of(ferry_engine* engine, const char* const* params, size_t num_params, void* stream) {

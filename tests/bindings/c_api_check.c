@@ -154,6 +154,75 @@ static ferry_engine* make_engine(model* m, double bias_weight_decay) {
   return e;
 }
 
+/* ---- a step's own values of some groups (schedulers): group_lr, group_beta1/2, group_weight_decay */
+/* Six steps, with the groups "weights" given their own lr and beta1 and "bias" its own weight decay
+ * at every step (cycling, as schedulers do; NaN entries keep the rest), against the float64 reference
+ * of each group's settings with those values; bad values refused with nothing stepped. */
+static void check_group_values(void) {
+  model m;
+  new_model(&m);
+  ferry_engine* e = make_engine(&m, 0.0);
+  const char* named[] = {"weights", "bias"};
+  ferry_step_options so;
+  ferry_step_options_init(&so);
+  EXPECT(so.group_names == NULL && so.num_groups == 0 && so.group_lr == NULL && so.group_beta1 == NULL &&
+         so.group_beta2 == NULL && so.group_weight_decay == NULL);
+  so.group_names = named;
+  so.num_groups = 2;
+  float lr[2], beta1[2], decay[2];
+  so.group_lr = lr;
+  so.group_beta1 = beta1;
+  so.group_weight_decay = decay;
+  /* Refused, nothing stepped: a beta1 of 1, a negative decay, an unknown group, NULL names. */
+  set_grads(&m, 1.0f);
+  lr[0] = 0.02f; lr[1] = NAN;
+  beta1[0] = 1.0f; beta1[1] = NAN;
+  decay[0] = NAN; decay[1] = 0.1f;
+  EXPECT_ERROR(ferry_step_with(e, &so, NULL), FERRY_INVALID_ARGUMENT, "the betas of group 'weights'");
+  beta1[0] = 0.85f; decay[1] = -1.0f;
+  EXPECT_ERROR(ferry_step_with(e, &so, NULL), FERRY_INVALID_ARGUMENT, "the weight decay of group 'bias'");
+  const char* unknown[] = {"weights", "nope"};
+  so.group_names = unknown;
+  decay[1] = 0.1f;
+  EXPECT_ERROR(ferry_step_with(e, &so, NULL), FERRY_INVALID_ARGUMENT, "no parameter group 'nope'");
+  so.group_names = NULL;
+  EXPECT_ERROR(ferry_step_with(e, &so, NULL), FERRY_INVALID_ARGUMENT, "ferry_step_with: group_names is NULL");
+  so.group_names = named;
+  for (int i = 0; i < NPARAMS; ++i) {
+    for (int64_t k = 0; k < kNumel[i]; ++k) EXPECT(m.param[i][k] == (float)m.ref_p[i][k]);  /* not stepped */
+  }
+  for (int t = 1; t <= 6; ++t) {
+    set_grads(&m, 1.0f);
+    lr[0] = 0.02f / (float)t;
+    beta1[0] = 0.95f - 0.03f * (float)(t % 3);
+    decay[1] = 0.05f * (float)t;
+    so.has_lr = 1;
+    so.lr = 0.01f;
+    CHECK(ferry_step_with(e, &so, NULL));
+    CHECK(ferry_synchronize(e));
+    /* The reference: weights with lr[0] and beta1[0] (beta2 its own), bias with its lr_scale and decay[1]. */
+    for (int i = 0; i < NPARAMS; ++i) {
+      const settings* s = &kSettings[i];
+      const double b1 = i == 0 ? beta1[0] : s->beta1, b2 = s->beta2;
+      const double glr = i == 0 ? lr[0] : 0.01f * s->lr_scale, wd = i == 1 ? decay[1] : s->weight_decay;
+      const double bc1 = 1.0 - pow(b1, t), bc2 = 1.0 - pow(b2, t);
+      for (int64_t k = 0; k < kNumel[i]; ++k) {
+        double g = m.grad[i][k];
+        double* p = &m.ref_p[i][k];
+        if (!s->adamw) g += wd * *p;
+        m.ref_m[i][k] = b1 * m.ref_m[i][k] + (1.0 - b1) * g;
+        m.ref_v[i][k] = b2 * m.ref_v[i][k] + (1.0 - b2) * g * g;
+        double update = (m.ref_m[i][k] / bc1) / (sqrt(m.ref_v[i][k]) / sqrt(bc2) + s->eps);
+        if (s->adamw) update += wd * *p;
+        *p -= glr * update;
+      }
+    }
+    expect_reference(&m);
+  }
+  ferry_engine_destroy(e);
+  free_model(&m);
+}
+
 /* ---- one group announced in buckets (ferry_grads_ready_params, ferry_wait_params_of) ------------ */
 enum { NBUCKET = 6 };
 static const char* const kBucketNames[NBUCKET] = {"p0", "p1", "p2", "p3", "p4", "p5"};
@@ -517,6 +586,7 @@ int main(int argc, char** argv) {
   free_model(&m);
 
   check_buckets(policy);
+  check_group_values();
   printf("c_api_check: OK\n");
   return 0;
 }
