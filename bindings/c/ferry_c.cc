@@ -23,6 +23,9 @@ struct ferry_engine {
   int world_size = 1;
   // The group names handed out by ferry_group_info_at (a deque: appending never moves one).
   std::deque<std::string> group_names;
+  // Each group's own (beta1, beta2), read once from Placement() at the first step given one beta of a
+  // group (ferry_step_options): the other one comes from here.
+  std::map<std::string, std::pair<float, float>> betas;
 };
 
 namespace {
@@ -340,12 +343,11 @@ void ferry_step_options_init(ferry_step_options* o) {
 namespace {
 
 // `options`' per-group values (NaN or a NULL array: none) as StepOptions' lists; a group given one beta
-// takes its other one from its settings (Placement).
-absl::Status GroupValuesOf(ferry::Engine& engine, const ferry_step_options& o, const char* fn,
+// takes its other one from its settings (ferry_engine::betas).
+absl::Status GroupValuesOf(ferry_engine& handle, const ferry_step_options& o, const char* fn,
                            ferry::StepOptions& so) {
   if (o.num_groups == 0) return absl::OkStatus();
   if (o.group_names == nullptr) return absl::InvalidArgumentError(absl::StrCat(fn, ": group_names is NULL"));
-  std::vector<ferry::GroupPlacement> placement;
   for (size_t i = 0; i < o.num_groups; ++i) {
     if (o.group_names[i] == nullptr) {
       return absl::InvalidArgumentError(absl::StrCat(fn, ": group_names[", i, "] is NULL"));
@@ -355,21 +357,24 @@ absl::Status GroupValuesOf(ferry::Engine& engine, const ferry_step_options& o, c
     if (given(o.group_lr)) so.group_lr.emplace_back(name, o.group_lr[i]);
     if (given(o.group_weight_decay)) so.group_weight_decay.emplace_back(name, o.group_weight_decay[i]);
     if (!given(o.group_beta1) && !given(o.group_beta2)) continue;
-    if (placement.empty()) placement = engine.Placement();
-    auto it = std::find_if(placement.begin(), placement.end(),
-                           [&](const ferry::GroupPlacement& g) { return g.group == name; });
-    if (it == placement.end()) {
+    if (handle.betas.empty()) {
+      for (const ferry::GroupPlacement& g : handle.engine->Placement()) {
+        handle.betas[g.group] = {*g.options.beta1, *g.options.beta2};
+      }
+    }
+    auto it = handle.betas.find(name);
+    if (it == handle.betas.end()) {
       return absl::InvalidArgumentError(
           absl::StrCat(fn, ": group_names[", i, "] names no parameter group '", name, "'"));
     }
-    const float beta1 = given(o.group_beta1) ? o.group_beta1[i] : *it->options.beta1;
-    const float beta2 = given(o.group_beta2) ? o.group_beta2[i] : *it->options.beta2;
+    const float beta1 = given(o.group_beta1) ? o.group_beta1[i] : it->second.first;
+    const float beta2 = given(o.group_beta2) ? o.group_beta2[i] : it->second.second;
     so.group_betas.emplace_back(name, std::pair<float, float>{beta1, beta2});
   }
   return absl::OkStatus();
 }
 
-absl::StatusOr<ferry::StepOptions> StepOptionsOf(ferry::Engine& engine, const ferry_step_options* options,
+absl::StatusOr<ferry::StepOptions> StepOptionsOf(ferry_engine& handle, const ferry_step_options* options,
                                                  const char* fn) {
   ferry::StepOptions so;
   if (options != nullptr) {
@@ -378,7 +383,7 @@ absl::StatusOr<ferry::StepOptions> StepOptionsOf(ferry::Engine& engine, const fe
     so.max_grad_norm = options->max_grad_norm;
     so.check_finite = options->check_finite != 0;
     so.wait_for_params = options->wait_for_params != 0;
-    FERRY_RETURN_IF_ERROR(GroupValuesOf(engine, *options, fn, so));
+    FERRY_RETURN_IF_ERROR(GroupValuesOf(handle, *options, fn, so));
   }
   return so;
 }
@@ -399,7 +404,7 @@ absl::StatusOr<std::vector<std::string>> Names(const char* fn, const char* list,
 
 ferry_status ferry_step_with(ferry_engine* engine, const ferry_step_options* options, void* stream) {
   if (engine == nullptr) return NullHandle("ferry_step_with");
-  absl::StatusOr<ferry::StepOptions> so = StepOptionsOf(*engine->engine, options, "ferry_step_with");
+  absl::StatusOr<ferry::StepOptions> so = StepOptionsOf(*engine, options, "ferry_step_with");
   if (!so.ok()) return Report(so.status());
   return Report(engine->engine->Step(*so, stream));
 }
@@ -409,7 +414,7 @@ ferry_status ferry_grads_ready(ferry_engine* engine, const char* const* groups, 
   if (engine == nullptr) return NullHandle("ferry_grads_ready");
   absl::StatusOr<std::vector<std::string>> names = Names("ferry_grads_ready", "groups", groups, num_groups);
   if (!names.ok()) return Report(names.status());
-  absl::StatusOr<ferry::StepOptions> so = StepOptionsOf(*engine->engine, options, "ferry_grads_ready");
+  absl::StatusOr<ferry::StepOptions> so = StepOptionsOf(*engine, options, "ferry_grads_ready");
   if (!so.ok()) return Report(so.status());
   return Report(engine->engine->GradsReady(*names, *so, stream));
 }
@@ -426,7 +431,7 @@ ferry_status ferry_grads_ready_params(ferry_engine* engine, const char* const* p
   if (engine == nullptr) return NullHandle("ferry_grads_ready_params");
   absl::StatusOr<std::vector<std::string>> names = Names("ferry_grads_ready_params", "params", params, num_params);
   if (!names.ok()) return Report(names.status());
-  absl::StatusOr<ferry::StepOptions> so = StepOptionsOf(*engine->engine, options, "ferry_grads_ready_params");
+  absl::StatusOr<ferry::StepOptions> so = StepOptionsOf(*engine, options, "ferry_grads_ready_params");
   if (!so.ok()) return Report(so.status());
   return Report(engine->engine->GradsReadyParams(*names, *so, stream));
 }

@@ -188,7 +188,8 @@ def clipped(rank, world, grouping, shard):
         ref_opt.step()
         ref_opt.zero_grad()
         if not torch.equal(bits(loss), bits(ref_loss)):
-            raise AssertionError("rank %d step %d: loss %r, overlap=False %r" % (rank, step, loss.item(), ref_loss.item()))
+            raise AssertionError("rank %d step %d: loss %r, overlap=False %r"
+                                 % (rank, step, loss.item(), ref_loss.item()))
     opt.wait_params()
     for i, (a, b) in enumerate(zip(mine.parameters(), ref.parameters())):
         if not torch.equal(bits(a), bits(b)):

@@ -31,7 +31,8 @@ def make_model(device, seed=0, dtype=torch.float32):
 
 def batch(device, step, dtype=torch.float32):
     g = torch.Generator().manual_seed(50 + step)
-    return (torch.randn(16, DIMS[0], generator=g).to(device, dtype), torch.randn(16, DIMS[-1], generator=g).to(device, dtype))
+    return (torch.randn(16, DIMS[0], generator=g).to(device, dtype),
+            torch.randn(16, DIMS[-1], generator=g).to(device, dtype))
 
 
 def train(model, opt, step, device):

@@ -273,8 +273,10 @@ def _warn_if_root_unit_large(optimizer, model, index):
         % (name, 100 * share, listed, ", ..." if len(held) > 3 else ""))
 
 
-def _names_of(where, ks):
-    return ", ".join(where[k] for k in ks[:3]) + (", ..." if len(ks) > 3 else "")
+def _named(where, ks):
+    """(up to three params of `ks` named, and "was" / "were"; "it" / "them") for an error's sentence."""
+    names = ", ".join(where[k] for k in ks[:3]) + (", ..." if len(ks) > 3 else "")
+    return (names + (" were" if len(ks) > 1 else " was"), "them" if len(ks) > 1 else "it")
 
 
 def _fsdp_pre_hook(me, state, own, index):
@@ -436,7 +438,8 @@ class AttachMixin:
                 self._engine.wait_params_of(names, stream=also.cuda_stream)
         # A grad buffer changed in place since the step (not by Ferry: it changes none of them until
         # this wait) may have been read changed by the step's update, which runs beside the forward.
-        changed = sorted(k for u in need for k in self._units[u] if self._grads[k]._version != self._step_versions[k])
+        changed = sorted(k for u in need for k in self._units[u]
+                         if self._grads[k]._version != self._step_versions[k])
         # So would a param written in place since (a copy_ into it): the update's upload may land on it.
         written = sorted(k for u in need for k in self._units[u]
                          if self._watch_params and self._params[k]._version != self._param_versions[k])
@@ -461,11 +464,9 @@ class AttachMixin:
                 "ferry.torch.Optimizer: %s changed in place after step() while that step's update, left to the "
                 "next forward by attach(), was still writing %s: the update's upload may land on it. Call "
                 "opt.wait_params() before writing params after step() (model.load_state_dict() waits itself); "
-                "Ferry then refreshes the masters from them (engine/TROUBLESHOOTING.md#a-grad-or-param-changed-after-step)"
-                % (_names_of(self._where, written) + (" were" if len(written) > 1 else " was"),
-                   "them" if len(written) > 1 else "it"))
+                "Ferry then refreshes the masters from them "
+                "(engine/TROUBLESHOOTING.md#a-grad-or-param-changed-after-step)" % _named(self._where, written))
         if changed:
-            names = _names_of(self._where, changed)
             raise RuntimeError(
                 "ferry.torch.Optimizer: the %s of %s changed in place after step() while that step's update, "
                 "left to the next forward by attach(), could still read %s: the step may have used the changed "
@@ -473,5 +474,4 @@ class AttachMixin:
                 "default) does this. Zero the grads with opt.zero_grad() (each bucket is zeroed once its update "
                 "has read it) or model.zero_grad(set_to_none=True), or call opt.wait_params() before changing a "
                 "grad after step() (engine/TROUBLESHOOTING.md#a-grad-or-param-changed-after-step)"
-                % ("grads" if len(changed) > 1 else "grad", names + (" were" if len(changed) > 1 else " was"),
-                   "them" if len(changed) > 1 else "it"))
+                % (("grads" if len(changed) > 1 else "grad",) + _named(self._where, changed)))

@@ -153,9 +153,8 @@ FIXED = ("eps",)  # lr, betas and weight_decay may change per step (schedulers)
 
 def unchanged(opt):
     """At each step of `opt` (a ferry.torch.Optimizer): RuntimeError when its params changed since
-    construction; ValueError when a group's fixed
-    settings did, or its betas are not a pair in [0, 1), or its weight decay is not >= 0. Returns
-    this step's per-group options for the engine: {"group_lr": [(group name, lr)], "group_betas":
+    construction; ValueError when a group's fixed settings did, or its betas are not a pair in
+    [0, 1), or its weight decay is not >= 0. Returns this step's per-group options for the engine: {"group_lr": [(group name, lr)], "group_betas":
     [(group name, (beta1, beta2))] and "group_weight_decay": [(group name, wd)] of the groups whose
     values differ from construction (schedulers: OneCycleLR's momentum, DINO's weight decay)}."""
     groups = opt.param_groups

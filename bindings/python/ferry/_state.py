@@ -20,7 +20,6 @@ from . import _zero
 from ._checks import FIXED
 
 
-
 class StateMixin:
     # ---- params the trainer changed in place (model.load_state_dict, a copy_ into a param) ----
 

@@ -253,8 +253,8 @@ class EngineImpl final : public Engine {
   absl::StatusOr<std::pair<int64_t, StateKind>> StateOf(const std::string& param, std::string_view kind) const;
   // Each group's learning rate override of a step (HybridStepParams::group_lr) from StepOptions::group_lr.
   absl::StatusOr<std::vector<std::optional<float>>> GroupLrs(const StepOptions& options) const;
-  // StepOptions' per-group list `named` (group_betas, group_weight_decay) as one entry per group; InvalidArgument naming
-  // `field` for an unknown group or one named twice.
+  // StepOptions' per-group list `named` (group_betas, group_weight_decay) as one entry per group;
+  // InvalidArgument naming `field` for an unknown group or one named twice.
   template <typename T>
   absl::StatusOr<std::vector<std::optional<T>>> ByGroup(const std::vector<std::pair<std::string, T>>& named,
                                                         const char* field) const;
